@@ -1,0 +1,75 @@
+"""tb5sync: move files between machines at link speed.
+
+FastCDC chunking, BLAKE3-verified chunks, rsync-like sync over parallel TCP
+streams. Public API::
+
+    stats = tb5sync.sync(src, dst, delete=False, exclude=(), checksum=False,
+                         dry_run=False, streams=None, compress="auto",
+                         progress=None, token=None)
+
+Importing the package has no side effects; the server is loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    AuthError,
+    ConnectError,
+    DestinationError,
+    IntegrityError,
+    PathError,
+    ProtocolError,
+    ReadOnlyError,
+    RemoteError,
+    RemoteNotFoundError,
+    RemoteProtocolError,
+    SourceChangedError,
+    Tb5syncError,
+    UsageError,
+    VersionMismatchError,
+)
+
+from .options import SyncOptions, SyncStats
+from .sync import sync  # binds the function over the submodule of the same name
+
+if TYPE_CHECKING:
+    from .server import Server
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sync",
+    "SyncStats",
+    "SyncOptions",
+    "Server",
+    "Tb5syncError",
+    "UsageError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "VersionMismatchError",
+    "AuthError",
+    "ConnectError",
+    "PathError",
+    "RemoteNotFoundError",
+    "ReadOnlyError",
+    "IntegrityError",
+    "SourceChangedError",
+    "DestinationError",
+    "RemoteError",
+    "__version__",
+]
+
+_LAZY = {"Server": "server"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'tb5sync' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

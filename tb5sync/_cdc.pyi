@@ -1,0 +1,25 @@
+"""Type stub of the Cython FastCDC core built from ``ext/_cdc.pyx``.
+
+Same names, signatures and results as the pure-Python reference in :mod:`tb5sync.chunking`
+(``py_cut_points`` and ``PyChunker``), whose docstrings document both twins.
+"""
+
+from typing_extensions import Buffer
+
+from tb5sync.chunking import ChunkParams
+
+__all__ = ["cut_points", "Chunker"]
+
+def cut_points(buf: Buffer, params: ChunkParams = ..., final: bool = True) -> list[int]:
+    """Chunk end offsets (bytes, exclusive) of ``buf``; see ``tb5sync.chunking.py_cut_points``."""
+
+class Chunker:
+    """Streaming chunker; see ``tb5sync.chunking.PyChunker``."""
+
+    def __init__(self, params: ChunkParams = ...) -> None: ...
+    @property
+    def params(self) -> ChunkParams: ...
+    @property
+    def offset(self) -> int: ...
+    def feed(self, data: Buffer) -> list[int]: ...
+    def finish(self) -> list[int]: ...

@@ -1,0 +1,169 @@
+"""Path jail: map request paths into a root and open files without following symlinks.
+
+Request paths are relative POSIX paths. A path that is absolute or contains
+``..`` is refused outright. A path whose parent directories pass through a
+symlink is resolved, and refused if the result leaves the root. Files are then
+opened component by component relative to directory descriptors with
+``O_NOFOLLOW``, so a symlink swapped in during a request cannot redirect it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .errors import PathError
+
+__all__ = ["split_request_path", "resolve_in_root", "DirFds"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def split_request_path(path: str) -> list[str]:
+    """Split a request path into components, refusing unsafe ones.
+
+    ``""``, ``"."`` and ``"/"``-free relative paths are accepted; empty and ``.``
+    components are dropped (``"a//b/./c"`` is ``["a", "b", "c"]``).
+
+    Raises
+    ------
+    PathError
+        The path is absolute, contains a ``..`` component, or a NUL byte.
+    """
+    if not isinstance(path, str):
+        raise PathError(repr(path), "not a string")
+    if "\0" in path:
+        raise PathError(path, "contains a NUL byte")
+    if path.startswith("/"):
+        raise PathError(path, "absolute paths are not allowed")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise PathError(path, "'..' is not allowed")
+    return parts
+
+
+def resolve_in_root(root: str, path: str) -> str:
+    """Absolute local path of request ``path`` under ``root``; the final component is not resolved.
+
+    Parent directories are resolved with ``realpath``; if they lead outside
+    ``root`` (through a symlink), the request is refused.
+
+    Parameters
+    ----------
+    root : str
+        Absolute, already-resolved root directory.
+    path : str
+        Request path relative to ``root``.
+
+    Raises
+    ------
+    PathError
+        Unsafe path, or it resolves outside ``root``.
+    """
+    parts = split_request_path(path)
+    if not parts:
+        return root
+    parent = os.path.realpath(os.path.join(root, *parts[:-1]))
+    if parent != root and not parent.startswith(root.rstrip("/") + "/"):
+        raise PathError(path, "resolves outside the served root")
+    return os.path.join(parent, parts[-1])
+
+
+class DirFds:
+    """Open files under a base directory without following symlinks in any component.
+
+    Directory descriptors are cached per relative directory. Close with :meth:`close`.
+
+    Parameters
+    ----------
+    base : str
+        Absolute path of an existing directory.
+
+    Raises
+    ------
+    OSError
+        ``base`` cannot be opened as a directory.
+    """
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self._base_fd = os.open(base, _DIR_FLAGS)
+        self._local = threading.local()
+        self._all: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _cache(self) -> dict[str, int]:
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = {}
+        return cache
+
+    def dir_fd(self, reldir: str) -> int:
+        """Descriptor of directory ``reldir`` (relative POSIX path, ``""`` for the base).
+
+        Each thread keeps its own small cache of descriptors, so one thread never
+        closes a descriptor another is using.
+
+        Raises
+        ------
+        PathError
+            A component is a symlink (``ELOOP``) or not a directory.
+        OSError
+            Other failures (e.g. ``FileNotFoundError``).
+        """
+        if not reldir:
+            return self._base_fd
+        cache = self._cache()
+        fd = cache.get(reldir)
+        if fd is not None:
+            return fd
+        parent, _, name = reldir.rpartition("/")
+        pfd = self.dir_fd(parent)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        except OSError as exc:
+            if exc.errno in (40, 20):  # ELOOP, ENOTDIR
+                raise PathError(reldir, "a path component is a symlink or not a directory") from exc
+            raise
+        if len(cache) >= 64:
+            for key in list(cache)[:32]:
+                old = cache.pop(key)
+                with self._lock:
+                    self._all.discard(old)
+                os.close(old)
+        cache[reldir] = fd
+        with self._lock:
+            self._all.add(fd)
+        return fd
+
+    def open(self, relpath: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+        """Open ``relpath`` (relative to the base) with ``O_NOFOLLOW``; returns a new descriptor.
+
+        Raises
+        ------
+        PathError
+            The file or a parent component is a symlink.
+        OSError
+            Other failures.
+        """
+        parent, _, name = relpath.rpartition("/")
+        dfd = self.dir_fd(parent)
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno == 40:
+                raise PathError(relpath, "is a symlink; not followed") from exc
+            raise
+
+    def close(self) -> None:
+        """Close every cached descriptor. Safe to call twice."""
+        with self._lock:
+            fds, self._all = list(self._all), set()
+            if self._base_fd >= 0:
+                fds.append(self._base_fd)
+                self._base_fd = -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,274 @@
+"""Client side of a session with one server: push, pull and ls over N parallel streams.
+
+Blocking calls (threads do the parallel work); an async caller wraps them with
+``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError, error_from_remote
+from .manifest import DIR, FILE, LINK, Entry
+from .options import SyncOptions, SyncStats
+from .receiver import ProgressFn, Receiver, RemoteLink, dest_base
+from .sender import Sender
+from .store import TreeState
+from .transport import Channel, Requester, connect, open_session, serve
+
+__all__ = ["Remote", "parse_url", "push", "pull", "ls", "DEFAULT_PORT", "local_state"]
+
+DEFAULT_PORT = 8873
+_PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "finish"})
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A parsed ``tb5://HOST[:PORT]/PATH`` URL. ``path`` is relative to the server's root."""
+
+    host: str
+    port: int
+    path: str
+
+    @property
+    def slash(self) -> bool:
+        """True when the path ends with ``/`` (rsync's "contents of")."""
+        return self.path.endswith("/") or self.path == ""
+
+
+def parse_url(url: str) -> Remote | None:
+    """Parse ``tb5://HOST[:PORT]/PATH``; None for a local path.
+
+    ``[v6addr]:port`` is accepted. The port defaults to 8873.
+
+    Raises
+    ------
+    UsageError
+        A ``tb5://`` URL without a host, with a bad port, or another scheme.
+    """
+    if "://" not in url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme != "tb5":
+        raise UsageError(f"unsupported URL scheme {parts.scheme!r} in {url!r} (expected tb5://)")
+    if not parts.hostname:
+        raise UsageError(f"no host in {url!r}")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError as exc:
+        raise UsageError(f"bad port in {url!r}: {exc}") from exc
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    return Remote(parts.hostname, port, path)
+
+
+def _token(token: bytes | str | None) -> bytes | None:
+    if token is None:
+        token = os.environ.get("TB5SYNC_TOKEN") or None
+    if isinstance(token, str):
+        token = token.encode()
+    return token
+
+
+def _open_streams(r: Remote, token: bytes | None, msg: dict[str, Any], streams: int) -> tuple[list[Channel], dict[str, Any]]:
+    ch0 = connect(r.host, r.port, token)
+    chans = [ch0]
+    try:
+        resp = open_session(ch0, {**msg, "streams": streams})
+        sid = resp.get("session")
+        for i in range(1, streams):
+            c = connect(r.host, r.port, token)
+            chans.append(c)
+            open_session(c, {"op": "join", "session": sid, "index": i})
+    except BaseException:
+        for c in chans:
+            c.close()
+        raise
+    return chans, resp
+
+
+def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tuple[TreeState, str]:
+    """The destination's state root for a sync into ``dst`` landing at ``dest``; returns ``(state, prefix)``.
+
+    The state root is the destination directory the user named (or its parent
+    when a single file lands on a file path).
+    """
+    root = dst if (dest != dst or src_kind == DIR) else os.path.dirname(dst) or "."
+    if writable:
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError:
+            writable = False
+    state = TreeState(root, writable=writable and os.access(root, os.W_OK))
+    rel = os.path.relpath(dest, root)
+    return state, "" if rel == "." else rel
+
+
+def _name_of(path: str) -> str | None:
+    if path.endswith("/") or path == "":
+        return None
+    name = os.path.basename(path.rstrip("/"))
+    return None if name in ("", ".", "..") else name
+
+
+def pull(
+    src: Remote,
+    dst: str,
+    options: SyncOptions,
+    *,
+    token: bytes | str | None = None,
+    progress: ProgressFn | None = None,
+) -> SyncStats:
+    """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
+
+    Raises
+    ------
+    ConnectError, AuthError, VersionMismatchError
+        Reaching or authenticating with the server failed.
+    RemoteNotFoundError, PathError
+        The source does not exist or is outside the server's root.
+    DestinationError, IntegrityError, SourceChangedError
+        See :meth:`Receiver.run`.
+    """
+    chans, resp = _open_streams(src, _token(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
+    requester = Requester(chans)
+    state = None
+    try:
+        kind = resp.get("kind")
+        if kind not in (DIR, FILE, LINK):
+            raise UsageError("server did not say what the source is")
+        dst_abs = os.path.abspath(dst)
+        dest = dest_base(dst_abs, dst.endswith("/"), _name_of(src.path), str(kind))
+        state, prefix = local_state(dest, dst_abs, str(kind), writable=not options.dry_run)
+        return Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+    finally:
+        requester.close(bye=True)
+        if state is not None:
+            state.close()
+
+
+class _PushHandler:
+    """Serves the server-side receiver's requests from our sender, and takes its final report."""
+
+    def __init__(self, sender: Sender, progress: ProgressFn | None, total: int) -> None:
+        self.sender = sender
+        self.result: dict[str, Any] | None = None
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self._lock = threading.Lock()
+        for name in ("manifest", "chunk_list", "file_digests"):
+            setattr(self, name, getattr(sender, name))
+
+    def _tick(self, meta: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        raw = sum(p[0] for p in meta.get("parts", [])) + sum(f[0] for f in meta.get("files", []) if f)
+        with self._lock:
+            self.done += raw
+            self.progress(self.done, self.total)
+
+    def read_ranges(self, **kw: Any) -> tuple[dict[str, Any], list[Any]]:
+        meta, parts = self.sender.read_ranges(**kw)
+        self._tick(meta)
+        return meta, parts
+
+    def read_files(self, **kw: Any) -> tuple[dict[str, Any], list[Any]]:
+        meta, parts = self.sender.read_files(**kw)
+        self._tick(meta)
+        return meta, parts
+
+    def finish(self, **result: Any) -> dict[str, Any]:
+        self.result = result
+        return {}
+
+
+def push(
+    src: str,
+    dst: Remote,
+    options: SyncOptions,
+    *,
+    token: bytes | str | None = None,
+    progress: ProgressFn | None = None,
+) -> SyncStats:
+    """Copy the local path ``src`` to ``dst`` on a server; the server's receiver drives.
+
+    Raises
+    ------
+    RemoteNotFoundError
+        ``src`` does not exist.
+    ConnectError, AuthError, ReadOnlyError, PathError, DestinationError, ...
+        As reported by the connection or the server.
+    """
+    src_abs = os.path.abspath(src)
+    if not os.path.lexists(src_abs):
+        raise RemoteNotFoundError(f"source does not exist: {src}")
+    kind = LINK if os.path.islink(src_abs) else (DIR if os.path.isdir(src_abs) else FILE)
+    sender = Sender(src_abs, options)
+    total = 0
+    handler = _PushHandler(sender, progress, 0)
+    if progress is not None:
+        page = sender.manifest(0, 0)
+        del page
+        total = sum(e.size for e in (sender._entries or []) if e.kind == FILE)
+        handler.total = total
+    msg = {
+        "op": "push",
+        "path": dst.path,
+        "name": _name_of(src),
+        "src_kind": kind,
+        "dst_slash": dst.slash,
+        "options": options.to_wire(),
+    }
+    try:
+        chans, _ = _open_streams(dst, _token(token), msg, options.streams)
+    except BaseException:
+        sender.close()
+        raise
+    errors: list[BaseException] = []
+
+    def run(ch: Channel) -> None:
+        try:
+            serve(ch, handler, _PUSH_METHODS)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            ch.close()
+
+    threads = [threading.Thread(target=run, args=(c,), name="tb5-push", daemon=True) for c in chans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sender.close()
+    res = handler.result
+    if res is None:
+        if errors and isinstance(errors[0], Tb5syncError):
+            raise errors[0]
+        raise ConnectError(f"server closed the session without a result{': ' + str(errors[0]) if errors else ''}")
+    if "error" in res:
+        err = res["error"]
+        raise error_from_remote(str(err.get("kind")), str(err.get("message")))
+    stats = res.get("stats")
+    if not isinstance(stats, dict):
+        raise ConnectError("server sent no statistics")
+    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k != "extra"}
+    return SyncStats(**fields)
+
+
+def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:
+    """One directory level (or the single entry) at ``url``; the first entry (path ``""``) is the path itself.
+
+    Raises
+    ------
+    ConnectError, AuthError, PathError, RemoteNotFoundError
+    """
+    ch = connect(url.host, url.port, _token(token))
+    try:
+        resp = open_session(ch, {"op": "ls", "path": url.path})
+    finally:
+        ch.close()
+    return [Entry.from_wire(e) for e in resp.get("entries", [])]

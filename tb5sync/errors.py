@@ -1,0 +1,194 @@
+"""The tb5sync error hierarchy.
+
+Every error tb5sync raises derives from :class:`Tb5syncError`. Branches also
+subclass the builtin they mean (``ValueError``, ``PermissionError``,
+``ConnectionError``, ...) so that callers who catch builtins keep working, and
+carry their data as attributes. Foreign errors are translated at the boundary
+with ``raise ... from exc``.
+
+Each class has a stable ``exit_code`` that the CLI returns (rsync's errcode.h
+was the model: distinct codes for usage, protocol, file I/O and timeouts).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Tb5syncError",
+    "UsageError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "VersionMismatchError",
+    "AuthError",
+    "ConnectError",
+    "PathError",
+    "RemoteNotFoundError",
+    "ReadOnlyError",
+    "IntegrityError",
+    "SourceChangedError",
+    "DestinationError",
+    "RemoteError",
+]
+
+
+class Tb5syncError(Exception):
+    """Base class of every tb5sync error. ``exit_code`` is the CLI's exit status."""
+
+    exit_code = 1
+
+
+class UsageError(Tb5syncError, ValueError):
+    """Bad argument from the caller: a malformed URL, an unknown option value, a bad path."""
+
+    exit_code = 2
+
+
+class ProtocolError(Tb5syncError):
+    """The byte stream does not follow the tb5sync wire protocol."""
+
+    exit_code = 12
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol does not allow (a bug on our side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that violate the protocol (bad magic, absurd length, bad message)."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The peer speaks a protocol version we do not.
+
+    Attributes
+    ----------
+    ours, theirs : int
+        The two protocol versions.
+    """
+
+    def __init__(self, ours: int, theirs: int) -> None:
+        super().__init__(f"protocol version mismatch: we speak {ours}, peer speaks {theirs}")
+        self.ours = ours
+        self.theirs = theirs
+
+
+class AuthError(Tb5syncError, PermissionError):
+    """The HMAC challenge-response on the shared token failed, or the client is not allowed."""
+
+    exit_code = 5
+
+
+class ConnectError(Tb5syncError, ConnectionError):
+    """The server could not be reached, or the connection dropped mid-session."""
+
+    exit_code = 10
+
+
+class PathError(Tb5syncError, PermissionError):
+    """A request path is absolute, contains ``..``, or resolves outside the served ROOT.
+
+    Attributes
+    ----------
+    path : str
+        The offending path as given.
+    """
+
+    exit_code = 3
+
+    def __init__(self, path: str, reason: str = "outside the served root") -> None:
+        super().__init__(f"refused path {path!r}: {reason}")
+        self.path = path
+
+
+class RemoteNotFoundError(Tb5syncError, FileNotFoundError):
+    """A source path does not exist (locally or on the server)."""
+
+    exit_code = 23
+
+
+class ReadOnlyError(Tb5syncError, PermissionError):
+    """A write was attempted on a server started with ``--read-only``."""
+
+    exit_code = 3
+
+
+class IntegrityError(Tb5syncError):
+    """A chunk's bytes do not match its BLAKE3 digest. Nothing was committed."""
+
+    exit_code = 13
+
+
+class SourceChangedError(Tb5syncError):
+    """A source file changed while it was being read, and retries did not help.
+
+    Attributes
+    ----------
+    path : str
+        The file, relative to the source root.
+    """
+
+    exit_code = 24
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"source file changed during transfer: {path}")
+        self.path = path
+
+
+class DestinationError(Tb5syncError, OSError):
+    """The destination could not be written (permissions, disk full, not a directory)."""
+
+    exit_code = 11
+
+
+class RemoteError(Tb5syncError):
+    """The peer reported an error; ``kind`` names the peer's error class.
+
+    Attributes
+    ----------
+    kind : str
+        Class name of the error on the peer (e.g. ``"PathError"``).
+    """
+
+    exit_code = 14
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# Error classes the peer may name in an ERROR message and that we re-raise as the same class.
+_BY_NAME: dict[str, type[Tb5syncError]] = {
+    cls.__name__: cls
+    for cls in (
+        UsageError,
+        AuthError,
+        ReadOnlyError,
+        RemoteNotFoundError,
+        IntegrityError,
+        DestinationError,
+        RemoteProtocolError,
+    )
+}
+
+
+def error_from_remote(kind: str, message: str) -> Tb5syncError:
+    """Rebuild an error the peer reported as ``(kind, message)``.
+
+    Known kinds come back as their own class (a ``PathError`` as ``PathError``); any
+    other kind becomes :class:`RemoteError`. The message is prefixed with ``remote:``.
+    """
+    text = f"remote: {message}"
+    if kind == "PathError":
+        err: Tb5syncError = PathError.__new__(PathError)
+        Tb5syncError.__init__(err, text)
+        err.path = ""  # type: ignore[attr-defined]
+        return err
+    if kind == "SourceChangedError":
+        sc = SourceChangedError.__new__(SourceChangedError)
+        Tb5syncError.__init__(sc, text)
+        sc.path = ""
+        return sc
+    cls = _BY_NAME.get(kind)
+    if cls is None:
+        return RemoteError(kind, text)
+    return cls(text)

@@ -1,0 +1,152 @@
+"""Digests: BLAKE3-256 content addresses and xxh3 quick checks.
+
+* A chunk's content address is BLAKE3-256 of its bytes (the BLAKE3 spec,
+  O'Connor, Aumasson, Neves, Wilcox-O'Hearn, 2020), 32 bytes.
+* A file's digest is BLAKE3-256 over the concatenation of its chunk digests,
+  in order (an empty file's digest is BLAKE3 of the empty string).
+* xxh3-128 (Collet, xxHash spec) is used where only a cheap change check is
+  needed, never as an address.
+
+The ``blake3`` package releases the GIL while hashing, so chunks are hashed in
+a thread pool in parallel with I/O.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import blake3 as _blake3
+import xxhash
+
+from . import chunking
+
+__all__ = [
+    "DIGEST_SIZE",
+    "ChunkRef",
+    "chunk_digest",
+    "file_digest",
+    "quick_digest",
+    "chunk_buffer",
+    "chunk_fd",
+    "hash_pool",
+]
+
+#: Size of every content address, bytes.
+DIGEST_SIZE = 32
+
+#: A chunk as (BLAKE3-256 digest, length in bytes).
+ChunkRef = tuple[bytes, int]
+
+# Chunks smaller than this are hashed inline; larger ones go to the pool.
+_POOL_MIN = 256 * 1024
+_pool: ThreadPoolExecutor | None = None
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The process-wide thread pool used for hashing (``os.cpu_count()`` threads, at least 2)."""
+    global _pool
+    if _pool is None:
+        threads = int(os.environ.get("TB5SYNC_HASH_THREADS", "0")) or max(2, os.cpu_count() or 2)
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-hash")
+    return _pool
+
+
+def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """BLAKE3-256 of ``data``: the chunk's content address, 32 bytes."""
+    return _blake3.blake3(data).digest()
+
+
+def file_digest(chunk_digests: Iterable[bytes]) -> bytes:
+    """BLAKE3-256 over the concatenation of ``chunk_digests`` (each 32 bytes), 32 bytes."""
+    h = _blake3.blake3()
+    for d in chunk_digests:
+        h.update(d)
+    return h.digest()
+
+
+def quick_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """xxh3-128 of ``data`` (16 bytes): a cheap change check, not a content address."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def chunk_buffer(
+    view: bytes | bytearray | memoryview | mmap.mmap,
+    params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+) -> list[ChunkRef]:
+    """Cut ``view`` into FastCDC chunks and hash each one.
+
+    Parameters
+    ----------
+    view : buffer
+        The whole content of a file (any object with the buffer protocol).
+    params : ChunkParams
+        Chunker parameter set.
+
+    Returns
+    -------
+    list of (digest, length)
+        One entry per chunk, in order; lengths sum to ``len(view)``. Empty input gives ``[]``.
+    """
+    mv = memoryview(view)
+    cuts = chunking.cut_points(mv, params)
+    spans = []
+    start = 0
+    for end in cuts:
+        spans.append((start, end))
+        start = end
+    if len(spans) > 1 or (spans and spans[0][1] >= _POOL_MIN):
+        digests = list(hash_pool().map(lambda se: chunk_digest(mv[se[0] : se[1]]), spans))
+    else:
+        digests = [chunk_digest(mv[s:e]) for s, e in spans]
+    return [(d, e - s) for d, (s, e) in zip(digests, spans)]
+
+
+def chunk_fd(fd: int, size: int, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS) -> list[ChunkRef]:
+    """Chunk and hash the first ``size`` bytes of the open file ``fd``.
+
+    Small files are read with one ``pread``; larger ones are memory-mapped.
+
+    Raises
+    ------
+    OSError
+        The file cannot be read or mapped (e.g. it shrank below ``size``).
+    """
+    if size == 0:
+        return []
+    if size <= 4 * 1024 * 1024:
+        data = os.pread(fd, size, 0)
+        if len(data) != size:
+            raise OSError(f"short read: expected {size} bytes, got {len(data)}")
+        return chunk_buffer(data, params)
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+        try:
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        refs = chunk_buffer(mm, params)
+        return refs
+
+
+def refs_to_blob(refs: Sequence[ChunkRef]) -> bytes:
+    """Pack a chunk list as bytes: per chunk 32 digest bytes then a 4-byte little-endian length."""
+    out = bytearray()
+    for d, n in refs:
+        out += d
+        out += n.to_bytes(4, "little")
+    return bytes(out)
+
+
+def blob_to_refs(blob: bytes) -> list[ChunkRef]:
+    """Inverse of :func:`refs_to_blob`.
+
+    Raises
+    ------
+    ValueError
+        ``blob``'s length is not a multiple of 36.
+    """
+    if len(blob) % 36:
+        raise ValueError(f"chunk list blob of {len(blob)} bytes is not a multiple of 36")
+    return [(blob[i : i + 32], int.from_bytes(blob[i + 32 : i + 36], "little")) for i in range(0, len(blob), 36)]

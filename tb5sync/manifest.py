@@ -1,0 +1,399 @@
+"""Scan a tree into manifest entries, match exclude patterns, and plan a sync.
+
+No networking here. A manifest is a list of :class:`Entry`, one per regular
+file, directory or symlink under a base path, with paths relative to the base
+(``""`` is the base itself) in POSIX form, parents before children.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .errors import RemoteNotFoundError, UsageError
+
+__all__ = ["Entry", "FILE", "DIR", "LINK", "STATE_DIR", "ExcludeRules", "scan", "Plan", "plan_sync"]
+
+log = logging.getLogger(__name__)
+
+FILE = "f"
+DIR = "d"
+LINK = "l"
+#: Name of the per-root state directory; never listed, never transferred.
+STATE_DIR = ".tb5sync"
+
+
+class Entry(NamedTuple):
+    """One manifest entry.
+
+    Attributes
+    ----------
+    path : str
+        POSIX path relative to the scan base; ``""`` is the base itself.
+    kind : str
+        ``"f"`` regular file, ``"d"`` directory, ``"l"`` symlink.
+    mode : int
+        Permission bits (``stat.S_IMODE``).
+    size : int
+        Bytes (0 for directories; the target's length for symlinks).
+    mtime_ns : int
+        Modification time, nanoseconds since the epoch.
+    target : str
+        Symlink target as stored (not resolved); ``""`` otherwise.
+    """
+
+    path: str
+    kind: str
+    mode: int
+    size: int
+    mtime_ns: int
+    target: str = ""
+
+    @classmethod
+    def from_wire(cls, item: Sequence[object]) -> Entry:
+        """Validate and build an entry from its msgpack array form.
+
+        Raises
+        ------
+        UsageError
+            Wrong arity or field types, or an unsafe path (absolute or with ``..``).
+        """
+        if not isinstance(item, (list, tuple)) or len(item) != 6:
+            raise UsageError("manifest entry must be an array of 6 fields")
+        path, kind, mode, size, mtime_ns, target = item
+        if not (
+            isinstance(path, str)
+            and kind in (FILE, DIR, LINK)
+            and isinstance(mode, int)
+            and isinstance(size, int)
+            and size >= 0
+            and isinstance(mtime_ns, int)
+            and isinstance(target, str)
+        ):
+            raise UsageError(f"malformed manifest entry {item!r:.200}")
+        check_relpath(path)
+        return cls(path, str(kind), mode & 0o7777, size, mtime_ns, target)
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` if it is a safe relative POSIX path, else raise.
+
+    Safe means: not absolute, no ``..`` or ``.`` component, no empty component, no NUL.
+    ``""`` (the base itself) is safe.
+
+    Raises
+    ------
+    UsageError
+        Naming the path and what is wrong with it.
+    """
+    if path == "":
+        return path
+    if "\0" in path:
+        raise UsageError(f"path contains NUL: {path!r}")
+    if path.startswith("/"):
+        raise UsageError(f"absolute path not allowed: {path!r}")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise UsageError(f"path component {part!r} not allowed in {path!r}")
+    return path
+
+
+def _glob_to_regex(pat: str) -> str:
+    out = []
+    i = 0
+    while i < len(pat):
+        c = pat[i]
+        if c == "*":
+            if pat[i : i + 2] == "**":
+                out.append(".*")
+                i += 2
+                continue
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            j = pat.find("]", i + 1)
+            if j == -1:
+                out.append(re.escape(c))
+            else:
+                body = pat[i + 1 : j].replace("\\", "\\\\")
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = j + 1
+                continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class ExcludeRules:
+    """rsync-style exclude patterns, matched against paths relative to the transfer root.
+
+    Semantics (from rsync(1), "INCLUDE/EXCLUDE PATTERN RULES"):
+
+    * a pattern ending in ``/`` matches directories only;
+    * a pattern with no other ``/`` matches the final path component at any depth;
+    * a pattern with a ``/`` matches the whole relative path, anchored at the
+      transfer root if it starts with ``/``, otherwise at any directory boundary;
+    * ``*`` matches within a component, ``**`` across components, ``?`` one char,
+      ``[...]`` a character class.
+
+    An excluded directory is not descended into.
+
+    Raises
+    ------
+    UsageError
+        An empty pattern.
+    """
+
+    patterns: tuple[str, ...] = ()
+    _compiled: tuple[tuple[re.Pattern[str], bool, bool], ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        compiled = []
+        for pat in self.patterns:
+            if not pat or pat == "/":
+                raise UsageError(f"empty exclude pattern {pat!r}")
+            dir_only = pat.endswith("/")
+            p = pat.rstrip("/")
+            anchored = p.startswith("/")
+            p = p.lstrip("/")
+            whole = anchored or "/" in p
+            rx = _glob_to_regex(p)
+            if whole and not anchored:
+                rx = f"(?:.*/)?{rx}"
+            compiled.append((re.compile(rf"\A{rx}\Z", re.S), dir_only, whole))
+        object.__setattr__(self, "_compiled", tuple(compiled))
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def match(self, relpath: str, is_dir: bool) -> bool:
+        """True if ``relpath`` (relative to the transfer root, ``""`` never matches) is excluded."""
+        if not relpath:
+            return False
+        base = relpath.rsplit("/", 1)[-1]
+        for rx, dir_only, whole in self._compiled:
+            if dir_only and not is_dir:
+                continue
+            if rx.match(relpath if whole else base):
+                return True
+        return False
+
+    def excluded_by_parent(self, relpath: str) -> bool:
+        """True if ``relpath`` or any of its parent directories is excluded."""
+        parts = relpath.split("/")
+        for i in range(1, len(parts)):
+            if self.match("/".join(parts[:i]), True):
+                return True
+        return False
+
+
+_NO_RULES = ExcludeRules()
+
+
+def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
+    m = st.st_mode
+    if stat.S_ISREG(m):
+        return Entry(rel, FILE, stat.S_IMODE(m), st.st_size, st.st_mtime_ns)
+    if stat.S_ISDIR(m):
+        return Entry(rel, DIR, stat.S_IMODE(m), 0, st.st_mtime_ns)
+    if stat.S_ISLNK(m):
+        target = os.readlink(full)
+        return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
+    log.warning("skipping %s: not a regular file, directory or symlink", full)
+    return None
+
+
+def scan(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules = _NO_RULES,
+    *,
+    missing_ok: bool = False,
+    recursive: bool = True,
+) -> list[Entry]:
+    """List the tree at ``base`` without following symlinks.
+
+    Parameters
+    ----------
+    base : path
+        A directory, regular file or symlink on the local filesystem.
+    excludes : ExcludeRules
+        Patterns relative to ``base``; excluded directories are not descended into.
+    missing_ok : bool
+        Return ``[]`` instead of raising when ``base`` does not exist.
+    recursive : bool
+        False lists only ``base`` and its immediate children.
+
+    Returns
+    -------
+    list of Entry
+        ``base`` itself first (path ``""``), then its contents in depth-first
+        order, parents before children, names sorted. ``.tb5sync`` state
+        directories and special files (sockets, FIFOs, devices; logged as a
+        warning) are left out.
+
+    Raises
+    ------
+    RemoteNotFoundError
+        ``base`` does not exist (and not ``missing_ok``).
+    PermissionError
+        A directory cannot be listed.
+    """
+    base = os.fspath(base)
+    try:
+        st = os.lstat(base)
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise RemoteNotFoundError(f"no such file or directory: {base}") from None
+    top = _entry_from_stat("", st, base)
+    if top is None:
+        return []
+    out = [top]
+    if top.kind == DIR:
+        _walk(base, "", excludes, out, recursive)
+    return out
+
+
+def _walk(full: str, rel: str, excludes: ExcludeRules, out: list[Entry], recursive: bool = True) -> None:
+    with os.scandir(full) as it:
+        items = sorted(it, key=lambda e: e.name)
+    subdirs = []
+    for de in items:
+        name = de.name
+        if name == STATE_DIR:
+            continue
+        r = f"{rel}/{name}" if rel else name
+        try:
+            st = de.stat(follow_symlinks=False)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if excludes and excludes.match(r, is_dir):
+                continue
+            e = _entry_from_stat(r, st, de.path)
+        except FileNotFoundError:  # vanished while scanning
+            continue
+        if e is None:
+            continue
+        out.append(e)
+        if e.kind == DIR and recursive:
+            subdirs.append((de.path, r, len(out)))
+    # Children of each directory follow it directly: splice in reverse so indices stay valid.
+    for path, r, pos in reversed(subdirs):
+        sub: list[Entry] = []
+        try:
+            _walk(path, r, excludes, sub)
+        except FileNotFoundError:
+            continue
+        out[pos:pos] = sub
+
+
+@dataclass
+class Plan:
+    """What a receiver must do to make the destination match the source.
+
+    All paths are relative to the destination base. Lists keep source order
+    (parents before children), except ``delete`` which is children first.
+    """
+
+    mkdirs: list[Entry] = field(default_factory=list)
+    files: list[Entry] = field(default_factory=list)
+    links: list[Entry] = field(default_factory=list)
+    meta: list[Entry] = field(default_factory=list)
+    delete: list[Entry] = field(default_factory=list)
+    dirs: list[Entry] = field(default_factory=list)
+    unchanged: int = 0
+
+
+def plan_sync(
+    src: Iterable[Entry],
+    dst: Iterable[Entry],
+    *,
+    delete: bool = False,
+    excludes: ExcludeRules = _NO_RULES,
+    same_content: dict[str, bool] | None = None,
+) -> Plan:
+    """Compare a source manifest with the destination's and plan the changes.
+
+    Parameters
+    ----------
+    src, dst : iterables of Entry
+        Manifests relative to the same base (``""`` is the base).
+    delete : bool
+        Plan removal of destination entries missing at the source (never of excluded ones).
+    excludes : ExcludeRules
+        Protects matching destination entries from deletion.
+    same_content : dict, optional
+        ``--checksum`` mode: for files present on both sides with equal size,
+        whether their content digests are equal. Files absent from the dict fall
+        back to the quick check.
+
+    Returns
+    -------
+    Plan
+        Quick check (rsync's): a regular file is unchanged when size and mtime_ns
+        are equal; in checksum mode, when size and content digest are equal.
+        An entry whose type differs is deleted first, then recreated.
+    """
+    have = {e.path: e for e in dst}
+    plan = Plan()
+    src_paths = set()
+    for e in src:
+        src_paths.add(e.path)
+        d = have.get(e.path)
+        if d is not None and d.kind != e.kind:
+            if not (d.kind == DIR and e.kind == DIR):
+                plan.delete.append(d)
+            d = None
+        if e.kind == DIR:
+            plan.dirs.append(e)
+            if d is None:
+                plan.mkdirs.append(e)
+            elif d.mode != e.mode:
+                plan.meta.append(e)
+        elif e.kind == LINK:
+            if d is None or d.target != e.target:
+                if d is not None:
+                    plan.delete.append(d)
+                plan.links.append(e)
+            else:
+                plan.unchanged += 1
+        else:
+            if d is None:
+                plan.files.append(e)
+                continue
+            if same_content is not None and e.path in same_content:
+                changed = d.size != e.size or not same_content[e.path]
+            else:
+                changed = d.size != e.size or d.mtime_ns != e.mtime_ns
+            if changed:
+                plan.files.append(e)
+            elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                plan.meta.append(e)
+                plan.unchanged += 1
+            else:
+                plan.unchanged += 1
+    if delete:
+        for p, d in have.items():
+            if p in src_paths or p == "":
+                continue
+            if excludes and (excludes.match(p, d.kind == DIR) or excludes.excluded_by_parent(p)):
+                continue
+            plan.delete.append(d)
+    # children before parents; de-duplicate
+    seen: set[str] = set()
+    uniq = []
+    for d in sorted(plan.delete, key=lambda x: x.path.count("/"), reverse=True):
+        if d.path not in seen:
+            seen.add(d.path)
+            uniq.append(d)
+    plan.delete = uniq
+    return plan

@@ -1,0 +1,677 @@
+"""The receiver: owns a destination tree, plans the sync, fetches what is missing, commits atomically.
+
+It is the same code whether the sender is in-process (local sync), behind a
+client connection (pull) or behind the server's connection (push): it talks to
+the sender through a *link* with one method, ``submit(method, **args) -> Future``.
+
+Invariants kept here (see DESIGN.md):
+
+* every chunk is verified against its BLAKE3 digest before it is written;
+* a file is written to a temporary name (small files: ``.NAME.XXXX.tb5tmp`` in
+  the same directory; large files: ``ROOT/.tb5sync/partial/<file digest>``),
+  then renamed into place, so no reader sees a half-written file;
+* partial large files survive an interruption and their verified chunks are
+  reused by the next run (resume).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import lz4.block
+
+from . import chunking
+from .errors import (
+    DestinationError,
+    IntegrityError,
+    RemoteNotFoundError,
+    RemoteProtocolError,
+    SourceChangedError,
+    Tb5syncError,
+    UsageError,
+)
+from .hashing import chunk_digest, hash_pool
+from .manifest import DIR, FILE, LINK, Entry, plan_sync, scan
+from .options import SyncOptions, SyncStats
+from .sender import CODEC_LZ4, CODEC_RAW, MAX_PAGE, Sender
+from .store import TreeState
+from .transport import Requester, split_parts
+
+__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "SMALL_FILE", "ProgressFn"]
+
+log = logging.getLogger(__name__)
+
+#: Files below this size (bytes) travel whole, batched, without a chunk-list round trip.
+SMALL_FILE = 4 * 1024 * 1024
+#: Target bytes per small-file batch and per chunk-range request.
+BATCH_BYTES = 8 * 1024 * 1024
+BATCH_FILES = 2048
+#: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
+ProgressFn = Callable[[int, int], None]
+_DATA_METHODS = frozenset({"read_ranges", "read_files"})
+
+
+class LocalLink:
+    """Link to an in-process :class:`Sender`; requests run on a small thread pool (overlap with writes)."""
+
+    wire_bytes = 0
+
+    def __init__(self, sender: Sender, threads: int = 2) -> None:
+        self.sender = sender
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-local")
+        self.streams = threads
+
+    def submit(self, method: str, **args: Any) -> Future[Any]:
+        return self._pool.submit(getattr(self.sender, method), **args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.sender.close()
+
+
+class RemoteLink:
+    """Link to a sender across the wire through a :class:`Requester`.
+
+    Control requests go on stream 0; chunk and file reads are spread over all streams.
+    """
+
+    def __init__(self, requester: Requester) -> None:
+        self.requester = requester
+        self.streams = len(requester.channels)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.requester.wire_bytes
+
+    def submit(self, method: str, **args: Any) -> Future[Any]:
+        if method not in _DATA_METHODS:
+            return self.requester.submit(method, args, channel=0)
+        inner = self.requester.submit(method, args)
+        outer: Future[Any] = Future()
+
+        def done(f: Future[Any]) -> None:
+            try:
+                res = f.result()
+                if not isinstance(res, tuple):
+                    raise RemoteProtocolError(f"{method} must be answered with DATA")
+                meta, body = res
+                wire = meta.get("wire")
+                if not isinstance(wire, list):
+                    raise RemoteProtocolError("DATA meta lacks part lengths")
+                outer.set_result((meta, split_parts(body, wire)))
+            except BaseException as exc:  # delivered to the waiting receiver
+                outer.set_exception(exc)
+
+        inner.add_done_callback(done)
+        return outer
+
+
+def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
+    """Where the source base lands, with rsync's trailing-slash rules.
+
+    Parameters
+    ----------
+    dst : str
+        Destination path as given (absolute).
+    dst_is_dir_hint : bool
+        The destination was written with a trailing slash.
+    name : str or None
+        Source base name; None when the source had a trailing slash ("contents of").
+    src_kind : str
+        ``"d"``, ``"f"`` or ``"l"``.
+
+    Returns
+    -------
+    str
+        ``dst`` itself for "contents of" and for a file onto a non-directory;
+        ``dst/name`` for a directory, and for a file onto an existing directory.
+    """
+    if name is None:
+        return dst
+    if src_kind == DIR or dst_is_dir_hint or os.path.isdir(dst):
+        return os.path.join(dst, name)
+    return dst
+
+
+def _decode(part: memoryview | bytes, rawlen: int, codec: int) -> memoryview | bytes:
+    if codec == CODEC_RAW:
+        if len(part) != rawlen:
+            raise RemoteProtocolError("raw part length differs from its declared length")
+        return part
+    if codec == CODEC_LZ4:
+        try:
+            out = lz4.block.decompress(part, uncompressed_size=rawlen)
+        except Exception as exc:
+            raise IntegrityError(f"lz4 part does not decompress: {exc}") from exc
+        if len(out) != rawlen:
+            raise IntegrityError("lz4 part decompressed to the wrong length")
+        return out
+    raise RemoteProtocolError(f"unknown codec {codec}")
+
+
+def _verify_many(pieces: list[tuple[memoryview | bytes, bytes]], where: str) -> None:
+    """Check each ``(bytes, digest)``; raise IntegrityError naming ``where`` on the first mismatch."""
+    if len(pieces) > 1 or (pieces and len(pieces[0][0]) > 256 * 1024):
+        ok = list(hash_pool().map(lambda p: chunk_digest(p[0]) == p[1], pieces))
+    else:
+        ok = [chunk_digest(b) == d for b, d in pieces]
+    if not all(ok):
+        raise IntegrityError(f"chunk digest mismatch in {where}: data corrupted in transit")
+
+
+class Receiver:
+    """Make ``dest`` match the sender's source.
+
+    Parameters
+    ----------
+    dest : str
+        Absolute destination base path (where the source's ``""`` entry lands).
+    link : LocalLink or RemoteLink
+        Way to the sender.
+    options : SyncOptions
+    state : TreeState or None
+        Destination scan cache and chunk index; ``state_prefix`` is ``dest``
+        relative to the state's root.
+    progress : ProgressFn, optional
+    """
+
+    def __init__(
+        self,
+        dest: str,
+        link: Any,
+        options: SyncOptions = SyncOptions(),
+        state: TreeState | None = None,
+        state_prefix: str = "",
+        progress: ProgressFn | None = None,
+        params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+    ) -> None:
+        self.dest = dest.rstrip("/") or "/"
+        self.link = link
+        self.options = options
+        self.state = state
+        self.state_prefix = state_prefix
+        self.progress = progress
+        self.params = params
+        self._done_bytes = 0
+        self._total_bytes = 0
+        self._st: dict[str, int] = dict.fromkeys(
+            ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "files_deleted"), 0
+        )
+        self._changed: list[str] = []
+        self._records: list[tuple[str, int, int, int, list[tuple[bytes, int]]]] = []
+
+    # ---- paths ------------------------------------------------------------------------
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.dest, rel) if rel else self.dest
+
+    def _spath(self, rel: str) -> str:
+        return "/".join(p for p in (self.state_prefix, rel) if p)
+
+    def _tick(self, n: int) -> None:
+        self._done_bytes += n
+        if self.progress is not None:
+            self.progress(self._done_bytes, self._total_bytes)
+
+    # ---- entry point ------------------------------------------------------------------
+    def run(self) -> SyncStats:
+        """Run the whole sync and return its statistics.
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The source does not exist.
+        DestinationError
+            The destination cannot be written.
+        IntegrityError
+            A chunk failed verification (nothing was committed for that file).
+        SourceChangedError
+            Some source files kept changing; everything else was synced.
+        ConnectError, ProtocolError
+            The link failed.
+        """
+        t0 = time.perf_counter()
+        src = list(self._fetch_manifest())
+        if not src:
+            raise RemoteNotFoundError("source is empty or does not exist")
+        rules = self.options.rules
+        try:
+            dst = scan(self.dest, rules, missing_ok=True)
+        except PermissionError as exc:
+            raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
+        same = self._compare_digests(src, dst) if self.options.checksum else None
+        plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
+        files_total = sum(1 for e in src if e.kind == FILE)
+        bytes_total = sum(e.size for e in src if e.kind == FILE)
+        self._total_bytes = sum(e.size for e in plan.files)
+        if self.options.dry_run:
+            return SyncStats(
+                files_total=files_total,
+                bytes_total=bytes_total,
+                files_transferred=len(plan.files),
+                bytes_transferred=self._total_bytes,
+                wire_bytes=self.link.wire_bytes,
+                files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
+                seconds=time.perf_counter() - t0,
+                extra={"plan": plan},
+            )
+        try:
+            self._apply(plan, src)
+        except PermissionError as exc:
+            raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
+        except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+                raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
+            raise
+        finally:
+            self._flush_records()
+        if self._changed:
+            raise SourceChangedError(", ".join(self._changed[:10]) + (" ..." if len(self._changed) > 10 else ""))
+        return SyncStats(
+            files_total=files_total,
+            bytes_total=bytes_total,
+            wire_bytes=self.link.wire_bytes,
+            seconds=time.perf_counter() - t0,
+            **self._st,
+        )
+
+    def _fetch_manifest(self) -> Iterator[Entry]:
+        start = 0
+        while True:
+            page = self.link.submit("manifest", start=start, count=MAX_PAGE).result()
+            entries = page.get("entries")
+            total = page.get("total")
+            if not isinstance(entries, list) or not isinstance(total, int):
+                raise RemoteProtocolError("malformed manifest page")
+            for item in entries:
+                yield Entry.from_wire(item)
+            start += len(entries)
+            if start >= total or not entries:
+                return
+
+    def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
+        have = {e.path: e for e in dst if e.kind == FILE}
+        both = [e.path for e in src if e.kind == FILE and e.path in have and have[e.path].size == e.size]
+        out: dict[str, bool] = {}
+        for i in range(0, len(both), 1024):
+            batch = both[i : i + 1024]
+            fut = self.link.submit("file_digests", paths=batch)
+            mine = [self._local_digest(p) for p in batch]
+            theirs = fut.result().get("digests", [])
+            if len(theirs) != len(batch):
+                raise RemoteProtocolError("file_digests reply has the wrong length")
+            for p, a, b in zip(batch, mine, theirs):
+                out[p] = a is not None and a == b
+        return out
+
+    def _local_digest(self, rel: str) -> bytes | None:
+        st = TreeState(self.dest, self.params, writable=False) if self.state is None else self.state
+        try:
+            fd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            return st.chunks_of(fd, self._spath(rel), os.fstat(fd))[0]
+        finally:
+            os.close(fd)
+
+    # ---- applying the plan ------------------------------------------------------------
+    def _apply(self, plan: Any, src: list[Entry]) -> None:
+        src_paths = {e.path for e in src}
+        conflicts = [d for d in plan.delete if d.path in src_paths]
+        extra = [d for d in plan.delete if d.path not in src_paths]
+        for d in conflicts:
+            self._remove(d, force=self.options.delete)
+        for e in plan.mkdirs:
+            p = self._path(e.path)
+            if e.path == "":
+                os.makedirs(p, 0o700, exist_ok=True)
+            else:
+                os.mkdir(p, 0o700)
+        small = [e for e in plan.files if e.size < SMALL_FILE]
+        large = [e for e in plan.files if e.size >= SMALL_FILE]
+        self._fetch_small(small)
+        for e in large:
+            self._fetch_large_retrying(e)
+        for e in plan.links:
+            self._make_link(e)
+        for e in plan.meta:
+            p = self._path(e.path)
+            if e.kind == FILE:
+                os.chmod(p, e.mode)
+                os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+        for d in extra:
+            self._remove(d, force=True)
+            self._st["files_deleted"] += 1
+        for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
+            p = self._path(e.path)
+            os.chmod(p, e.mode)
+            os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+
+    def _remove(self, d: Entry, force: bool) -> None:
+        p = self._path(d.path)
+        try:
+            if d.kind == DIR:
+                if force:
+                    shutil.rmtree(p)
+                else:
+                    os.rmdir(p)
+            else:
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno == errno.ENOTEMPTY:
+                raise DestinationError(f"cannot replace non-empty directory {p} (use --delete)") from exc
+            raise
+        if self.state is not None:
+            self.state.forget([self._spath(d.path)])
+
+    def _make_link(self, e: Entry) -> None:
+        p = self._path(e.path)
+        tmp = self._tmpname(p)
+        os.symlink(e.target, tmp)
+        try:
+            os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+            os.rename(tmp, p)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+
+    @staticmethod
+    def _tmpname(final: str) -> str:
+        d, name = os.path.split(final)
+        return os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
+
+    # ---- small files ------------------------------------------------------------------
+    def _fetch_small(self, files: list[Entry]) -> None:
+        batches: list[list[Entry]] = []
+        cur: list[Entry] = []
+        size = 0
+        for e in files:
+            cur.append(e)
+            size += e.size
+            if size >= BATCH_BYTES or len(cur) >= BATCH_FILES:
+                batches.append(cur)
+                cur, size = [], 0
+        if cur:
+            batches.append(cur)
+        window = max(2, 2 * self.link.streams)
+        inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
+        it = iter(batches)
+        for b in it:
+            inflight.append((b, self.link.submit("read_files", paths=[e.path for e in b])))
+            if len(inflight) >= window:
+                self._commit_small_batch(*inflight.popleft())
+        while inflight:
+            self._commit_small_batch(*inflight.popleft())
+
+    def _commit_small_batch(self, batch: list[Entry], fut: Future[Any]) -> None:
+        meta, parts = fut.result()
+        files = meta.get("files")
+        if not isinstance(files, list) or len(files) != len(batch):
+            raise RemoteProtocolError("read_files reply does not match the request")
+        pi = 0
+        for e, info in zip(batch, files):
+            if info is None:
+                log.warning("source file vanished or kept changing: %s", e.path)
+                self._changed.append(e.path)
+                continue
+            if pi >= len(parts):
+                raise RemoteProtocolError("read_files reply has fewer parts than files")
+            size, mtime_ns, mode, refs, _wirelen, codec = info
+            data = _decode(parts[pi], size, codec)
+            pi += 1
+            refs = [(bytes(d), int(n)) for d, n in refs]
+            self._check_refs(refs, size, e.path)
+            pieces = []
+            off = 0
+            mv = memoryview(data)
+            for d, n in refs:
+                pieces.append((mv[off : off + n], d))
+                off += n
+            _verify_many(pieces, e.path)
+            final = self._path(e.path)
+            tmp = self._tmpname(final)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        k = os.write(fd, view)
+                        view = view[k:]
+                    os.fchmod(fd, mode & 0o7777)
+                    os.utime(fd, ns=(mtime_ns, mtime_ns))
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, final)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
+            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
+            self._st["files_transferred"] += 1
+            self._st["bytes_transferred"] += size
+            self._st["chunks_sent"] += len(refs)
+            self._tick(size)
+        if len(self._records) >= 4096:
+            self._flush_records()
+
+    def _flush_records(self) -> None:
+        if self.state is not None and self._records:
+            self.state.record_many(self._records)
+        self._records = []
+
+    @staticmethod
+    def _check_refs(refs: list[tuple[bytes, int]], size: int, where: str) -> None:
+        if sum(n for _, n in refs) != size or any(len(d) != 32 or n <= 0 for d, n in refs):
+            raise RemoteProtocolError(f"chunk list of {where} does not add up to its size")
+
+    # ---- large files ------------------------------------------------------------------
+    def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:
+        for attempt in range(tries):
+            try:
+                self._fetch_large(e)
+                return
+            except SourceChangedError:
+                log.info("source changed during transfer, retrying: %s (attempt %d)", e.path, attempt + 1)
+            except RemoteNotFoundError:
+                log.warning("source file vanished: %s", e.path)
+                self._changed.append(e.path)
+                return
+        log.warning("source file kept changing: %s", e.path)
+        self._changed.append(e.path)
+
+    def _fetch_large(self, e: Entry) -> None:
+        info = self.link.submit("chunk_list", path=e.path).result()
+        size, mtime_ns, fdigest, refs = info["size"], info["mtime_ns"], bytes(info["digest"]), info["chunks"]
+        refs = [(bytes(d), int(n)) for d, n in refs]
+        self._check_refs(refs, size, e.path)
+        offsets = []
+        off = 0
+        for _, n in refs:
+            offsets.append(off)
+            off += n
+        final = self._path(e.path)
+        if self.state is not None and self.state.persistent:
+            work = self.state.partial_path(fdigest)
+            keep_partial = True
+        else:
+            work = self._tmpname(final)
+            keep_partial = False
+        fd = os.open(work, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        committed = False
+        try:
+            todo = self._reuse_local(fd, e.path, refs, offsets)
+            self._fetch_ranges(fd, e.path, refs, offsets, todo, size, mtime_ns)
+            os.ftruncate(fd, size)
+            os.fchmod(fd, e.mode)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+            st = os.fstat(fd)
+            os.close(fd)
+            fd = -1
+            try:
+                os.rename(work, final)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                tmp = self._tmpname(final)
+                shutil.copy2(work, tmp)
+                os.rename(tmp, final)
+                os.unlink(work)
+                st = os.stat(final)
+            committed = True
+            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
+            self._flush_records()
+            self._st["files_transferred"] += 1
+            self._st["bytes_transferred"] += size
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not committed and not keep_partial:
+                _unlink_quiet(work)
+
+    def _reuse_local(self, fd: int, rel: str, refs: list[tuple[bytes, int]], offsets: list[int]) -> list[int]:
+        """Fill chunks already present (partial file, basis file, index); return indices still missing."""
+        todo = []
+        partial_size = os.fstat(fd).st_size
+        basis = self._basis_map(rel)
+        opened: dict[str, int] = {}
+        try:
+            for i, (d, n) in enumerate(refs):
+                off = offsets[i]
+                if off + n <= partial_size:
+                    data = os.pread(fd, n, off)
+                    if chunk_digest(data) == d:
+                        self._st["chunks_reused"] += 1
+                        self._tick(n)
+                        continue
+                if self._copy_local(fd, d, n, off, rel, basis, opened):
+                    self._st["chunks_reused"] += 1
+                    self._tick(n)
+                    continue
+                todo.append(i)
+        finally:
+            for lfd in opened.values():
+                os.close(lfd)
+        return todo
+
+    def _basis_map(self, rel: str) -> dict[bytes, int]:
+        if self.state is None:
+            return {}
+        try:
+            bfd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return {}
+        try:
+            st = os.fstat(bfd)
+            if not stat.S_ISREG(st.st_mode):
+                return {}
+            _, brefs = self.state.chunks_of(bfd, self._spath(rel), st)
+        finally:
+            os.close(bfd)
+        out: dict[bytes, int] = {}
+        off = 0
+        for d, n in brefs:
+            out.setdefault(d, off)
+            off += n
+        return out
+
+    def _copy_local(self, fd: int, d: bytes, n: int, off: int, rel: str, basis: dict[bytes, int], opened: dict[str, int]) -> bool:
+        if self.state is None:
+            return False
+        places: list[tuple[str, int, int]] = []
+        if d in basis:
+            places.append((self._spath(rel), basis[d], n))
+        places += self.state.find_chunk(d)
+        for spath, soff, slen in places:
+            if slen != n:
+                continue
+            lfd = opened.get(spath)
+            if lfd is None:
+                try:
+                    lfd = os.open(os.path.join(self.state.root, spath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                opened[spath] = lfd
+            data = os.pread(lfd, n, soff)
+            if len(data) == n and chunk_digest(data) == d:
+                os.pwrite(fd, data, off)
+                return True
+        return False
+
+    def _fetch_ranges(
+        self, fd: int, rel: str, refs: list[tuple[bytes, int]], offsets: list[int], todo: list[int], size: int, mtime_ns: int
+    ) -> None:
+        # group consecutive missing chunks into requests of about BATCH_BYTES
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        nbytes = 0
+        for i in todo:
+            n = refs[i][1]
+            if cur and nbytes + n > BATCH_BYTES:
+                groups.append(cur)
+                cur, nbytes = [], 0
+            cur.append(i)
+            nbytes += n
+        if cur:
+            groups.append(cur)
+        window = max(2, 2 * self.link.streams)
+        inflight: deque[tuple[list[int], Future[Any]]] = deque()
+
+        def submit(g: list[int]) -> None:
+            ranges = [[offsets[i], refs[i][1]] for i in g]
+            inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)))
+
+        it = iter(groups)
+        for g in it:
+            submit(g)
+            if len(inflight) >= window:
+                break
+        while inflight:
+            g, fut = inflight.popleft()
+            nxt = next(it, None)
+            if nxt is not None:
+                submit(nxt)
+            meta, parts = fut.result()
+            mparts = meta.get("parts")
+            if not isinstance(mparts, list) or len(mparts) != len(g) or len(parts) != len(g):
+                raise RemoteProtocolError("read_ranges reply does not match the request")
+            pieces = []
+            for i, part, (rawlen, _w, codec) in zip(g, parts, mparts):
+                if rawlen != refs[i][1]:
+                    raise RemoteProtocolError("read_ranges part has the wrong length")
+                pieces.append((_decode(part, rawlen, codec), refs[i][0]))
+            _verify_many(pieces, rel)
+            for i, (data, _d) in zip(g, pieces):
+                view = memoryview(data)
+                pos = offsets[i]
+                while view:
+                    k = os.pwrite(fd, view, pos)
+                    view = view[k:]
+                    pos += k
+                self._st["chunks_sent"] += 1
+                self._tick(len(data))
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def check_usage(options: SyncOptions) -> None:
+    """Validate options that the receiver relies on (raises UsageError)."""
+    if not isinstance(options, SyncOptions):
+        raise UsageError("options must be a SyncOptions")

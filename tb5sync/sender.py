@@ -1,0 +1,286 @@
+"""The sender: owns a source tree and answers the receiver's requests.
+
+The sender never decides what to send (rsync's split: the receiver plans).
+Its methods take and return msgpack-friendly values so that the same object
+serves an in-process receiver and, through :mod:`tb5sync.transport`, a remote one.
+
+Methods (the receiver's requests)::
+
+    manifest(start, count)       -> {"entries": [[path, kind, mode, size, mtime_ns, target], ...], "total": n}
+    chunk_list(path)             -> {"size", "mtime_ns", "digest", "chunks": [[digest, length], ...]}
+    file_digests(paths)          -> {"digests": [digest or None, ...]}
+    read_ranges(path, ranges, size, mtime_ns) -> (meta, parts)    # ranges: [[offset, length], ...]
+    read_files(paths)            -> (meta, parts)                  # whole small files with their chunk lists
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from typing import Any
+
+import lz4.block
+
+from . import chunking
+from ._paths import DirFds
+from .errors import RemoteNotFoundError, SourceChangedError, UsageError
+from .hashing import chunk_buffer, chunk_fd
+from .manifest import Entry, check_relpath, scan
+from .options import SyncOptions
+from .store import TreeState
+
+__all__ = ["Sender", "CODEC_RAW", "CODEC_LZ4", "MAX_READ", "encode_part"]
+
+log = logging.getLogger(__name__)
+
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+#: Most bytes one read request may ask for.
+MAX_READ = 32 * 1024 * 1024
+#: Most manifest entries per page.
+MAX_PAGE = 16384
+_SAMPLE = 64 * 1024
+
+
+def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview, int]:
+    """Compress one chunk with lz4 when ``mode`` says so and it pays; returns ``(bytes, codec)``.
+
+    ``"auto"`` compresses only when a 64 KiB sample shrinks to under half;
+    ``"lz4"`` whenever the result is smaller by at least 1/16; ``"none"`` never.
+    """
+    if mode == "none" or len(data) < 512:
+        return data, CODEC_RAW
+    if mode == "auto":
+        sample = bytes(data[:_SAMPLE])
+        if len(lz4.block.compress(sample, store_size=False)) * 2 > len(sample):
+            return data, CODEC_RAW
+    packed = lz4.block.compress(data, store_size=False)
+    if len(packed) + len(packed) // 16 >= len(data):
+        return data, CODEC_RAW
+    return packed, CODEC_LZ4
+
+
+class Sender:
+    """Serve one source: a directory tree, a single file or a symlink.
+
+    Parameters
+    ----------
+    base : str
+        Absolute local path of the source (already checked against any jail).
+    options : SyncOptions
+        Excludes and compression mode are used here.
+    state : TreeState or None
+        Scan cache for chunk lists; ``state_prefix`` maps base-relative paths to state paths.
+    state_prefix : str
+        Path of ``base`` relative to the state's root (``""`` when equal).
+
+    Raises
+    ------
+    RemoteNotFoundError
+        ``base`` does not exist.
+    """
+
+    def __init__(
+        self,
+        base: str,
+        options: SyncOptions = SyncOptions(),
+        state: TreeState | None = None,
+        state_prefix: str = "",
+        params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+    ) -> None:
+        self.base = base
+        self.options = options
+        self.params = params
+        self.state = state
+        self.state_prefix = state_prefix
+        self._entries: list[Entry] | None = None
+        try:
+            st = os.lstat(base)
+        except FileNotFoundError:
+            raise RemoteNotFoundError(f"source does not exist: {base}") from None
+        self._single = not stat.S_ISDIR(st.st_mode)
+        self._fds = DirFds(os.path.dirname(base) if self._single else base)
+        self._name = os.path.basename(base)
+
+    def close(self) -> None:
+        """Release directory descriptors."""
+        self._fds.close()
+
+    # ---- helpers --------------------------------------------------------------------
+    def _open(self, path: str) -> int:
+        check_relpath(path)
+        if self._single:
+            if path:
+                raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
+            return self._fds.open(self._name)
+        if not path:
+            raise UsageError("the source base is a directory, not a file")
+        return self._fds.open(path)
+
+    def _state_path(self, path: str) -> str:
+        return "/".join(p for p in (self.state_prefix, path) if p)
+
+    def _chunks(self, fd: int, path: str, st: os.stat_result) -> tuple[bytes, list[tuple[bytes, int]]]:
+        if self.state is not None:
+            return self.state.chunks_of(fd, self._state_path(path), st)
+        refs = chunk_fd(fd, st.st_size, self.params)
+        from .hashing import file_digest
+
+        return file_digest(d for d, _ in refs), refs
+
+    # ---- requests ---------------------------------------------------------------------
+    def manifest(self, start: int = 0, count: int = MAX_PAGE) -> dict[str, Any]:
+        """A page of the source manifest: entries ``[start, start+count)`` and the total.
+
+        The tree is scanned on the first call and kept for the session.
+        """
+        if self._entries is None:
+            self._entries = scan(self.base, self.options.rules)
+        count = max(0, min(int(count), MAX_PAGE))
+        start = max(0, int(start))
+        return {"entries": [list(e) for e in self._entries[start : start + count]], "total": len(self._entries)}
+
+    def chunk_list(self, path: str) -> dict[str, Any]:
+        """FastCDC chunk list of a regular file, from the scan cache when size/mtime/inode match.
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The file is gone.
+        """
+        try:
+            fd = self._open(path)
+        except FileNotFoundError:
+            raise RemoteNotFoundError(f"source file vanished: {path}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"not a regular file: {path}")
+            digest, refs = self._chunks(fd, path, st)
+            st2 = os.fstat(fd)
+            if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise SourceChangedError(path)
+            return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest, "chunks": [list(r) for r in refs]}
+        finally:
+            os.close(fd)
+
+    def file_digests(self, paths: list[str]) -> dict[str, Any]:
+        """File digests (BLAKE3 over the chunk list) of ``paths``; None for a file that is gone."""
+        out: list[bytes | None] = []
+        for p in paths:
+            try:
+                out.append(self.chunk_list(p)["digest"])
+            except (RemoteNotFoundError, SourceChangedError, UsageError):
+                out.append(None)
+        return {"digests": out}
+
+    def read_ranges(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int) -> tuple[dict[str, Any], list[Any]]:
+        """Read byte ranges of a file whose chunk list the receiver holds.
+
+        Parameters
+        ----------
+        path : str
+            File relative to the source base.
+        ranges : list of [offset, length]
+            Byte ranges, each at most one chunk; total at most :data:`MAX_READ` bytes.
+        size, mtime_ns : int
+            What the chunk list was made from; a file that no longer matches is refused.
+
+        Returns
+        -------
+        (meta, parts)
+            ``meta["parts"]`` lists ``[raw length, wire length, codec]`` per range; ``parts`` the bytes.
+
+        Raises
+        ------
+        SourceChangedError
+            The file's size or mtime changed.
+        UsageError
+            Ranges out of bounds or too large in total.
+        """
+        total = 0
+        for r in ranges:
+            if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r)):
+                raise UsageError("each range must be [offset, length] with non-negative ints")
+            total += r[1]
+        if total > MAX_READ:
+            raise UsageError(f"read of {total} bytes exceeds the limit of {MAX_READ}")
+        try:
+            fd = self._open(path)
+        except FileNotFoundError:
+            raise SourceChangedError(path) from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+                raise SourceChangedError(path)
+            parts = []
+            meta_parts = []
+            for off, n in ranges:
+                if off + n > size:
+                    raise UsageError(f"range [{off}, {off + n}) beyond end of {path} ({size} bytes)")
+                data = os.pread(fd, n, off)
+                if len(data) != n:
+                    raise SourceChangedError(path)
+                wire, codec = encode_part(data, self.options.compress)
+                parts.append(wire)
+                meta_parts.append([n, len(wire), codec])
+            st2 = os.fstat(fd)
+            if (st2.st_size, st2.st_mtime_ns) != (size, mtime_ns):
+                raise SourceChangedError(path)
+            return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
+        finally:
+            os.close(fd)
+
+    def read_files(self, paths: list[str]) -> tuple[dict[str, Any], list[Any]]:
+        """Read whole small files in one reply, with each file's chunk list for verification.
+
+        Returns
+        -------
+        (meta, parts)
+            ``meta["files"]`` has one entry per path:
+            ``[size, mtime_ns, mode, [[digest, length], ...], wire length, codec]``, or
+            ``None`` for a file that vanished or kept changing; ``parts`` holds one
+            bytes object per present file.
+
+        Raises
+        ------
+        UsageError
+            More than :data:`MAX_READ` bytes in total.
+        """
+        files: list[Any] = []
+        parts: list[Any] = []
+        total = 0
+        for path in paths:
+            item = self._read_one(path)
+            if item is None:
+                files.append(None)
+                continue
+            st, data, refs = item
+            total += len(data)
+            if total > MAX_READ + 4 * 1024 * 1024:
+                raise UsageError(f"read_files of more than {MAX_READ} bytes")
+            wire, codec = encode_part(data, self.options.compress)
+            files.append([st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), [list(r) for r in refs], len(wire), codec])
+            parts.append(wire)
+        return {"files": files, "wire": [len(p) for p in parts]}, parts
+
+    def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
+        for _ in range(tries):
+            try:
+                fd = self._open(path)
+            except FileNotFoundError:
+                return None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                data = os.pread(fd, st.st_size + 1, 0)
+                st2 = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if len(data) == st.st_size and (st2.st_size, st2.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
+                return st, data, chunk_buffer(data, self.params)
+        log.warning("source file kept changing while read: %s", path)
+        return None
+

@@ -1,0 +1,186 @@
+"""Per-root state on disk: the scan cache and chunk index (SQLite), partial files.
+
+Layout under ``ROOT/.tb5sync/``::
+
+    state.sqlite     files(path, size, mtime_ns, ino, params, digest, chunks)
+                     chunks(digest, path, offset, length)
+    partial/         large files being received, named by their file digest; kept
+                     across interruptions so that a re-run sends only what is missing
+
+Blocking functions only: no sockets, no event loop. Async callers use
+``asyncio.to_thread``. When ``ROOT`` cannot be written (a read-only source),
+the state lives in memory for the life of the object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+
+from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
+from .manifest import STATE_DIR
+from . import chunking
+
+__all__ = ["TreeState"]
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    path TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    ino INTEGER NOT NULL,
+    params INTEGER NOT NULL,
+    digest BLOB NOT NULL,
+    chunks BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chunks (
+    digest BLOB NOT NULL,
+    path TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS chunks_digest ON chunks(digest);
+CREATE INDEX IF NOT EXISTS chunks_path ON chunks(path);
+"""
+
+
+class TreeState:
+    """Scan cache and chunk index of one root.
+
+    Parameters
+    ----------
+    root : str
+        The root directory (absolute). State lives in ``root/.tb5sync``.
+    params : ChunkParams
+        Chunk parameter set; cache rows made with another version are ignored.
+    writable : bool
+        False keeps the state in memory only (for read-only roots).
+
+    Notes
+    -----
+    Thread-safe: one connection guarded by a lock. Paths are POSIX, relative to ``root``.
+    """
+
+    def __init__(self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True) -> None:
+        self.root = root
+        self.params = params
+        self.state_dir = os.path.join(root, STATE_DIR)
+        self._lock = threading.Lock()
+        db = ":memory:"
+        if writable:
+            try:
+                os.makedirs(os.path.join(self.state_dir, "partial"), exist_ok=True)
+                db = os.path.join(self.state_dir, "state.sqlite")
+            except OSError as exc:
+                log.info("state for %s kept in memory: %s", root, exc)
+        try:
+            self._db = self._open(db)
+        except sqlite3.Error as exc:
+            log.info("state for %s kept in memory: %s", root, exc)
+            self._db = self._open(":memory:")
+        self.persistent = db != ":memory:"
+
+    @staticmethod
+    def _open(db: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(db, check_same_thread=False, isolation_level=None, timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(_SCHEMA)
+        return conn
+
+    def close(self) -> None:
+        """Close the database. Safe to call twice."""
+        with self._lock:
+            self._db.close()
+
+    # ---- scan cache -----------------------------------------------------------------
+    def lookup(self, path: str, size: int, mtime_ns: int, ino: int) -> tuple[bytes, list[ChunkRef]] | None:
+        """Cached ``(file digest, chunk list)`` for ``path`` if size, mtime_ns and inode still match."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT digest, chunks FROM files WHERE path=? AND size=? AND mtime_ns=? AND ino=? AND params=?",
+                (path, size, mtime_ns, ino, self.params.version),
+            ).fetchone()
+        if row is None:
+            return None
+        return row[0], blob_to_refs(row[1])
+
+    def record(self, path: str, size: int, mtime_ns: int, ino: int, refs: Sequence[ChunkRef]) -> bytes:
+        """Store ``path``'s chunk list in the scan cache and the chunk index; return the file digest."""
+        digest = file_digest(d for d, _ in refs)
+        rows = []
+        off = 0
+        for d, n in refs:
+            rows.append((d, path, off, n))
+            off += n
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
+                (path, size, mtime_ns, ino, self.params.version, digest, refs_to_blob(refs)),
+            )
+            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", rows)
+        return digest
+
+    def record_many(self, items: Sequence[tuple[str, int, int, int, Sequence[ChunkRef]]]) -> None:
+        """:meth:`record` for many files in one transaction (``(path, size, mtime_ns, ino, refs)``)."""
+        if not items:
+            return
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for path, size, mtime_ns, ino, refs in items:
+                self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
+                    (path, size, mtime_ns, ino, self.params.version, file_digest(d for d, _ in refs), refs_to_blob(refs)),
+                )
+                off = 0
+                rows = []
+                for d, n in refs:
+                    rows.append((d, path, off, n))
+                    off += n
+                self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", rows)
+
+    def forget(self, paths: Sequence[str]) -> None:
+        """Drop cache and index rows of ``paths`` (deleted or replaced files) and everything below them."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for p in paths:
+                like = p.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+                self._db.execute("DELETE FROM files WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
+                self._db.execute("DELETE FROM chunks WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
+
+    def find_chunk(self, digest: bytes) -> list[tuple[str, int, int]]:
+        """Places ``(path, offset, length)`` in the tree where a chunk with ``digest`` was seen.
+
+        The index can be stale: callers must verify the bytes they read against the digest.
+        """
+        with self._lock:
+            return list(self._db.execute("SELECT path, offset, length FROM chunks WHERE digest=? LIMIT 4", (digest,)))
+
+    def chunks_of(self, fd: int, path: str, st: os.stat_result) -> tuple[bytes, list[ChunkRef]]:
+        """Chunk list and file digest of the open file ``fd`` (whose ``fstat`` is ``st``), from cache or computed.
+
+        Computed lists are recorded in the cache.
+
+        Raises
+        ------
+        OSError
+            The file cannot be read.
+        """
+        hit = self.lookup(path, st.st_size, st.st_mtime_ns, st.st_ino)
+        if hit is not None:
+            return hit
+        refs = chunk_fd(fd, st.st_size, self.params)
+        digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
+        return digest, refs
+
+    def partial_path(self, file_digest_: bytes) -> str:
+        """Where a large file with this digest is assembled before it is renamed into place."""
+        return os.path.join(self.state_dir, "partial", file_digest_.hex())

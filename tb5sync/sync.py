@@ -1,0 +1,117 @@
+"""The public rsync-like API: :func:`sync` for local -> local, push and pull."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from .client import local_state, parse_url, pull, push
+from .errors import RemoteNotFoundError, UsageError
+from .manifest import DIR, FILE, LINK
+from .options import SyncOptions, SyncStats
+from .receiver import LocalLink, ProgressFn, Receiver, dest_base
+from .sender import Sender
+
+__all__ = ["sync", "SyncStats", "SyncOptions", "DEFAULT_STREAMS"]
+
+#: Streams per remote session when the caller does not say (see benches/ for the measurement).
+DEFAULT_STREAMS = 4
+
+
+def _name_of(path: str) -> str | None:
+    if path.endswith("/"):
+        return None
+    name = os.path.basename(path.rstrip("/"))
+    return None if name in ("", ".", "..") else name
+
+
+def sync(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    delete: bool = False,
+    exclude: Sequence[str] = (),
+    checksum: bool = False,
+    dry_run: bool = False,
+    streams: int | None = None,
+    compress: str = "auto",
+    progress: ProgressFn | None = None,
+    token: bytes | str | None = None,
+) -> SyncStats:
+    """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
+
+    Parameters
+    ----------
+    src, dst : str or path
+        Local paths or ``tb5://HOST[:PORT]/PATH`` URLs (at most one remote). A
+        trailing slash on ``src`` means "the contents of src"; without it,
+        ``src`` itself is created inside ``dst``.
+    delete : bool
+        Remove destination entries missing at the source (never excluded ones).
+    exclude : sequence of str
+        rsync-style exclude patterns.
+    checksum : bool
+        Compare content digests instead of size and mtime.
+    dry_run : bool
+        Report what would change, change nothing.
+    streams : int or None
+        TCP streams per session (1..64); None picks :data:`DEFAULT_STREAMS`.
+    compress : {"auto", "lz4", "none"}
+        Per-chunk lz4 policy.
+    progress : callable(bytes_done, bytes_total), optional
+        Called as data is committed (push: as data is sent).
+    token : bytes or str, optional
+        Shared secret; defaults to the environment variable ``TB5SYNC_TOKEN``.
+
+    Returns
+    -------
+    SyncStats
+
+    Raises
+    ------
+    UsageError
+        Bad arguments (both sides remote, bad URL, bad option values).
+    RemoteNotFoundError
+        The source does not exist.
+    ConnectError, AuthError, VersionMismatchError, PathError, ReadOnlyError
+        From the server.
+    DestinationError, IntegrityError, SourceChangedError
+        From the receiver; nothing half-written is left at a final path.
+    """
+    src_s, dst_s = os.fspath(src), os.fspath(dst)
+    if not src_s or not dst_s:
+        raise UsageError("source and destination must not be empty")
+    options = SyncOptions(
+        delete=delete,
+        excludes=tuple(exclude),
+        checksum=checksum,
+        dry_run=dry_run,
+        compress=compress,
+        streams=DEFAULT_STREAMS if streams is None else streams,
+    )
+    rsrc, rdst = parse_url(src_s), parse_url(dst_s)
+    if rsrc is not None and rdst is not None:
+        raise UsageError("both source and destination are remote; one side must be local")
+    if rsrc is not None:
+        return pull(rsrc, dst_s, options, token=token, progress=progress)
+    if rdst is not None:
+        return push(src_s, rdst, options, token=token, progress=progress)
+    return _local(src_s, dst_s, options, progress)
+
+
+def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
+    src_abs = os.path.abspath(src)
+    if not os.path.lexists(src_abs):
+        raise RemoteNotFoundError(f"source does not exist: {src}")
+    kind = LINK if os.path.islink(src_abs) else (DIR if os.path.isdir(src_abs) else FILE)
+    dst_abs = os.path.abspath(dst)
+    dest = dest_base(dst_abs, dst.endswith("/"), _name_of(src), kind)
+    if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
+        raise UsageError(f"destination {dst} is inside the source {src}")
+    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run)
+    link = LocalLink(Sender(src_abs, options))
+    try:
+        return Receiver(dest, link, options, state, prefix, progress).run()
+    finally:
+        link.close()
+        state.close()

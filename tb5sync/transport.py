@@ -1,0 +1,430 @@
+"""Sockets: framed channels, the client/server handshake, pipelined requests, and a serving loop.
+
+Thin by design: it reads the socket, feeds :mod:`tb5sync.protocol`, and writes
+replies. One :class:`Channel` is one TCP stream. :class:`Requester` sends
+requests over one or more channels without waiting for replies (pipelining)
+and resolves a :class:`concurrent.futures.Future` per request; :func:`serve`
+answers requests on a channel by calling a handler object's methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from . import protocol as P
+from .errors import (
+    ConnectError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    Tb5syncError,
+    UsageError,
+    error_from_remote,
+)
+
+__all__ = ["Channel", "Requester", "serve", "client_handshake", "server_handshake", "connect", "SOCK_BUF"]
+
+log = logging.getLogger(__name__)
+
+#: Socket send/receive buffer asked for, bytes.
+SOCK_BUF = 4 * 1024 * 1024
+_IOV_MAX = 512
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Disable Nagle and enlarge kernel buffers for bulk transfer."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:
+            pass
+
+
+class Channel:
+    """One framed TCP stream. Sends are serialized by a lock; receives belong to one thread.
+
+    Attributes
+    ----------
+    bytes_sent, bytes_received : int
+        Wire bytes including frame headers.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._hdr = bytearray(P.HEADER.size)
+        self.closed = False
+
+    # ---- sending ----------------------------------------------------------------------
+    def _sendall_parts(self, parts: list[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(len(v) for v in views)
+        with self._send_lock:
+            while views:
+                sent = self.sock.sendmsg(views[:_IOV_MAX])
+                while sent and views:
+                    n = len(views[0])
+                    if sent >= n:
+                        sent -= n
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+            self.bytes_sent += total
+
+    def send_control(self, ftype: P.FrameType, rid: int, msg: dict[str, Any]) -> None:
+        """Send one control frame."""
+        self._sendall_parts([P.encode_control(ftype, rid, msg)])
+
+    def send_data(self, rid: int, meta: dict[str, Any], parts: list[Any]) -> None:
+        """Send one DATA frame: ``meta`` then the raw ``parts`` (scatter/gather, no copy)."""
+        body = sum(len(p) for p in parts)
+        self._sendall_parts([P.encode_data_prefix(rid, meta, body), *parts])
+
+    def send_error(self, rid: int, exc: BaseException) -> None:
+        """Send an ERROR frame naming ``exc``; errors while sending are ignored."""
+        try:
+            self._sendall_parts([P.error_frame(rid, exc)])
+        except OSError:
+            pass
+
+    # ---- receiving --------------------------------------------------------------------
+    def _recv_exact(self, buf: bytearray | memoryview) -> bool:
+        view = memoryview(buf)
+        got = 0
+        n = len(view)
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                if got == 0:
+                    return False
+                raise RemoteProtocolError("connection closed inside a frame")
+            got += k
+        self.bytes_received += n
+        return True
+
+    def recv_frame(self) -> tuple[P.Header, bytearray] | None:
+        """Receive one frame; None at a clean end of stream.
+
+        Raises
+        ------
+        RemoteProtocolError, VersionMismatchError
+            Malformed frame (checked before the payload is allocated).
+        OSError
+            Socket errors.
+        """
+        if not self._recv_exact(self._hdr):
+            return None
+        header = P.parse_header(bytes(self._hdr))
+        payload = bytearray(header.length)
+        if header.length and not self._recv_exact(payload):
+            raise RemoteProtocolError("connection closed inside a frame")
+        return header, payload
+
+    def close(self) -> None:
+        """Shut down and close the socket. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def client_handshake(ch: Channel, token: bytes | None) -> None:
+    """Run the client side of the handshake on ``ch`` (see :mod:`tb5sync.protocol`).
+
+    Raises
+    ------
+    AuthError, VersionMismatchError, RemoteProtocolError, ConnectError
+    """
+    hs = P.ClientHandshake(token, os.urandom(P.NONCE_SIZE))
+    ch._sendall_parts([hs.start()])
+    while not hs.done:
+        got = ch.recv_frame()
+        if got is None:
+            raise ConnectError("server closed the connection during the handshake")
+        out = hs.on_frame(P.Frame(*got))
+        if out:
+            ch._sendall_parts([out])
+
+
+def server_handshake(ch: Channel, token: bytes | None) -> None:
+    """Run the server side of the handshake on ``ch``.
+
+    On failure an ERROR frame is sent to the client before the error is re-raised.
+
+    Raises
+    ------
+    AuthError, VersionMismatchError, RemoteProtocolError, ConnectError
+    """
+    hs = P.ServerHandshake(token, os.urandom(P.NONCE_SIZE))
+    try:
+        while not hs.done:
+            got = ch.recv_frame()
+            if got is None:
+                raise ConnectError("client closed the connection during the handshake")
+            out = hs.on_frame(P.Frame(*got))
+            if out:
+                ch._sendall_parts([out])
+    except (Tb5syncError, OSError) as exc:
+        if not isinstance(exc, (ConnectError, OSError)):
+            ch.send_error(0, exc)
+        raise
+
+
+def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) -> Channel:
+    """Open a TCP connection to a tb5sync server and authenticate.
+
+    Parameters
+    ----------
+    host, port
+        Server address.
+    token : bytes or None
+        Shared secret.
+    timeout : float
+        Seconds allowed for connecting and for the handshake.
+
+    Raises
+    ------
+    ConnectError
+        Unreachable host or refused connection (naming the address).
+    AuthError, VersionMismatchError, RemoteProtocolError
+        From the handshake.
+    """
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+    tune_socket(sock)
+    ch = Channel(sock)
+    try:
+        client_handshake(ch, token)
+    except OSError as exc:
+        ch.close()
+        raise ConnectError(f"connection to {host}:{port} failed during the handshake: {exc}") from exc
+    except BaseException:
+        ch.close()
+        raise
+    sock.settimeout(None)
+    return ch
+
+
+def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
+    """Send OPEN with ``msg`` and wait for its RESPONSE (or raise the peer's ERROR)."""
+    ch.send_control(P.FrameType.OPEN, 0, msg)
+    got = ch.recv_frame()
+    if got is None:
+        raise ConnectError("server closed the connection instead of answering OPEN")
+    header, payload = got
+    body = P.decode_control(payload)
+    if header.type is P.FrameType.ERROR:
+        raise error_from_remote(str(body.get("kind")), str(body.get("message")))
+    if header.type is not P.FrameType.RESPONSE:
+        raise RemoteProtocolError(f"expected RESPONSE to OPEN, got {header.type.name}")
+    return body
+
+
+class Requester:
+    """Pipelined requests over one or more channels; one reader thread per channel.
+
+    ``submit`` returns at once with a future; control replies resolve to a dict,
+    DATA replies to ``(meta, parts)`` where ``parts`` are memoryviews cut from
+    the frame by ``meta``'s wire lengths (see :meth:`split_parts`).
+
+    Parameters
+    ----------
+    channels : list of Channel
+        The session's streams; channel 0 carries control requests by default.
+    """
+
+    def __init__(self, channels: list[Channel]) -> None:
+        if not channels:
+            raise UsageError("a requester needs at least one channel")
+        self.channels = channels
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: list[dict[int, Future[Any]]] = [{} for _ in channels]
+        self._rr = itertools.cycle(range(len(channels)))
+        self._dead: list[BaseException | None] = [None] * len(channels)
+        self._threads = []
+        for i in range(len(channels)):
+            t = threading.Thread(target=self._reader, args=(i,), name=f"tb5-rx-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes sent and received on all channels, frames included."""
+        return sum(c.bytes_sent + c.bytes_received for c in self.channels)
+
+    def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Future[Any]:
+        """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        Raises
+        ------
+        ConnectError
+            The chosen channel is already dead.
+        """
+        idx = next(self._rr) if channel is None else channel
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._dead[idx] is not None:
+                raise ConnectError(f"stream {idx} is closed: {self._dead[idx]}")
+            rid = next(self._ids) & 0xFFFFFFFF
+            self._pending[idx][rid] = fut
+        try:
+            self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
+        except OSError as exc:
+            with self._lock:
+                self._pending[idx].pop(rid, None)
+            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
+        return fut
+
+    def call(self, method: str, args: dict[str, Any], *, channel: int = 0, timeout: float | None = None) -> Any:
+        """Send a request and wait for its reply."""
+        return self.submit(method, args, channel=channel).result(timeout)
+
+    def _reader(self, idx: int) -> None:
+        ch = self.channels[idx]
+        pending = self._pending[idx]
+        err: BaseException = ConnectError("peer closed the connection")
+        try:
+            while True:
+                got = ch.recv_frame()
+                if got is None:
+                    break
+                header, payload = got
+                with self._lock:
+                    fut = pending.pop(header.rid, None)
+                if header.type is P.FrameType.ERROR:
+                    body = P.decode_control(payload)
+                    exc = error_from_remote(str(body.get("kind")), str(body.get("message")))
+                    if fut is None:  # session-level error
+                        err = exc
+                        break
+                    fut.set_exception(exc)
+                    continue
+                if header.type is P.FrameType.BYE:
+                    break
+                if fut is None:
+                    raise RemoteProtocolError(f"reply to unknown request id {header.rid}")
+                if header.type is P.FrameType.RESPONSE:
+                    fut.set_result(P.decode_control(payload))
+                elif header.type is P.FrameType.DATA:
+                    meta, body = P.decode_data(payload)
+                    fut.set_result((meta, body))
+                else:
+                    raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
+        except (ProtocolError, OSError) as exc:
+            err = exc if isinstance(exc, ProtocolError) else ConnectError(f"connection lost: {exc}")
+        with self._lock:
+            self._dead[idx] = err
+            left = list(pending.values())
+            pending.clear()
+        for fut in left:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def close(self, bye: bool = True) -> None:
+        """Send BYE on every channel (when ``bye``), then close them."""
+        for ch in self.channels:
+            if bye:
+                try:
+                    ch.send_control(P.FrameType.BYE, 0, {})
+                except OSError:
+                    pass
+            ch.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def split_parts(body: memoryview, lengths: list[int]) -> list[memoryview]:
+    """Cut a DATA body into consecutive parts of the given wire lengths.
+
+    Raises
+    ------
+    RemoteProtocolError
+        The lengths do not add up to the body's size.
+    """
+    out = []
+    off = 0
+    for n in lengths:
+        if not isinstance(n, int) or n < 0 or off + n > len(body):
+            raise RemoteProtocolError("DATA part lengths exceed the frame body")
+        out.append(body[off : off + n])
+        off += n
+    if off != len(body):
+        raise RemoteProtocolError("DATA part lengths do not cover the frame body")
+    return out
+
+
+def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
+    """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
+
+    A method returning a dict is answered with RESPONSE; one returning
+    ``(meta, parts)`` with a DATA frame. A :class:`Tb5syncError`, ``OSError`` or
+    bad arguments become an ERROR reply for that request and serving goes on;
+    a protocol violation ends the loop (after an ERROR frame) but never raises
+    past it except as the returned exception's re-raise.
+
+    Raises
+    ------
+    RemoteProtocolError, VersionMismatchError
+        The peer broke the protocol (an ERROR frame was sent first).
+    """
+    while True:
+        try:
+            got = ch.recv_frame()
+        except ProtocolError as exc:
+            ch.send_error(0, exc)
+            raise
+        if got is None:
+            return
+        header, payload = got
+        if header.type is P.FrameType.BYE:
+            return
+        if header.type is P.FrameType.ERROR:
+            body = P.decode_control(payload)
+            raise error_from_remote(str(body.get("kind")), str(body.get("message")))
+        if header.type is not P.FrameType.REQUEST:
+            exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
+            ch.send_error(0, exc)
+            raise exc
+        try:
+            msg = P.decode_control(payload)
+        except RemoteProtocolError as exc:
+            ch.send_error(0, exc)
+            raise
+        method = msg.get("m")
+        args = msg.get("a", {})
+        try:
+            if method not in methods or not isinstance(args, dict):
+                raise UsageError(f"unknown request {method!r}")
+            try:
+                result = getattr(handler, method)(**args)
+            except TypeError as exc:
+                raise UsageError(f"bad arguments for {method}: {exc}") from exc
+        except (Tb5syncError, OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
+                log.info("request %s failed: %s", method, exc)
+            ch.send_error(header.rid, exc)
+            continue
+        if isinstance(result, tuple):
+            meta, parts = result
+            ch.send_data(header.rid, meta, parts)
+        elif isinstance(result, dict):
+            ch.send_control(P.FrameType.RESPONSE, header.rid, result)
+        else:
+            raise LocalProtocolError(f"handler {method} returned {type(result).__name__}")

@@ -1,0 +1,336 @@
+"""Tests of the FastCDC chunker: both twins (Cython ``cy`` and pure-Python ``py``)."""
+
+from __future__ import annotations
+
+import array
+import importlib.util
+import mmap
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import blake3
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tb5sync import _gear, chunking
+from tb5sync.chunking import PARAMS_V1, ChunkParams
+from tb5sync.errors import UsageError
+
+if TYPE_CHECKING:
+    from conftest import ChunkerImpl
+
+SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
+PROPS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ROOT = Path(__file__).resolve().parent.parent
+
+# Golden cut points, computed once with the pure-Python reference. They pin the chunking
+# format v1 (gear table, masks, rules): if they change, the on-disk format changed.
+GOLDEN_V1_INPUT = blake3.blake3(b"tb5sync-golden-v1").digest(length=8 << 20)
+GOLDEN_V1 = [1209813, 2204728, 3383100, 4466385, 5596468, 7236699, 8388608]
+GOLDEN_SMALL_INPUT = blake3.blake3(b"tb5sync-golden-small").digest(length=8192)
+GOLDEN_SMALL = [
+    197, 498, 756, 1020, 1327, 1640, 1973, 2272, 2545, 2819, 2931, 3221, 3543, 3934,
+    4191, 4452, 4725, 5133, 5606, 5882, 6212, 6496, 6834, 7179, 7512, 7884, 8068, 8192,
+]
+GOLDEN_TEXT_INPUT = b"".join(b"line %d of a log file, with some text\n" % i for i in range(200))
+GOLDEN_TEXT = [
+    272, 566, 883, 1220, 1646, 2033, 2441, 2811, 3173, 3445, 3796, 4147, 4411, 4687,
+    5033, 5440, 5698, 6042, 6344, 6546, 6819, 6997, 7444, 7690,
+]
+
+
+def boundary_lengths(p: ChunkParams) -> list[int]:
+    """Lengths at and around the size bounds of ``p`` (and their multiples)."""
+    out = {0, 1, 2, 3}
+    for base in (p.min_size, p.avg_size, p.max_size, 2 * p.max_size, p.min_size + p.max_size):
+        out.update(base + d for d in (-2, -1, 0, 1, 2))
+    return sorted(n for n in out if n >= 0)
+
+
+@st.composite
+def structured(draw: st.DrawFn) -> bytes:
+    """Byte strings with structure that stresses a CDC: zeros, repeats, text, random blocks."""
+    parts = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["random", "zeros", "byte", "repeat", "boundary"]))
+        if kind == "random":
+            parts.append(draw(st.binary(max_size=3000)))
+        elif kind == "zeros":
+            parts.append(bytes(draw(st.integers(0, 3000))))
+        elif kind == "byte":
+            parts.append(bytes([draw(st.integers(0, 255))]) * draw(st.integers(0, 3000)))
+        elif kind == "repeat":
+            unit = draw(st.binary(min_size=1, max_size=97))
+            parts.append(unit * draw(st.integers(1, 60)))
+        else:
+            n = draw(st.sampled_from(boundary_lengths(SMALL)))
+            seed = draw(st.binary(max_size=8))
+            parts.append(blake3.blake3(seed).digest(length=n) if n else b"")
+    return b"".join(parts)
+
+
+inputs = st.one_of(st.binary(max_size=6000), structured())
+
+
+def check_invariants(data: bytes, cuts: list[int], p: ChunkParams) -> None:
+    if not data:
+        assert cuts == []
+        return
+    assert cuts[-1] == len(data)
+    starts = [0] + cuts[:-1]
+    assert b"".join(data[a:b] for a, b in zip(starts, cuts)) == data
+    sizes = [b - a for a, b in zip(starts, cuts)]
+    assert all(p.min_size <= s <= p.max_size for s in sizes[:-1]), sizes
+    assert 0 < sizes[-1] <= p.max_size
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+
+def test_params_v1() -> None:
+    assert chunking.DEFAULT_PARAMS is PARAMS_V1
+    assert chunking.PARAMS_BY_VERSION == {1: PARAMS_V1}
+    assert (PARAMS_V1.version, PARAMS_V1.min_size, PARAMS_V1.avg_size, PARAMS_V1.max_size) == (
+        1, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024,
+    )
+    assert PARAMS_V1.normalization == 2
+    # 22 and 18 bits ending at bit 62: part of format v1.
+    assert PARAMS_V1.mask_s == ((1 << 22) - 1) << 41
+    assert PARAMS_V1.mask_l == ((1 << 18) - 1) << 45
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(min_size=32, avg_size=256, max_size=1024),  # min below 64
+        dict(min_size=256, avg_size=256, max_size=1024),  # min == avg
+        dict(min_size=512, avg_size=256, max_size=1024),  # min > avg
+        dict(min_size=64, avg_size=1024, max_size=1024),  # avg == max
+        dict(min_size=64, avg_size=300, max_size=1024),  # avg not a power of two
+        dict(min_size=64, avg_size=256, max_size=1024, normalization=-1),
+        dict(min_size=64, avg_size=256, max_size=1024, normalization=8),  # mask_l would be empty
+        dict(min_size=64.0, avg_size=256, max_size=1024),  # not an int
+        dict(min_size=64, avg_size=256, max_size=1024, normalization=True),  # bool is not an int
+    ],
+)
+def test_bad_params_raise(kwargs: dict[str, object]) -> None:
+    with pytest.raises(UsageError):
+        ChunkParams(version=0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_version_raises() -> None:
+    with pytest.raises(UsageError):
+        ChunkParams(version=-1, min_size=64, avg_size=256, max_size=1024)
+
+
+def test_masks_leave_top_bit_clear() -> None:
+    for level in range(0, 4):
+        p = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024, normalization=level)
+        assert bin(p.mask_s).count("1") == 8 + level
+        assert bin(p.mask_l).count("1") == 8 - level
+        assert p.mask_s >> 63 == 0 and p.mask_l >> 63 == 0
+
+
+def test_bad_arguments_raise(chunker_impl: ChunkerImpl) -> None:
+    with pytest.raises(UsageError):
+        chunker_impl.cut_points("not bytes")
+    with pytest.raises(UsageError):
+        chunker_impl.cut_points(b"abc", params=(64, 256, 1024))
+    with pytest.raises(UsageError):
+        chunker_impl.cut_points(b"abc", None)
+    with pytest.raises(UsageError):
+        chunker_impl.Chunker({"min_size": 64})
+    non_contiguous = memoryview(bytes(range(100)))[::2]
+    with pytest.raises(UsageError):
+        chunker_impl.cut_points(non_contiguous)
+    with pytest.raises(UsageError):
+        chunker_impl.Chunker(SMALL).feed(12345)
+
+
+# --- gear table ------------------------------------------------------------------------------
+
+
+def test_gear_table_matches_definition() -> None:
+    assert len(_gear.GEAR) == len(_gear.GEAR_LS) == 256
+    for i in (0, 1, 127, 255):
+        expected = int.from_bytes(blake3.blake3(b"tb5sync-gear-v1" + bytes([i])).digest()[:8], "little")
+        assert _gear.GEAR[i] == expected
+    assert all(ls == (g << 1) % 2**64 for g, ls in zip(_gear.GEAR, _gear.GEAR_LS))
+
+
+def test_generated_gear_files_up_to_date() -> None:
+    spec = importlib.util.spec_from_file_location("gen_gear", ROOT / "scripts" / "gen_gear.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.main(["--check"]) == 0
+
+
+# --- golden cut points -----------------------------------------------------------------------
+
+
+def test_golden_v1(chunker_impl: ChunkerImpl) -> None:
+    assert chunker_impl.cut_points(GOLDEN_V1_INPUT) == GOLDEN_V1
+    assert chunker_impl.cut_points(GOLDEN_V1_INPUT, PARAMS_V1) == GOLDEN_V1
+
+
+def test_golden_small(chunker_impl: ChunkerImpl) -> None:
+    assert chunker_impl.cut_points(GOLDEN_SMALL_INPUT, SMALL) == GOLDEN_SMALL
+    assert chunker_impl.cut_points(GOLDEN_TEXT_INPUT, SMALL) == GOLDEN_TEXT
+
+
+def test_golden_v1_streaming(chunker_impl: ChunkerImpl) -> None:
+    ch = chunker_impl.Chunker()
+    out: list[int] = []
+    step = 1_000_003  # not aligned with anything
+    for i in range(0, len(GOLDEN_V1_INPUT), step):
+        out += ch.feed(GOLDEN_V1_INPUT[i : i + step])
+    out += ch.finish()
+    assert out == GOLDEN_V1
+
+
+def test_zeros_are_cut_at_max(chunker_impl: ChunkerImpl) -> None:
+    assert chunker_impl.cut_points(bytes(5000), SMALL) == [1024, 2048, 3072, 4096, 5000]
+    assert chunker_impl.cut_points(bytes(5000), SMALL, final=False) == [1024, 2048, 3072, 4096]
+
+
+# --- edge cases and buffer kinds -------------------------------------------------------------
+
+
+def test_empty(chunker_impl: ChunkerImpl) -> None:
+    assert chunker_impl.cut_points(b"") == []
+    assert chunker_impl.cut_points(b"", SMALL, final=False) == []
+    ch = chunker_impl.Chunker(SMALL)
+    assert ch.feed(b"") == []
+    assert ch.finish() == []
+
+
+@pytest.mark.parametrize("n", boundary_lengths(SMALL))
+def test_boundary_lengths(chunker_impl: ChunkerImpl, n: int) -> None:
+    data = blake3.blake3(b"boundary").digest(length=n) if n else b""
+    cuts = chunker_impl.cut_points(data, SMALL)
+    check_invariants(data, cuts, SMALL)
+    if 0 < n <= SMALL.min_size:
+        assert cuts == [n]
+        assert chunker_impl.cut_points(data, SMALL, final=False) == []
+
+
+def test_buffer_kinds(chunker_impl: ChunkerImpl, tmp_path: Path) -> None:
+    data = GOLDEN_SMALL_INPUT
+    assert chunker_impl.cut_points(bytearray(data), SMALL) == GOLDEN_SMALL
+    assert chunker_impl.cut_points(memoryview(data), SMALL) == GOLDEN_SMALL
+    # A memoryview slice: offsets are relative to the slice.
+    sliced = memoryview(b"x" * 100 + data)[100:]
+    assert chunker_impl.cut_points(sliced, SMALL) == GOLDEN_SMALL
+    # Non-byte formats are read as their raw bytes.
+    words = array.array("I")
+    words.frombytes(data)
+    assert chunker_impl.cut_points(words, SMALL) == GOLDEN_SMALL
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert chunker_impl.cut_points(mm, SMALL) == GOLDEN_SMALL
+        ch = chunker_impl.Chunker(SMALL)
+        out = ch.feed(mm) + ch.finish()
+        assert out == GOLDEN_SMALL
+
+
+def test_feed_does_not_keep_caller_buffer(chunker_impl: ChunkerImpl) -> None:
+    buf = bytearray(GOLDEN_SMALL_INPUT[:3000])
+    ch = chunker_impl.Chunker(SMALL)
+    out = ch.feed(buf)
+    # Resizing raises BufferError if an export were still held; the undecided tail was copied.
+    buf.extend(b"more")
+    buf[:] = b"\0" * len(buf)
+    out += ch.feed(GOLDEN_SMALL_INPUT[3000:])
+    assert out + ch.finish() == GOLDEN_SMALL
+
+
+def test_chunker_offset_and_reuse(chunker_impl: ChunkerImpl) -> None:
+    ch = chunker_impl.Chunker(SMALL)
+    assert ch.params is SMALL
+    ch.feed(GOLDEN_SMALL_INPUT[:5000])
+    assert ch.offset == 5000
+    assert ch.feed(GOLDEN_SMALL_INPUT[5000:]) + ch.finish() != []
+    # finish() resets to an empty stream
+    assert ch.offset == 0
+    assert ch.finish() == []
+    assert ch.feed(GOLDEN_SMALL_INPUT) + ch.finish() == GOLDEN_SMALL
+
+
+def test_implementation_choice() -> None:
+    assert chunking.IMPLEMENTATION in ("cython", "python")
+    forced_python = os.environ.get("TB5SYNC_PUREPYTHON") == "1"
+    if chunking.IMPLEMENTATION == "cython":
+        assert not forced_python
+        assert chunking.cut_points is chunking.cy_cut_points
+        assert chunking.Chunker is chunking.CyChunker
+    else:
+        assert chunking.cut_points is chunking.py_cut_points
+        assert chunking.Chunker is chunking.PyChunker
+        assert forced_python or chunking.cy_cut_points is None
+    if os.environ.get("TB5SYNC_REQUIRE_CYTHON") == "1":
+        assert chunking.cy_cut_points is not None and chunking.CyChunker is not None
+
+
+# --- properties ------------------------------------------------------------------------------
+
+
+@PROPS
+@given(data=inputs)
+def test_twins_agree(cy_chunker: ChunkerImpl, data: bytes) -> None:
+    for final in (True, False):
+        assert cy_chunker.cut_points(data, SMALL, final) == chunking.py_cut_points(data, SMALL, final)
+
+
+@PROPS
+@given(data=st.binary(min_size=0, max_size=20000), level=st.integers(0, 3))
+def test_twins_agree_other_params(cy_chunker: ChunkerImpl, data: bytes, level: int) -> None:
+    p = ChunkParams(version=0, min_size=100, avg_size=512, max_size=1500, normalization=level)
+    assert cy_chunker.cut_points(data, p) == chunking.py_cut_points(data, p)
+
+
+@PROPS
+@given(data=inputs)
+def test_chunks_join_and_respect_bounds(chunker_impl: ChunkerImpl, data: bytes) -> None:
+    check_invariants(data, chunker_impl.cut_points(data, SMALL), SMALL)
+
+
+@PROPS
+@given(data=inputs, extra=st.binary(max_size=3000))
+def test_non_final_cuts_are_definitive(chunker_impl: ChunkerImpl, data: bytes, extra: bytes) -> None:
+    partial = chunker_impl.cut_points(data, SMALL, final=False)
+    full = chunker_impl.cut_points(data, SMALL, final=True)
+    assert full[: len(partial)] == partial
+    assert len(data) - (partial[-1] if partial else 0) < SMALL.max_size
+    # More data after the buffer never changes them.
+    assert chunker_impl.cut_points(data + extra, SMALL)[: len(partial)] == partial
+
+
+@PROPS
+@given(data=inputs, splits=st.lists(st.integers(0, 6000), max_size=12))
+def test_streaming_equals_whole(chunker_impl: ChunkerImpl, data: bytes, splits: list[int]) -> None:
+    bounds = sorted({min(s, len(data)) for s in splits} | {0, len(data)})
+    ch = chunker_impl.Chunker(SMALL)
+    out: list[int] = []
+    for a, b in zip(bounds, bounds[1:]):
+        got = ch.feed(data[a:b])
+        assert all(c <= b for c in got)
+        out += got
+    out += ch.finish()
+    assert out == chunker_impl.cut_points(data, SMALL)
+
+
+@PROPS
+@given(data=inputs, step=st.integers(1, 400))
+def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) -> None:
+    outs = []
+    for cls in (cy_chunker.Chunker, chunking.PyChunker):
+        ch = cls(SMALL)
+        out: list[int] = []
+        for i in range(0, len(data), step):
+            out += ch.feed(data[i : i + step])
+        outs.append(out + ch.finish())
+    assert outs[0] == outs[1]
