@@ -57,7 +57,6 @@ import argparse
 import grp
 import hashlib
 import json
-import math
 import os
 import platform
 import pwd

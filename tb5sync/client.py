@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +21,7 @@ from .sender import Sender
 from .store import TreeState
 from .transport import Channel, Requester, connect, open_session, serve
 
-__all__ = ["Remote", "parse_url", "push", "pull", "ls", "DEFAULT_PORT", "local_state"]
+__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
 
 DEFAULT_PORT = 8873
 _PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "finish"})
@@ -272,3 +273,69 @@ def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:
     finally:
         ch.close()
     return [Entry.from_wire(e) for e in resp.get("entries", [])]
+
+
+def bench_link(host: str, port: int, *, token: bytes | str | None = None, seconds: float = 2.0) -> Iterator[str]:
+    """Link test against a server: round-trip time, then raw TCP throughput per stream count.
+
+    Yields one human-readable line per measurement. Raw throughput uses the
+    server's ``source`` op: DATA frames of zeros, no disk and no hashing, so it
+    shows what the link and the framing can carry.
+
+    Raises
+    ------
+    ConnectError, AuthError
+    """
+    import statistics
+    import time
+
+    tok = _token(token)
+    ch = connect(host, port, tok)
+    try:
+        open_session(ch, {"op": "ping"})
+        req = Requester([ch])
+        rtts = []
+        deadline = time.perf_counter() + min(seconds, 1.0)
+        while time.perf_counter() < deadline or len(rtts) < 10:
+            t = time.perf_counter()
+            req.call("ping", {})
+            rtts.append(time.perf_counter() - t)
+        req.close(bye=True)
+    finally:
+        ch.close()
+    yield f"rtt: median {statistics.median(rtts) * 1e6:.0f} us over {len(rtts)} round trips"
+    for streams in (1, 2, 4, 8):
+        # size the transfer from a short probe so each measurement lasts about `seconds`
+        per = 256 * 1024 * 1024
+        chans = []
+        try:
+            for _ in range(streams):
+                c = connect(host, port, tok)
+                chans.append(c)
+            got = [0] * streams
+            t0 = time.perf_counter()
+            threads = []
+
+            def drain(i: int, c: Channel) -> None:
+                open_session(c, {"op": "source", "bytes": per})
+                while True:
+                    fr = c.recv_frame()
+                    if fr is None or fr[0].type.name == "BYE":
+                        return
+                    got[i] += fr[0].length
+
+            for i, c in enumerate(chans):
+                t = threading.Thread(target=drain, args=(i, c), daemon=True)
+                t.start()
+                threads.append(t)
+            for t in threads:
+                t.join()
+            dt = time.perf_counter() - t0
+        finally:
+            for c in chans:
+                c.close()
+        yield f"raw TCP, {streams} stream{'s' if streams > 1 else ''}: {sum(got) / dt / 1e9:.2f} GB/s ({_fmt(sum(got))} in {dt:.2f} s)"
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"

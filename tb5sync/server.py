@@ -55,6 +55,15 @@ DEFAULT_PORT = 8873
 SENDER_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files"})
 _HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
+_SOURCE_MAX = 1 << 36
+_SOURCE_BLOCK = 4 * 1024 * 1024
+
+
+class _Ping:
+    """Handler for the link test's round trips."""
+
+    def ping(self) -> dict[str, Any]:
+        return {}
 
 
 class _Session:
@@ -251,6 +260,13 @@ class Server:
         if op == "ls":
             self._ls(ch, path)
             return False
+        if op == "ping":
+            ch.send_control(FrameType.RESPONSE, 0, {})
+            serve(ch, _Ping(), frozenset({"ping"}))
+            return False
+        if op == "source":
+            self._source(ch, msg.get("bytes"))
+            return False
         options = SyncOptions.from_wire(msg.get("options", {}))
         streams = msg.get("streams", 1)
         if not isinstance(streams, int) or not 1 <= streams <= 64:
@@ -287,6 +303,18 @@ class Server:
             self._serve_sender(ch, s)
             return False
         return True  # push: the session's receiver owns this channel now
+
+    def _source(self, ch: Channel, nbytes: object) -> None:
+        """Link test: send ``nbytes`` of zeros in DATA frames (no disk, no hashing), then BYE."""
+        if not isinstance(nbytes, int) or not 0 <= nbytes <= _SOURCE_MAX:
+            raise UsageError(f"source bytes must be 0..{_SOURCE_MAX}")
+        ch.send_control(FrameType.RESPONSE, 0, {})
+        block = bytes(_SOURCE_BLOCK)
+        while nbytes > 0:
+            n = min(nbytes, _SOURCE_BLOCK)
+            ch.send_data(0, {}, [memoryview(block)[:n]])
+            nbytes -= n
+        ch.send_control(FrameType.BYE, 0, {})
 
     def _rel(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)

@@ -1,0 +1,40 @@
+# Everything a fresh machine needs: a venv, the Cython build, the test extras.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-stamp
+CORPUS  ?= .corpus
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+.PHONY: demo test test-pure bench bench-short corpus clean
+
+$(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi
+	$(PY) -m venv $(VENV)
+	TB5SYNC_REQUIRE_CYTHON=1 $(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import tb5sync.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
+	touch $(STAMP)
+
+## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+## test: the whole suite with the Cython chunker, then the chunker and engine tests with pure Python forced
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py
+
+## corpus: real model weights and site-packages (add PARTS="models build ccache site-packages" for all)
+PARTS ?= models site-packages
+corpus:
+	bash ../shared/corpus/make_corpus.sh $(CORPUS) $(PARTS)
+
+bench: $(STAMP)
+	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
+	$(BIN)/python benches/bench_sync.py
+
+bench-short: $(STAMP)
+	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
+	$(BIN)/python benches/bench_sync.py --short
+
+clean:
+	rm -rf $(VENV) build ext/_cdc.c tb5sync/*.so *.egg-info

@@ -1,0 +1,221 @@
+"""The ``tb5sync`` command: serve, sync, ls, bench. Thin over the library.
+
+Exit status 0 on success; otherwise the error class's ``exit_code`` with a
+one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
+11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found,
+24 source changed, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("tb5sync")
+
+
+def _read_token(path: str | None) -> bytes | None:
+    from .errors import UsageError
+
+    if path is None:
+        tok = os.environ.get("TB5SYNC_TOKEN")
+        return tok.encode() if tok else None
+    try:
+        with open(path, "rb") as f:
+            tok = f.read().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read token file {path}: {exc.strerror}") from exc
+    if not tok:
+        raise UsageError(f"token file {path} is empty")
+    return tok
+
+
+def _parse_bind(text: str) -> tuple[str, int]:
+    from .errors import UsageError
+    from .server import DEFAULT_PORT
+
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, DEFAULT_PORT
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        raise UsageError(f"bad port in --bind {text!r}") from None
+    if not 0 <= p <= 65535:
+        raise UsageError(f"port out of range in --bind {text!r}")
+    return host, p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a directory tree")
+    s.add_argument("root", help="directory to serve; nothing outside it is read or written")
+    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one)")
+    s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
+    s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable)")
+    s.add_argument("--read-only", action="store_true", help="refuse all writes")
+
+    y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)")
+    y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH; trailing / = contents of")
+    y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH")
+    y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
+    y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
+    y.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
+    y.add_argument("-c", "--checksum", action="store_true", help="compare content digests, not size and mtime")
+    y.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    y.add_argument("--stats", action="store_true", help="print transfer statistics")
+    y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
+    y.add_argument("--streams", type=int, default=None, help="TCP streams per session (default 4)")
+    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto", help="per-chunk lz4 policy")
+    y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
+
+    l_ = sub.add_parser("ls", help="list a remote directory")
+    l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
+    l_.add_argument("--token-file")
+
+    b = sub.add_parser("bench", help="link test: RTT and raw TCP throughput against a server")
+    b.add_argument("host", help="HOST[:PORT] of a tb5sync server")
+    b.add_argument("--seconds", type=float, default=2.0, help="seconds per throughput measurement")
+    b.add_argument("--token-file")
+    return p
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from .server import Server
+
+    host, port = _parse_bind(a.bind)
+    srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only)
+    srv.bind()
+    print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _cmd_sync(a: argparse.Namespace) -> int:
+    from .sync import sync
+
+    bar = None
+    progress = None
+    if a.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
+
+        def progress(done: int, total: int) -> None:
+            assert bar is not None
+            if bar.total != total:
+                bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        stats = sync(
+            a.src,
+            a.dst,
+            delete=a.delete,
+            exclude=a.exclude,
+            checksum=a.checksum,
+            dry_run=a.dry_run,
+            streams=a.streams,
+            compress=a.compress,
+            progress=progress,
+            token=_read_token(a.token_file),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if a.json:
+        print(json.dumps(stats.as_dict()))
+    elif a.stats or a.dry_run:
+        secs = stats.seconds or 1e-9
+        prefix = "would transfer" if a.dry_run else "transferred"
+        print(f"files: {stats.files_total} total, {stats.files_transferred} {prefix}, {stats.files_deleted} deleted")
+        print(f"bytes: {_fmt_bytes(stats.bytes_total)} total, {_fmt_bytes(stats.bytes_transferred)} {prefix}")
+        print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent}, reused {stats.chunks_reused}")
+        print(f"time: {stats.seconds:.3f} s, {stats.bytes_transferred / secs / 1e9:.2f} GB/s")
+    return 0
+
+
+def _cmd_ls(a: argparse.Namespace) -> int:
+    from .client import ls, parse_url
+    from .errors import UsageError
+
+    r = parse_url(a.url)
+    if r is None:
+        raise UsageError(f"ls needs a tb5:// URL, not {a.url!r}")
+    entries = ls(r, token=_read_token(a.token_file))
+    import stat as _stat
+
+    for e in entries[1:] if entries and entries[0].kind == "d" else entries:
+        kind = {"d": _stat.S_IFDIR, "l": _stat.S_IFLNK}.get(e.kind, _stat.S_IFREG)
+        when = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(e.mtime_ns / 1e9))
+        name = e.path or os.path.basename(r.path.rstrip("/"))
+        tail = f" -> {e.target}" if e.kind == "l" else ""
+        print(f"{_stat.filemode(kind | e.mode)} {e.size:>14,} {when} {name}{tail}")
+    return 0
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from .client import bench_link
+
+    host, port = _parse_bind(a.host)
+    for line in bench_link(host, port, token=_read_token(a.token_file), seconds=a.seconds):
+        print(line, flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (also used as the console script)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(a.verbose, 2)
+    logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
+    from .errors import Tb5syncError
+
+    handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench}
+    try:
+        return handlers[a.command](a)
+    except Tb5syncError as exc:
+        print(f"tb5sync: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("tb5sync: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        print(f"tb5sync: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", file=sys.stderr)
+        return 11
+
+
+if __name__ == "__main__":
+    sys.exit(main())
