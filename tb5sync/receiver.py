@@ -321,7 +321,7 @@ class Receiver:
         except OSError:
             return None
         try:
-            return st.chunks_of(fd, self._spath(rel), os.fstat(fd))[0]
+            return st.chunks_of(fd, self._spath(rel), os.fstat(fd), fresh=True)[0]
         finally:
             os.close(fd)
 

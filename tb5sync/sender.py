@@ -121,9 +121,9 @@ class Sender:
     def _state_path(self, path: str) -> str:
         return "/".join(p for p in (self.state_prefix, path) if p)
 
-    def _chunks(self, fd: int, path: str, st: os.stat_result) -> tuple[bytes, list[tuple[bytes, int]]]:
+    def _chunks(self, fd: int, path: str, st: os.stat_result, fresh: bool = False) -> tuple[bytes, list[tuple[bytes, int]]]:
         if self.state is not None:
-            return self.state.chunks_of(fd, self._state_path(path), st)
+            return self.state.chunks_of(fd, self._state_path(path), st, fresh=fresh)
         refs = chunk_fd(fd, st.st_size, self.params)
         from .hashing import file_digest
 
@@ -141,7 +141,7 @@ class Sender:
         start = max(0, int(start))
         return {"entries": [list(e) for e in self._entries[start : start + count]], "total": len(self._entries)}
 
-    def chunk_list(self, path: str) -> dict[str, Any]:
+    def chunk_list(self, path: str, fresh: bool = False) -> dict[str, Any]:
         """FastCDC chunk list of a regular file, from the scan cache when size/mtime/inode match.
 
         Raises
@@ -157,7 +157,7 @@ class Sender:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {path}")
-            digest, refs = self._chunks(fd, path, st)
+            digest, refs = self._chunks(fd, path, st, fresh)
             st2 = os.fstat(fd)
             if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise SourceChangedError(path)
@@ -166,11 +166,11 @@ class Sender:
             os.close(fd)
 
     def file_digests(self, paths: list[str]) -> dict[str, Any]:
-        """File digests (BLAKE3 over the chunk list) of ``paths``; None for a file that is gone."""
+        """File digests (BLAKE3 over the chunk list) of ``paths``, re-read from disk; None for a file that is gone."""
         out: list[bytes | None] = []
         for p in paths:
             try:
-                out.append(self.chunk_list(p)["digest"])
+                out.append(self.chunk_list(p, fresh=True)["digest"])
             except (RemoteNotFoundError, SourceChangedError, UsageError):
                 out.append(None)
         return {"digests": out}

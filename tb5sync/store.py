@@ -164,17 +164,19 @@ class TreeState:
         with self._lock:
             return list(self._db.execute("SELECT path, offset, length FROM chunks WHERE digest=? LIMIT 4", (digest,)))
 
-    def chunks_of(self, fd: int, path: str, st: os.stat_result) -> tuple[bytes, list[ChunkRef]]:
+    def chunks_of(self, fd: int, path: str, st: os.stat_result, *, fresh: bool = False) -> tuple[bytes, list[ChunkRef]]:
         """Chunk list and file digest of the open file ``fd`` (whose ``fstat`` is ``st``), from cache or computed.
 
-        Computed lists are recorded in the cache.
+        Computed lists are recorded in the cache. ``fresh=True`` ignores the cache
+        and re-reads the file (``--checksum``: content changed behind an unchanged
+        size, mtime and inode is found too).
 
         Raises
         ------
         OSError
             The file cannot be read.
         """
-        hit = self.lookup(path, st.st_size, st.st_mtime_ns, st.st_ino)
+        hit = None if fresh else self.lookup(path, st.st_size, st.st_mtime_ns, st.st_ino)
         if hit is not None:
             return hit
         refs = chunk_fd(fd, st.st_size, self.params)

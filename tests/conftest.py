@@ -54,3 +54,117 @@ def cy_chunker() -> ChunkerImpl:
 def small_chunk_params() -> chunking.ChunkParams:
     """Small chunk sizes (64 B / 256 B / 1 KiB) so that tests see many chunks in little data."""
     return chunking.ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
+
+
+# --- servers and trees (tb5sync.server, tb5sync.sync) ----------------------------------------
+
+import shutil
+import stat as _stat
+
+from tb5sync.server import Server
+
+
+@dataclass
+class LiveServer:
+    """A `tb5sync.server.Server` on 127.0.0.1 with a free port, serving ``root``."""
+
+    server: Server
+    root: str
+    token: bytes | None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def url(self, path: str = "") -> str:
+        """``tb5://127.0.0.1:PORT/path``."""
+        return f"tb5://127.0.0.1:{self.port}/{path}"
+
+
+def start_server(root: str, **kw: Any) -> LiveServer:
+    """Start a server on 127.0.0.1:0 (the caller stops it)."""
+    os.makedirs(root, exist_ok=True)
+    srv = Server(root, host="127.0.0.1", port=0, **kw).start()
+    return LiveServer(srv, srv.root, kw.get("token"))
+
+
+@pytest.fixture
+def server(tmp_path: Any) -> Any:
+    """A live server with no token, root ``tmp_path/server``; stopped at teardown."""
+    live = start_server(str(tmp_path / "server"))
+    try:
+        yield live
+    finally:
+        live.server.stop()
+
+
+@pytest.fixture
+def token_server(tmp_path: Any) -> Any:
+    """A live server requiring the token ``b"s3cret-token"``; stopped at teardown."""
+    live = start_server(str(tmp_path / "tserver"), token=b"s3cret-token")
+    try:
+        yield live
+    finally:
+        live.server.stop()
+
+
+def make_tree(base: str, seed: int = 1, files: int = 40) -> str:
+    """A small but varied tree: nested dirs, empty file, odd modes, symlinks (relative, absolute, dangling), a 9 MiB file."""
+    import random
+
+    rnd = random.Random(seed)
+    os.makedirs(base, exist_ok=True)
+    for i in range(files):
+        d = os.path.join(base, f"d{i % 5}", f"sub{i % 3}")
+        os.makedirs(d, exist_ok=True)
+        size = rnd.choice([0, 1, 100, 4096, 70_000, 300_000])
+        with open(os.path.join(d, f"f{i}.bin"), "wb") as f:
+            f.write(rnd.randbytes(size))
+    big = os.path.join(base, "big.bin")
+    with open(big, "wb") as f:
+        f.write(rnd.randbytes(9 * 1024 * 1024 + 123))
+    os.chmod(os.path.join(base, "d0", "sub0", "f0.bin"), 0o751)
+    os.makedirs(os.path.join(base, "empty_dir"), exist_ok=True)
+    os.symlink("d1/sub1/f1.bin", os.path.join(base, "rel_link"))
+    os.symlink("/etc/hostname", os.path.join(base, "abs_link"))
+    os.symlink("does/not/exist", os.path.join(base, "dangling_link"))
+    os.utime(os.path.join(base, "d2"), ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    return base
+
+
+def snapshot(base: str) -> dict[str, tuple[Any, ...]]:
+    """Relative path -> (kind, mode, size, mtime_ns, content or link target), without .tb5sync.
+
+    Directory mtimes are included; the base directory itself is included as ``"."``.
+    """
+    out: dict[str, tuple[Any, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d != ".tb5sync"]
+        for name in [".", *dirnames, *filenames] if dirpath == base else [*dirnames, *filenames]:
+            full = os.path.normpath(os.path.join(dirpath, name))
+            rel = os.path.relpath(full, base)
+            st = os.lstat(full)
+            if _stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", os.readlink(full), st.st_mtime_ns)
+            elif _stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", _stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+            else:
+                with open(full, "rb") as f:
+                    data = f.read()
+                out[rel] = ("f", _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, data)
+    return out
+
+
+@pytest.fixture
+def tree(tmp_path: Any) -> str:
+    """A fresh :func:`make_tree` under ``tmp_path/src``."""
+    return make_tree(str(tmp_path / "src"))
+
+
+def have_rsync() -> bool:
+    """True when rsync is installed; fails instead when TB5SYNC_REQUIRE_RSYNC=1 and it is missing."""
+    if shutil.which("rsync"):
+        return True
+    if os.environ.get("TB5SYNC_REQUIRE_RSYNC") == "1":
+        pytest.fail("rsync is not installed but TB5SYNC_REQUIRE_RSYNC=1")
+    return False

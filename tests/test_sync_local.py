@@ -1,0 +1,205 @@
+"""End-to-end sync through the same sender/receiver code: local -> local, push and pull over loopback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import tb5sync
+from conftest import make_tree, snapshot
+
+
+@pytest.fixture(params=["local", "push", "pull"])
+def route(request, server, tmp_path):
+    """A function (src_tree, name) -> (sync_src, sync_dst, final_path) for each route."""
+
+    def make(src: str, name: str):
+        if request.param == "local":
+            dst = str(tmp_path / "out" / name)
+            return src + "/", dst, dst
+        if request.param == "push":
+            return src + "/", server.url(name), os.path.join(server.root, name)
+        # pull: first put the tree on the server by a local copy, then pull it
+        staged = os.path.join(server.root, "staged-" + name)
+        tb5sync.sync(src + "/", staged)
+        dst = str(tmp_path / "pulled" / name)
+        return server.url("staged-" + name + "/"), dst, dst
+
+    return make
+
+
+def test_round_trip_identical(route, tree):
+    s, d, final = route(tree, "copy")
+    stats = tb5sync.sync(s, d)
+    assert snapshot(final) == snapshot(tree)
+    assert stats.files_total == stats.files_transferred > 0
+    assert stats.bytes_transferred == stats.bytes_total
+    again = tb5sync.sync(s, d)
+    assert again.files_transferred == 0
+    assert again.chunks_sent == 0
+    assert snapshot(final) == snapshot(tree)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "push"])
+def test_delta_sends_small_fraction(remote, server, tree, tmp_path):
+    d = server.url("delta") if remote else str(tmp_path / "delta")
+    final = os.path.join(server.root, "delta") if remote else d
+    tb5sync.sync(tree + "/", d)
+    with open(os.path.join(tree, "big.bin"), "r+b") as f:
+        f.seek(5 * 1024 * 1024)
+        f.write(b"changed!" * 16)
+    stats = tb5sync.sync(tree + "/", d)
+    assert stats.files_transferred == 1
+    assert stats.chunks_reused >= 3
+    assert stats.chunks_sent <= 3
+    assert snapshot(final) == snapshot(tree)
+
+
+def test_pull_delta(server, tree, tmp_path):
+    remote = os.path.join(server.root, "m")
+    tb5sync.sync(tree + "/", remote)
+    dst = str(tmp_path / "p")
+    tb5sync.sync(server.url("m/"), dst)
+    with open(os.path.join(remote, "big.bin"), "r+b") as f:
+        f.seek(1000)
+        f.write(b"x" * 50)
+    stats = tb5sync.sync(server.url("m/"), dst)
+    assert stats.files_transferred == 1
+    assert stats.chunks_sent <= 2 and stats.chunks_reused >= 3
+    assert snapshot(dst) == snapshot(remote)
+
+
+def test_trailing_slash_semantics(tree, tmp_path):
+    out = tmp_path / "o"
+    tb5sync.sync(tree, str(out))
+    assert (out / "src" / "big.bin").is_file()
+    tb5sync.sync(tree + "/", str(out / "contents"))
+    assert (out / "contents" / "big.bin").is_file()
+    single = os.path.join(tree, "big.bin")
+    tb5sync.sync(single, str(out / "renamed.bin"))
+    with open(single, "rb") as f:
+        assert (out / "renamed.bin").read_bytes() == f.read()
+    os.makedirs(out / "into")
+    tb5sync.sync(single, str(out / "into"))
+    assert (out / "into" / "big.bin").is_file()
+
+
+def test_delete_respects_excludes(tree, tmp_path):
+    dst = str(tmp_path / "d")
+    tb5sync.sync(tree + "/", dst)
+    for name in ("extra.txt", "keep.log"):
+        with open(os.path.join(dst, name), "w") as f:
+            f.write("x")
+    os.makedirs(os.path.join(dst, "extradir", "deep"))
+    stats = tb5sync.sync(tree + "/", dst, delete=True, exclude=["*.log"])
+    assert not os.path.exists(os.path.join(dst, "extra.txt"))
+    assert not os.path.exists(os.path.join(dst, "extradir"))
+    assert os.path.exists(os.path.join(dst, "keep.log"))
+    assert stats.files_deleted == 3  # extra.txt, extradir/deep, extradir (rsync counts each)
+
+
+def test_exclude_skips_source(tree, tmp_path):
+    dst = str(tmp_path / "d")
+    tb5sync.sync(tree + "/", dst, exclude=["d1/", "*.bin"])
+    assert not os.path.exists(os.path.join(dst, "d1"))
+    assert not any(n.endswith(".bin") for _, _, fs in os.walk(dst) for n in fs)
+    assert os.path.islink(os.path.join(dst, "rel_link"))
+
+
+def test_checksum_detects_same_size_same_mtime_change(tree, tmp_path):
+    dst = str(tmp_path / "d")
+    tb5sync.sync(tree + "/", dst)
+    victim = os.path.join(dst, "d0", "sub0", "f0.bin")
+    st = os.stat(victim)
+    if st.st_size == 0:
+        victim = os.path.join(dst, "big.bin")
+        st = os.stat(victim)
+    with open(victim, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert tb5sync.sync(tree + "/", dst).files_transferred == 0  # quick check misses it, like rsync
+    stats = tb5sync.sync(tree + "/", dst, checksum=True)
+    assert stats.files_transferred == 1
+    assert snapshot(dst) == snapshot(tree)
+
+
+def test_dry_run_changes_nothing(tree, tmp_path):
+    dst = tmp_path / "d"
+    stats = tb5sync.sync(tree + "/", str(dst), dry_run=True)
+    assert stats.files_transferred == stats.files_total > 0
+    assert not dst.exists() or not any(p.name != ".tb5sync" for p in dst.iterdir())
+
+
+def test_type_change_file_to_dir_and_link(tree, tmp_path):
+    dst = str(tmp_path / "d")
+    tb5sync.sync(tree + "/", dst)
+    os.unlink(os.path.join(tree, "rel_link"))
+    os.makedirs(os.path.join(tree, "rel_link"))
+    os.rename(os.path.join(tree, "empty_dir"), os.path.join(tree, "tmpx"))
+    with open(os.path.join(tree, "empty_dir"), "w") as f:
+        f.write("now a file")
+    os.rmdir(os.path.join(tree, "tmpx"))
+    tb5sync.sync(tree + "/", dst)
+    assert snapshot(dst) == snapshot(tree)
+
+
+def test_missing_source_is_clear(tmp_path):
+    with pytest.raises(tb5sync.RemoteNotFoundError, match="does not exist"):
+        tb5sync.sync(str(tmp_path / "nope"), str(tmp_path / "x"))
+
+
+def test_both_remote_refused():
+    with pytest.raises(tb5sync.UsageError, match="both"):
+        tb5sync.sync("tb5://a/x", "tb5://b/y")
+
+
+def test_bad_options_refused(tmp_path):
+    with pytest.raises(tb5sync.UsageError, match="compress"):
+        tb5sync.sync(str(tmp_path), str(tmp_path / "x"), compress="zip")
+    with pytest.raises(tb5sync.UsageError, match="streams"):
+        tb5sync.sync(str(tmp_path), str(tmp_path / "x"), streams=0)
+
+
+@pytest.mark.parametrize("compress", ["lz4", "none", "auto"])
+def test_compression_modes_round_trip(server, tmp_path, compress):
+    src = tmp_path / "c"
+    src.mkdir()
+    (src / "text.txt").write_bytes(b"hello tb5sync " * 500_000)  # 7 MB, compressible: the chunked path
+    (src / "small.txt").write_bytes(b"abc" * 10_000)
+    (src / "random.bin").write_bytes(os.urandom(300_000))
+    stats = tb5sync.sync(str(src) + "/", server.url("c"), compress=compress)
+    assert snapshot(os.path.join(server.root, "c")) == snapshot(str(src))
+    if compress == "lz4":
+        assert stats.wire_bytes < 3_000_000
+
+
+def test_stats_fields_are_ints(tree, tmp_path):
+    stats = tb5sync.sync(tree + "/", str(tmp_path / "d"))
+    d = stats.as_dict()
+    for k in ("files_total", "bytes_total", "files_transferred", "bytes_transferred", "wire_bytes",
+              "chunks_sent", "chunks_reused", "files_deleted"):
+        assert isinstance(d[k], int), k
+    assert isinstance(d["seconds"], float)
+
+
+def test_many_streams_and_one_stream(server, tree):
+    for n in (1, 7):
+        tb5sync.sync(tree + "/", server.url(f"s{n}"), streams=n)
+        assert snapshot(os.path.join(server.root, f"s{n}")) == snapshot(tree)
+
+
+def test_dedup_across_files_uses_index(server, tmp_path):
+    src = tmp_path / "dd"
+    src.mkdir()
+    data = os.urandom(12 * 1024 * 1024)
+    (src / "a.bin").write_bytes(data)
+    tb5sync.sync(str(src) + "/", server.url("dd"))
+    (src / "b.bin").write_bytes(data)  # same content under a new name
+    stats = tb5sync.sync(str(src) + "/", server.url("dd"))
+    assert stats.files_transferred == 1
+    assert stats.chunks_sent == 0 and stats.chunks_reused > 0
+    with open(os.path.join(server.root, "dd", "b.bin"), "rb") as f:
+        assert f.read() == data
