@@ -332,6 +332,9 @@ class Receiver:
         extra = [d for d in plan.delete if d.path not in src_paths]
         for d in conflicts:
             self._remove(d, force=self.options.delete)
+        parent = os.path.dirname(self.dest)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, 0o755, exist_ok=True)  # rsync creates the destination directory
         for e in plan.mkdirs:
             p = self._path(e.path)
             if e.path == "":
