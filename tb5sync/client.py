@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError, error_from_remote
-from .manifest import DIR, FILE, LINK, Entry
+from .manifest import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
 from .receiver import ProgressFn, Receiver, RemoteLink, dest_base
 from .sender import Sender
@@ -108,13 +108,6 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
     return state, "" if rel == "." else rel
 
 
-def _name_of(path: str) -> str | None:
-    if path.endswith("/") or path == "":
-        return None
-    name = os.path.basename(path.rstrip("/"))
-    return None if name in ("", ".", "..") else name
-
-
 def pull(
     src: Remote,
     dst: str,
@@ -142,7 +135,7 @@ def pull(
         if kind not in (DIR, FILE, LINK):
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
-        dest = dest_base(dst_abs, dst.endswith("/"), _name_of(src.path), str(kind))
+        dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
         state, prefix = local_state(dest, dst_abs, str(kind), writable=not options.dry_run)
         return Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
     finally:
@@ -207,7 +200,7 @@ def push(
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    kind = LINK if os.path.islink(src_abs) else (DIR if os.path.isdir(src_abs) else FILE)
+    kind = kind_of(src_abs)
     sender = Sender(src_abs, options)
     total = 0
     handler = _PushHandler(sender, progress, 0)
@@ -219,7 +212,7 @@ def push(
     msg = {
         "op": "push",
         "path": dst.path,
-        "name": _name_of(src),
+        "name": source_name(src),
         "src_kind": kind,
         "dst_slash": dst.slash,
         "options": options.to_wire(),

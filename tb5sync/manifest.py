@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from .errors import RemoteNotFoundError, UsageError
 
-__all__ = ["Entry", "FILE", "DIR", "LINK", "STATE_DIR", "ExcludeRules", "scan", "Plan", "plan_sync"]
+__all__ = ["Entry", "FILE", "DIR", "LINK", "STATE_DIR", "ExcludeRules", "scan", "Plan", "plan_sync", "kind_of", "source_name"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,25 @@ def check_relpath(path: str) -> str:
         if part in ("", ".", ".."):
             raise UsageError(f"path component {part!r} not allowed in {path!r}")
     return path
+
+
+def kind_of(path: str) -> str:
+    """``"l"``, ``"d"`` or ``"f"`` for the local ``path`` (symlinks not followed); anything else counts as ``"f"``."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return LINK
+    return DIR if stat.S_ISDIR(st.st_mode) else FILE
+
+
+def source_name(path: str) -> str | None:
+    """The name a source lands under, or None for "the contents of" (rsync's trailing slash).
+
+    ``"a/b"`` -> ``"b"``; ``"a/b/"``, ``""``, ``"."`` and ``".."`` -> None.
+    """
+    if path.endswith("/") or path == "":
+        return None
+    name = os.path.basename(path.rstrip("/"))
+    return None if name in ("", ".", "..") else name
 
 
 def _glob_to_regex(pat: str) -> str:

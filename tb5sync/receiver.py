@@ -40,7 +40,7 @@ from .errors import (
     UsageError,
 )
 from .hashing import chunk_digest, hash_pool
-from .manifest import DIR, FILE, LINK, Entry, plan_sync, scan
+from .manifest import DIR, FILE, Entry, plan_sync, scan
 from .options import SyncOptions, SyncStats
 from .sender import CODEC_LZ4, CODEC_RAW, MAX_PAGE, Sender
 from .store import TreeState

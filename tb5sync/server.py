@@ -38,7 +38,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .manifest import DIR, FILE, LINK, scan
+from .manifest import DIR, FILE, LINK, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
 from .receiver import Receiver, RemoteLink, dest_base
@@ -332,7 +332,7 @@ class Server:
         sid, s = self._new_session("pull", streams)
         try:
             s.sender = Sender(base, options, self.state, self._rel(base))
-            kind = LINK if os.path.islink(base) else (DIR if os.path.isdir(base) else FILE)
+            kind = kind_of(base)
             s.channels[0] = ch
             ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})
             self._serve_sender(ch, s)

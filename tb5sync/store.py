@@ -5,7 +5,8 @@ Layout under ``ROOT/.tb5sync/``::
     state.sqlite     files(path, size, mtime_ns, ino, params, digest, chunks)
                      chunks(digest, path, offset, length)
     partial/         large files being received, named by their file digest; kept
-                     across interruptions so that a re-run sends only what is missing
+                     across interruptions so that a re-run sends only what is missing;
+                     pruned after 7 days untouched
 
 Blocking functions only: no sockets, no event loop. Async callers use
 ``asyncio.to_thread``. When ``ROOT`` cannot be written (a read-only source),
@@ -18,6 +19,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 
 from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
@@ -84,6 +86,23 @@ class TreeState:
             log.info("state for %s kept in memory: %s", root, exc)
             self._db = self._open(":memory:")
         self.persistent = db != ":memory:"
+        if self.persistent:
+            self._prune_partials()
+
+    def _prune_partials(self, max_age: float = 7 * 86400.0) -> None:
+        """Remove partial files untouched for ``max_age`` seconds (abandoned transfers)."""
+        pdir = os.path.join(self.state_dir, "partial")
+        now = time.time()
+        try:
+            with os.scandir(pdir) as it:
+                for de in it:
+                    try:
+                        if now - de.stat(follow_symlinks=False).st_mtime > max_age:
+                            os.unlink(de.path)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
 
     @staticmethod
     def _open(db: str) -> sqlite3.Connection:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from .client import local_state, parse_url, pull, push
 from .errors import RemoteNotFoundError, UsageError
-from .manifest import DIR, FILE, LINK
+from .manifest import DIR, kind_of, source_name
 from .options import SyncOptions, SyncStats
 from .receiver import LocalLink, ProgressFn, Receiver, dest_base
 from .sender import Sender
@@ -16,13 +16,6 @@ __all__ = ["sync", "SyncStats", "SyncOptions", "DEFAULT_STREAMS"]
 
 #: Streams per remote session when the caller does not say (see benches/ for the measurement).
 DEFAULT_STREAMS = 4
-
-
-def _name_of(path: str) -> str | None:
-    if path.endswith("/"):
-        return None
-    name = os.path.basename(path.rstrip("/"))
-    return None if name in ("", ".", "..") else name
 
 
 def sync(
@@ -103,9 +96,9 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    kind = LINK if os.path.islink(src_abs) else (DIR if os.path.isdir(src_abs) else FILE)
+    kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
-    dest = dest_base(dst_abs, dst.endswith("/"), _name_of(src), kind)
+    dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
     state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run)
