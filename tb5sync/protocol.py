@@ -394,6 +394,8 @@ class ClientHandshake:
             self._auth = bool(msg.get("auth"))
             if self._auth and not self.token:
                 raise AuthError("server requires a token (--token-file or TB5SYNC_TOKEN)")
+            if self.token and not self._auth:
+                raise AuthError("server does not authenticate, but we hold a token: refusing an unverified server")
             mac = client_mac(self.token, self._server_nonce, self.nonce) if self.token else b""
             out = encode_control(FrameType.AUTH, 0, {"mac": mac})
         elif ftype is FrameType.WELCOME and self._auth:

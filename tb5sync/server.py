@@ -371,6 +371,9 @@ class Server:
             raise UsageError("src_kind must be d, f or l")
         dst = resolve_in_root(self.root, path)
         dest = dest_base(dst, bool(msg.get("dst_slash")), name, str(src_kind))
+        if dest != dst:
+            # dest_base looked through a symlink at dst: resolve again and refuse if it leaves ROOT
+            dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})

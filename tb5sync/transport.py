@@ -63,6 +63,7 @@ class Channel:
         self.bytes_received = 0
         self._hdr = bytearray(P.HEADER.size)
         self.closed = False
+        self._error_sent = False
 
     # ---- sending ----------------------------------------------------------------------
     def _sendall_parts(self, parts: list[Any]) -> None:
@@ -91,7 +92,14 @@ class Channel:
         self._sendall_parts([P.encode_data_prefix(rid, meta, body), *parts])
 
     def send_error(self, rid: int, exc: BaseException) -> None:
-        """Send an ERROR frame naming ``exc``; errors while sending are ignored."""
+        """Send an ERROR frame naming ``exc``; errors while sending are ignored.
+
+        A session-level error (``rid`` 0) is sent at most once per channel.
+        """
+        if rid == 0:
+            if self._error_sent:
+                return
+            self._error_sent = True
         try:
             self._sendall_parts([P.error_frame(rid, exc)])
         except OSError:
@@ -179,7 +187,7 @@ def server_handshake(ch: Channel, token: bytes | None) -> None:
             if out:
                 ch._sendall_parts([out])
     except (Tb5syncError, OSError) as exc:
-        if not isinstance(exc, (ConnectError, OSError)):
+        if isinstance(exc, Tb5syncError) and not isinstance(exc, ConnectError):
             ch.send_error(0, exc)
         raise
 
@@ -211,6 +219,9 @@ def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) ->
     ch = Channel(sock)
     try:
         client_handshake(ch, token)
+    except Tb5syncError:
+        ch.close()
+        raise
     except OSError as exc:
         ch.close()
         raise ConnectError(f"connection to {host}:{port} failed during the handshake: {exc}") from exc
