@@ -128,6 +128,10 @@ def _glob_to_regex(pat: str) -> str:
     while i < len(pat):
         c = pat[i]
         if c == "*":
+            if pat[i : i + 3] == "**/":
+                out.append("(?:.*/)?")  # zero or more whole directories
+                i += 3
+                continue
             if pat[i : i + 2] == "**":
                 out.append(".*")
                 i += 2
@@ -384,6 +388,8 @@ def plan_sync(
                     plan.delete.append(d)
                 plan.links.append(e)
             else:
+                if d.mtime_ns != e.mtime_ns:
+                    plan.meta.append(e)
                 plan.unchanged += 1
         else:
             if d is None:

@@ -40,7 +40,7 @@ from .errors import (
     UsageError,
 )
 from .hashing import chunk_digest, hash_pool
-from .manifest import DIR, FILE, Entry, plan_sync, scan
+from .manifest import DIR, FILE, LINK, Entry, plan_sync, scan
 from .options import SyncOptions, SyncStats
 from .sender import CODEC_LZ4, CODEC_RAW, MAX_PAGE, Sender
 from .store import TreeState
@@ -328,10 +328,12 @@ class Receiver:
     # ---- applying the plan ------------------------------------------------------------
     def _apply(self, plan: Any, src: list[Entry]) -> None:
         src_paths = {e.path for e in src}
-        conflicts = [d for d in plan.delete if d.path in src_paths]
-        extra = [d for d in plan.delete if d.path not in src_paths]
-        for d in conflicts:
-            self._remove(d, force=self.options.delete)
+        # Deletions first, deepest first, before anything new is created: a path never
+        # passes through an entry that this run just replaced (rsync's --delete-during order).
+        for d in plan.delete:
+            replaced = d.path in src_paths
+            if self._remove(d, replaced) and not replaced:
+                self._st["files_deleted"] += 1
         parent = os.path.dirname(self.dest)
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, 0o755, exist_ok=True)  # rsync creates the destination directory
@@ -353,32 +355,40 @@ class Receiver:
             if e.kind == FILE:
                 os.chmod(p, e.mode)
                 os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
-        for d in extra:
-            self._remove(d, force=True)
-            self._st["files_deleted"] += 1
+            elif e.kind == LINK:
+                os.utime(p, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
         for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
             p = self._path(e.path)
             os.chmod(p, e.mode)
             os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
 
-    def _remove(self, d: Entry, force: bool) -> None:
+    def _remove(self, d: Entry, replaced: bool) -> bool:
+        """Remove one destination entry (never following symlinks); True if it was removed.
+
+        Directories are removed with ``rmdir`` only: their deletable children come
+        earlier in the plan. A directory still holding excluded (protected) entries
+        is kept; one that must be replaced by another type raises instead.
+        """
         p = self._path(d.path)
         try:
-            if d.kind == DIR:
-                if force:
-                    shutil.rmtree(p)
-                else:
-                    os.rmdir(p)
+            if d.kind == DIR and not os.path.islink(p):
+                os.rmdir(p)
             else:
                 os.unlink(p)
         except FileNotFoundError:
-            pass
+            return False
         except OSError as exc:
-            if exc.errno == errno.ENOTEMPTY:
-                raise DestinationError(f"cannot replace non-empty directory {p} (use --delete)") from exc
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                if not replaced:
+                    return False
+                raise DestinationError(
+                    f"cannot replace non-empty directory {p} with a {'file' if d.kind == DIR else 'directory'}"
+                    " (use --delete, and check --exclude patterns)"
+                ) from exc
             raise
         if self.state is not None:
             self.state.forget([self._spath(d.path)])
+        return True
 
     def _make_link(self, e: Entry) -> None:
         p = self._path(e.path)
