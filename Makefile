@@ -18,15 +18,20 @@ $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-## test: the whole suite with the Cython chunker, then the chunker and engine tests with pure Python forced
+## test: the whole suite with the Cython chunker, then the chunker and engine tests with pure Python forced;
+## the corpus tests run when TB5SYNC_CORPUS is set, or when `make corpus` has built .corpus
 test: $(STAMP)
+	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py
 
-## corpus: real model weights and site-packages (add PARTS="models build ccache site-packages" for all)
+## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
+## SHARED is the team's shared/ folder, a sibling of the clone by default
+SHARED ?= ../shared
 PARTS ?= models site-packages
 corpus:
-	bash ../shared/corpus/make_corpus.sh $(CORPUS) $(PARTS)
+	@test -f $(SHARED)/corpus/make_corpus.sh || { echo "no $(SHARED)/corpus/make_corpus.sh: set SHARED=/path/to/shared" >&2; exit 2; }
+	bash $(SHARED)/corpus/make_corpus.sh $(CORPUS) $(PARTS)
 
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

@@ -1,6 +1,6 @@
-"""Real inputs: the corpus built by ``/work/shared/corpus/make_corpus.sh``, through a live server.
+"""Real inputs: the corpus built by ``shared/corpus/make_corpus.sh`` (``make corpus``), through a live server.
 
-Set ``TB5SYNC_CORPUS`` to the corpus directory (e.g. ``TB5SYNC_CORPUS=/work/corpus``); without
+Set ``TB5SYNC_CORPUS`` to the corpus directory (``make corpus`` builds ``.corpus``; ``TB5SYNC_CORPUS=$PWD/.corpus``); without
 it every test here is skipped. For each part present (``models``, ``site-packages``,
 ``build``, ``ccache``):
 
@@ -129,7 +129,7 @@ class RoundTrip:
 def corpus_dir() -> str:
     path = os.environ.get(CORPUS_ENV)
     if not path:
-        pytest.skip(f"{CORPUS_ENV} is not set (point it to a corpus built by /work/shared/corpus/make_corpus.sh)")
+        pytest.skip(f"{CORPUS_ENV} is not set (run `make corpus` and set {CORPUS_ENV}=$PWD/.corpus)")
     if not os.path.isdir(path):
         pytest.fail(f"{CORPUS_ENV}={path} is not a directory")
     return path
