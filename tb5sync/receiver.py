@@ -37,9 +37,9 @@ from .errors import (
     RemoteProtocolError,
     SourceChangedError,
     Tb5syncError,
-    UsageError,
+
 )
-from .hashing import chunk_digest, hash_pool
+from .hashing import chunk_digest, chunk_fd, file_digest, hash_pool
 from .manifest import DIR, FILE, LINK, Entry, plan_sync, scan
 from .options import SyncOptions, SyncStats
 from .sender import CODEC_LZ4, CODEC_RAW, MAX_PAGE, Sender
@@ -315,13 +315,15 @@ class Receiver:
         return out
 
     def _local_digest(self, rel: str) -> bytes | None:
-        st = TreeState(self.dest, self.params, writable=False) if self.state is None else self.state
         try:
-            fd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
         try:
-            return st.chunks_of(fd, self._spath(rel), os.fstat(fd), fresh=True)[0]
+            st = os.fstat(fd)
+            if self.state is None:
+                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params))
+            return self.state.chunks_of(fd, self._spath(rel), st, fresh=True)[0]
         finally:
             os.close(fd)
 
@@ -683,8 +685,3 @@ def _unlink_quiet(path: str) -> None:
     except OSError:
         pass
 
-
-def check_usage(options: SyncOptions) -> None:
-    """Validate options that the receiver relies on (raises UsageError)."""
-    if not isinstance(options, SyncOptions):
-        raise UsageError("options must be a SyncOptions")

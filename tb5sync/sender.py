@@ -25,7 +25,7 @@ import lz4.block
 from . import chunking
 from ._paths import DirFds
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
-from .hashing import chunk_buffer, chunk_fd
+from .hashing import chunk_buffer, chunk_fd, file_digest
 from .manifest import Entry, check_relpath, scan
 from .options import SyncOptions
 from .store import TreeState
@@ -125,8 +125,6 @@ class Sender:
         if self.state is not None:
             return self.state.chunks_of(fd, self._state_path(path), st, fresh=fresh)
         refs = chunk_fd(fd, st.st_size, self.params)
-        from .hashing import file_digest
-
         return file_digest(d for d, _ in refs), refs
 
     # ---- requests ---------------------------------------------------------------------
