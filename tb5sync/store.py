@@ -131,40 +131,31 @@ class TreeState:
 
     def record(self, path: str, size: int, mtime_ns: int, ino: int, refs: Sequence[ChunkRef]) -> bytes:
         """Store ``path``'s chunk list in the scan cache and the chunk index; return the file digest."""
-        digest = file_digest(d for d, _ in refs)
-        rows = []
-        off = 0
-        for d, n in refs:
-            rows.append((d, path, off, n))
-            off += n
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
-            self._db.execute(
-                "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
-                (path, size, mtime_ns, ino, self.params.version, digest, refs_to_blob(refs)),
-            )
-            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", rows)
-        return digest
+        return self.record_many([(path, size, mtime_ns, ino, refs)])[0]
 
-    def record_many(self, items: Sequence[tuple[str, int, int, int, Sequence[ChunkRef]]]) -> None:
-        """:meth:`record` for many files in one transaction (``(path, size, mtime_ns, ino, refs)``)."""
-        if not items:
-            return
+    def record_many(self, items: Sequence[tuple[str, int, int, int, Sequence[ChunkRef]]]) -> list[bytes]:
+        """:meth:`record` for many files in one transaction (``(path, size, mtime_ns, ino, refs)``).
+
+        Returns the file digests, in order.
+        """
+        digests = []
         with self._lock, self._db:
             self._db.execute("BEGIN")
             for path, size, mtime_ns, ino, refs in items:
+                digest = file_digest(d for d, _ in refs)
+                digests.append(digest)
                 self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
                 self._db.execute(
                     "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
-                    (path, size, mtime_ns, ino, self.params.version, file_digest(d for d, _ in refs), refs_to_blob(refs)),
+                    (path, size, mtime_ns, ino, self.params.version, digest, refs_to_blob(refs)),
                 )
-                off = 0
                 rows = []
+                off = 0
                 for d, n in refs:
                     rows.append((d, path, off, n))
                     off += n
                 self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", rows)
+        return digests
 
     def forget(self, paths: Sequence[str]) -> None:
         """Drop cache and index rows of ``paths`` (deleted or replaced files) and everything below them."""
