@@ -115,8 +115,13 @@ def pull(
     *,
     token: bytes | str | None = None,
     progress: ProgressFn | None = None,
+    keep_state: bool = True,
 ) -> SyncStats:
     """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
+
+    ``keep_state=False`` keeps the destination's scan cache and chunk index in
+    memory (no ``.tb5sync`` directory is created locally; an interrupted large
+    file is not resumable).
 
     Raises
     ------
@@ -136,7 +141,7 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
-        state, prefix = local_state(dest, dst_abs, str(kind), writable=not options.dry_run)
+        state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run)
         return Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
     finally:
         requester.close(bye=True)
@@ -187,8 +192,12 @@ def push(
     *,
     token: bytes | str | None = None,
     progress: ProgressFn | None = None,
+    name: str | None = None,
 ) -> SyncStats:
     """Copy the local path ``src`` to ``dst`` on a server; the server's receiver drives.
+
+    ``name`` overrides the name the source gets inside a directory destination
+    (default: ``src``'s own name, or "contents of" for a trailing slash).
 
     Raises
     ------
@@ -212,7 +221,7 @@ def push(
     msg = {
         "op": "push",
         "path": dst.path,
-        "name": source_name(src),
+        "name": source_name(src) if name is None else name,
         "src_kind": kind,
         "dst_slash": dst.slash,
         "options": options.to_wire(),

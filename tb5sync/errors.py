@@ -12,6 +12,8 @@ was the model: distinct codes for usage, protocol, file I/O and timeouts).
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "Tb5syncError",
     "UsageError",
@@ -28,6 +30,12 @@ __all__ = [
     "SourceChangedError",
     "DestinationError",
     "RemoteError",
+    "RemoteOSError",
+    "RemoteExistsError",
+    "RemoteIsADirectoryError",
+    "RemoteNotADirectoryError",
+    "RemotePermissionError",
+    "remote_os_error",
 ]
 
 
@@ -156,6 +164,57 @@ class RemoteError(Tb5syncError):
         self.kind = kind
 
 
+class RemoteOSError(Tb5syncError, OSError):
+    """A file-system call on the server failed (fsspec layer); ``errno`` is the server's errno.
+
+    Subclasses also derive from the builtin ``OSError`` subclass fsspec callers
+    expect (``FileExistsError``, ``IsADirectoryError``, ...). Messages name the
+    request path, never the server's absolute path.
+    """
+
+    exit_code = 11
+
+
+class RemoteExistsError(RemoteOSError, FileExistsError):
+    """The path already exists on the server (``EEXIST``)."""
+
+
+class RemoteIsADirectoryError(RemoteOSError, IsADirectoryError):
+    """A file operation was aimed at a directory on the server (``EISDIR``)."""
+
+
+class RemoteNotADirectoryError(RemoteOSError, NotADirectoryError):
+    """A path component on the server is not a directory (``ENOTDIR``)."""
+
+
+class RemotePermissionError(RemoteOSError, PermissionError):
+    """The server's operating system refused access (``EACCES``/``EPERM``)."""
+
+
+_BY_ERRNO: dict[int, type[Tb5syncError]] = {
+    errno.ENOENT: RemoteNotFoundError,
+    errno.EEXIST: RemoteExistsError,
+    errno.EISDIR: RemoteIsADirectoryError,
+    errno.ENOTDIR: RemoteNotADirectoryError,
+    errno.EACCES: RemotePermissionError,
+    errno.EPERM: RemotePermissionError,
+}
+
+
+def remote_os_error(exc: OSError, path: str) -> Tb5syncError:
+    """Translate an ``OSError`` raised while serving ``path`` into the matching tb5sync class.
+
+    The result keeps ``errno`` and names ``path`` (the request path, relative to
+    the served root) instead of the server's absolute file name.
+    """
+    code = exc.errno if isinstance(exc.errno, int) else 0
+    cls = _BY_ERRNO.get(code, RemoteOSError)
+    reason = exc.strerror or str(exc)
+    err = cls(f"{reason}: {path!r}" if path else reason)
+    err.errno = code or None  # type: ignore[attr-defined]
+    return err
+
+
 # Error classes the peer may name in an ERROR message and that we re-raise as the same class.
 _BY_NAME: dict[str, type[Tb5syncError]] = {
     cls.__name__: cls
@@ -167,15 +226,21 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         IntegrityError,
         DestinationError,
         RemoteProtocolError,
+        RemoteOSError,
+        RemoteExistsError,
+        RemoteIsADirectoryError,
+        RemoteNotADirectoryError,
+        RemotePermissionError,
     )
 }
 
 
-def error_from_remote(kind: str, message: str) -> Tb5syncError:
-    """Rebuild an error the peer reported as ``(kind, message)``.
+def error_from_remote(kind: str, message: str, errno_: int | None = None) -> Tb5syncError:
+    """Rebuild an error the peer reported as ``(kind, message[, errno])``.
 
     Known kinds come back as their own class (a ``PathError`` as ``PathError``); any
     other kind becomes :class:`RemoteError`. The message is prefixed with ``remote:``.
+    ``errno_`` (when the peer sent one) is set on ``OSError`` subclasses.
     """
     text = f"remote: {message}"
     if kind == "PathError":
@@ -191,4 +256,7 @@ def error_from_remote(kind: str, message: str) -> Tb5syncError:
     cls = _BY_NAME.get(kind)
     if cls is None:
         return RemoteError(kind, text)
-    return cls(text)
+    err = cls(text)
+    if isinstance(err, OSError) and isinstance(errno_, int):
+        err.errno = errno_
+    return err

@@ -467,8 +467,12 @@ class ServerHandshake:
 
 
 def error_frame(rid: int, exc: BaseException) -> bytes:
-    """Encode an ERROR frame reporting ``exc`` as ``{"kind": class name, "message": str}``."""
-    return encode_control(FrameType.ERROR, rid, {"kind": type(exc).__name__, "message": str(exc)})
+    """Encode an ERROR frame reporting ``exc`` as ``{"kind": class name, "message": str[, "errno": int]}``."""
+    msg: dict[str, Any] = {"kind": type(exc).__name__, "message": str(exc)}
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, OSError) and isinstance(code, int):
+        msg["errno"] = code
+    return encode_control(FrameType.ERROR, rid, msg)
 
 
 def _raise_handshake_error(msg: dict[str, Any]) -> None:

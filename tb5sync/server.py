@@ -12,6 +12,9 @@ Each TCP connection authenticates (HMAC challenge-response, see
     An extra stream for an open session (push or pull).
 ``{"op": "ls", "path"}``
     One directory level (or one entry) under ``path``.
+``{"op": "fs"}``
+    A file-system session for :mod:`tb5sync.fs`: requests as in
+    :class:`~tb5sync.fsops.FsOps` until BYE.
 
 Every error in one connection ends that connection (after an ERROR frame to
 the peer); the server itself keeps serving.
@@ -38,6 +41,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
+from .fsops import FS_METHODS, FsOps
 from .manifest import DIR, FILE, LINK, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
@@ -259,6 +263,14 @@ class Server:
             raise UsageError("path must be a string")
         if op == "ls":
             self._ls(ch, path)
+            return False
+        if op == "fs":
+            ops = FsOps(self.root, self.state, self.read_only)
+            try:
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+                serve(ch, ops, FS_METHODS)
+            finally:
+                ops.close()
             return False
         if op == "ping":
             ch.send_control(FrameType.RESPONSE, 0, {})

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from . import protocol as P
@@ -241,7 +241,7 @@ def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
     header, payload = got
     body = P.decode_control(payload)
     if header.type is P.FrameType.ERROR:
-        raise error_from_remote(str(body.get("kind")), str(body.get("message")))
+        raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
     if header.type is not P.FrameType.RESPONSE:
         raise RemoteProtocolError(f"expected RESPONSE to OPEN, got {header.type.name}")
     return body
@@ -321,21 +321,21 @@ class Requester:
                     fut = pending.pop(header.rid, None)
                 if header.type is P.FrameType.ERROR:
                     body = P.decode_control(payload)
-                    exc = error_from_remote(str(body.get("kind")), str(body.get("message")))
+                    exc = error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
                     if fut is None:  # session-level error
                         err = exc
                         break
-                    fut.set_exception(exc)
+                    _resolve(fut, exc=exc)
                     continue
                 if header.type is P.FrameType.BYE:
                     break
                 if fut is None:
                     raise RemoteProtocolError(f"reply to unknown request id {header.rid}")
                 if header.type is P.FrameType.RESPONSE:
-                    fut.set_result(P.decode_control(payload))
+                    _resolve(fut, P.decode_control(payload))
                 elif header.type is P.FrameType.DATA:
                     meta, body = P.decode_data(payload)
-                    fut.set_result((meta, body))
+                    _resolve(fut, (meta, body))
                 else:
                     raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
         except (ProtocolError, OSError) as exc:
@@ -345,8 +345,7 @@ class Requester:
             left = list(pending.values())
             pending.clear()
         for fut in left:
-            if not fut.done():
-                fut.set_exception(err)
+            _resolve(fut, exc=err)
 
     def close(self, bye: bool = True) -> None:
         """Send BYE on every channel (when ``bye``), then close them."""
@@ -359,6 +358,17 @@ class Requester:
             ch.close()
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _resolve(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle ``fut`` unless the caller cancelled it meanwhile (its reply is then dropped)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def split_parts(body: memoryview, lengths: list[int]) -> list[memoryview]:
@@ -408,7 +418,7 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
             return
         if header.type is P.FrameType.ERROR:
             body = P.decode_control(payload)
-            raise error_from_remote(str(body.get("kind")), str(body.get("message")))
+            raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
         if header.type is not P.FrameType.REQUEST:
             exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
             ch.send_error(0, exc)

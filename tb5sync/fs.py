@@ -1,0 +1,718 @@
+"""fsspec filesystem for ``tb5://HOST[:PORT]/PATH`` URLs, served by ``tb5sync serve``.
+
+``fsspec.open("tb5://node-b:8873/models/model.safetensors", "rb")`` and every other
+fsspec call work against a tb5sync daemon as they do on fsspec's LocalFileSystem.
+Paths are relative to the server's root (``""`` is the root; a leading ``/`` is
+ignored), and info dicts carry the same fields as LocalFileSystem's.
+
+How calls travel
+    One :class:`TB5FileSystem` keeps ``streams`` authenticated TCP connections in a
+    file-system session (server side: :class:`tb5sync.fsops.FsOps`). Requests are
+    pipelined: many concurrent fsspec calls share the connections without waiting
+    for each other's round trips. ``find``/``walk``/``glob``/``du`` take one round
+    trip for the whole tree, ``cat`` of many files one round trip per 32 MiB, ``rm``
+    of many paths one. Large reads are split into 16 MiB requests spread over the
+    connections. ``put_file``/``get_file`` of files of ``engine_threshold`` bytes or
+    more go through the sync engine (FastCDC chunks, BLAKE3-verified, reuse of the
+    chunks the destination already has, several streams); smaller ones are one
+    request each. ``cp_file`` and ``mv`` run on the server: no bytes through the client.
+
+Atomicity
+    Files written with ``pipe``, ``put``, ``cp`` or ``open(..., "wb")`` appear at
+    their final path only when complete (temporary name, then rename on close).
+    ``"xb"`` and ``pipe_file(mode="create")`` never replace an existing file.
+
+Errors
+    ``FileNotFoundError``, ``FileExistsError``, ``IsADirectoryError``,
+    ``NotADirectoryError`` and ``PermissionError`` (a read-only server, a path
+    outside the root) as the matching :mod:`tb5sync.errors` classes, which all
+    derive from :class:`~tb5sync.errors.Tb5syncError`; a directory removed without
+    ``recursive`` is a ``ValueError`` as on LocalFileSystem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fsspec.asyn import AsyncFileSystem, sync, sync_wrapper
+from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+from fsspec.spec import AbstractBufferedFile
+from fsspec.utils import isfilelike, stringify_path
+
+from . import client
+from .errors import (
+    ConnectError,
+    RemoteIsADirectoryError,
+    RemoteProtocolError,
+    SourceChangedError,
+    UsageError,
+    error_from_remote,
+)
+from .fsops import MAX_READ, MAX_WRITE
+from .options import SyncOptions
+from .transport import Requester, connect, open_session, split_parts
+
+__all__ = ["TB5FileSystem", "TB5File"]
+
+DEFAULT_PORT = client.DEFAULT_PORT
+#: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
+ENGINE_THRESHOLD = 32 * 1024 * 1024
+_IDEMPOTENT = frozenset({"info", "ls", "find", "cat", "cat_many", "digest"})
+
+
+def _has_magic(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+class _Link:
+    """The authenticated connections of one filesystem instance, with a pipelined requester."""
+
+    def __init__(self, host: str, port: int, token: bytes | None, streams: int, timeout: float) -> None:
+        chans = []
+        try:
+            for _ in range(streams):
+                ch = connect(host, port, token, timeout)
+                chans.append(ch)
+                resp = open_session(ch, {"op": "fs"})
+        except BaseException:
+            for ch in chans:
+                ch.close()
+            raise
+        self.read_only = bool(resp.get("read_only"))
+        self.requester = Requester(chans)
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.requester.close(bye=True)
+
+
+class _Holder:
+    """Mutable slot for the link, so the finalizer does not keep the filesystem alive."""
+
+    def __init__(self) -> None:
+        self.link: _Link | None = None
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        with self.lock:
+            link, self.link = self.link, None
+        if link is not None:
+            link.close()
+
+
+class TB5FileSystem(AsyncFileSystem):
+    """fsspec filesystem over a ``tb5sync serve`` daemon (protocol ``"tb5"``).
+
+    Parameters
+    ----------
+    host : str
+        Server address (from the URL ``tb5://HOST[:PORT]/...`` when opened by URL).
+    port : int
+        Server port, default 8873.
+    token : str or bytes or None
+        Shared secret; None reads ``TB5SYNC_TOKEN`` from the environment (unset: no auth).
+    streams : int
+        TCP connections to keep open (1..64), default 4.
+    engine_threshold : int
+        ``put_file``/``get_file`` move files of at least this many bytes (default
+        32 MiB) through the sync engine instead of single requests.
+    auto_mkdir : bool
+        Create missing parent directories when writing (as LocalFileSystem's
+        ``auto_mkdir``); default False: writing into a missing directory is a
+        ``FileNotFoundError``.
+    timeout : float
+        Seconds allowed to connect and authenticate.
+    **kwargs
+        fsspec's own (``asynchronous``, ``loop``, ``batch_size``, ...).
+
+    Raises
+    ------
+    UsageError
+        Bad ``port``/``streams`` (a ``ValueError``).
+    ConnectError, AuthError, VersionMismatchError
+        On the first call that needs the server, if it cannot be reached or refuses us.
+
+    Notes
+    -----
+    Instances are cached by fsspec (same arguments, same instance) and keep
+    their connections; a lost connection is reopened on the next call, and a
+    read (info, ls, find, cat, checksum) interrupted by it is retried once.
+    """
+
+    protocol = "tb5"
+    root_marker = ""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        token: str | bytes | None = None,
+        streams: int = 4,
+        engine_threshold: int = ENGINE_THRESHOLD,
+        auto_mkdir: bool = False,
+        timeout: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise UsageError(f"port must be 1..65535, not {port!r}")
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError(f"streams must be 1..64, not {streams!r}")
+        self.host = host
+        self.port = port
+        self.token = client._token(token)
+        self.streams = streams
+        self.engine_threshold = engine_threshold
+        self.auto_mkdir = auto_mkdir
+        self.timeout = timeout
+        self._holder = _Holder()
+        self._write_ids = itertools.count(1)
+        weakref.finalize(self, _Holder.close, self._holder)
+
+    # ---- URLs and paths ---------------------------------------------------------------
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        """``tb5://host:port/a/b/`` -> ``a/b``; ``/a/b`` -> ``a/b``; lists element-wise."""
+        if isinstance(path, (list, tuple)):
+            return type(path)(cls._strip_protocol(p) for p in path)
+        path = stringify_path(path)
+        if path.startswith("tb5://"):
+            path = path[len("tb5://") :].partition("/")[2]
+        elif path.startswith("tb5::"):
+            path = path[len("tb5::") :]
+        return path.strip("/")
+
+    @staticmethod
+    def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+        if not isinstance(path, str) or not path.startswith("tb5://"):
+            return {}
+        remote = client.parse_url(path)
+        assert remote is not None
+        return {"host": remote.host, "port": remote.port}
+
+    def unstrip_protocol(self, name: str) -> str:
+        """Full URL of ``name``: ``tb5://HOST:PORT/name``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tb5://{host}:{self.port}/{self._strip_protocol(name)}"
+
+    @classmethod
+    def _parent(cls, path: str) -> str:
+        path = cls._strip_protocol(path)
+        return path.rpartition("/")[0]
+
+    # ---- requests ---------------------------------------------------------------------
+    def _connect(self) -> _Link:
+        h = self._holder
+        with h.lock:
+            if h.link is None or h.link.closed:
+                h.link = _Link(self.host, self.port, self.token, self.streams, self.timeout)
+            return h.link
+
+    def _drop(self, link: _Link) -> None:
+        with self._holder.lock:
+            if self._holder.link is link:
+                self._holder.link = None
+        link.close()
+
+    async def _link(self) -> _Link:
+        link = self._holder.link
+        if link is not None and not link.closed:
+            return link
+        return await asyncio.to_thread(self._connect)
+
+    async def _call(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Any:
+        """One request; a lost connection is reopened, and an idempotent request retried once."""
+        for attempt in (0, 1):
+            link = await self._link()
+            try:
+                fut = link.requester.submit(method, args, channel=channel)
+                return await asyncio.wrap_future(fut)
+            except ConnectError:
+                self._drop(link)
+                if attempt or method not in _IDEMPOTENT:
+                    raise
+        raise AssertionError("unreachable")
+
+    # ---- metadata -----------------------------------------------------------------------
+    async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        resp = await self._call("info", {"path": self._strip_protocol(path)})
+        return dict(resp["info"])
+
+    async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        resp = await self._call("ls", {"path": self._strip_protocol(path)})
+        entries = [dict(e) for e in resp["entries"]]
+        return entries if detail else [e["name"] for e in entries]
+
+    async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
+        if maxdepth is not None and maxdepth < 1:
+            raise ValueError("maxdepth must be at least 1")
+        detail = kwargs.pop("detail", False)
+        resp = await self._call("find", {"path": self._strip_protocol(path), "maxdepth": maxdepth, "withdirs": withdirs})
+        out = {e["name"]: dict(e) for e in resp["entries"]}
+        return out if detail else sorted(out)
+
+    async def _walk(self, path: str, maxdepth: int | None = None, topdown: bool = True, on_error: Any = "omit", **kwargs: Any) -> AsyncIterator[Any]:
+        """fsspec's ``walk`` from one ``find`` round trip; ``dirs`` may be pruned in place when ``topdown``."""
+        if maxdepth is not None and maxdepth < 1:
+            raise ValueError("maxdepth must be at least 1")
+        path = self._strip_protocol(path)
+        detail = kwargs.pop("detail", False)
+        try:
+            top = await self._info(path)
+            entries = await self._find(path, maxdepth=maxdepth, withdirs=True, detail=True) if top["type"] == "directory" else {}
+        except OSError as exc:
+            if on_error == "raise":
+                raise
+            if callable(on_error):
+                on_error(exc)
+            yield (path, {}, {}) if detail else (path, [], [])
+            return
+        if top["type"] != "directory":
+            yield (path, {}, {"": top}) if detail else (path, [], [""])
+            return
+        tree: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        for name, info in entries.items():
+            if name == path:
+                continue
+            parent, _, base = name.rpartition("/")
+            dirs, files = tree.setdefault(parent, ({}, {}))
+            (dirs if info["type"] == "directory" else files)[base] = info
+
+        def level(p: str) -> Any:
+            dirs, files = tree.get(p, ({}, {}))
+            dirs, files = dict(dirs), dict(files)
+            if not detail:
+                return p, list(dirs), list(files)
+            return p, dirs, files
+
+        async def rec(p: str, depth: int) -> AsyncIterator[Any]:
+            item = level(p)
+            if topdown:
+                yield item
+            if maxdepth is None or depth < maxdepth:
+                for d in list(item[1]):
+                    async for sub in rec(f"{p}/{d}" if p else d, depth + 1):
+                        yield sub
+            if not topdown:
+                yield item
+
+        async for item in rec(path, 1):
+            yield item
+
+    async def _du(self, path: str, total: bool = True, maxdepth: int | None = None, **kwargs: Any) -> Any:
+        found = await self._find(path, maxdepth=maxdepth, detail=True, **kwargs)
+        sizes = {name: info["size"] for name, info in found.items()}
+        return sum(sizes.values()) if total else sizes
+
+    async def _checksum(self, path: str) -> int:
+        """The file's content digest as an int (BLAKE3 over its FastCDC chunks' BLAKE3 digests)."""
+        return int(await self._ukey(path), 16)
+
+    async def _ukey(self, path: str) -> str:
+        """Hex content digest of the file: same bytes, same key (on any tb5sync server)."""
+        resp = await self._call("digest", {"path": self._strip_protocol(path)})
+        return bytes(resp["digest"]).hex()
+
+    async def _modified(self, path: str) -> datetime.datetime:
+        info = await self._info(path)
+        return datetime.datetime.fromtimestamp(info["mtime"], tz=datetime.timezone.utc)
+
+    async def _created(self, path: str) -> datetime.datetime:
+        info = await self._info(path)
+        return datetime.datetime.fromtimestamp(info["created"], tz=datetime.timezone.utc)
+
+    checksum = sync_wrapper(_checksum)
+    ukey = sync_wrapper(_ukey)
+    modified = sync_wrapper(_modified)
+    created = sync_wrapper(_created)
+
+    # ---- reading ------------------------------------------------------------------------
+    async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start:end]`` (Python slice semantics; negative counts from the end).
+
+        ``expect`` = ``{"size", "mtime"}`` (from an info dict) refuses a file that
+        changed since (:class:`~tb5sync.errors.SourceChangedError`).
+        """
+        path = self._strip_protocol(path)
+        meta, body = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
+        first = split_parts(body, [len(body)])[0]
+        s, e = meta["start"], meta["end"]
+        if s + len(first) >= e:
+            return bytes(first)
+        pin = {"size": meta["size"], "mtime": meta["mtime"]}
+        offs = range(s + len(first), e, MAX_READ)
+        rest = await asyncio.gather(*[self._call("cat", {"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin}) for o in offs])
+        out = bytearray(e - s)
+        out[: len(first)] = first
+        pos = len(first)
+        for _, piece in rest:
+            out[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        if pos != e - s:
+            raise SourceChangedError(path)
+        return bytes(out)
+
+    async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
+        """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
+        out: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        while todo:
+            meta, body = await self._call("cat_many", {"items": [items[i] for i in todo]})
+            marks = meta["items"]
+            if not isinstance(marks, list) or len(marks) != len(todo):
+                raise RemoteProtocolError("cat_many reply does not answer every item")
+            sizes = [m[0] for m in marks if len(m) == 1 and isinstance(m[0], int)]
+            parts = iter(split_parts(body, sizes))
+            again = []
+            for i, m in zip(todo, marks):
+                if m[0] == "M":
+                    again.append(i)
+                elif m[0] == "E":
+                    out[i] = error_from_remote(str(m[1]), str(m[2]), m[3] if len(m) > 3 else None)
+                else:
+                    out[i] = bytes(next(parts))
+            if len(again) == len(todo):  # nothing fitted: each is larger than one request; fetch singly
+                res = await asyncio.gather(*[self._cat_file(*items[i]) for i in again], return_exceptions=True)
+                for i, r in zip(again, res):
+                    out[i] = r
+                break
+            todo = again
+        return out
+
+    async def _cat(self, path: Any, recursive: bool = False, on_error: str = "raise", batch_size: int | None = None, **kwargs: Any) -> Any:
+        paths = await self._expand_path(path, recursive=recursive)
+        out = await self._cat_items([[p, None, None] for p in paths])
+        if on_error == "raise":
+            ex = next((o for o in out if isinstance(o, BaseException)), None)
+            if ex is not None:
+                raise ex
+        if len(paths) > 1 or isinstance(path, list) or paths[0] != self._strip_protocol(path):
+            return {k: v for k, v in zip(paths, out) if on_error != "omit" or not isinstance(v, BaseException)}
+        return out[0]
+
+    async def _cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: int | None = None, batch_size: int | None = None, on_error: str = "return", **kwargs: Any) -> list[Any]:
+        if not isinstance(paths, list):
+            raise TypeError("paths must be a list")
+        n = len(paths)
+        starts = list(starts) if isinstance(starts, (list, tuple)) else [starts] * n
+        ends = list(ends) if isinstance(ends, (list, tuple)) else [ends] * n
+        if len(starts) != n or len(ends) != n:
+            raise ValueError("paths, starts and ends differ in length")
+        out = await self._cat_items([[self._strip_protocol(p), s, e] for p, s, e in zip(paths, starts, ends)])
+        if on_error != "return":
+            ex = next((o for o in out if isinstance(o, BaseException)), None)
+            if ex is not None:
+                raise ex
+        return out
+
+    async def _get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> None:
+        rpath = self._strip_protocol(rpath)
+        info = await self._info(rpath)
+        if isfilelike(lpath):
+            callback.set_size(info["size"])
+            for off in range(0, info["size"], MAX_READ * self.streams):
+                data = await self._cat_file(rpath, off, off + MAX_READ * self.streams, expect={"size": info["size"], "mtime": info["mtime"]})
+                lpath.write(data)
+                callback.relative_update(len(data))
+            return
+        lpath = os.fspath(lpath)
+        if info["type"] == "directory":
+            os.makedirs(lpath, exist_ok=True)
+            return
+        if os.path.isdir(lpath):
+            raise IsADirectoryError(21, "Is a directory", lpath)
+        callback.set_size(info["size"])
+        if info["size"] >= self.engine_threshold:
+
+            def progress(done: int, total: int) -> None:
+                callback.absolute_update(done)
+
+            await asyncio.to_thread(
+                client.pull,
+                client.Remote(self.host, self.port, rpath),
+                lpath,
+                SyncOptions(streams=self.streams),
+                token=self.token,
+                progress=progress,
+                keep_state=False,
+            )
+            callback.absolute_update(info["size"])
+            return
+        data = await self._cat_file(rpath, expect={"size": info["size"], "mtime": info["mtime"]})
+        _write_local_atomic(lpath, data)
+        callback.relative_update(len(data))
+
+    # ---- writing ------------------------------------------------------------------------
+    async def _write_bytes(self, path: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
+        """Write ``data`` as file ``path`` atomically: one request up to 16 MiB, else a pipelined write."""
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+        if len(data) <= MAX_WRITE:
+            await self._call("put", {"path": path, "data": bytes(data), "mode": mode, "mkdirs": self.auto_mkdir})
+            return
+        handle, chan = await self._wopen(path, mode)
+        try:
+            view = memoryview(data)
+            await asyncio.gather(*[self._wwrite(handle, chan, view[o : o + MAX_WRITE]) for o in range(0, len(view), MAX_WRITE)])
+        except BaseException:
+            await self._wclose(handle, chan, commit=False)
+            raise
+        await self._wclose(handle, chan, commit=True)
+
+    async def _wopen(self, path: str, mode: str = "overwrite", append: bool = False) -> tuple[int, int]:
+        """Open a server-side write; returns ``(handle, channel)`` (every later call must use that channel)."""
+        handle = next(self._write_ids)
+        chan = handle % self.streams
+        await self._call("wopen", {"handle": handle, "path": path, "mode": mode, "append": append, "mkdirs": self.auto_mkdir}, channel=chan)
+        return handle, chan
+
+    async def _wwrite(self, handle: int, chan: int, data: bytes | memoryview) -> None:
+        await self._call("wwrite", {"handle": handle, "data": bytes(data)}, channel=chan)
+
+    async def _wclose(self, handle: int, chan: int, commit: bool) -> None:
+        try:
+            await self._call("wclose", {"handle": handle, "commit": commit}, channel=chan)
+        except ConnectError:
+            if commit:
+                raise  # the server removes the temporary file of a lost connection
+
+    async def _pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        await self._write_bytes(self._strip_protocol(path), value, mode)
+
+    async def _put_file(self, lpath: Any, rpath: str, callback: Callback = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any) -> None:
+        rpath = self._strip_protocol(rpath)
+        lpath = os.fspath(lpath)
+        if os.path.isdir(lpath):
+            await self._makedirs(rpath, exist_ok=True)
+            return
+        size = os.path.getsize(lpath)
+        callback.set_size(size)
+        if size >= self.engine_threshold and mode == "overwrite":
+            await self._check_target(rpath)
+            parent, _, name = rpath.rpartition("/")
+
+            def progress(done: int, total: int) -> None:
+                callback.absolute_update(done)
+
+            await asyncio.to_thread(
+                client.push,
+                lpath,
+                client.Remote(self.host, self.port, parent + "/" if parent else ""),
+                SyncOptions(streams=self.streams),
+                token=self.token,
+                progress=progress,
+                name=name,
+            )
+            callback.absolute_update(size)
+            return
+        with open(lpath, "rb") as f:
+            data = f.read()
+        await self._write_bytes(rpath, data, mode)
+        callback.relative_update(len(data))
+
+    async def _check_target(self, rpath: str) -> None:
+        """Before an engine push: the target must not be a directory, and its parent must exist unless ``auto_mkdir``."""
+        try:
+            info = await self._info(rpath)
+        except FileNotFoundError:
+            parent = self._parent(rpath)
+            if parent and not self.auto_mkdir:
+                pinfo = await self._info(parent)
+                if pinfo["type"] != "directory":
+                    raise NotADirectoryError(20, "Not a directory", parent) from None
+            return
+        if info["type"] == "directory":
+            raise RemoteIsADirectoryError(f"Is a directory: {rpath!r}")
+
+    async def _cp_file(self, path1: str, path2: str, _mkdirs: bool = False, **kwargs: Any) -> None:
+        args = {"src": self._strip_protocol(path1), "dst": self._strip_protocol(path2), "mkdirs": self.auto_mkdir or _mkdirs}
+        await self._call("copy", args)
+
+    async def _copy(self, path1: Any, path2: Any, recursive: bool = False, **kwargs: Any) -> None:
+        # fsspec copies a tree's files concurrently, so a file may come before its directory:
+        # inside a recursive copy the server creates the parents a file needs.
+        await super()._copy(path1, path2, recursive=recursive, _mkdirs=recursive, **kwargs)
+
+    async def _mv(self, path1: Any, path2: str, recursive: bool = True, maxdepth: int | None = None, **kwargs: Any) -> None:
+        """Rename on the server (``shutil.move`` rules, as LocalFileSystem's ``mv``); a list moves into directory ``path2``."""
+        dst = self._strip_protocol(path2)
+        if isinstance(path1, (list, tuple)):
+            for p in path1:
+                await self._call("move", {"src": self._strip_protocol(p), "dst": dst, "mkdirs": self.auto_mkdir})
+            return
+        src = self._strip_protocol(path1)
+        if src == dst:
+            return
+        await self._call("move", {"src": src, "dst": dst, "mkdirs": self.auto_mkdir})
+
+    mv = sync_wrapper(_mv)
+
+    async def _rm_file(self, path: str, **kwargs: Any) -> None:
+        await self._call("rm", {"paths": [self._strip_protocol(path)], "recursive": False})
+
+    async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None, maxdepth: int | None = None, **kwargs: Any) -> None:
+        paths = [path] if isinstance(path, str) else list(path)
+        if maxdepth is not None:
+            expanded = await self._expand_path(paths, recursive=recursive, maxdepth=maxdepth)
+            await self._call("rm", {"paths": list(reversed(expanded)), "recursive": False})
+            return
+        literal: list[str] = []
+        for p in paths:
+            if _has_magic(p):
+                literal.extend(await self._expand_path(p))
+            else:
+                literal.append(self._strip_protocol(p))
+        await self._call("rm", {"paths": literal, "recursive": recursive})
+
+    async def _mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        await self._call("mkdir", {"path": self._strip_protocol(path), "parents": create_parents, "exist_ok": False})
+
+    async def _makedirs(self, path: str, exist_ok: bool = False) -> None:
+        await self._call("mkdir", {"path": self._strip_protocol(path), "parents": True, "exist_ok": exist_ok})
+
+    async def _rmdir(self, path: str) -> None:
+        await self._call("rmdir", {"path": self._strip_protocol(path)})
+
+    async def _touch(self, path: str, truncate: bool = True, **kwargs: Any) -> None:
+        await self._call("touch", {"path": self._strip_protocol(path), "truncate": truncate, "mkdirs": self.auto_mkdir})
+
+    rmdir = sync_wrapper(_rmdir)
+    touch = sync_wrapper(_touch)
+
+    # ---- files --------------------------------------------------------------------------
+    def _open(
+        self,
+        path: str,
+        mode: str = "rb",
+        block_size: int | None = None,
+        autocommit: bool = True,
+        cache_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TB5File:
+        return TB5File(self, self._strip_protocol(path), mode, block_size, autocommit, cache_options=cache_options, **kwargs)
+
+
+def _write_local_atomic(lpath: str, data: bytes) -> None:
+    """Write ``data`` to the local ``lpath`` via a temporary name in the same directory."""
+    d, name = os.path.split(os.path.abspath(lpath))
+    tmp = os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        os.replace(tmp, lpath)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class TB5File(AbstractBufferedFile):
+    """A file on a tb5sync server, opened through :class:`TB5FileSystem`.
+
+    Read mode (``"rb"``): random access through ranged requests (default block
+    8 MiB, fsspec's readahead cache); while reading sequentially the next block is
+    fetched in the background. Every range is pinned to the size and mtime seen
+    at open, so a file replaced meanwhile raises
+    :class:`~tb5sync.errors.SourceChangedError` instead of mixing versions.
+
+    Write modes (``"wb"``, ``"xb"``, ``"ab"``): buffered; the bytes go to a
+    temporary file on the server, renamed into place on close (``autocommit``) or
+    on :meth:`commit` inside an fsspec transaction. A file that is never closed, or
+    whose connection is lost, leaves nothing at its final path.
+    """
+
+    DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
+
+    def __init__(self, fs: TB5FileSystem, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True, cache_type: str = "readahead", cache_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._handle: tuple[int, int] | None = None
+        self._ahead: tuple[int, int, Any] | None = None
+        if mode == "xb" and fs.exists(path):
+            raise FileExistsError(17, "File exists", path)
+        super().__init__(fs, path, mode, block_size or "default", autocommit, cache_type, cache_options, **kwargs)
+        if mode == "rb" and self.details["type"] == "directory":
+            raise IsADirectoryError(21, "Is a directory", path)
+
+    # reading
+    def _pin(self) -> dict[str, Any]:
+        return {"size": self.details["size"], "mtime": self.details["mtime"]}
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        end = min(end, self.size)
+        if start >= end:
+            return b""
+        fs: TB5FileSystem = self.fs
+        data = b""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            astart, aend, fut = ahead
+            if astart == start:
+                data = fut.result()[: end - start]
+            else:
+                fut.cancel()
+        if len(data) < end - start:
+            data += sync(fs.loop, fs._cat_file, self.path, start + len(data), end, expect=self._pin())
+        # sequential reading: fetch the next block of the same size in the background
+        if end < self.size:
+            nend = min(self.size, end + (end - start))
+            coro = fs._cat_file(self.path, end, nend, expect=self._pin())
+            self._ahead = (end, nend, asyncio.run_coroutine_threadsafe(coro, fs.loop))
+        return data
+
+    # writing
+    def _initiate_upload(self) -> None:
+        """Nothing to do yet: a small file is written in one request at close."""
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        fs: TB5FileSystem = self.fs
+        data = self.buffer.getvalue()
+        mode = "create" if self.mode == "xb" else "overwrite"
+        if self._handle is None:
+            if final and self.autocommit and self.mode != "ab" and len(data) <= MAX_WRITE:
+                sync(fs.loop, fs._write_bytes, self.path, data, mode)
+                return True
+            self._handle = sync(fs.loop, fs._wopen, self.path, mode, self.mode == "ab")
+        handle, chan = self._handle
+
+        async def write_all() -> None:
+            view = memoryview(data)
+            await asyncio.gather(*[fs._wwrite(handle, chan, view[o : o + MAX_WRITE]) for o in range(0, len(view), MAX_WRITE)])
+
+        try:
+            sync(fs.loop, write_all)
+        except BaseException:
+            self.discard()
+            raise
+        if final and self.autocommit:
+            self.commit()
+        return True
+
+    def commit(self) -> None:
+        """Rename the written bytes into place (called on close, or by an fsspec transaction)."""
+        if self._handle is not None:
+            handle, chan = self._handle
+            self._handle = None
+            sync(self.fs.loop, self.fs._wclose, handle, chan, True)
+
+    def discard(self) -> None:
+        """Throw the written bytes away; nothing appears at the final path."""
+        if self._handle is not None:
+            handle, chan = self._handle
+            self._handle = None
+            sync(self.fs.loop, self.fs._wclose, handle, chan, False)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead[2].cancel()
+            self._ahead = None
+        super().close()

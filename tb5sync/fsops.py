@@ -1,0 +1,810 @@
+"""Server side of the file-system session (op ``fs``) behind :mod:`tb5sync.fs`.
+
+One :class:`FsOps` serves one connection: each request is a method call with
+request paths relative to the served root (POSIX, no ``..``, no leading
+``/``; ``""`` is the root itself). Results are plain dicts, or ``(meta,
+parts)`` for file contents (a DATA frame, no copy into msgpack).
+
+Safety
+    Every path is resolved inside the root (:func:`tb5sync._paths.resolve_in_root`)
+    and then opened component by component from a descriptor of the root with
+    ``O_NOFOLLOW``, so a symlink swapped in between the check and the use cannot
+    lead outside. A final symlink is followed for reads only when its target is
+    inside the root (otherwise :class:`~tb5sync.errors.PathError`, a
+    ``PermissionError``). Writes replace a final symlink itself; they never write
+    through it. The state directory ``.tb5sync`` is neither listed nor reachable.
+
+Atomicity
+    File contents are written to ``.NAME.XXXXXXXX.tb5tmp`` in the target's
+    directory and renamed over the final name on commit (``create`` mode links
+    instead, so an existing file is never replaced). Writes still open when the
+    connection ends are removed.
+
+Errors
+    ``OSError`` from the operating system comes back as the matching
+    :class:`~tb5sync.errors.RemoteOSError` subclass (``FileNotFoundError``,
+    ``FileExistsError``, ``IsADirectoryError``, ``NotADirectoryError``,
+    ``PermissionError``) naming the request path; a read-only server answers every
+    write with :class:`~tb5sync.errors.ReadOnlyError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._paths import resolve_in_root, split_request_path
+from .errors import (
+    PathError,
+    ReadOnlyError,
+    RemoteExistsError,
+    SourceChangedError,
+    Tb5syncError,
+    UsageError,
+    remote_os_error,
+)
+from .manifest import STATE_DIR
+from .protocol import MAX_PAYLOAD
+from .store import TreeState
+
+__all__ = ["FsOps", "FS_METHODS", "MAX_READ", "MAX_WRITE"]
+
+#: Largest byte range one ``cat`` request returns (bytes); clients split larger reads.
+MAX_READ = 16 * 1024 * 1024
+#: Largest ``data`` one ``put``/``wwrite`` request may carry (bytes); clients split larger writes.
+MAX_WRITE = 16 * 1024 * 1024
+#: Byte budget of one ``cat_many`` reply; items past it are answered ``["M"]`` (ask again).
+CAT_MANY_BUDGET = 32 * 1024 * 1024
+_MAX_WRITES = 1024
+_MAX_FIND = 2_000_000
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+FS_METHODS = frozenset(
+    {
+        "info",
+        "ls",
+        "find",
+        "cat",
+        "cat_many",
+        "digest",
+        "put",
+        "wopen",
+        "wwrite",
+        "wclose",
+        "rm",
+        "mkdir",
+        "rmdir",
+        "move",
+        "copy",
+        "touch",
+    }
+)
+
+assert MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _translating(arg: str = "path") -> Callable[[F], F]:
+    """Turn plain ``OSError`` raised by the wrapped method into :func:`remote_os_error` for argument ``arg``."""
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: FsOps, *args: Any, **kw: Any) -> Any:
+            try:
+                return fn(self, *args, **kw)
+            except Tb5syncError:
+                raise
+            except OSError as exc:
+                where = kw.get(arg, args[0] if args else "")
+                raise remote_os_error(exc, where if isinstance(where, str) else "") from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+def _writes(fn: F) -> F:
+    """Refuse the wrapped method on a read-only server."""
+
+    @functools.wraps(fn)
+    def wrapper(self: FsOps, *args: Any, **kw: Any) -> Any:
+        if self.read_only:
+            raise ReadOnlyError(f"server is read-only; {fn.__name__} refused")
+        return fn(self, *args, **kw)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _type_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "other"
+
+
+def _info(name: str, st: os.stat_result, *, islink: bool = False, size: int | None = None, destination: str | None = None, kind_mode: int | None = None) -> dict[str, Any]:
+    """An fsspec info dict with the fields fsspec's LocalFileSystem gives."""
+    out: dict[str, Any] = {
+        "name": name,
+        "size": st.st_size if size is None else size,
+        "type": _type_of(st.st_mode if kind_mode is None else kind_mode),
+        "created": st.st_ctime,
+        "islink": islink,
+        "mode": st.st_mode,
+        "uid": st.st_uid,
+        "gid": st.st_gid,
+        "mtime": st.st_mtime,
+        "ino": st.st_ino,
+        "nlink": st.st_nlink,
+    }
+    if destination is not None:
+        out["destination"] = destination
+    return out
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+class _Write:
+    """A file being written under a temporary name in its final directory."""
+
+    __slots__ = ("dfd", "tmp", "name", "fd", "exclusive", "path")
+
+    def __init__(self, dfd: int, tmp: str, name: str, fd: int, exclusive: bool, path: str) -> None:
+        self.dfd, self.tmp, self.name, self.fd, self.exclusive, self.path = dfd, tmp, name, fd, exclusive, path
+
+
+class FsOps:
+    """File-system requests on one connection, confined to ``root``.
+
+    Parameters
+    ----------
+    root : str
+        Absolute, resolved root directory of the server.
+    state : TreeState
+        The root's scan cache and chunk index (for content digests).
+    read_only : bool
+        Refuse every write with :class:`~tb5sync.errors.ReadOnlyError`.
+
+    Raises
+    ------
+    OSError
+        ``root`` cannot be opened.
+    """
+
+    def __init__(self, root: str, state: TreeState, read_only: bool = False) -> None:
+        self.root = root
+        self.state = state
+        self.read_only = read_only
+        self._root_fd = os.open(root, _DIR_FLAGS)
+        self._writes: dict[int, _Write] = {}
+
+    def close(self) -> None:
+        """Abort every unfinished write (removing its temporary file) and close the root. Safe to call twice."""
+        for handle in list(self._writes):
+            self._abort(handle)
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
+
+    # ---- path resolution ----------------------------------------------------------------
+    def _real(self, path: str, *, follow: bool) -> list[str]:
+        """Components of ``path`` after resolving parent symlinks (and the final one if ``follow``).
+
+        Raises PathError when the result leaves the root or names the state directory.
+        """
+        if not split_request_path(path):
+            return []
+        full = resolve_in_root(self.root, path)
+        if follow and os.path.islink(full):
+            full = os.path.realpath(full)
+            prefix = self.root.rstrip("/") + "/"
+            if full != self.root and not full.startswith(prefix):
+                raise PathError(path, "is a symlink leading outside the served root")
+        rel = os.path.relpath(full, self.root)
+        parts = [] if rel == "." else rel.split("/")
+        if parts and parts[0] == STATE_DIR:
+            raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
+        return parts
+
+    def _open_dir(self, parts: list[str], *, create: bool = False) -> int:
+        """A new descriptor of directory ``parts`` under the root, walked with ``O_NOFOLLOW``."""
+        fd = os.dup(self._root_fd)
+        try:
+            for name in parts:
+                try:
+                    nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise PathError("/".join(parts), "a path component is a symlink") from exc
+                    raise
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _parent(self, path: str, *, create: bool = False) -> tuple[int, str, str]:
+        """``(dir_fd, name, relpath)`` of the directory holding ``path`` (not followed). Caller closes dir_fd."""
+        parts = self._real(path, follow=False)
+        if not parts:
+            raise PathError(path, "the served root itself cannot be replaced or removed")
+        return self._open_dir(parts[:-1], create=create), parts[-1], "/".join(parts)
+
+    def _open_read(self, path: str) -> tuple[int, str]:
+        """Open ``path`` for reading (following a final symlink inside the root); returns ``(fd, real relpath)``."""
+        parts = self._real(path, follow=True)
+        if not parts:
+            return os.dup(self._root_fd), ""
+        dfd = self._open_dir(parts[:-1])
+        try:
+            return os.open(parts[-1], _READ_FLAGS, dir_fd=dfd), "/".join(parts)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PathError(path, "is a symlink; not followed") from exc
+            raise
+        finally:
+            os.close(dfd)
+
+    def _stat(self, path: str) -> dict[str, Any]:
+        """fsspec info of ``path``; a symlink is followed (inside the root) and reported with ``islink``."""
+        parts = self._real(path, follow=False)
+        name = "/".join(split_request_path(path))
+        if not parts:
+            return _info("", os.fstat(self._root_fd))
+        dfd = self._open_dir(parts[:-1])
+        try:
+            lst = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISLNK(lst.st_mode):
+                return _info(name, lst)
+            dest = os.readlink(parts[-1], dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        fd, _ = self._open_read(path)  # raises for a target outside the root or missing
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        info = _info(name, st, islink=True, destination=dest)
+        return info
+
+    def _entry_info(self, dfd: int, parent: str, de: os.DirEntry[str]) -> dict[str, Any]:
+        """Listing entry like LocalFileSystem's for a scandir entry: a symlink is type "other"."""
+        name = _join(parent, de.name)
+        st = de.stat(follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            return _info(name, st)
+        dest = os.readlink(de.name, dir_fd=dfd)
+        size = 0
+        try:
+            fd, _ = self._open_read(name)
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        except (OSError, Tb5syncError):
+            pass
+        return _info(name, st, islink=True, size=size, destination=dest)
+
+    def _listdir(self, dfd: int, parent: str) -> list[dict[str, Any]]:
+        out = []
+        with os.scandir(dfd) as it:
+            for de in it:
+                if not parent and de.name == STATE_DIR:
+                    continue
+                try:
+                    out.append(self._entry_info(dfd, parent, de))
+                except FileNotFoundError:
+                    continue  # removed while listing
+        out.sort(key=lambda i: i["name"])
+        return out
+
+    # ---- reading ------------------------------------------------------------------------
+    @_translating()
+    def info(self, path: str) -> dict[str, Any]:
+        """``{"info": info dict}`` of ``path`` (fields as fsspec's LocalFileSystem: name, size, type, created, islink, mode, uid, gid, mtime, ino, nlink[, destination])."""
+        return {"info": self._stat(path)}
+
+    @_translating()
+    def ls(self, path: str) -> dict[str, Any]:
+        """``{"entries": [info, ...]}``: the directory's entries sorted by name, or ``[info]`` of a file."""
+        info = self._stat(path)
+        if info["type"] != "directory":
+            return {"entries": [info]}
+        parts = self._real(path, follow=True)
+        dfd = self._open_dir(parts)
+        try:
+            return {"entries": self._listdir(dfd, info["name"])}
+        finally:
+            os.close(dfd)
+
+    @_translating()
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False) -> dict[str, Any]:
+        """``{"entries": [info, ...]}`` of everything below ``path`` (files; directories too if ``withdirs``).
+
+        Symlinks are listed, not followed (as fsspec's ``walk`` over LocalFileSystem).
+        ``maxdepth`` 1 means the directory's own entries. A file ``path`` gives
+        ``[its info]``; a missing one gives ``[]``. At most 2,000,000 entries.
+        """
+        if maxdepth is not None and (not isinstance(maxdepth, int) or maxdepth < 1):
+            raise UsageError("maxdepth must be at least 1")
+        try:
+            top = self._stat(path)
+        except FileNotFoundError:
+            return {"entries": []}
+        if top["type"] != "directory":
+            return {"entries": [top]}
+        out: list[dict[str, Any]] = []
+        if withdirs and top["name"]:
+            out.append(top)
+        root_fd = self._open_dir(self._real(path, follow=True))
+        stack: list[tuple[int, str, int]] = [(root_fd, top["name"], 1)]
+        try:
+            while stack:
+                dfd, rel, depth = stack.pop()
+                try:
+                    for info in self._listdir(dfd, rel):
+                        if info["type"] == "directory":
+                            if withdirs:
+                                out.append(info)
+                            if maxdepth is None or depth < maxdepth:
+                                name = info["name"].rpartition("/")[2]
+                                try:
+                                    stack.append((os.open(name, _DIR_FLAGS, dir_fd=dfd), info["name"], depth + 1))
+                                except OSError:
+                                    pass  # vanished or swapped for a symlink while walking
+                        else:
+                            out.append(info)
+                        if len(out) > _MAX_FIND:
+                            raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
+                finally:
+                    os.close(dfd)
+        finally:
+            for dfd, _, _ in stack:
+                os.close(dfd)
+        out.sort(key=lambda i: i["name"])
+        return {"entries": out}
+
+    @staticmethod
+    def _range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
+        """Python-slice semantics of ``[start:end]`` over ``size`` bytes, clamped."""
+        if start is not None and not isinstance(start, int) or end is not None and not isinstance(end, int):
+            raise UsageError("start and end must be integers or None")
+        s, e, _ = slice(start, end).indices(size)
+        return s, max(s, e)
+
+    def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int) -> tuple[bytes, os.stat_result, int, int]:
+        fd, _ = self._open_read(path)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory")
+            if expect and (st.st_size != expect.get("size", st.st_size) or st.st_mtime != expect.get("mtime", st.st_mtime)):
+                raise SourceChangedError(path)
+            s, e = self._range(st.st_size, start, end)
+            n = min(e - s, limit)
+            data = os.pread(fd, n, s) if n > 0 else b""
+            while len(data) < n:  # short read: the file shrank or a slow filesystem
+                more = os.pread(fd, n - len(data), s + len(data))
+                if not more:
+                    raise SourceChangedError(path)
+                data += more
+            return data, st, s, e
+        finally:
+            os.close(fd)
+
+    @_translating()
+    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+        """Bytes ``[start:end]`` of a file (Python slice semantics, negative from the end), as a DATA reply.
+
+        At most :data:`MAX_READ` bytes come back; ``meta`` = ``{"size", "mtime", "start",
+        "end"}`` gives the file's size (bytes) and mtime (seconds) and the whole range
+        asked for, so the client fetches the rest (with ``expect``) in parallel.
+        ``expect`` = ``{"size": bytes, "mtime": seconds}`` makes a changed file an error
+        (:class:`~tb5sync.errors.SourceChangedError`), so a reader never mixes versions.
+        """
+        data, st, s, e = self._read(path, start, end, expect, MAX_READ)
+        return {"size": st.st_size, "mtime": st.st_mtime, "start": s, "end": e}, [data]
+
+    def cat_many(self, items: list[Any]) -> tuple[dict[str, Any], list[bytes]]:
+        """Several reads in one reply: ``items`` = ``[[path, start, end], ...]``.
+
+        The reply's ``meta["items"]`` has, per item, ``[nbytes]`` (its bytes follow in
+        order), ``["E", kind, message, errno]`` for an error, or ``["M"]`` when the
+        reply's :data:`CAT_MANY_BUDGET` is spent (ask again).
+        """
+        if not isinstance(items, list) or len(items) > 100_000:
+            raise UsageError("cat_many: items must be a list of at most 100000 [path, start, end]")
+        meta: list[list[Any]] = []
+        parts: list[bytes] = []
+        budget = CAT_MANY_BUDGET
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise UsageError("cat_many: each item is [path, start, end]")
+            path, start, end = item
+            if budget <= 0:
+                meta.append(["M"])
+                continue
+            try:
+                try:
+                    data, _, s, e = self._read(path, start, end, None, MAX_READ)
+                except Tb5syncError:
+                    raise
+                except OSError as exc:
+                    raise remote_os_error(exc, path if isinstance(path, str) else "") from exc
+            except Tb5syncError as exc:
+                meta.append(["E", type(exc).__name__, str(exc), getattr(exc, "errno", None)])
+                continue
+            if e - s > len(data):  # longer than one request may carry
+                meta.append(["M"])
+                continue
+            if len(data) > budget and parts:
+                meta.append(["M"])
+                budget = 0
+                continue
+            budget -= len(data)
+            meta.append([len(data)])
+            parts.append(data)
+        return {"items": meta}, parts
+
+    @_translating()
+    def digest(self, path: str) -> dict[str, Any]:
+        """``{"digest": 32 bytes, "size": bytes, "mtime": seconds}``: the file's content digest.
+
+        The digest is BLAKE3 over the BLAKE3-256 digests of the file's FastCDC chunks
+        (see :func:`tb5sync.hashing.file_digest`), served from the scan cache when
+        the file is unchanged.
+        """
+        fd, rel = self._open_read(path)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory") if stat.S_ISDIR(st.st_mode) else UsageError(f"not a regular file: {path!r}")
+            fdigest, _ = self.state.chunks_of(fd, rel, st)
+            return {"digest": fdigest, "size": st.st_size, "mtime": st.st_mtime}
+        finally:
+            os.close(fd)
+
+    # ---- writing ------------------------------------------------------------------------
+    @staticmethod
+    def _tmpname(name: str) -> str:
+        return f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp"
+
+    def _commit(self, dfd: int, tmp: str, name: str, exclusive: bool) -> None:
+        try:
+            if exclusive:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                os.unlink(tmp, dir_fd=dfd)
+            else:
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+
+    @staticmethod
+    def _write_all(fd: int, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+    @staticmethod
+    def _check_mode(mode: str) -> bool:
+        if mode not in ("overwrite", "create"):
+            raise UsageError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+        return mode == "create"
+
+    @_writes
+    @_translating()
+    def put(self, path: str, data: bytes, mode: str = "overwrite", mkdirs: bool = False) -> dict[str, Any]:
+        """Write ``data`` (at most :data:`MAX_WRITE` bytes) as file ``path``, atomically.
+
+        ``mode="create"`` refuses an existing path (``FileExistsError``); ``mkdirs``
+        creates missing parent directories (else ``FileNotFoundError``).
+        """
+        exclusive = self._check_mode(mode)
+        if not isinstance(data, bytes) or len(data) > MAX_WRITE:
+            raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
+        dfd, name, _ = self._parent(path, create=mkdirs)
+        try:
+            tmp = self._tmpname(name)
+            fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+            try:
+                self._write_all(fd, data)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+            os.close(fd)
+            self._commit(dfd, tmp, name, exclusive)
+        finally:
+            os.close(dfd)
+        return {}
+
+    @_writes
+    @_translating()
+    def wopen(self, handle: int, path: str, mode: str = "overwrite", append: bool = False, mkdirs: bool = False) -> dict[str, Any]:
+        """Start writing ``path`` under ``handle`` (an int the client picks, unique on this connection).
+
+        The bytes go to a temporary file; :meth:`wclose` commits or discards it.
+        ``append`` starts from a copy of the existing file's contents (if any).
+        """
+        exclusive = self._check_mode(mode)
+        if not isinstance(handle, int) or handle in self._writes or len(self._writes) >= _MAX_WRITES:
+            raise UsageError("wopen: bad, duplicate or too many write handles")
+        dfd, name, _ = self._parent(path, create=mkdirs)
+        tmp = ""
+        try:
+            if exclusive:
+                try:
+                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise RemoteExistsError(f"File exists: {path!r}")
+            tmp = self._tmpname(name)
+            fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+            w = _Write(dfd, tmp, name, fd, exclusive, path)
+            self._writes[handle] = w
+            if append:
+                try:
+                    src = os.open(name, _READ_FLAGS, dir_fd=dfd)
+                except FileNotFoundError:
+                    src = -1
+                if src >= 0:
+                    try:
+                        n = os.fstat(src).st_size
+                        while n > 0:
+                            k = os.copy_file_range(src, fd, n)
+                            if k == 0:
+                                break
+                            n -= k
+                    finally:
+                        os.close(src)
+        except BaseException:
+            if handle in self._writes:
+                self._abort(handle)
+            else:
+                if tmp:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except OSError:
+                        pass
+                os.close(dfd)
+            raise
+        return {}
+
+    def _handle(self, handle: int) -> _Write:
+        w = self._writes.get(handle) if isinstance(handle, int) else None
+        if w is None:
+            raise UsageError(f"no open write with handle {handle!r}")
+        return w
+
+    def wwrite(self, handle: int, data: bytes) -> dict[str, Any]:
+        """Append ``data`` (at most :data:`MAX_WRITE` bytes) to the open write ``handle``."""
+        w = self._handle(handle)
+        if not isinstance(data, bytes) or len(data) > MAX_WRITE:
+            raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
+        try:
+            self._write_all(w.fd, data)
+        except OSError as exc:
+            self._abort(handle)
+            raise remote_os_error(exc, w.path) from exc
+        return {}
+
+    def wclose(self, handle: int, commit: bool = True) -> dict[str, Any]:
+        """Finish the write ``handle``: rename it into place (``commit``) or remove it."""
+        w = self._handle(handle)
+        if not commit:
+            self._abort(handle)
+            return {}
+        del self._writes[handle]
+        try:
+            os.close(w.fd)
+            self._commit(w.dfd, w.tmp, w.name, w.exclusive)
+        except Tb5syncError:
+            raise
+        except OSError as exc:
+            raise remote_os_error(exc, w.path) from exc
+        finally:
+            os.close(w.dfd)
+        return {}
+
+    def _abort(self, handle: int) -> None:
+        w = self._writes.pop(handle)
+        for fn in (lambda: os.close(w.fd), lambda: os.unlink(w.tmp, dir_fd=w.dfd), lambda: os.close(w.dfd)):
+            try:
+                fn()
+            except OSError:
+                pass
+
+    @_writes
+    def rm(self, paths: list[str], recursive: bool = False) -> dict[str, Any]:
+        """Remove each of ``paths`` (a symlink itself, never its target).
+
+        A directory needs ``recursive`` (else :class:`~tb5sync.errors.UsageError`, a
+        ``ValueError``, as fsspec's LocalFileSystem). Stops at the first error.
+        """
+        if not isinstance(paths, list):
+            raise UsageError("rm: paths must be a list")
+        for path in paths:
+            try:
+                self._rm_one(path, bool(recursive))
+            except Tb5syncError:
+                raise
+            except OSError as exc:
+                raise remote_os_error(exc, path) from exc
+        return {}
+
+    def _rm_one(self, path: str, recursive: bool) -> None:
+        dfd, name, _ = self._parent(path)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if not recursive:
+                    raise UsageError(f"cannot delete directory {path!r}: set recursive=True")
+                shutil.rmtree(name, dir_fd=dfd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    @_writes
+    @_translating()
+    def mkdir(self, path: str, parents: bool = True, exist_ok: bool = False) -> dict[str, Any]:
+        """Create directory ``path``; ``parents`` creates missing parents; ``exist_ok`` accepts an existing directory."""
+        dfd, name, _ = self._parent(path, create=parents)
+        try:
+            try:
+                os.mkdir(name, 0o777, dir_fd=dfd)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=dfd)
+                if not (exist_ok and stat.S_ISDIR(st.st_mode)):
+                    raise
+        finally:
+            os.close(dfd)
+        return {}
+
+    @_writes
+    @_translating()
+    def rmdir(self, path: str) -> dict[str, Any]:
+        """Remove the empty directory ``path`` (``OSError`` ENOTEMPTY otherwise)."""
+        dfd, name, _ = self._parent(path)
+        try:
+            os.rmdir(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        return {}
+
+    @_writes
+    @_translating("src")
+    def move(self, src: str, dst: str, mkdirs: bool = False) -> dict[str, Any]:
+        """Rename ``src`` to ``dst`` on the server (no bytes move), with ``shutil.move``'s rule:
+        into ``dst/<name of src>`` when ``dst`` is an existing directory (``FileExistsError``
+        if that exists already). Same filesystem only (``OSError`` EXDEV otherwise).
+        ``mkdirs`` creates ``dst``'s missing parent directories.
+        """
+        sfd, sname, srel = self._parent(src)
+        try:
+            os.stat(sname, dir_fd=sfd, follow_symlinks=False)
+            try:
+                dst_is_dir = self._stat(dst)["type"] == "directory"
+            except FileNotFoundError:
+                dst_is_dir = False
+            if dst_is_dir:
+                dst = _join(self._stat(dst)["name"], sname)
+                try:
+                    self._stat(dst)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise RemoteExistsError(f"Destination path {dst!r} already exists")
+            dfd, dname, drel = self._parent(dst, create=mkdirs)
+            try:
+                if drel == srel:
+                    return {}
+                if drel.startswith(srel + "/"):
+                    raise UsageError(f"cannot move {src!r} into itself ({dst!r})")
+                try:
+                    os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+                except OSError as exc:
+                    raise remote_os_error(exc, dst) from exc
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+        return {}
+
+    @_writes
+    @_translating("src")
+    def copy(self, src: str, dst: str, mkdirs: bool = False) -> dict[str, Any]:
+        """Copy file ``src`` to ``dst`` on the server (``copy_file_range``: no bytes through the client).
+
+        ``dst`` is written atomically. A directory ``src`` creates directory ``dst``
+        (as fsspec's LocalFileSystem ``cp_file``). ``mkdirs`` creates ``dst``'s parents.
+        """
+        fd, _ = self._open_read(src)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                return self.mkdir(path=dst, parents=True, exist_ok=True)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"not a regular file: {src!r}")
+            try:
+                dfd, name, _ = self._parent(dst, create=mkdirs)
+            except OSError as exc:
+                raise remote_os_error(exc, dst) from exc
+            try:
+                tmp = self._tmpname(name)
+                out = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+                try:
+                    left = st.st_size
+                    off = 0
+                    while left > 0:
+                        k = os.copy_file_range(fd, out, left, off, off)
+                        if k == 0:
+                            break
+                        off += k
+                        left -= k
+                except BaseException:
+                    os.close(out)
+                    os.unlink(tmp, dir_fd=dfd)
+                    raise
+                os.close(out)
+                try:
+                    self._commit(dfd, tmp, name, False)
+                except OSError as exc:
+                    raise remote_os_error(exc, dst) from exc
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(fd)
+        return {}
+
+    @_writes
+    @_translating()
+    def touch(self, path: str, truncate: bool = True, mkdirs: bool = False) -> dict[str, Any]:
+        """Create ``path`` empty, or set its times to now; ``truncate`` also empties an existing file.
+
+        ``mkdirs`` creates missing parent directories.
+        """
+        dfd, name, _ = self._parent(path, create=mkdirs)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+            try:
+                fd = os.open(name, flags, 0o666, dir_fd=dfd)
+            except IsADirectoryError:
+                if truncate:
+                    raise
+                os.utime(name, dir_fd=dfd, follow_symlinks=False)
+                return {}
+            try:
+                os.utime(fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+        return {}
