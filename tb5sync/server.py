@@ -126,7 +126,8 @@ class Server:
         except ValueError as exc:
             raise UsageError(f"bad --allow network: {exc}") from exc
         self.read_only = read_only
-        self.state = TreeState(root, writable=os.access(root, os.W_OK))
+        # a read-only server writes nothing under its root, not even its own scan cache
+        self.state = TreeState(root, writable=not read_only and os.access(root, os.W_OK))
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
         self._conns: set[Channel] = set()

@@ -19,8 +19,10 @@ shared by the tests of that part.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ import pytest
 from conftest import LiveServer, start_server
 
 import tb5sync
+from tb5sync.fs import TB5FileSystem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -225,3 +228,35 @@ def test_model_delta_push(round_trip: Any, corpus_server: LiveServer) -> None:
     assert stats.chunks_reused > 10, stats
     assert stats.wire_bytes < size // 16, stats
     assert_same_tree(expected, tree_digest(rt.server_copy), "models on the server after the delta push")
+
+
+def test_fsspec_reads_real_model_files(round_trip: Any, corpus_server: LiveServer) -> None:
+    """Through tb5://: each safetensors header by a ranged read (not the tensors), the GGUF whole and byte-exact."""
+    rt = round_trip("models")
+    fs = TB5FileSystem(host="127.0.0.1", port=corpus_server.port, skip_instance_cache=True)
+    try:
+        names = fs.glob("models/**/*.safetensors")
+        assert names, "the models corpus has a safetensors file"
+        for name in names:
+            with open(os.path.join(rt.src, name[len("models/") :]), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                want = json.loads(f.read(n))
+            fs.info(name)
+            link = fs._holder.link
+            before = link.requester.wire_bytes
+            with fs.open(name, "rb", cache_type="none") as f:
+                (got_n,) = struct.unpack("<Q", f.read(8))
+                got = json.loads(f.read(got_n))
+            assert got == want
+            wire = link.requester.wire_bytes - before
+            assert wire < n + 64 * 1024 < fs.size(name) // 10, (wire, n, fs.size(name))
+        for name in fs.glob("models/**/*.gguf"):
+            assert fs.cat_file(name, 0, 4) == b"GGUF"
+            h = blake3.blake3()
+            with fs.open(name, "rb") as f:
+                while block := f.read(8 * 1024 * 1024):
+                    h.update(block)
+            local = os.path.join(rt.src, name[len("models/") :])
+            assert h.hexdigest() == _file_hash(local, os.path.getsize(local))
+    finally:
+        fs._holder.close()
