@@ -242,6 +242,58 @@ class TB5FileSystem(AsyncFileSystem):
                     raise
         raise AssertionError("unreachable")
 
+    def _call_sync(self, method: str, args: dict[str, Any]) -> Any:
+        """:meth:`_call` for the calling thread: no hop through fsspec's event loop (small ops' latency)."""
+        for attempt in (0, 1):
+            link = self._holder.link
+            if link is None or link.closed:
+                link = self._connect()
+            try:
+                return link.requester.submit(method, args).result()
+            except ConnectError:
+                self._drop(link)
+                if attempt or method not in _IDEMPOTENT:
+                    raise
+        raise AssertionError("unreachable")
+
+    # Sync twins of the latency-bound calls: fsspec's generic wrappers would run each through
+    # its event loop thread and back, two thread hops that cost more than the round trip.
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return dict(self._call_sync("info", {"path": self._strip_protocol(path)})["info"])
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            self.info(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def isfile(self, path: str) -> bool:
+        try:
+            return self.info(path)["type"] == "file"
+        except Exception:
+            return False
+
+    def isdir(self, path: str) -> bool:
+        try:
+            return self.info(path)["type"] == "directory"
+        except OSError:
+            return False
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        entries = [dict(e) for e in self._call_sync("ls", {"path": self._strip_protocol(path)})["entries"]]
+        return entries if detail else [e["name"] for e in entries]
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
+        path = self._strip_protocol(path)
+        meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
+        rest = _rest_of_read(path, meta, len(first))
+        if not rest:
+            return bytes(first)
+        link = self._holder.link or self._connect()
+        futs = [link.requester.submit("cat", args) for args in rest]
+        return _join_read(path, meta, first, [f.result()[1] for f in futs])
+
     # ---- metadata -----------------------------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         resp = await self._call("info", {"path": self._strip_protocol(path)})
@@ -343,23 +395,12 @@ class TB5FileSystem(AsyncFileSystem):
         changed since (:class:`~tb5sync.errors.SourceChangedError`).
         """
         path = self._strip_protocol(path)
-        meta, body = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        first = split_parts(body, [len(body)])[0]
-        s, e = meta["start"], meta["end"]
-        if s + len(first) >= e:
+        meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
+        rest = _rest_of_read(path, meta, len(first))
+        if not rest:
             return bytes(first)
-        pin = {"size": meta["size"], "mtime": meta["mtime"]}
-        offs = range(s + len(first), e, MAX_READ)
-        rest = await asyncio.gather(*[self._call("cat", {"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin}) for o in offs])
-        out = bytearray(e - s)
-        out[: len(first)] = first
-        pos = len(first)
-        for _, piece in rest:
-            out[pos : pos + len(piece)] = piece
-            pos += len(piece)
-        if pos != e - s:
-            raise SourceChangedError(path)
-        return bytes(out)
+        replies = await asyncio.gather(*[self._call("cat", args) for args in rest])
+        return _join_read(path, meta, first, [piece for _, piece in replies])
 
     async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
         """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
@@ -601,6 +642,22 @@ class TB5FileSystem(AsyncFileSystem):
         return TB5File(self, self._strip_protocol(path), mode, block_size, autocommit, cache_options=cache_options, **kwargs)
 
 
+def _rest_of_read(path: str, meta: dict[str, Any], got: int) -> list[dict[str, Any]]:
+    """The ``cat`` requests still needed after a first reply of ``got`` bytes (each pinned to that file version)."""
+    s, e = meta["start"], meta["end"]
+    if s + got >= e:
+        return []
+    pin = {"size": meta["size"], "mtime": meta["mtime"]}
+    return [{"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin} for o in range(s + got, e, MAX_READ)]
+
+
+def _join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -> bytes:
+    out = b"".join([first, *pieces])  # one copy: on these machines memory traffic costs as much as the wire
+    if len(out) != meta["end"] - meta["start"]:
+        raise SourceChangedError(path)
+    return out
+
+
 def _write_local_atomic(lpath: str, data: bytes) -> None:
     """Write ``data`` to the local ``lpath`` via a temporary name in the same directory."""
     d, name = os.path.split(os.path.abspath(lpath))
@@ -661,7 +718,7 @@ class TB5File(AbstractBufferedFile):
             else:
                 fut.cancel()
         if len(data) < end - start:
-            data += sync(fs.loop, fs._cat_file, self.path, start + len(data), end, expect=self._pin())
+            data += fs.cat_file(self.path, start + len(data), end, expect=self._pin())
         # sequential reading: fetch the next block of the same size in the background
         if end < self.size:
             nend = min(self.size, end + (end - start))
