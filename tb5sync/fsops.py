@@ -30,12 +30,13 @@ Errors
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ._paths import resolve_in_root, split_request_path
@@ -250,6 +251,15 @@ class FsOps:
         if not parts:
             raise PathError(path, "the served root itself cannot be replaced or removed")
         return self._open_dir(parts[:-1], create=create), parts[-1], "/".join(parts)
+
+    @contextlib.contextmanager
+    def _at(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
+        """:meth:`_parent` as a context: ``(dir_fd, name, relpath)``, the descriptor closed on exit."""
+        dfd, name, rel = self._parent(path, create=create)
+        try:
+            yield dfd, name, rel
+        finally:
+            os.close(dfd)
 
     def _open_read(self, path: str) -> tuple[int, str]:
         """Open ``path`` for reading (following a final symlink inside the root); returns ``(fd, real relpath)``."""
@@ -504,6 +514,22 @@ class FsOps:
                 pass
             raise
 
+    def _write_file(self, dfd: int, name: str, fill: Callable[[int], None], exclusive: bool) -> None:
+        """Create ``name`` in ``dfd`` atomically: ``fill(fd)`` writes a temporary file, then it is committed.
+
+        On any error the temporary file is removed and nothing appears at ``name``.
+        """
+        tmp = self._tmpname(name)
+        fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+        try:
+            fill(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.close(fd)
+        self._commit(dfd, tmp, name, exclusive)
+
     @staticmethod
     def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -528,20 +554,8 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
-        dfd, name, _ = self._parent(path, create=mkdirs)
-        try:
-            tmp = self._tmpname(name)
-            fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
-            try:
-                self._write_all(fd, data)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp, dir_fd=dfd)
-                raise
-            os.close(fd)
-            self._commit(dfd, tmp, name, exclusive)
-        finally:
-            os.close(dfd)
+        with self._at(path, create=mkdirs) as (dfd, name, _):
+            self._write_file(dfd, name, lambda fd: self._write_all(fd, data), exclusive)
         return {}
 
     @_writes
@@ -660,8 +674,7 @@ class FsOps:
         return {}
 
     def _rm_one(self, path: str, recursive: bool) -> None:
-        dfd, name, _ = self._parent(path)
-        try:
+        with self._at(path) as (dfd, name, _):
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 if not recursive:
@@ -669,34 +682,26 @@ class FsOps:
                 shutil.rmtree(name, dir_fd=dfd)
             else:
                 os.unlink(name, dir_fd=dfd)
-        finally:
-            os.close(dfd)
 
     @_writes
     @_translating()
     def mkdir(self, path: str, parents: bool = True, exist_ok: bool = False) -> dict[str, Any]:
         """Create directory ``path``; ``parents`` creates missing parents; ``exist_ok`` accepts an existing directory."""
-        dfd, name, _ = self._parent(path, create=parents)
-        try:
+        with self._at(path, create=parents) as (dfd, name, _):
             try:
                 os.mkdir(name, 0o777, dir_fd=dfd)
             except FileExistsError:
                 st = os.stat(name, dir_fd=dfd)
                 if not (exist_ok and stat.S_ISDIR(st.st_mode)):
                     raise
-        finally:
-            os.close(dfd)
         return {}
 
     @_writes
     @_translating()
     def rmdir(self, path: str) -> dict[str, Any]:
         """Remove the empty directory ``path`` (``OSError`` ENOTEMPTY otherwise)."""
-        dfd, name, _ = self._parent(path)
-        try:
+        with self._at(path) as (dfd, name, _):
             os.rmdir(name, dir_fd=dfd)
-        finally:
-            os.close(dfd)
         return {}
 
     @_writes
@@ -707,8 +712,7 @@ class FsOps:
         if that exists already). Same filesystem only (``OSError`` EXDEV otherwise).
         ``mkdirs`` creates ``dst``'s missing parent directories.
         """
-        sfd, sname, srel = self._parent(src)
-        try:
+        with self._at(src) as (sfd, sname, srel):
             os.stat(sname, dir_fd=sfd, follow_symlinks=False)
             try:
                 dst_is_dir = self._stat(dst)["type"] == "directory"
@@ -722,8 +726,7 @@ class FsOps:
                     pass
                 else:
                     raise RemoteExistsError(f"Destination path {dst!r} already exists")
-            dfd, dname, drel = self._parent(dst, create=mkdirs)
-            try:
+            with self._at(dst, create=mkdirs) as (dfd, dname, drel):
                 if drel == srel:
                     return {}
                 if drel.startswith(srel + "/"):
@@ -732,10 +735,6 @@ class FsOps:
                     os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
                 except OSError as exc:
                     raise remote_os_error(exc, dst) from exc
-            finally:
-                os.close(dfd)
-        finally:
-            os.close(sfd)
         return {}
 
     @_writes
@@ -753,33 +752,22 @@ class FsOps:
                 return self.mkdir(path=dst, parents=True, exist_ok=True)
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {src!r}")
+
+            def fill(out: int) -> None:
+                off = 0
+                while off < st.st_size:
+                    k = os.copy_file_range(fd, out, st.st_size - off, off, off)
+                    if k == 0:  # the source shrank under us: never commit a short copy
+                        raise SourceChangedError(src)
+                    off += k
+
             try:
-                dfd, name, _ = self._parent(dst, create=mkdirs)
+                with self._at(dst, create=mkdirs) as (dfd, name, _):
+                    self._write_file(dfd, name, fill, False)
+            except Tb5syncError:
+                raise
             except OSError as exc:
                 raise remote_os_error(exc, dst) from exc
-            try:
-                tmp = self._tmpname(name)
-                out = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
-                try:
-                    left = st.st_size
-                    off = 0
-                    while left > 0:
-                        k = os.copy_file_range(fd, out, left, off, off)
-                        if k == 0:
-                            break
-                        off += k
-                        left -= k
-                except BaseException:
-                    os.close(out)
-                    os.unlink(tmp, dir_fd=dfd)
-                    raise
-                os.close(out)
-                try:
-                    self._commit(dfd, tmp, name, False)
-                except OSError as exc:
-                    raise remote_os_error(exc, dst) from exc
-            finally:
-                os.close(dfd)
         finally:
             os.close(fd)
         return {}
@@ -791,8 +779,7 @@ class FsOps:
 
         ``mkdirs`` creates missing parent directories.
         """
-        dfd, name, _ = self._parent(path, create=mkdirs)
-        try:
+        with self._at(path, create=mkdirs) as (dfd, name, _):
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
             try:
                 fd = os.open(name, flags, 0o666, dir_fd=dfd)
@@ -805,6 +792,4 @@ class FsOps:
                 os.utime(fd)
             finally:
                 os.close(fd)
-        finally:
-            os.close(dfd)
         return {}
