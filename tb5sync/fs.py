@@ -47,8 +47,10 @@ from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import isfilelike, stringify_path
 
 from . import client
+from . import protocol as P
 from .errors import (
     ConnectError,
+    Tb5syncError,
     RemoteIsADirectoryError,
     RemoteProtocolError,
     SourceChangedError,
@@ -71,13 +73,22 @@ def _has_magic(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
+_BUSY = object()
+
+
 class _Link:
-    """The authenticated connections of one filesystem instance, with a pipelined requester."""
+    """The authenticated connections of one filesystem instance.
+
+    ``streams`` connections carry pipelined requests (a :class:`Requester` with a
+    reader thread each); one more, ``direct``, serves blocking calls from one
+    thread at a time without any thread hop: the caller sends and reads the reply
+    itself, which roughly halves a small call's latency.
+    """
 
     def __init__(self, host: str, port: int, token: bytes | None, streams: int, timeout: float) -> None:
         chans = []
         try:
-            for _ in range(streams):
+            for _ in range(streams + 1):
                 ch = connect(host, port, token, timeout)
                 chans.append(ch)
                 resp = open_session(ch, {"op": "fs"})
@@ -86,13 +97,53 @@ class _Link:
                 ch.close()
             raise
         self.read_only = bool(resp.get("read_only"))
+        self.direct = chans.pop()
+        self.direct_lock = threading.Lock()
         self.requester = Requester(chans)
         self.closed = False
+
+    def call_direct(self, method: str, args: dict[str, Any]) -> Any:
+        """Send one request on the direct connection and read its reply here; ``_BUSY`` if another thread is using it.
+
+        Raises
+        ------
+        ConnectError
+            The connection broke (the link is then closed).
+        Tb5syncError
+            The server's error for this request.
+        """
+        if not self.direct_lock.acquire(blocking=False):
+            return _BUSY
+        clean = False
+        try:
+            self.direct.send_control(P.FrameType.REQUEST, 1, {"m": method, "a": args})
+            got = self.direct.recv_frame()
+            if got is None:
+                raise ConnectError("server closed the connection")
+            header, payload = got
+            clean = True
+            if header.type is P.FrameType.ERROR:
+                body = P.decode_control(payload)
+                raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
+            if header.type is P.FrameType.RESPONSE:
+                return P.decode_control(payload)
+            if header.type is P.FrameType.DATA:
+                return P.decode_data(payload)
+            raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
+        except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            raise ConnectError(f"connection lost: {exc}") from exc
+        finally:
+            self.direct_lock.release()
+            if not clean:  # interrupted mid-exchange: the stream's state is unknown
+                self.close()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.requester.close(bye=True)
+            self.direct.close()
 
 
 class _Holder:
@@ -249,7 +300,8 @@ class TB5FileSystem(AsyncFileSystem):
             if link is None or link.closed:
                 link = self._connect()
             try:
-                return link.requester.submit(method, args).result()
+                res = link.call_direct(method, args)
+                return link.requester.submit(method, args).result() if res is _BUSY else res
             except ConnectError:
                 self._drop(link)
                 if attempt or method not in _IDEMPOTENT:
