@@ -7,6 +7,7 @@ names are made relative to the root first).
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -828,3 +829,36 @@ class TestFsspecAbstract(AbstractFixtures, AbstractCopyTests, AbstractGetTests, 
     def fs_path(self) -> str:
         return "work"
 
+
+
+def test_asynchronous_use(served: Any) -> None:
+    """The coroutines work on the caller's own event loop (``asynchronous=True``), concurrently."""
+    live, _, _, root = served
+
+    async def main() -> None:
+        fs = TB5FileSystem(host="127.0.0.1", port=live.port, asynchronous=True, skip_instance_cache=True)
+        try:
+            names = await fs._find("d0")
+            datas = await asyncio.gather(*[fs._cat_file(n) for n in names])
+            assert datas == [slurp(os.path.join(root, n)) for n in names]
+            await fs._pipe_file("async.bin", b"from a coroutine")
+            assert (await fs._info("async.bin"))["size"] == 16
+            assert [i["name"] for i in await fs._ls("d0")] == ["d0/sub0", "d0/sub1", "d0/sub2"]
+        finally:
+            fs._holder.close()
+
+    asyncio.run(main())
+
+
+def test_pickled_instance_works_in_a_fresh_state(served: Any) -> None:
+    """fsspec ships filesystems to workers (dask) by pickling: the copy reconnects by itself."""
+    import pickle
+
+    live, fs, _, root = served
+    fs.ls("")
+    clone = pickle.loads(pickle.dumps(fs))
+    try:
+        assert (clone.host, clone.port, clone.streams) == (fs.host, fs.port, fs.streams)
+        assert clone.cat_file("d1/sub1/f1.bin") == slurp(os.path.join(root, "d1/sub1/f1.bin"))
+    finally:
+        clone._holder.close()
