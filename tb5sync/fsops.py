@@ -190,6 +190,7 @@ class FsOps:
         self.read_only = read_only
         self._root_fd = os.open(root, _DIR_FLAGS)
         self._writes: dict[int, _Write] = {}
+        self._buf: bytearray | None = None
 
     def close(self) -> None:
         """Abort every unfinished write (removing its temporary file) and close the root. Safe to call twice."""
@@ -403,7 +404,8 @@ class FsOps:
         s, e, _ = slice(start, end).indices(size)
         return s, max(s, e)
 
-    def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int) -> tuple[bytes, os.stat_result, int, int]:
+    def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int, into: bytearray | None = None) -> tuple[bytes | memoryview, os.stat_result, int, int]:
+        """Read ``[start:end]`` (at most ``limit`` bytes); with ``into``, into that buffer (a view of it is returned)."""
         fd, _ = self._open_read(path)
         try:
             st = os.fstat(fd)
@@ -413,18 +415,21 @@ class FsOps:
                 raise SourceChangedError(path)
             s, e = self._range(st.st_size, start, end)
             n = min(e - s, limit)
-            data = os.pread(fd, n, s) if n > 0 else b""
-            while len(data) < n:  # short read: the file shrank or a slow filesystem
-                more = os.pread(fd, n - len(data), s + len(data))
-                if not more:
+            if into is None:
+                into = bytearray(n)
+            view = memoryview(into)[:n]
+            got = 0
+            while got < n:  # preadv may return short (a slow filesystem); 0 means the file shrank
+                k = os.preadv(fd, [view[got:]], s + got)
+                if k == 0:
                     raise SourceChangedError(path)
-                data += more
-            return data, st, s, e
+                got += k
+            return view, st, s, e
         finally:
             os.close(fd)
 
     @_translating()
-    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[memoryview]]:
         """Bytes ``[start:end]`` of a file (Python slice semantics, negative from the end), as a DATA reply.
 
         At most :data:`MAX_READ` bytes come back; ``meta`` = ``{"size", "mtime", "start",
@@ -433,10 +438,12 @@ class FsOps:
         ``expect`` = ``{"size": bytes, "mtime": seconds}`` makes a changed file an error
         (:class:`~tb5sync.errors.SourceChangedError`), so a reader never mixes versions.
         """
-        data, st, s, e = self._read(path, start, end, expect, MAX_READ)
+        if self._buf is None:
+            self._buf = bytearray(MAX_READ)  # reused: the reply is sent before the next request is read
+        data, st, s, e = self._read(path, start, end, expect, MAX_READ, self._buf)
         return {"size": st.st_size, "mtime": st.st_mtime, "start": s, "end": e}, [data]
 
-    def cat_many(self, items: list[Any]) -> tuple[dict[str, Any], list[bytes]]:
+    def cat_many(self, items: list[Any]) -> tuple[dict[str, Any], list[bytes | memoryview]]:
         """Several reads in one reply: ``items`` = ``[[path, start, end], ...]``.
 
         The reply's ``meta["items"]`` has, per item, ``[nbytes]`` (its bytes follow in
@@ -446,7 +453,7 @@ class FsOps:
         if not isinstance(items, list) or len(items) > 100_000:
             raise UsageError("cat_many: items must be a list of at most 100000 [path, start, end]")
         meta: list[list[Any]] = []
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         budget = CAT_MANY_BUDGET
         for item in items:
             if not isinstance(item, (list, tuple)) or len(item) != 3:
