@@ -331,3 +331,39 @@ def test_transaction_of_many_files_does_not_exhaust_server_fds(srv: Any) -> None
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         fs._holder.close()
+
+
+# ---- outside the fs op, same server: the sync sessions ---------------------------------------------
+
+
+def test_sync_sessions_cannot_reach_the_state_dir(srv: Any, tmp_path: Any) -> None:
+    """security: the fs op refuses ROOT/.tb5sync, but the server's other sessions do not:
+    `client.push(src, Remote(host, port, ".tb5sync/"), name="state.sqlite")` replaces the server's
+    state database, `client.pull(Remote(.., ".tb5sync/state.sqlite"), out)` reads it, and
+    `client.ls(Remote(.., ".tb5sync"))` lists it (server._push/_pull/_ls use resolve_in_root only)."""
+    from tb5sync import client
+    from tb5sync.options import SyncOptions
+
+    live, fs, root = srv
+    fs.checksum("f")  # the state db exists now
+    state = os.path.join(root, ".tb5sync")
+    before = sorted(os.listdir(state))
+    src = tmp_path / "evil"
+    src.write_bytes(b"not a database")
+    pushed = pulled = listed = None
+    try:
+        client.push(str(src), client.Remote("127.0.0.1", live.port, ".tb5sync/"), SyncOptions(streams=1), token=None, name="evil")
+        pushed = True
+    except PermissionError:
+        pass
+    try:
+        client.pull(client.Remote("127.0.0.1", live.port, ".tb5sync/state.sqlite"), str(tmp_path / "stolen"), SyncOptions(streams=1), token=None)
+        pulled = True
+    except PermissionError:
+        pass
+    try:
+        listed = [e.path for e in client.ls(client.Remote("127.0.0.1", live.port, ".tb5sync"))]
+    except PermissionError:
+        pass
+    assert sorted(os.listdir(state)) == before
+    assert (pushed, pulled, listed) == (None, None, None)
