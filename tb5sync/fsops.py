@@ -65,7 +65,7 @@ _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO must not block open()
 _TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 FS_METHODS = frozenset(
@@ -317,11 +317,12 @@ class FsOps:
             pass
         return _info(name, st, islink=True, size=size, destination=dest)
 
-    def _listdir(self, dfd: int, parent: str) -> list[dict[str, Any]]:
+    def _listdir(self, dfd: int, parent: str, at_root: bool) -> list[dict[str, Any]]:
+        """Entries of directory ``dfd`` named under ``parent``; ``at_root``: it is the root (hide the state dir)."""
         out = []
         with os.scandir(dfd) as it:
             for de in it:
-                if not parent and de.name == STATE_DIR:
+                if at_root and de.name == STATE_DIR:
                     continue
                 try:
                     out.append(self._entry_info(dfd, parent, de))
@@ -345,7 +346,7 @@ class FsOps:
         parts = self._real(path, follow=True)
         dfd = self._open_dir(parts)
         try:
-            return {"entries": self._listdir(dfd, info["name"])}
+            return {"entries": self._listdir(dfd, info["name"], not parts)}
         finally:
             os.close(dfd)
 
@@ -368,13 +369,14 @@ class FsOps:
         out: list[dict[str, Any]] = []
         if withdirs and top["name"]:
             out.append(top)
-        root_fd = self._open_dir(self._real(path, follow=True))
+        top_parts = self._real(path, follow=True)
+        root_fd = self._open_dir(top_parts)
         stack: list[tuple[int, str, int]] = [(root_fd, top["name"], 1)]
         try:
             while stack:
                 dfd, rel, depth = stack.pop()
                 try:
-                    for info in self._listdir(dfd, rel):
+                    for info in self._listdir(dfd, rel, not top_parts and depth == 1):
                         if info["type"] == "directory":
                             if withdirs:
                                 out.append(info)
@@ -411,6 +413,8 @@ class FsOps:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory")
+            if expect is not None and not isinstance(expect, dict):
+                raise UsageError("expect must be a map {size, mtime} or None")
             if expect and (st.st_size != expect.get("size", st.st_size) or st.st_mtime != expect.get("mtime", st.st_mtime)):
                 raise SourceChangedError(path)
             s, e = self._range(st.st_size, start, end)
