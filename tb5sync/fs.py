@@ -38,7 +38,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fsspec.asyn import AsyncFileSystem, sync, sync_wrapper
@@ -507,15 +507,21 @@ class TB5FileSystem(AsyncFileSystem):
                 raise ex
         return out
 
+    async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[bytes], Any], callback: Callback) -> None:
+        """Fetch the file in windows of ``streams`` x 16 MiB (each split over the connections) and ``write`` them in order."""
+        pin = {"size": info["size"], "mtime": info["mtime"]}
+        window = MAX_READ * self.streams
+        for off in range(0, info["size"], window):
+            data = await self._cat_file(rpath, off, off + window, expect=pin)
+            write(data)
+            callback.relative_update(len(data))
+
     async def _get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> None:
         rpath = self._strip_protocol(rpath)
         info = await self._info(rpath)
         if isfilelike(lpath):
             callback.set_size(info["size"])
-            for off in range(0, info["size"], MAX_READ * self.streams):
-                data = await self._cat_file(rpath, off, off + MAX_READ * self.streams, expect={"size": info["size"], "mtime": info["mtime"]})
-                lpath.write(data)
-                callback.relative_update(len(data))
+            await self._stream(rpath, info, lpath.write, callback)
             return
         lpath = os.fspath(lpath)
         if info["type"] == "directory":
@@ -524,7 +530,7 @@ class TB5FileSystem(AsyncFileSystem):
         if os.path.isdir(lpath):
             raise IsADirectoryError(21, "Is a directory", lpath)
         callback.set_size(info["size"])
-        if info["size"] >= self.engine_threshold:
+        if info["size"] >= self.engine_threshold and not info["islink"]:  # the engine would copy a link as a link
 
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
@@ -540,9 +546,18 @@ class TB5FileSystem(AsyncFileSystem):
             )
             callback.absolute_update(info["size"])
             return
-        data = await self._cat_file(rpath, expect={"size": info["size"], "mtime": info["mtime"]})
-        _write_local_atomic(lpath, data)
-        callback.relative_update(len(data))
+        d, name = os.path.split(os.path.abspath(lpath))
+        tmp = os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
+        try:
+            with open(tmp, "xb") as f:
+                await self._stream(rpath, info, f.write, callback)
+            os.replace(tmp, lpath)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     # ---- writing ------------------------------------------------------------------------
     async def _write_bytes(self, path: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
@@ -592,6 +607,7 @@ class TB5FileSystem(AsyncFileSystem):
         if size >= self.engine_threshold and mode == "overwrite":
             await self._check_target(rpath)
             parent, _, name = rpath.rpartition("/")
+            lpath = os.path.realpath(lpath)  # the engine would send a symlink as a link: send its file
 
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
@@ -710,22 +726,6 @@ def _join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -
     return out
 
 
-def _write_local_atomic(lpath: str, data: bytes) -> None:
-    """Write ``data`` to the local ``lpath`` via a temporary name in the same directory."""
-    d, name = os.path.split(os.path.abspath(lpath))
-    tmp = os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, lpath)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 class TB5File(AbstractBufferedFile):
     """A file on a tb5sync server, opened through :class:`TB5FileSystem`.
 
@@ -825,3 +825,22 @@ class TB5File(AbstractBufferedFile):
             self._ahead[2].cancel()
             self._ahead = None
         super().close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self.mode != "rb" and not self.closed:
+            # the writer failed: throw its bytes away rather than commit half a file
+            self.discard()
+            self.closed = True
+            return
+        self.close()
+
+    def __del__(self) -> None:
+        # a writer dropped without close() never commits (fsspec's default would)
+        if not self.closed and self.mode != "rb":
+            try:
+                self.discard()
+            except Exception:  # interpreter shutdown, loop gone: the server drops the temp file anyway
+                pass
+            self.closed = True
+        elif not self.closed:
+            self.close()

@@ -11,8 +11,9 @@ Safety
     ``O_NOFOLLOW``, so a symlink swapped in between the check and the use cannot
     lead outside. A final symlink is followed for reads only when its target is
     inside the root (otherwise :class:`~tb5sync.errors.PathError`, a
-    ``PermissionError``). Writes replace a final symlink itself; they never write
-    through it. The state directory ``.tb5sync`` is neither listed nor reachable.
+    ``PermissionError``); writes go through such a symlink to its target, as
+    ``open(path, "w")`` does, while ``rm`` and ``move`` act on the link itself.
+    The state directory ``.tb5sync`` is neither listed nor reachable.
 
 Atomicity
     File contents are written to ``.NAME.XXXXXXXX.tb5tmp`` in the target's
@@ -252,6 +253,11 @@ class FsOps:
         if not parts:
             raise PathError(path, "the served root itself cannot be replaced or removed")
         return self._open_dir(parts[:-1], create=create), parts[-1], "/".join(parts)
+
+    def _through(self, path: str) -> str:
+        """Where a write to ``path`` lands: through a final symlink whose target is inside the root
+        (as ``open(path, "w")`` would), else ``path`` itself. Raises PathError for a target outside."""
+        return "/".join(self._real(path, follow=True))
 
     @contextlib.contextmanager
     def _at(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
@@ -565,7 +571,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
-        with self._at(path, create=mkdirs) as (dfd, name, _):
+        with self._at(self._through(path), create=mkdirs) as (dfd, name, _):
             self._write_file(dfd, name, lambda fd: self._write_all(fd, data), exclusive)
         return {}
 
@@ -580,7 +586,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(handle, int) or handle in self._writes or len(self._writes) >= _MAX_WRITES:
             raise UsageError("wopen: bad, duplicate or too many write handles")
-        dfd, name, _ = self._parent(path, create=mkdirs)
+        dfd, name, _ = self._parent(self._through(path), create=mkdirs)
         tmp = ""
         try:
             if exclusive:
@@ -702,8 +708,12 @@ class FsOps:
             try:
                 os.mkdir(name, 0o777, dir_fd=dfd)
             except FileExistsError:
-                st = os.stat(name, dir_fd=dfd)
-                if not (exist_ok and stat.S_ISDIR(st.st_mode)):
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):  # a directory only if it leads to one inside the root
+                    is_dir = exist_ok and self._stat(path)["type"] == "directory"
+                else:
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                if not (exist_ok and is_dir):
                     raise
         return {}
 
@@ -773,7 +783,7 @@ class FsOps:
                     off += k
 
             try:
-                with self._at(dst, create=mkdirs) as (dfd, name, _):
+                with self._at(self._through(dst), create=mkdirs) as (dfd, name, _):
                     self._write_file(dfd, name, fill, False)
             except Tb5syncError:
                 raise
@@ -790,7 +800,7 @@ class FsOps:
 
         ``mkdirs`` creates missing parent directories.
         """
-        with self._at(path, create=mkdirs) as (dfd, name, _):
+        with self._at(self._through(path), create=mkdirs) as (dfd, name, _):
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
             try:
                 fd = os.open(name, flags, 0o666, dir_fd=dfd)
