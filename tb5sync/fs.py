@@ -669,11 +669,8 @@ class TB5FileSystem(AsyncFileSystem):
         await self._call("rm", {"paths": [self._strip_protocol(path)], "recursive": False})
 
     async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None, maxdepth: int | None = None, **kwargs: Any) -> None:
+        # maxdepth is accepted and ignored, as by LocalFileSystem.rm: a directory goes whole or not at all
         paths = [path] if isinstance(path, str) else list(path)
-        if maxdepth is not None:
-            expanded = await self._expand_path(paths, recursive=recursive, maxdepth=maxdepth)
-            await self._call("rm", {"paths": list(reversed(expanded)), "recursive": False})
-            return
         literal: list[str] = []
         for p in paths:
             if _has_magic(p):
@@ -751,6 +748,8 @@ class TB5File(AbstractBufferedFile):
         super().__init__(fs, path, mode, block_size or "default", autocommit, cache_type, cache_options, **kwargs)
         if mode == "rb" and self.details["type"] == "directory":
             raise IsADirectoryError(21, "Is a directory", path)
+        if mode == "rb" and self.details["islink"] and self.details["type"] == "other":
+            fs.cat_file(path, 0, 0)  # a link leading outside the root: the server refuses (PermissionError)
 
     # reading
     def _pin(self) -> dict[str, Any]:

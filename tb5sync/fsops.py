@@ -11,7 +11,8 @@ Safety
     ``O_NOFOLLOW``, so a symlink swapped in between the check and the use cannot
     lead outside. A final symlink is followed for reads only when its target is
     inside the root (otherwise :class:`~tb5sync.errors.PathError`, a
-    ``PermissionError``); writes go through such a symlink to its target, as
+    ``PermissionError``; ``info`` and listings then describe the link itself, type
+    ``"other"``, size 0); writes go through such a symlink to its target, as
     ``open(path, "w")`` does, while ``rm`` and ``move`` act on the link itself.
     The state directory ``.tb5sync`` is neither listed nor reachable.
 
@@ -35,6 +36,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable, Iterator
@@ -93,6 +95,9 @@ FS_METHODS = frozenset(
 assert MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Names of files being written (by FsOps and by the sync receiver): hidden from listings.
+_PENDING = re.compile(r"\..+\.[0-9a-f]{8}\.tb5tmp\Z", re.S)
 
 
 def _translating(arg: str = "path") -> Callable[[F], F]:
@@ -297,13 +302,15 @@ class FsOps:
             dest = os.readlink(parts[-1], dir_fd=dfd)
         finally:
             os.close(dfd)
-        fd, _ = self._open_read(path)  # raises for a target outside the root or missing
+        try:
+            fd, _ = self._open_read(path)  # FileNotFoundError for a dangling link, as LocalFileSystem
+        except PathError:  # leads outside the root: describe the link itself, never its target
+            return _info(name, lst, islink=True, size=0, destination=dest)
         try:
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        info = _info(name, st, islink=True, destination=dest)
-        return info
+        return _info(name, st, islink=True, destination=dest)
 
     def _entry_info(self, dfd: int, parent: str, de: os.DirEntry[str]) -> dict[str, Any]:
         """Listing entry like LocalFileSystem's for a scandir entry: a symlink is type "other"."""
@@ -328,8 +335,8 @@ class FsOps:
         out = []
         with os.scandir(dfd) as it:
             for de in it:
-                if at_root and de.name == STATE_DIR:
-                    continue
+                if at_root and de.name == STATE_DIR or _PENDING.match(de.name):
+                    continue  # tb5sync's state, and files being written (not there until committed)
                 try:
                     out.append(self._entry_info(dfd, parent, de))
                 except FileNotFoundError:
@@ -347,6 +354,8 @@ class FsOps:
     def ls(self, path: str) -> dict[str, Any]:
         """``{"entries": [info, ...]}``: the directory's entries sorted by name, or ``[info]`` of a file."""
         info = self._stat(path)
+        if info["islink"]:
+            self._real(path, follow=True)  # listing through a link leading outside: PathError
         if info["type"] != "directory":
             return {"entries": [info]}
         parts = self._real(path, follow=True)
