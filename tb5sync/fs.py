@@ -40,6 +40,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from fsspec.asyn import AsyncFileSystem, sync, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
@@ -66,6 +67,7 @@ __all__ = ["TB5FileSystem", "TB5File"]
 DEFAULT_PORT = client.DEFAULT_PORT
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
+_CAT_BATCH = 10_000
 _IDEMPOTENT = frozenset({"info", "ls", "find", "cat", "cat_many", "digest"})
 
 
@@ -244,11 +246,17 @@ class TB5FileSystem(AsyncFileSystem):
 
     @staticmethod
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+        """``host``, ``port`` and (from ``tb5://TOKEN@host`` or ``tb5://user:TOKEN@host``) ``token``."""
         if not isinstance(path, str) or not path.startswith("tb5://"):
             return {}
         remote = client.parse_url(path)
         assert remote is not None
-        return {"host": remote.host, "port": remote.port}
+        out: dict[str, Any] = {"host": remote.host, "port": remote.port}
+        parts = urlsplit(path)
+        token = parts.password or parts.username
+        if token:
+            out["token"] = unquote(token)
+        return out
 
     def unstrip_protocol(self, name: str) -> str:
         """Full URL of ``name``: ``tb5://HOST:PORT/name``."""
@@ -286,8 +294,14 @@ class TB5FileSystem(AsyncFileSystem):
             link = await self._link()
             try:
                 fut = link.requester.submit(method, args, channel=channel)
+            except ConnectError:  # never sent (the stream was already closed): safe to send again
+                self._drop(link)
+                if attempt:
+                    raise
+                continue
+            try:
                 return await asyncio.wrap_future(fut)
-            except ConnectError:
+            except ConnectError:  # lost after sending: only a request without effects is sent again
                 self._drop(link)
                 if attempt or method not in _IDEMPOTENT:
                     raise
@@ -333,7 +347,11 @@ class TB5FileSystem(AsyncFileSystem):
             return False
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        entries = [dict(e) for e in self._call_sync("ls", {"path": self._strip_protocol(path)})["entries"]]
+        resp = self._call_sync("ls", {"path": self._strip_protocol(path)})
+        entries = [dict(e) for e in resp["entries"]]
+        while resp.get("more"):
+            resp = self._call_sync("more", {"cursor": resp["more"]})
+            entries.extend(dict(e) for e in resp["entries"])
         return entries if detail else [e["name"] for e in entries]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
@@ -351,17 +369,25 @@ class TB5FileSystem(AsyncFileSystem):
         resp = await self._call("info", {"path": self._strip_protocol(path)})
         return dict(resp["info"])
 
-    async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        resp = await self._call("ls", {"path": self._strip_protocol(path)})
+    async def _listing(self, method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+        """Entries of an ``ls``/``find`` request, fetching every page of a long one."""
+        resp = await self._call(method, args)
         entries = [dict(e) for e in resp["entries"]]
+        while resp.get("more"):
+            resp = await self._call("more", {"cursor": resp["more"]})
+            entries.extend(dict(e) for e in resp["entries"])
+        return entries
+
+    async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        entries = await self._listing("ls", {"path": self._strip_protocol(path)})
         return entries if detail else [e["name"] for e in entries]
 
     async def _find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, **kwargs: Any) -> Any:
         if maxdepth is not None and maxdepth < 1:
             raise ValueError("maxdepth must be at least 1")
         detail = kwargs.pop("detail", False)
-        resp = await self._call("find", {"path": self._strip_protocol(path), "maxdepth": maxdepth, "withdirs": withdirs})
-        out = {e["name"]: dict(e) for e in resp["entries"]}
+        entries = await self._listing("find", {"path": self._strip_protocol(path), "maxdepth": maxdepth, "withdirs": withdirs})
+        out = {e["name"]: e for e in entries}
         return out if detail else sorted(out)
 
     async def _walk(self, path: str, maxdepth: int | None = None, topdown: bool = True, on_error: Any = "omit", **kwargs: Any) -> AsyncIterator[Any]:
@@ -456,6 +482,9 @@ class TB5FileSystem(AsyncFileSystem):
 
     async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
         """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
+        if len(items) > _CAT_BATCH:  # requests of at most _CAT_BATCH items, in flight together
+            batches = await asyncio.gather(*[self._cat_items(items[i : i + _CAT_BATCH]) for i in range(0, len(items), _CAT_BATCH)])
+            return [r for batch in batches for r in batch]
         out: list[Any] = [None] * len(items)
         todo = list(range(len(items)))
         while todo:

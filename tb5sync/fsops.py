@@ -37,8 +37,11 @@ import errno
 import functools
 import os
 import re
+import secrets
 import shutil
 import stat
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -56,12 +59,14 @@ from .manifest import STATE_DIR
 from .protocol import MAX_PAYLOAD
 from .store import TreeState
 
-__all__ = ["FsOps", "FS_METHODS", "MAX_READ", "MAX_WRITE"]
+__all__ = ["FsOps", "Pages", "FS_METHODS", "MAX_READ", "MAX_WRITE", "PAGE_BYTES"]
 
 #: Largest byte range one ``cat`` request returns (bytes); clients split larger reads.
 MAX_READ = 16 * 1024 * 1024
 #: Largest ``data`` one ``put``/``wwrite`` request may carry (bytes); clients split larger writes.
 MAX_WRITE = 16 * 1024 * 1024
+#: Size budget of one page of an ``ls``/``find`` reply (bytes of msgpack, estimated).
+PAGE_BYTES = 8 * 1024 * 1024
 #: Byte budget of one ``cat_many`` reply; items past it are answered ``["M"]`` (ask again).
 CAT_MANY_BUDGET = 32 * 1024 * 1024
 _MAX_WRITES = 1024
@@ -89,6 +94,7 @@ FS_METHODS = frozenset(
         "move",
         "copy",
         "touch",
+        "more",
     }
 )
 
@@ -164,12 +170,48 @@ def _join(parent: str, name: str) -> str:
 
 
 class _Write:
-    """A file being written under a temporary name in its final directory."""
+    """A file being written under a temporary name in its final directory (no descriptor held)."""
 
-    __slots__ = ("dfd", "tmp", "name", "fd", "exclusive", "path")
+    __slots__ = ("dir_parts", "tmp", "name", "exclusive", "path")
 
-    def __init__(self, dfd: int, tmp: str, name: str, fd: int, exclusive: bool, path: str) -> None:
-        self.dfd, self.tmp, self.name, self.fd, self.exclusive, self.path = dfd, tmp, name, fd, exclusive, path
+    def __init__(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str) -> None:
+        self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
+
+
+class Pages:
+    """Pages of long listings waiting for the client, shared by a server's connections.
+
+    A listing larger than :data:`PAGE_BYTES` is answered with its first page and a
+    cursor; ``more(cursor)`` hands out the next ones. At most 64 listings wait (the
+    oldest is dropped first); an unknown or dropped cursor is a
+    :class:`~tb5sync.errors.UsageError`.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._waiting: OrderedDict[str, list[list[dict[str, Any]]]] = OrderedDict()
+        self._limit = limit
+
+    def put(self, pages: list[list[dict[str, Any]]]) -> str:
+        """Keep ``pages`` (in order); returns their cursor."""
+        cursor = secrets.token_hex(12)
+        with self._lock:
+            self._waiting[cursor] = pages
+            while len(self._waiting) > self._limit:
+                self._waiting.popitem(last=False)
+        return cursor
+
+    def take(self, cursor: str) -> tuple[list[dict[str, Any]], str | None]:
+        """The next page of ``cursor`` and the cursor for the rest (None when it was the last)."""
+        with self._lock:
+            pages = self._waiting.pop(cursor, None)
+            if pages is None:
+                raise UsageError("listing cursor unknown or expired; list again")
+            page = pages.pop(0)
+            if not pages:
+                return page, None
+            self._waiting[cursor] = pages
+            return page, cursor
 
 
 class FsOps:
@@ -184,16 +226,21 @@ class FsOps:
     read_only : bool
         Refuse every write with :class:`~tb5sync.errors.ReadOnlyError`.
 
+    pages : Pages or None
+        Where long listings wait to be fetched; a server shares one among its
+        connections (so any connection may fetch the next page). None: a private one.
+
     Raises
     ------
     OSError
         ``root`` cannot be opened.
     """
 
-    def __init__(self, root: str, state: TreeState, read_only: bool = False) -> None:
+    def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None) -> None:
         self.root = root
         self.state = state
         self.read_only = read_only
+        self.pages = pages if pages is not None else Pages()
         self._root_fd = os.open(root, _DIR_FLAGS)
         self._writes: dict[int, _Write] = {}
         self._buf: bytearray | None = None
@@ -344,6 +391,27 @@ class FsOps:
         out.sort(key=lambda i: i["name"])
         return out
 
+    def _paged(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """``{"entries": first page, "more": cursor or None}``; the rest waits in :attr:`pages`."""
+        pages: list[list[dict[str, Any]]] = [[]]
+        size = 0
+        for e in entries:
+            n = 160 + 2 * (len(e["name"]) + len(e.get("destination", "")))  # msgpack bytes, generously
+            if size + n > PAGE_BYTES and pages[-1]:
+                pages.append([])
+                size = 0
+            pages[-1].append(e)
+            size += n
+        first = pages.pop(0)
+        return {"entries": first, "more": self.pages.put(pages) if pages else None}
+
+    def more(self, cursor: str) -> dict[str, Any]:
+        """The next page of a long ``ls``/``find`` reply: ``{"entries", "more"}``."""
+        if not isinstance(cursor, str):
+            raise UsageError("more: cursor must be a string")
+        page, nxt = self.pages.take(cursor)
+        return {"entries": page, "more": nxt}
+
     # ---- reading ------------------------------------------------------------------------
     @_translating()
     def info(self, path: str) -> dict[str, Any]:
@@ -361,7 +429,7 @@ class FsOps:
         parts = self._real(path, follow=True)
         dfd = self._open_dir(parts)
         try:
-            return {"entries": self._listdir(dfd, info["name"], not parts)}
+            return self._paged(self._listdir(dfd, info["name"], not parts))
         finally:
             os.close(dfd)
 
@@ -411,7 +479,7 @@ class FsOps:
             for dfd, _, _ in stack:
                 os.close(dfd)
         out.sort(key=lambda i: i["name"])
-        return {"entries": out}
+        return self._paged(out)
 
     @staticmethod
     def _range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
@@ -590,14 +658,14 @@ class FsOps:
         """Start writing ``path`` under ``handle`` (an int the client picks, unique on this connection).
 
         The bytes go to a temporary file; :meth:`wclose` commits or discards it.
-        ``append`` starts from a copy of the existing file's contents (if any).
+        ``append`` starts from a copy of the existing file's contents (if any). No
+        descriptor stays open between requests (a transaction of thousands of
+        files costs the server none), at most 1024 open writes per connection.
         """
         exclusive = self._check_mode(mode)
         if not isinstance(handle, int) or handle in self._writes or len(self._writes) >= _MAX_WRITES:
             raise UsageError("wopen: bad, duplicate or too many write handles")
-        dfd, name, _ = self._parent(self._through(path), create=mkdirs)
-        tmp = ""
-        try:
+        with self._at(self._through(path), create=mkdirs) as (dfd, name, rel):
             if exclusive:
                 try:
                     os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -607,35 +675,32 @@ class FsOps:
                     raise RemoteExistsError(f"File exists: {path!r}")
             tmp = self._tmpname(name)
             fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
-            w = _Write(dfd, tmp, name, fd, exclusive, path)
-            self._writes[handle] = w
-            if append:
-                try:
-                    src = os.open(name, _READ_FLAGS, dir_fd=dfd)
-                except FileNotFoundError:
-                    src = -1
-                if src >= 0:
-                    try:
-                        n = os.fstat(src).st_size
-                        while n > 0:
-                            k = os.copy_file_range(src, fd, n)
-                            if k == 0:
-                                break
-                            n -= k
-                    finally:
-                        os.close(src)
-        except BaseException:
-            if handle in self._writes:
+            self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
+            try:
+                if append:
+                    self._copy_existing(dfd, name, fd)
+            except BaseException:
+                os.close(fd)
                 self._abort(handle)
-            else:
-                if tmp:
-                    try:
-                        os.unlink(tmp, dir_fd=dfd)
-                    except OSError:
-                        pass
-                os.close(dfd)
-            raise
+                raise
+            os.close(fd)
         return {}
+
+    @staticmethod
+    def _copy_existing(dfd: int, name: str, out: int) -> None:
+        try:
+            src = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        except FileNotFoundError:
+            return
+        try:
+            n = os.fstat(src).st_size
+            while n > 0:
+                k = os.copy_file_range(src, out, n)
+                if k == 0:
+                    break
+                n -= k
+        finally:
+            os.close(src)
 
     def _handle(self, handle: int) -> _Write:
         w = self._writes.get(handle) if isinstance(handle, int) else None
@@ -649,9 +714,19 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
         try:
-            self._write_all(w.fd, data)
-        except OSError as exc:
+            dfd = self._open_dir(w.dir_parts)
+            try:
+                fd = os.open(w.tmp, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            try:
+                self._write_all(fd, data)
+            finally:
+                os.close(fd)
+        except (OSError, Tb5syncError) as exc:
             self._abort(handle)
+            if isinstance(exc, Tb5syncError):
+                raise
             raise remote_os_error(exc, w.path) from exc
         return {}
 
@@ -663,23 +738,29 @@ class FsOps:
             return {}
         del self._writes[handle]
         try:
-            os.close(w.fd)
-            self._commit(w.dfd, w.tmp, w.name, w.exclusive)
+            dfd = self._open_dir(w.dir_parts)
+            try:
+                self._commit(dfd, w.tmp, w.name, w.exclusive)
+            finally:
+                os.close(dfd)
         except Tb5syncError:
             raise
         except OSError as exc:
             raise remote_os_error(exc, w.path) from exc
-        finally:
-            os.close(w.dfd)
         return {}
 
     def _abort(self, handle: int) -> None:
         w = self._writes.pop(handle)
-        for fn in (lambda: os.close(w.fd), lambda: os.unlink(w.tmp, dir_fd=w.dfd), lambda: os.close(w.dfd)):
-            try:
-                fn()
-            except OSError:
-                pass
+        try:
+            dfd = self._open_dir(w.dir_parts)
+        except (OSError, Tb5syncError):
+            return  # the directory went away (and the temporary file with it)
+        try:
+            os.unlink(w.tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
 
     @_writes
     def rm(self, paths: list[str], recursive: bool = False) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .fsops import FS_METHODS, FsOps
+from .fsops import FS_METHODS, FsOps, Pages
 from .manifest import DIR, FILE, LINK, STATE_DIR, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
@@ -129,6 +129,7 @@ class Server:
         # a read-only server writes nothing under its root, not even its own scan cache
         self.state = TreeState(root, writable=not read_only and os.access(root, os.W_OK))
         self._sessions: dict[str, _Session] = {}
+        self._pages = Pages()
         self._lock = threading.Lock()
         self._conns: set[Channel] = set()
         self._sock: socket.socket | None = None
@@ -138,8 +139,6 @@ class Server:
     @property
     def port(self) -> int:
         """The bound port (the real one when constructed with port 0)."""
-        if self._sock is not None:
-            return int(self._sock.getsockname()[1])
         return self._port
 
     def bind(self) -> None:
@@ -160,6 +159,7 @@ class Server:
         except OSError as exc:
             raise ConnectError(f"cannot listen on {self.host}:{self._port}: {exc.strerror or exc}") from exc
         self._sock = sock
+        self._port = int(sock.getsockname()[1])  # the real port, also after stop() closed the socket
 
     def start(self) -> Server:
         """Bind (if needed) and serve in a background thread; returns self."""
@@ -266,7 +266,7 @@ class Server:
             self._ls(ch, path)
             return False
         if op == "fs":
-            ops = FsOps(self.root, self.state, self.read_only)
+            ops = FsOps(self.root, self.state, self.read_only, self._pages)
             try:
                 ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
                 serve(ch, ops, FS_METHODS)

@@ -869,3 +869,25 @@ def test_pickled_instance_works_in_a_fresh_state(served: Any) -> None:
         assert clone.cat_file("d1/sub1/f1.bin") == slurp(os.path.join(root, "d1/sub1/f1.bin"))
     finally:
         clone._holder.close()
+
+
+def test_long_listings_come_in_pages(served: Any, monkeypatch: Any) -> None:
+    """ls/find larger than one page arrive in several (any connection may fetch the next page)."""
+    from tb5sync import fsops
+
+    _, fs, _, _ = served
+    want_find = fs.find("", withdirs=True, detail=True)
+    want_ls = fs.ls("d0/sub0", detail=True)
+    calls: list[str] = []
+    orig = fs._call
+
+    async def counting(method: str, args: dict[str, Any], **kw: Any) -> Any:
+        calls.append(method)
+        return await orig(method, args, **kw)
+
+    monkeypatch.setattr(fsops, "PAGE_BYTES", 2000)  # a handful of entries per page
+    monkeypatch.setattr(fs, "_call", counting)
+    assert fs.find("", withdirs=True, detail=True) == want_find
+    assert calls.count("more") >= 5
+    assert fs.ls("d0/sub0", detail=True) == want_ls  # the sync path pages too
+    assert sorted(p for p, _, _ in fs.walk("")) == sorted(["", *(n for n, i in want_find.items() if i["type"] == "directory")])
