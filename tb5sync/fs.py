@@ -19,8 +19,12 @@ How calls travel
 
 Atomicity
     Files written with ``pipe``, ``put``, ``cp`` or ``open(..., "wb")`` appear at
-    their final path only when complete (temporary name, then rename on close).
-    ``"xb"`` and ``pipe_file(mode="create")`` never replace an existing file.
+    their final path only when complete (temporary name, then rename on close);
+    a writer that fails or is abandoned leaves the old file as it was. ``"xb"``
+    and ``pipe_file(mode="create")`` never replace an existing file. Writes go
+    through a symlink whose target is inside the root, as on a local disk;
+    ``rm`` and ``mv`` act on the link itself. A symlink leading outside the root
+    is listed and described (type ``"other"``, size 0) but never followed.
 
 Errors
     ``FileNotFoundError``, ``FileExistsError``, ``IsADirectoryError``,
@@ -763,8 +767,9 @@ class TB5File(AbstractBufferedFile):
 
     Write modes (``"wb"``, ``"xb"``, ``"ab"``): buffered; the bytes go to a
     temporary file on the server, renamed into place on close (``autocommit``) or
-    on :meth:`commit` inside an fsspec transaction. A file that is never closed, or
-    whose connection is lost, leaves nothing at its final path.
+    on :meth:`commit` inside an fsspec transaction. A ``with`` block left by an
+    exception, a file dropped without ``close()``, or a lost connection leaves
+    nothing at the final path (the old file, if any, stays).
     """
 
     DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024

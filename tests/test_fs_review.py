@@ -1,7 +1,7 @@
-"""Review of tb5:// (tb5sync.fs / tb5sync.fsops): each test shows one problem found by attacking a live server.
+"""Regression tests from a review of tb5:// (tb5sync.fs / tb5sync.fsops) that attacked a live server.
 
-Every test is expected to FAIL until the problem it names is fixed; the docstring gives the
-severity and a one-line reproduction.
+Each test pins one problem that was found and fixed; its docstring describes the problem as it
+was (severity and a one-line reproduction), the test asserts the fixed behaviour.
 """
 
 from __future__ import annotations
