@@ -553,7 +553,9 @@ class Receiver:
         ``start``/``limit``); the next piece is asked for as soon as one arrives, so the
         sender cuts and hashes it while the ranges of this one are on the wire.
         """
-        first = self.link.submit("chunk_list", path=e.path, start=0, limit=BATCH_BYTES).result()
+        first_fut = self.link.submit("chunk_list", path=e.path, start=0, limit=BATCH_BYTES)
+        basis = self._basis_map(e.path)  # chunk the local basis while the sender cuts its first piece
+        first = first_fut.result()
         size, mtime_ns = first.get("size"), first.get("mtime_ns")
         if not isinstance(size, int) or not isinstance(mtime_ns, int) or size < 0:
             raise RemoteProtocolError("malformed chunk_list reply")
@@ -570,7 +572,6 @@ class Receiver:
         all_refs: list[tuple[bytes, int]] = []
         try:
             partial_size = os.fstat(fd).st_size
-            basis = self._basis_map(e.path)
             groups = self._missing_groups(fd, e.path, first, size, mtime_ns, all_refs, partial_size, basis)
             self._fetch_ranges(fd, e.path, groups, size, mtime_ns)
             os.ftruncate(fd, size)
