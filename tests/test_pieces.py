@@ -159,3 +159,21 @@ def test_buffer_pool_reuses_what_was_given_back() -> None:
     pool.put(a)
     pool.put(bytearray(10))  # beyond max_buffers: dropped
     assert pool.get(1024 * 1024) is not a  # a 4 MiB buffer is not used for a frame of a quarter its size
+
+
+def test_hash_threads_setting(data_file: tuple[str, bytes]) -> None:
+    path, data = data_file
+    try:
+        hashing.set_hash_threads(1)
+        assert hashing.hash_pool()._max_workers == 1
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert hashing.chunk_fd(fd, len(data), SMALL) == hashing.chunk_buffer(data, SMALL)
+        finally:
+            os.close(fd)
+        with pytest.raises(UsageError):
+            hashing.set_hash_threads(-1)
+    finally:
+        hashing.set_hash_threads(0)
+    default = int(os.environ.get("TB5SYNC_HASH_THREADS", "0") or 0) or max(2, os.cpu_count() or 2)
+    assert hashing.hash_pool()._max_workers == default
