@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -257,12 +258,19 @@ class Receiver:
             The link failed.
         """
         t0 = time.perf_counter()
-        src = list(self._fetch_manifest())
+        rules = self.options.rules
+        # Scan the destination while the sender scans the source (they overlap on two cores).
+        dst_fut: Future[list[Entry]] = Future()
+        scanner = threading.Thread(target=_run_into, args=(dst_fut, scan, self.dest, rules), name="tb5-scan", daemon=True)
+        scanner.start()
+        try:
+            src = list(self._fetch_manifest())
+        finally:
+            scanner.join()
         if not src:
             raise RemoteNotFoundError("source is empty or does not exist")
-        rules = self.options.rules
         try:
-            dst = scan(self.dest, rules, missing_ok=True)
+            dst = dst_fut.result()
         except PermissionError as exc:
             raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
         same = self._compare_digests(src, dst) if self.options.checksum else None
@@ -765,6 +773,14 @@ class Receiver:
                 self._st["chunks_sent"] += 1
                 self._tick(len(data))
             self.link.recycle(parts)
+
+
+def _run_into(fut: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    """Call ``fn(*args)`` (with ``missing_ok=True``) and settle ``fut`` with its result or exception."""
+    try:
+        fut.set_result(fn(*args, missing_ok=True))
+    except BaseException as exc:  # delivered to the caller through the future
+        fut.set_exception(exc)
 
 
 def _unlink_quiet(path: str) -> None:
