@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 SMALL_FILE = 4 * 1024 * 1024
 #: Target bytes per small-file batch and per chunk-range request.
 BATCH_BYTES = 8 * 1024 * 1024
+#: Most requests in flight (each up to BATCH_BYTES): bounds memory whatever the stream count.
+MAX_INFLIGHT = 12
 #: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
 PIECE_BYTES = 64 * 1024 * 1024
 BATCH_FILES = 2048
@@ -447,7 +449,7 @@ class Receiver:
                 cur, size = [], 0
         if cur:
             batches.append(cur)
-        window = max(2, 2 * self.link.streams)
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
         it = iter(batches)
         for b in it:
@@ -736,7 +738,7 @@ class Receiver:
 
     def _fetch_ranges(self, fd: int, rel: str, groups: Iterator[list[tuple[int, int, bytes]]], size: int, mtime_ns: int) -> None:
         """Ask for each group of missing chunks with a window of requests in flight; verify, then pwrite."""
-        window = max(2, 2 * self.link.streams)
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]] = deque()
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:

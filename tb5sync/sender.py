@@ -43,6 +43,7 @@ MAX_READ = 32 * 1024 * 1024
 #: Most manifest entries per page.
 MAX_PAGE = 16384
 _SAMPLE = 4 * 1024
+_UNIT = 4 * 1024 * 1024
 
 
 def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview, int]:
@@ -95,13 +96,19 @@ class ReadBuffers:
             return False
         return True
 
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes that no memoryview refers to; contents undefined."""
+    def get(self, n: int) -> memoryview:
+        """A view of ``n`` bytes of a buffer nothing else refers to; contents undefined.
+
+        The view is made under the lock, so the buffer counts as busy before another
+        thread can look at it; it is free again once this view and all views cut from
+        it are released.
+        """
         with self._lock:
             for buf in self._bufs:
                 if n <= len(buf) <= 2 * n + MAX_READ // 4 and self._free(buf):
-                    return buf
-            buf = bytearray(max(n, 1))
+                    return memoryview(buf)[:n]
+            # whole 4 MiB units, so that one buffer serves the next requests of similar size
+            buf = bytearray(-(-n // _UNIT) * _UNIT if n > _UNIT else max(n, 1))
             if len(self._bufs) < self.max_buffers:
                 self._bufs.append(buf)
             else:  # replace a free buffer of the wrong size, if any
@@ -109,7 +116,7 @@ class ReadBuffers:
                     if self._free(old):
                         self._bufs[i] = buf
                         break
-            return buf
+            return memoryview(buf)[:n]
 
 
 class Sender:
@@ -148,7 +155,7 @@ class Sender:
         self._entries: list[Entry] | None = None
         self._acc: dict[str, tuple[tuple[int, int, int], int, list[tuple[bytes, int]]]] = {}
         self._acc_lock = threading.Lock()
-        self._read_bufs = ReadBuffers(8)
+        self._read_bufs = ReadBuffers(16)
         try:
             st = os.lstat(base)
         except FileNotFoundError:
@@ -361,7 +368,7 @@ class Sender:
             for off, n in ranges:
                 if off + n > size:
                     raise UsageError(f"range [{off}, {off + n}) beyond end of {path} ({size} bytes)")
-            buf = memoryview(self._read_bufs.get(total))
+            buf = self._read_bufs.get(total)
             pos = 0
             for off, n in ranges:
                 data = buf[pos : pos + n]

@@ -313,7 +313,7 @@ class Requester:
             raise UsageError("a requester needs at least one channel")
         self.channels = channels
         #: Receive buffers shared by the channels; DATA bodies are views into them.
-        self.pool = BufferPool(max_buffers=4 * len(channels) + 4)
+        self.pool = BufferPool(max_buffers=16)
         for ch in channels:
             ch.pool = self.pool
         self._ids = itertools.count(1)
