@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    p.add_argument("--hash-threads", type=int, default=0, metavar="N",
+                   help="BLAKE3 hashing threads (default: $TB5SYNC_HASH_THREADS, else one per CPU)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a directory tree")
@@ -205,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench}
     try:
+        if a.hash_threads:
+            from .hashing import set_hash_threads
+
+            set_hash_threads(a.hash_threads)
         return handlers[a.command](a)
     except Tb5syncError as exc:
         print(f"tb5sync: error: {exc}", file=sys.stderr)

@@ -97,6 +97,9 @@ def check_relpath(path: str) -> str:
         raise UsageError(f"path contains NUL: {path!r}")
     if path.startswith("/"):
         raise UsageError(f"absolute path not allowed: {path!r}")
+    # fast path (manifests of 10^5 entries): no empty component and no component starting with "."
+    if "//" not in path and not path.endswith("/") and not path.startswith(".") and "/." not in path:
+        return path
     for part in path.split("/"):
         if part in ("", ".", ".."):
             raise UsageError(f"path component {part!r} not allowed in {path!r}")

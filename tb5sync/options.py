@@ -29,7 +29,7 @@ class SyncOptions:
     dry_run : bool
         Plan and report, change nothing.
     compress : str
-        ``"auto"`` (lz4 per chunk only where a sample compresses to under half),
+        ``"auto"`` (lz4 per chunk only where a sample compresses to under 1/8),
         ``"lz4"`` (lz4 where it makes the chunk smaller) or ``"none"``.
     streams : int
         TCP streams per session, 1 to 64.

@@ -8,7 +8,8 @@ Invariants kept here (see DESIGN.md):
 
 * every chunk is verified against its BLAKE3 digest before it is written;
 * a file is written to a temporary name (small files: ``.NAME.XXXX.tb5tmp`` in
-  the same directory; large files: ``ROOT/.tb5sync/partial/<file digest>``),
+  the same directory; large files: ``ROOT/.tb5sync/partial/<key>``, the key a BLAKE3 of
+  the file's state path, size and mtime at the source),
   then renamed into place, so no reader sees a half-written file;
 * partial large files survive an interruption and their verified chunks are
   reused by the next run (resume).
@@ -17,10 +18,12 @@ Invariants kept here (see DESIGN.md):
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,6 +57,10 @@ log = logging.getLogger(__name__)
 SMALL_FILE = 4 * 1024 * 1024
 #: Target bytes per small-file batch and per chunk-range request.
 BATCH_BYTES = 8 * 1024 * 1024
+#: Most requests in flight (each up to BATCH_BYTES): bounds memory whatever the stream count.
+MAX_INFLIGHT = 12
+#: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
+PIECE_BYTES = 64 * 1024 * 1024
 BATCH_FILES = 2048
 #: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
 ProgressFn = Callable[[int, int], None]
@@ -73,6 +80,9 @@ class LocalLink:
     def submit(self, method: str, **args: Any) -> Future[Any]:
         return self._pool.submit(getattr(self.sender, method), **args)
 
+    def recycle(self, parts: list[Any]) -> None:
+        """Nothing to give back: in-process replies own their bytes."""
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.sender.close()
@@ -81,21 +91,32 @@ class LocalLink:
 class RemoteLink:
     """Link to a sender across the wire through a :class:`Requester`.
 
-    Control requests go on stream 0; chunk and file reads are spread over all streams.
+    Control requests go on stream 0; chunk and file reads are spread over the other streams
+    (over all of them when there is only one), so that a read never queues behind a
+    ``chunk_list`` piece that the sender is still cutting and hashing.
     """
 
     def __init__(self, requester: Requester) -> None:
         self.requester = requester
         self.streams = len(requester.channels)
+        self._data_streams = itertools.cycle(range(1, self.streams) if self.streams > 1 else [0])
 
     @property
     def wire_bytes(self) -> int:
         return self.requester.wire_bytes
 
+    def recycle(self, parts: list[Any]) -> None:
+        """Give the receive buffer under a DATA reply's ``parts`` back to the pool.
+
+        Call only when nothing will read ``parts`` (or any view of the same reply) again.
+        """
+        if parts and isinstance(parts[0], memoryview) and isinstance(parts[0].obj, bytearray):
+            self.requester.pool.put(parts[0].obj)
+
     def submit(self, method: str, **args: Any) -> Future[Any]:
         if method not in _DATA_METHODS:
             return self.requester.submit(method, args, channel=0)
-        inner = self.requester.submit(method, args)
+        inner = self.requester.submit(method, args, channel=next(self._data_streams))
         outer: Future[Any] = Future()
 
         def done(f: Future[Any]) -> None:
@@ -239,12 +260,19 @@ class Receiver:
             The link failed.
         """
         t0 = time.perf_counter()
-        src = list(self._fetch_manifest())
+        rules = self.options.rules
+        # Scan the destination while the sender scans the source (they overlap on two cores).
+        dst_fut: Future[list[Entry]] = Future()
+        scanner = threading.Thread(target=_run_into, args=(dst_fut, scan, self.dest, rules), name="tb5-scan", daemon=True)
+        scanner.start()
+        try:
+            src = list(self._fetch_manifest())
+        finally:
+            scanner.join()
         if not src:
             raise RemoteNotFoundError("source is empty or does not exist")
-        rules = self.options.rules
         try:
-            dst = scan(self.dest, rules, missing_ok=True)
+            dst = dst_fut.result()
         except PermissionError as exc:
             raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
         same = self._compare_digests(src, dst) if self.options.checksum else None
@@ -421,7 +449,7 @@ class Receiver:
                 cur, size = [], 0
         if cur:
             batches.append(cur)
-        window = max(2, 2 * self.link.streams)
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
         it = iter(batches)
         for b in it:
@@ -432,11 +460,17 @@ class Receiver:
             self._commit_small_batch(*inflight.popleft())
 
     def _commit_small_batch(self, batch: list[Entry], fut: Future[Any]) -> None:
+        """Verify and write the files of one ``read_files`` reply, one after the other.
+
+        Writing them from several threads was measured slower: creating files in ext4
+        is kernel time that contends on the same locks (rwsem spinning in the profile).
+        """
         meta, parts = fut.result()
         files = meta.get("files")
         if not isinstance(files, list) or len(files) != len(batch):
             raise RemoteProtocolError("read_files reply does not match the request")
         pi = 0
+        todo: list[tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]] = []
         for e, info in zip(batch, files):
             if info is None:
                 log.warning("source file vanished or kept changing: %s", e.path)
@@ -449,38 +483,53 @@ class Receiver:
             pi += 1
             refs = [(bytes(d), int(n)) for d, n in refs]
             self._check_refs(refs, size, e.path)
-            pieces = []
-            off = 0
-            mv = memoryview(data)
-            for d, n in refs:
-                pieces.append((mv[off : off + n], d))
-                off += n
-            _verify_many(pieces, e.path)
-            final = self._path(e.path)
-            tmp = self._tmpname(final)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                try:
-                    view = memoryview(data)
-                    while view:
-                        k = os.write(fd, view)
-                        view = view[k:]
-                    os.fchmod(fd, mode & 0o7777)
-                    os.utime(fd, ns=(mtime_ns, mtime_ns))
-                    st = os.fstat(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, final)
-            except BaseException:
-                _unlink_quiet(tmp)
-                raise
+            todo.append((e, data, size, mtime_ns, mode, refs))
+        for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
             self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
             self._st["files_transferred"] += 1
             self._st["bytes_transferred"] += size
             self._st["chunks_sent"] += len(refs)
             self._tick(size)
+        self.link.recycle(parts)
         if len(self._records) >= 4096:
             self._flush_records()
+
+    def _write_small(self, item: tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]) -> os.stat_result:
+        """Verify one small file's chunks, write it to a temporary name, rename it into place.
+
+        Raises
+        ------
+        IntegrityError
+            A chunk does not match its digest (nothing is written).
+        OSError
+            The file cannot be written (the temporary file is removed).
+        """
+        e, data, _size, mtime_ns, mode, refs = item
+        mv = memoryview(data)
+        off = 0
+        for d, n in refs:
+            if chunk_digest(mv[off : off + n]) != d:
+                raise IntegrityError(f"chunk digest mismatch in {e.path}: data corrupted in transit")
+            off += n
+        final = self._path(e.path)
+        tmp = self._tmpname(final)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                view = mv
+                while view:
+                    k = os.write(fd, view)
+                    view = view[k:]
+                os.fchmod(fd, mode & 0o7777)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        return st
 
     def _flush_records(self) -> None:
         if self.state is not None and self._records:
@@ -508,27 +557,33 @@ class Receiver:
         self._changed.append(e.path)
 
     def _fetch_large(self, e: Entry) -> None:
-        info = self.link.submit("chunk_list", path=e.path).result()
-        size, mtime_ns, fdigest, refs = info["size"], info["mtime_ns"], bytes(info["digest"]), info["chunks"]
-        refs = [(bytes(d), int(n)) for d, n in refs]
-        self._check_refs(refs, size, e.path)
-        offsets = []
-        off = 0
-        for _, n in refs:
-            offsets.append(off)
-            off += n
+        """Fetch one large file into a work file, piece by piece of its chunk list, then commit.
+
+        The chunk list comes in pieces of about :data:`PIECE_BYTES` (``chunk_list`` with
+        ``start``/``limit``); the next piece is asked for as soon as one arrives, so the
+        sender cuts and hashes it while the ranges of this one are on the wire.
+        """
+        first_fut = self.link.submit("chunk_list", path=e.path, start=0, limit=BATCH_BYTES)
+        basis = self._basis_map(e.path)  # chunk the local basis while the sender cuts its first piece
+        first = first_fut.result()
+        size, mtime_ns = first.get("size"), first.get("mtime_ns")
+        if not isinstance(size, int) or not isinstance(mtime_ns, int) or size < 0:
+            raise RemoteProtocolError("malformed chunk_list reply")
         final = self._path(e.path)
         if self.state is not None and self.state.persistent:
-            work = self.state.partial_path(fdigest)
+            key = chunk_digest(f"{self._spath(e.path)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
+            work = self.state.partial_path(key)
             keep_partial = True
         else:
             work = self._tmpname(final)
             keep_partial = False
         fd = os.open(work, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         committed = False
+        all_refs: list[tuple[bytes, int]] = []
         try:
-            todo = self._reuse_local(fd, e.path, refs, offsets)
-            self._fetch_ranges(fd, e.path, refs, offsets, todo, size, mtime_ns)
+            partial_size = os.fstat(fd).st_size
+            groups = self._missing_groups(fd, e.path, first, size, mtime_ns, all_refs, partial_size, basis)
+            self._fetch_ranges(fd, e.path, groups, size, mtime_ns)
             os.ftruncate(fd, size)
             os.fchmod(fd, e.mode)
             os.utime(fd, ns=(mtime_ns, mtime_ns))
@@ -546,7 +601,7 @@ class Receiver:
                 os.unlink(work)
                 st = os.stat(final)
             committed = True
-            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
+            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, all_refs))
             self._flush_records()
             self._st["files_transferred"] += 1
             self._st["bytes_transferred"] += size
@@ -556,30 +611,86 @@ class Receiver:
             if not committed and not keep_partial:
                 _unlink_quiet(work)
 
-    def _reuse_local(self, fd: int, rel: str, refs: list[tuple[bytes, int]], offsets: list[int]) -> list[int]:
-        """Fill chunks already present (partial file, basis file, index); return indices still missing."""
-        todo = []
-        partial_size = os.fstat(fd).st_size
-        basis = self._basis_map(rel)
+    def _pieces(self, rel: str, first: dict[str, Any], size: int, mtime_ns: int) -> Iterator[tuple[int, list[tuple[bytes, int]]]]:
+        """Yield ``(start offset, refs)`` per chunk-list piece, asking for the next piece before yielding.
+
+        Raises
+        ------
+        RemoteProtocolError
+            A piece does not continue the previous one, or the chunks do not add up to ``size``.
+        SourceChangedError
+            The file's size or mtime changed between pieces.
+        """
+        info = first
+        pos = 0
+        while True:
+            if (info.get("size"), info.get("mtime_ns")) != (size, mtime_ns):
+                raise SourceChangedError(rel)
+            chunks, start, end = info.get("chunks"), info.get("start"), info.get("end")
+            if not isinstance(chunks, list) or start != pos or not isinstance(end, int) or not pos <= end <= size:
+                raise RemoteProtocolError(f"chunk_list piece of {rel} does not continue at {pos}")
+            refs = [(bytes(d), int(n)) for d, n in chunks]
+            self._check_refs(refs, end - start, rel)
+            if end == pos and end < size:
+                raise RemoteProtocolError(f"empty chunk_list piece for {rel} before its end")
+            nxt = None
+            if end < size:
+                nxt = self.link.submit("chunk_list", path=rel, start=end, limit=PIECE_BYTES)
+            yield start, refs
+            if nxt is None:
+                return
+            pos = end
+            info = nxt.result()
+
+    def _missing_groups(
+        self,
+        fd: int,
+        rel: str,
+        first: dict[str, Any],
+        size: int,
+        mtime_ns: int,
+        all_refs: list[tuple[bytes, int]],
+        partial_size: int,
+        basis: dict[bytes, int],
+    ) -> Iterator[list[tuple[int, int, bytes]]]:
+        """Fill what is present locally, piece by piece; yield groups of missing ``(offset, length, digest)``.
+
+        Each group is at most :data:`BATCH_BYTES` (or one chunk) of chunks to ask for in one request.
+        ``all_refs`` receives every chunk of the file, in order.
+        """
         opened: dict[str, int] = {}
+        cur: list[tuple[int, int, bytes]] = []
+        nbytes = 0
         try:
-            for i, (d, n) in enumerate(refs):
-                off = offsets[i]
-                if off + n <= partial_size:
-                    data = os.pread(fd, n, off)
-                    if chunk_digest(data) == d:
+            for start, refs in self._pieces(rel, first, size, mtime_ns):
+                all_refs += refs
+                off = start
+                for d, n in refs:
+                    if self._have_local(fd, d, n, off, rel, partial_size, basis, opened):
                         self._st["chunks_reused"] += 1
                         self._tick(n)
-                        continue
-                if self._copy_local(fd, d, n, off, rel, basis, opened):
-                    self._st["chunks_reused"] += 1
-                    self._tick(n)
-                    continue
-                todo.append(i)
+                    else:
+                        if cur and nbytes + n > BATCH_BYTES:
+                            yield cur
+                            cur, nbytes = [], 0
+                        cur.append((off, n, d))
+                        nbytes += n
+                    off += n
+            if cur:
+                yield cur
         finally:
             for lfd in opened.values():
                 os.close(lfd)
-        return todo
+
+    def _have_local(
+        self, fd: int, d: bytes, n: int, off: int, rel: str, partial_size: int, basis: dict[bytes, int], opened: dict[str, int]
+    ) -> bool:
+        """True when chunk ``d`` at ``off`` is already in the work file or was copied there from local data."""
+        if off + n <= partial_size:
+            data = os.pread(fd, n, off)
+            if chunk_digest(data) == d:
+                return True
+        return self._copy_local(fd, d, n, off, rel, basis, opened)
 
     def _basis_map(self, rel: str) -> dict[bytes, int]:
         if self.state is None:
@@ -625,27 +736,13 @@ class Receiver:
                 return True
         return False
 
-    def _fetch_ranges(
-        self, fd: int, rel: str, refs: list[tuple[bytes, int]], offsets: list[int], todo: list[int], size: int, mtime_ns: int
-    ) -> None:
-        # group consecutive missing chunks into requests of about BATCH_BYTES
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        nbytes = 0
-        for i in todo:
-            n = refs[i][1]
-            if cur and nbytes + n > BATCH_BYTES:
-                groups.append(cur)
-                cur, nbytes = [], 0
-            cur.append(i)
-            nbytes += n
-        if cur:
-            groups.append(cur)
-        window = max(2, 2 * self.link.streams)
-        inflight: deque[tuple[list[int], Future[Any]]] = deque()
+    def _fetch_ranges(self, fd: int, rel: str, groups: Iterator[list[tuple[int, int, bytes]]], size: int, mtime_ns: int) -> None:
+        """Ask for each group of missing chunks with a window of requests in flight; verify, then pwrite."""
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
+        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]] = deque()
 
-        def submit(g: list[int]) -> None:
-            ranges = [[offsets[i], refs[i][1]] for i in g]
+        def submit(g: list[tuple[int, int, bytes]]) -> None:
+            ranges = [[off, n] for off, n, _ in g]
             inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)))
 
         it = iter(groups)
@@ -663,20 +760,29 @@ class Receiver:
             if not isinstance(mparts, list) or len(mparts) != len(g) or len(parts) != len(g):
                 raise RemoteProtocolError("read_ranges reply does not match the request")
             pieces = []
-            for i, part, (rawlen, _w, codec) in zip(g, parts, mparts):
-                if rawlen != refs[i][1]:
+            for (_off, n, d), part, (rawlen, _w, codec) in zip(g, parts, mparts):
+                if rawlen != n:
                     raise RemoteProtocolError("read_ranges part has the wrong length")
-                pieces.append((_decode(part, rawlen, codec), refs[i][0]))
+                pieces.append((_decode(part, rawlen, codec), d))
             _verify_many(pieces, rel)
-            for i, (data, _d) in zip(g, pieces):
+            for (off, _n, _d), (data, _) in zip(g, pieces):
                 view = memoryview(data)
-                pos = offsets[i]
+                pos = off
                 while view:
                     k = os.pwrite(fd, view, pos)
                     view = view[k:]
                     pos += k
                 self._st["chunks_sent"] += 1
                 self._tick(len(data))
+            self.link.recycle(parts)
+
+
+def _run_into(fut: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
+    """Call ``fn(*args)`` (with ``missing_ok=True``) and settle ``fut`` with its result or exception."""
+    try:
+        fut.set_result(fn(*args, missing_ok=True))
+    except BaseException as exc:  # delivered to the caller through the future
+        fut.set_exception(exc)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -4,7 +4,8 @@ Layout under ``ROOT/.tb5sync/``::
 
     state.sqlite     files(path, size, mtime_ns, ino, params, digest, chunks)
                      chunks(digest, path, offset, length)
-    partial/         large files being received, named by their file digest; kept
+    partial/         large files being received, named by a key of the source file (BLAKE3 of
+                     its path, size and mtime_ns, see Receiver); kept
                      across interruptions so that a re-run sends only what is missing;
                      pruned after 7 days untouched
 
@@ -193,6 +194,10 @@ class TreeState:
         digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
         return digest, refs
 
-    def partial_path(self, file_digest_: bytes) -> str:
-        """Where a large file with this digest is assembled before it is renamed into place."""
-        return os.path.join(self.state_dir, "partial", file_digest_.hex())
+    def partial_path(self, key: bytes) -> str:
+        """Where a large file is assembled before it is renamed into place; ``key`` names it (hex).
+
+        The receiver derives ``key`` from the source file's path, size and mtime, so that an
+        interrupted transfer of the same source version finds its partial file again.
+        """
+        return os.path.join(self.state_dir, "partial", key.hex())

@@ -1,0 +1,212 @@
+"""Windowed chunking, chunk lists in pieces, and the reusable read/receive buffers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tb5sync import hashing
+from tb5sync.chunking import ChunkParams
+from tb5sync.errors import UsageError
+from tb5sync.options import SyncOptions
+from tb5sync.sender import ReadBuffers, Sender
+from tb5sync.store import TreeState
+from tb5sync.transport import BufferPool
+
+SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[str, bytes]:
+    data = os.urandom(100_000) + bytes(5000) + os.urandom(20_000)  # a run of zeros forces max-size cuts
+    p = tmp_path / "src" / "f.bin"
+    p.parent.mkdir()
+    p.write_bytes(data)
+    return str(p), data
+
+
+def _offsets(refs: list[tuple[bytes, int]]) -> list[int]:
+    out, off = [], 0
+    for _, n in refs:
+        out.append(off)
+        off += n
+    return out
+
+
+@pytest.mark.parametrize("window", [1024, 4096, 5000, 65536, 1 << 20])
+def test_windowed_chunking_matches_whole_buffer(data_file: tuple[str, bytes], window: int) -> None:
+    path, data = data_file
+    whole = hashing.chunk_buffer(data, SMALL)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        windows = list(hashing.iter_chunk_fd(fd, len(data), SMALL, window=window))
+    finally:
+        os.close(fd)
+    assert [r for w in windows for r in w] == whole
+    assert sum(n for _, n in whole) == len(data)
+    if window < len(data) // 2:
+        assert len(windows) > 1
+
+
+def test_windowed_chunking_from_a_cut_point_and_with_stop(data_file: tuple[str, bytes]) -> None:
+    path, data = data_file
+    whole = hashing.chunk_buffer(data, SMALL)
+    offs = _offsets(whole)
+    k = len(whole) // 3
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tail = [r for w in hashing.iter_chunk_fd(fd, len(data), SMALL, start=offs[k], window=4096) for r in w]
+        assert tail == whole[k:]
+        head = [r for w in hashing.iter_chunk_fd(fd, len(data), SMALL, window=4096, stop=10_000) for r in w]
+        assert head == whole[: len(head)]
+        assert 10_000 <= sum(n for _, n in head) < len(data)
+        assert list(hashing.iter_chunk_fd(fd, len(data), SMALL, start=len(data))) == []
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
+@pytest.mark.parametrize("limit", [1, 3000, 50_000])
+def test_chunk_list_pieces_join_into_the_whole_list(data_file: tuple[str, bytes], with_state: bool, limit: int) -> None:
+    path, data = data_file
+    root = os.path.dirname(path)
+    state = TreeState(root, SMALL) if with_state else None
+    sender = Sender(root, state=state, params=SMALL)
+    try:
+        whole = sender.chunk_list("f.bin", fresh=True)
+        assert whole["start"] == 0 and whole["end"] == len(data) == whole["size"]
+        pieces = []
+        pos = 0
+        while True:
+            piece = sender.chunk_list("f.bin", start=pos, limit=limit)
+            assert piece["start"] == pos and piece["end"] > pos
+            assert piece["end"] - pos >= min(limit, len(data) - pos)
+            pieces += piece["chunks"]
+            pos = piece["end"]
+            if pos == len(data):
+                break
+            assert "digest" not in piece
+        assert pieces == whole["chunks"]
+        assert [(bytes(d), n) for d, n in pieces] == hashing.chunk_buffer(data, SMALL)
+    finally:
+        sender.close()
+        if state is not None:
+            state.close()
+
+
+def test_pieces_listed_in_order_fill_the_scan_cache(data_file: tuple[str, bytes]) -> None:
+    path, data = data_file
+    root = os.path.dirname(path)
+    state = TreeState(root, SMALL)
+    sender = Sender(root, state=state, params=SMALL)
+    try:
+        st = os.stat(path)
+        pos = 0
+        while pos < len(data):
+            assert state.lookup("f.bin", st.st_size, st.st_mtime_ns, st.st_ino) is None
+            pos = sender.chunk_list("f.bin", start=pos, limit=20_000)["end"]
+        hit = state.lookup("f.bin", st.st_size, st.st_mtime_ns, st.st_ino)
+        assert hit is not None and hit[1] == hashing.chunk_buffer(data, SMALL)
+        # a cached list is sliced; a start that is not a cut point of it is refused
+        second = sender.chunk_list("f.bin", start=0, limit=5000)
+        assert [(bytes(d), n) for d, n in second["chunks"]] == hit[1][: len(second["chunks"])]
+        with pytest.raises(UsageError, match="boundary"):
+            sender.chunk_list("f.bin", start=hit[1][0][1] + 1, limit=5000)
+        with pytest.raises(UsageError):
+            sender.chunk_list("f.bin", start=len(data) + 1, limit=5000)
+    finally:
+        sender.close()
+        state.close()
+
+
+def test_read_ranges_never_reuses_a_buffer_still_viewed(data_file: tuple[str, bytes]) -> None:
+    path, data = data_file
+    root = os.path.dirname(path)
+    sender = Sender(root, SyncOptions(compress="none"), params=SMALL)
+    st = os.stat(path)
+    try:
+        kept = []
+        for off in range(0, 60_000, 6000):
+            _meta, parts = sender.read_ranges("f.bin", [[off, 2000], [off + 2000, 4000]], st.st_size, st.st_mtime_ns)
+            kept.append((off, parts))
+        for off, parts in kept:  # every earlier reply still holds its own bytes
+            assert bytes(parts[0]) == data[off : off + 2000]
+            assert bytes(parts[1]) == data[off + 2000 : off + 6000]
+    finally:
+        sender.close()
+
+
+def test_read_buffers_hand_out_only_unviewed_buffers() -> None:
+    bufs = ReadBuffers(max_buffers=2)
+    a = bufs.get(100)
+    a_buf = a.obj
+    part = a[10:20]
+    b = bufs.get(100)
+    assert b.obj is not a_buf
+    a.release()
+    c = bufs.get(100)
+    c_buf = c.obj
+    assert c_buf is not a_buf  # a slice of it is still alive
+    part.release()
+    c.release()
+    d = bufs.get(100)
+    assert d.obj is a_buf or d.obj is c_buf
+    assert len(bufs.get(10_000)) == 10_000
+
+
+def test_read_ranges_from_many_threads_at_once(data_file: tuple[str, bytes]) -> None:
+    # the buffer a thread gets must be busy before another thread can be handed it
+    path, data = data_file
+    sender = Sender(os.path.dirname(path), SyncOptions(compress="none"), params=SMALL)
+    st = os.stat(path)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for j in range(200):
+            off = (k * 7919 + j * 104_729) % (len(data) - 6000)
+            _meta, parts = sender.read_ranges("f.bin", [[off, 3000], [off + 3000, 3000]], st.st_size, st.st_mtime_ns)
+            time.sleep(0)  # let another thread run while these views are alive
+            if bytes(parts[0]) + bytes(parts[1]) != data[off : off + 6000]:
+                errors.append(f"thread {k} read {j} at {off} was overwritten")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    sender.close()
+    assert errors == []
+
+
+def test_buffer_pool_reuses_what_was_given_back() -> None:
+    pool = BufferPool(max_buffers=1, min_size=16)
+    a = pool.get(3 * 1024 * 1024 + 1)
+    assert len(a) == 4 * 1024 * 1024
+    pool.put(a)
+    assert pool.get(3 * 1024 * 1024) is a
+    assert pool.get(3 * 1024 * 1024) is not a  # handed out once only
+    pool.put(a)
+    pool.put(bytearray(10))  # beyond max_buffers: dropped
+    assert pool.get(1024 * 1024) is not a  # a 4 MiB buffer is not used for a frame of a quarter its size
+
+
+def test_hash_threads_setting(data_file: tuple[str, bytes]) -> None:
+    path, data = data_file
+    try:
+        hashing.set_hash_threads(1)
+        assert hashing.hash_pool()._max_workers == 1
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert hashing.chunk_fd(fd, len(data), SMALL) == hashing.chunk_buffer(data, SMALL)
+        finally:
+            os.close(fd)
+        with pytest.raises(UsageError):
+            hashing.set_hash_threads(-1)
+    finally:
+        hashing.set_hash_threads(0)
+    default = int(os.environ.get("TB5SYNC_HASH_THREADS", "0") or 0) or max(2, os.cpu_count() or 2)
+    assert hashing.hash_pool()._max_workers == default
