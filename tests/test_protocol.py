@@ -38,7 +38,7 @@ def raw_header(
     length: int = 0,
     *,
     magic: bytes = b"TB5S",
-    version: int = 1,
+    version: int = P.PROTOCOL_VERSION,
     flags: int = 0,
     rid: int = 7,
 ) -> bytes:
@@ -67,7 +67,7 @@ def test_header_layout_is_16_bytes_network_order() -> None:
     assert P.HEADER.size == 16
     assert P.MAGIC == b"TB5S"
     hdr = P.encode_frame(FrameType.RESPONSE, 0x01020304, 0x00ABCDEF)
-    assert hdr == b"TB5S" + bytes([1, FrameType.RESPONSE, 0, 0, 1, 2, 3, 4, 0x00, 0xAB, 0xCD, 0xEF])
+    assert hdr == b"TB5S" + bytes([2, FrameType.RESPONSE, 0, 0, 1, 2, 3, 4, 0x00, 0xAB, 0xCD, 0xEF])  # version 2
 
 
 @pytest.mark.parametrize("ftype", list(FrameType), ids=lambda t: t.name)
@@ -156,7 +156,7 @@ def test_reader_max_payload_is_honoured() -> None:
         P.parse_header(raw_header(FrameType.REQUEST, 101), max_payload=100)
 
 
-@pytest.mark.parametrize("theirs", [0, 2, 255])
+@pytest.mark.parametrize("theirs", [0, P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1, 255])
 def test_other_version_is_version_mismatch(theirs: int) -> None:
     with pytest.raises(VersionMismatchError) as info:
         P.parse_header(raw_header(FrameType.HELLO, 10, version=theirs))
@@ -168,12 +168,12 @@ def test_other_version_is_version_mismatch(theirs: int) -> None:
 def test_version_is_checked_before_type_and_length() -> None:
     # a future version may add frame types and larger frames: the peer must learn "wrong version"
     with pytest.raises(VersionMismatchError):
-        P.parse_header(raw_header(ftype=200, length=2**32 - 1, version=2))
+        P.parse_header(raw_header(ftype=200, length=2**32 - 1, version=P.PROTOCOL_VERSION + 1))
 
 
 def test_magic_is_checked_before_version() -> None:
     with pytest.raises(RemoteProtocolError, match="magic"):
-        P.parse_header(raw_header(magic=b"NOPE", version=2))
+        P.parse_header(raw_header(magic=b"NOPE", version=P.PROTOCOL_VERSION + 1))
 
 
 @pytest.mark.parametrize(
@@ -699,7 +699,7 @@ def _frame_bytes(draw: Any) -> bytes:
         payload = struct.pack("!I", mlen) + meta + draw(st.binary(max_size=50))
     else:
         payload = msgpack.packb(draw(_any_msg), use_bin_type=True)
-    version = draw(st.sampled_from([1, 1, 1, 1, 0, 2]))
+    version = draw(st.sampled_from([P.PROTOCOL_VERSION] * 4 + [0, P.PROTOCOL_VERSION + 1]))
     flags = draw(st.sampled_from([0, 0, 0, 1]))
     length = draw(st.sampled_from([len(payload)] * 6 + [len(payload) + 1, 2**32 - 1]))
     data = RAW.pack(b"TB5S", version, int(ftype), flags, rid, length) + payload

@@ -286,22 +286,22 @@ def test_token_server_refuses_raw_peer_without_auth(token_server: LiveServer, tm
 
 
 def test_version_mismatch_gets_error_frame_and_close(server: LiveServer, tmp_path: Path) -> None:
-    hello = with_version(P.encode_control(FrameType.HELLO, 0, {"nonce": os.urandom(32)}), 2)
-    assert RAW.unpack(hello[:16])[1] == 2
+    hello = with_version(P.encode_control(FrameType.HELLO, 0, {"nonce": os.urandom(32)}), P.PROTOCOL_VERSION + 1)
+    assert RAW.unpack(hello[:16])[1] == P.PROTOCOL_VERSION + 1
     frames, _ = raw_exchange(server.port, hello)
     assert frames, "the server closed without an ERROR frame"
-    body = error_of(frames[0])  # our version (1) in its header
+    body = error_of(frames[0])  # our version in its header
     assert body["kind"] == "VersionMismatchError"
-    assert "we speak 1" in body["message"] and "peer speaks 2" in body["message"]
+    assert f"we speak {P.PROTOCOL_VERSION}" in body["message"] and f"peer speaks {P.PROTOCOL_VERSION + 1}" in body["message"]
     assert_serving(server, tmp_path)
 
 
 @pytest.mark.parametrize("case", ["version", "garbage", "absurd-length"])
 def test_handshake_failure_sends_exactly_one_error_frame(server: LiveServer, case: str) -> None:
     data = {
-        "version": with_version(P.encode_control(FrameType.HELLO, 0, {"nonce": os.urandom(32)}), 2),
+        "version": with_version(P.encode_control(FrameType.HELLO, 0, {"nonce": os.urandom(32)}), P.PROTOCOL_VERSION + 1),
         "garbage": b"\x00" * 16,
-        "absurd-length": RAW.pack(b"TB5S", 1, FrameType.HELLO, 0, 0, 0xFFFFFFFF),
+        "absurd-length": RAW.pack(b"TB5S", P.PROTOCOL_VERSION, FrameType.HELLO, 0, 0, 0xFFFFFFFF),
     }[case]
     frames, _ = raw_exchange(server.port, data)
     assert [f.header.type for f in frames] == [FrameType.ERROR]
@@ -311,16 +311,16 @@ def test_client_against_a_version_2_server(tmp_path: Path, src: str) -> None:
     """Our client, talking to a (fake) server of protocol version 2, raises VersionMismatchError."""
 
     def challenge_v2(header: P.Header, payload: bytes) -> bytes:
-        assert header.type is FrameType.HELLO and header.version == 1
-        return with_version(P.encode_control(FrameType.CHALLENGE, 0, {"nonce": os.urandom(32), "auth": False}), 2)
+        assert header.type is FrameType.HELLO and header.version == P.PROTOCOL_VERSION
+        return with_version(P.encode_control(FrameType.CHALLENGE, 0, {"nonce": os.urandom(32), "auth": False}), P.PROTOCOL_VERSION + 1)
 
     with fake_server(challenge_v2) as port, pytest.raises(VersionMismatchError) as info:
         tb5sync.sync(src + "/", f"tb5://127.0.0.1:{port}/dst")
-    assert (info.value.ours, info.value.theirs) == (1, 2)
-    assert "peer speaks 2" in str(info.value)
+    assert (info.value.ours, info.value.theirs) == (P.PROTOCOL_VERSION, P.PROTOCOL_VERSION + 1)
+    assert f"peer speaks {P.PROTOCOL_VERSION + 1}" in str(info.value)
 
     def error_v2(header: P.Header, payload: bytes) -> bytes:  # what a v2 server does with a v1 client
-        return with_version(P.encode_control(FrameType.ERROR, 0, {"kind": "VersionMismatchError", "message": "we speak 2"}), 2)
+        return with_version(P.encode_control(FrameType.ERROR, 0, {"kind": "VersionMismatchError", "message": "we speak a newer version"}), P.PROTOCOL_VERSION + 1)
 
     with fake_server(error_v2) as port, pytest.raises(VersionMismatchError):
         tb5sync.sync(f"tb5://127.0.0.1:{port}/x", str(tmp_path / "pulled"))
@@ -330,8 +330,8 @@ def test_client_against_a_version_2_server(tmp_path: Path, src: str) -> None:
 @pytest.mark.parametrize(
     "data",
     [
-        RAW.pack(b"TB5S", 1, FrameType.HELLO, 0, 0, 0xFFFFFFFF),
-        RAW.pack(b"TB5S", 1, FrameType.DATA, 0, 0, 0xFFFFFFFF),
+        RAW.pack(b"TB5S", P.PROTOCOL_VERSION, FrameType.HELLO, 0, 0, 0xFFFFFFFF),
+        RAW.pack(b"TB5S", P.PROTOCOL_VERSION, FrameType.DATA, 0, 0, 0xFFFFFFFF),
         b"GET / HTTP/1.1\r\n",
         os.urandom(16),
         b"\x00" * 16,
@@ -360,7 +360,7 @@ def test_absurd_length_after_handshake(server: LiveServer, tmp_path: Path, after
             resp = open_session(ch, {"op": "pull", "path": "d", "options": {}, "streams": 1})
             assert resp["kind"] == "d"
         ch.sock.settimeout(5)
-        ch.sock.sendall(RAW.pack(b"TB5S", 1, FrameType.REQUEST, 0, 1, 0xFFFFFFFF))
+        ch.sock.sendall(RAW.pack(b"TB5S", P.PROTOCOL_VERSION, FrameType.REQUEST, 0, 1, 0xFFFFFFFF))
         frames, _ = read_frames(ch.sock)
     finally:
         ch.close()
