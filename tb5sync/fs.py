@@ -106,7 +106,16 @@ class _Link:
         self.direct = chans.pop()
         self.direct_lock = threading.Lock()
         self.requester = Requester(chans)
+        self.direct.pool = self.requester.pool
         self.closed = False
+
+    def release(self, views: list[Any]) -> None:
+        """Give the receive buffers behind ``views`` (already copied out) back for the next replies."""
+        pool = self.requester.pool
+        for v in views:
+            obj = getattr(v, "obj", None)
+            if isinstance(obj, bytearray) and len(obj) >= pool.min_size:
+                pool.put(obj)
 
     def call_direct(self, method: str, args: dict[str, Any]) -> Any:
         """Send one request on the direct connection and read its reply here; ``_BUSY`` if another thread is using it.
@@ -362,11 +371,11 @@ class TB5FileSystem(AsyncFileSystem):
         path = self._strip_protocol(path)
         meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
         rest = _rest_of_read(path, meta, len(first))
-        if not rest:
-            return bytes(first)
         link = self._holder.link or self._connect()
-        futs = [link.requester.submit("cat", args) for args in rest]
-        return _join_read(path, meta, first, [f.result()[1] for f in futs])
+        pieces = [f.result()[1] for f in [link.requester.submit("cat", args) for args in rest]]
+        out = _join_read(path, meta, first, pieces)
+        link.release([first, *pieces])
+        return out
 
     # ---- metadata -----------------------------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -479,10 +488,12 @@ class TB5FileSystem(AsyncFileSystem):
         path = self._strip_protocol(path)
         meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
         rest = _rest_of_read(path, meta, len(first))
-        if not rest:
-            return bytes(first)
-        replies = await asyncio.gather(*[self._call("cat", args) for args in rest])
-        return _join_read(path, meta, first, [piece for _, piece in replies])
+        pieces = [piece for _, piece in await asyncio.gather(*[self._call("cat", args) for args in rest])]
+        out = _join_read(path, meta, first, pieces)
+        link = self._holder.link
+        if link is not None:
+            link.release([first, *pieces])
+        return out
 
     async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
         """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
@@ -750,7 +761,8 @@ def _rest_of_read(path: str, meta: dict[str, Any], got: int) -> list[dict[str, A
 
 
 def _join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -> bytes:
-    out = b"".join([first, *pieces])  # one copy: on these machines memory traffic costs as much as the wire
+    """The reply bytes as one ``bytes`` (one copy: memory traffic costs about as much as the wire here)."""
+    out = bytes(first) if not pieces else b"".join([first, *pieces])
     if len(out) != meta["end"] - meta["start"]:
         raise SourceChangedError(path)
     return out
