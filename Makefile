@@ -38,12 +38,14 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_sync.py --repeat 5
 	$(BIN)/python benches/bench_chunker.py --delta
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
+	$(BIN)/python benches/bench_fs.py
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
 	$(BIN)/python benches/bench_sync.py --short
 	$(BIN)/python benches/bench_chunker.py --short
 	$(BIN)/python benches/bench_footprint.py --short --sizes 256
+	$(BIN)/python benches/bench_fs.py --short
 
 clean:
 	rm -rf $(VENV) build ext/_cdc.c tb5sync/*.so *.egg-info
