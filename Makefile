@@ -35,6 +35,7 @@ corpus:
 
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
+	$(BIN)/pip install -q 'pyfastcdc>=0.3'
 	$(BIN)/python benches/bench_sync.py --repeat 5
 	$(BIN)/python benches/bench_chunker.py --delta
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
@@ -42,6 +43,7 @@ bench: $(STAMP)
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
+	$(BIN)/pip install -q 'pyfastcdc>=0.3'
 	$(BIN)/python benches/bench_sync.py --short
 	$(BIN)/python benches/bench_chunker.py --short
 	$(BIN)/python benches/bench_footprint.py --short --sizes 256
