@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
-from .manifest import ExcludeRules
+
+if TYPE_CHECKING:
+    from .manifest import ExcludeRules
 
 __all__ = ["SyncOptions", "SyncStats", "COMPRESS_MODES"]
 
@@ -53,6 +55,8 @@ class SyncOptions:
     @property
     def rules(self) -> ExcludeRules:
         """The compiled exclude rules."""
+        from .manifest import ExcludeRules
+
         return ExcludeRules(self.excludes)
 
     def to_wire(self) -> dict[str, Any]:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .client import local_state, parse_url, pull, push
+from typing import TYPE_CHECKING
+
 from .errors import RemoteNotFoundError, UsageError
-from .manifest import DIR, kind_of, source_name
 from .options import SyncOptions, SyncStats
-from .receiver import LocalLink, ProgressFn, Receiver, dest_base
-from .sender import Sender
+
+if TYPE_CHECKING:
+    from .receiver import ProgressFn
+
+# The engine (client, sender, receiver, sockets, sqlite) is imported on the first call, not with
+# the package: `import tb5sync` and `tb5sync --help` stay fast.
 
 __all__ = ["sync", "SyncStats", "SyncOptions", "DEFAULT_STREAMS"]
 
@@ -82,6 +86,8 @@ def sync(
         compress=compress,
         streams=DEFAULT_STREAMS if streams is None else streams,
     )
+    from .client import parse_url, pull, push
+
     rsrc, rdst = parse_url(src_s), parse_url(dst_s)
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
@@ -93,6 +99,11 @@ def sync(
 
 
 def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
+    from .client import local_state
+    from .manifest import DIR, kind_of, source_name
+    from .receiver import LocalLink, Receiver, dest_base
+    from .sender import Sender
+
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")

@@ -203,3 +203,19 @@ def test_dedup_across_files_uses_index(server, tmp_path):
     assert stats.chunks_sent == 0 and stats.chunks_reused > 0
     with open(os.path.join(server.root, "dd", "b.bin"), "rb") as f:
         assert f.read() == data
+
+
+def test_import_loads_no_engine() -> None:
+    """`import tb5sync` (and `tb5sync --help`) load no sockets, sqlite or chunker: the engine comes on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tb5sync\n"
+        "heavy = [m for m in ('tb5sync.client', 'tb5sync.receiver', 'tb5sync.sender', 'tb5sync.transport',"
+        " 'tb5sync.store', 'tb5sync.chunking', 'sqlite3', 'socket') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+        "assert callable(tb5sync.sync) and tb5sync.SyncOptions is not None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
