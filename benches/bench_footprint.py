@@ -140,18 +140,24 @@ def transfer(cmd: list[str], op: str, src_dir: str, work: str, extra: list[str])
 
 
 def startup(cmd: list[str], runs: int) -> dict:
+    # As installed for a user: bytecode cached. PYTHONDONTWRITEBYTECODE (set on the development
+    # machines) would make every start compile the sources again; a first unmeasured run writes
+    # the caches.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
     def med(argv: list[str]) -> float:
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
         ts = []
         for _ in range(runs):
             t = time.perf_counter()
-            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
     py = sys.executable
     res = {"python_pass": med([py, "-c", "pass"]), "import_tb5sync": med([py, "-c", "import tb5sync"]),
            "tb5sync_help": med(cmd + ["--help"])}
-    imp = subprocess.run([py, "-X", "importtime", "-c", "import tb5sync"], capture_output=True, text=True, check=True)
+    imp = subprocess.run([py, "-X", "importtime", "-c", "import tb5sync"], capture_output=True, text=True, check=True, env=env)
     m = [ln for ln in imp.stderr.splitlines() if re.search(r"\|\s*tb5sync$", ln)]
     res["import_inprocess"] = int(m[-1].split("|")[1]) / 1e6 if m else None
     return res

@@ -733,7 +733,9 @@ class Rsync:
 
 
 def find_tb5sync(override: str | None) -> tuple[list[str], dict]:
-    env = dict(os.environ)
+    # Run as a user's install does: with cached bytecode. PYTHONDONTWRITEBYTECODE (set on the
+    # development machines) would make every client and server start compile all its sources.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     if override:
         return shlex.split(override), env
     beside = os.path.join(os.path.dirname(sys.executable), "tb5sync")
