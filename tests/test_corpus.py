@@ -232,13 +232,13 @@ def test_model_delta_push(round_trip: Any, corpus_server: LiveServer) -> None:
 
 def test_fsspec_reads_real_model_files(round_trip: Any, corpus_server: LiveServer) -> None:
     """Through tb5://: each safetensors header by a ranged read (not the tensors), the GGUF whole and byte-exact."""
-    rt = round_trip("models")
+    round_trip("models")  # the server holds the models now
     fs = TB5FileSystem(host="127.0.0.1", port=corpus_server.port, skip_instance_cache=True)
     try:
         names = fs.glob("models/**/*.safetensors")
         assert names, "the models corpus has a safetensors file"
-        for name in names:
-            with open(os.path.join(rt.src, name[len("models/") :]), "rb") as f:
+        for name in names:  # compared with the server's own copy (other tests here edit it)
+            with open(os.path.join(corpus_server.root, name), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 want = json.loads(f.read(n))
             fs.info(name)
@@ -256,7 +256,7 @@ def test_fsspec_reads_real_model_files(round_trip: Any, corpus_server: LiveServe
             with fs.open(name, "rb") as f:
                 while block := f.read(8 * 1024 * 1024):
                     h.update(block)
-            local = os.path.join(rt.src, name[len("models/") :])
-            assert h.hexdigest() == _file_hash(local, os.path.getsize(local))
+            on_server = os.path.join(corpus_server.root, name)
+            assert h.hexdigest() == _file_hash(on_server, os.path.getsize(on_server))
     finally:
         fs._holder.close()
