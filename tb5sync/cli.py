@@ -68,12 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root", help="directory to serve; nothing outside it is read or written")
     s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one)")
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
-    s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable)")
+    s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)")
-    y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH; trailing / = contents of")
-    y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH")
+    y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
+    y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
     y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
     y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
     y.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     y.add_argument("--stats", action="store_true", help="print transfer statistics")
     y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
-    y.add_argument("--streams", type=int, default=None, help="TCP streams per session (default 4)")
-    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto", help="per-chunk lz4 policy")
+    y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
+    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
+                   help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
     y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
 
     l_ = sub.add_parser("ls", help="list a remote directory")

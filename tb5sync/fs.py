@@ -359,7 +359,12 @@ class TB5FileSystem(AsyncFileSystem):
         except OSError:
             return False
 
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+    def ls(self, path: str, detail: bool = False, **kwargs: Any) -> list[Any]:
+        """Entries of directory ``path`` (or ``[path]`` for a file): names, or info dicts with ``detail``.
+
+        ``detail`` defaults to False, as on fsspec's LocalFileSystem (``_ls``, the
+        coroutine, keeps fsspec's async default, True).
+        """
         resp = self._call_sync("ls", {"path": self._strip_protocol(path)})
         entries = [dict(e) for e in resp["entries"]]
         while resp.get("more"):

@@ -132,7 +132,7 @@ class RoundTrip:
 def corpus_dir() -> str:
     path = os.environ.get(CORPUS_ENV)
     if not path:
-        pytest.skip(f"{CORPUS_ENV} is not set (run `make corpus` and set {CORPUS_ENV}=$PWD/.corpus)")
+        pytest.skip(f"{CORPUS_ENV} is not set (run `make corpus`: `make test` then uses .corpus; or set {CORPUS_ENV}=DIR)")
     if not os.path.isdir(path):
         pytest.fail(f"{CORPUS_ENV}={path} is not a directory")
     return path
