@@ -6,7 +6,6 @@ was (severity and a one-line reproduction), the test asserts the fixed behaviour
 
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import threading

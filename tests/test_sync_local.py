@@ -7,7 +7,7 @@ import os
 import pytest
 
 import tb5sync
-from conftest import make_tree, snapshot
+from conftest import snapshot
 
 
 @pytest.fixture(params=["local", "push", "pull"])
