@@ -38,6 +38,13 @@ import bench_sync as B  # noqa: E402  (the shared harness)
 KiB, MiB, GiB = B.KiB, B.MiB, B.GiB
 
 
+def fresh_dir(path: str) -> str:
+    """``path`` as a new empty directory (whatever was there is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
 def make_file(path: str, size: int, seed: int) -> None:
     rs = B.RandomStream(f"scaling-{seed}".encode())
     with open(path, "wb") as f:
@@ -76,9 +83,7 @@ def sizes_of(root: str) -> dict[str, int]:
 
 def push(tool, src_dir: str, work: str, label: str, verify_digest: bool) -> B.Run:
     """Cold push of ``src_dir/`` to a fresh server root; the copy is checked (sizes, and BLAKE3 of big files)."""
-    root = os.path.join(work, f"root-{label}")
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
+    root = fresh_dir(os.path.join(work, f"root-{label}"))
     B.clear_state(src_dir)
     with tool.serve(root) as srv:
         run = tool.sync(src_dir + "/", tool.remote(srv, "dst"))
@@ -175,9 +180,7 @@ def main() -> int:
         if "size" in sweeps:
             rows = []
             for size in sizes:
-                src = os.path.join(work, "size-src")
-                shutil.rmtree(src, ignore_errors=True)
-                os.makedirs(src)
+                src = fresh_dir(os.path.join(work, "size-src"))
                 make_file(os.path.join(src, "file.bin"), size, size)
                 walls = measure(tools, src, work, f"size-{human(size)}", args.repeat, size <= 1 * GiB)
                 rows.append({"bytes": size, **{f"{k}_gbps": size / v / 1e9 for k, v in walls.items()}, **{f"{k}_s": v for k, v in walls.items()}})
@@ -194,9 +197,7 @@ def main() -> int:
             if note:
                 print(note)
         if "streams" in sweeps:
-            src = os.path.join(work, "streams-src")
-            shutil.rmtree(src, ignore_errors=True)
-            os.makedirs(src)
+            src = fresh_dir(os.path.join(work, "streams-src"))
             make_file(os.path.join(src, "file.bin"), stream_file, 7)
             rows = []
             for n in (1, 2, 4, 8):
@@ -220,9 +221,7 @@ def main() -> int:
         if "tree" in sweeps:
             rows = []
             for n in trees:
-                src = os.path.join(work, "tree-src")
-                shutil.rmtree(src, ignore_errors=True)
-                os.makedirs(src)
+                src = fresh_dir(os.path.join(work, "tree-src"))
                 total = make_tree(src, n, n)
                 walls = measure(tools, src, work, f"tree-{n}", args.repeat, False)
                 rows.append({"files": n, "bytes": total, **{f"{k}_files_per_s": n / v for k, v in walls.items()}})

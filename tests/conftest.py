@@ -168,3 +168,24 @@ def have_rsync() -> bool:
     if os.environ.get("TB5SYNC_REQUIRE_RSYNC") == "1":
         pytest.fail("rsync is not installed but TB5SYNC_REQUIRE_RSYNC=1")
     return False
+
+
+# --- tb5:// filesystem (tb5sync.fs) -------------------------------------------------------------
+
+
+def tb5fs(live: LiveServer, **kw: Any) -> Any:
+    """A :class:`tb5sync.fs.TB5FileSystem` of its own (not from fsspec's instance cache) for ``live``."""
+    from tb5sync.fs import TB5FileSystem
+
+    return TB5FileSystem(host="127.0.0.1", port=live.port, token=live.token, skip_instance_cache=True, **kw)
+
+
+def slurp(path: str) -> bytes:
+    """The bytes of a local file."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def tmp_files(root: str) -> list[str]:
+    """Temporary files of writes in progress (``*.tb5tmp``) anywhere under ``root``."""
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".tb5tmp")]

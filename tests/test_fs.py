@@ -28,16 +28,12 @@ from fsspec.tests.abstract import (
     AbstractPutTests,
 )
 
-from conftest import LiveServer, make_tree, start_server
+from conftest import make_tree, slurp, start_server, tmp_files
+from conftest import tb5fs as tb5
 from tb5sync import errors
 from tb5sync.fs import TB5File, TB5FileSystem
 
 TOKEN = b"s3cret-token"
-
-
-def tb5(live: LiveServer, **kw: Any) -> TB5FileSystem:
-    """A filesystem instance of its own (not from fsspec's cache) for ``live``."""
-    return TB5FileSystem(host="127.0.0.1", port=live.port, token=live.token, skip_instance_cache=True, **kw)
 
 
 @pytest.fixture
@@ -52,12 +48,6 @@ def served(tmp_path: Any) -> Any:
     finally:
         fs._holder.close()
         live.server.stop()
-
-
-def slurp(path: str) -> bytes:
-    """The bytes of a local file."""
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _state(name: Any) -> bool:
@@ -469,10 +459,6 @@ def test_checksum_and_ukey_from_content(served: Any) -> None:
 
 
 # ---- writing --------------------------------------------------------------------------------------
-
-
-def tmp_files(root: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".tb5tmp")]
 
 
 def test_pipe_and_modes(served: Any) -> None:

@@ -14,16 +14,12 @@ from typing import Any
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from conftest import LiveServer, start_server
+from conftest import LiveServer, slurp, start_server, tmp_files
+from conftest import tb5fs as tb5
 from tb5sync import errors
-from tb5sync.fs import TB5FileSystem
 from tb5sync.transport import Requester, connect, open_session
 
 TOKEN = b"s3cret-token"
-
-
-def tb5(live: LiveServer, **kw: Any) -> TB5FileSystem:
-    return TB5FileSystem(host="127.0.0.1", port=live.port, token=live.token, skip_instance_cache=True, **kw)
 
 
 @pytest.fixture
@@ -40,15 +36,6 @@ def srv(tmp_path: Any) -> Any:
     finally:
         fs._holder.close()
         live.server.stop()
-
-
-def slurp(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _tmp_files(root: str) -> list[str]:
-    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".tb5tmp")]
 
 
 def _raw(live: LiveServer) -> Requester:
@@ -113,7 +100,7 @@ def test_exception_inside_with_open_wb_keeps_the_old_file(srv: Any) -> None:
             f.write(b"half of the new ")
             raise RuntimeError("writer crashed")
     assert slurp(os.path.join(root, "f")) == b"hello world"
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 def test_unclosed_writer_collected_leaves_nothing(srv: Any) -> None:
@@ -137,7 +124,7 @@ def test_pending_temp_files_are_not_listed(srv: Any) -> None:
     try:
         f.write(b"x" * 4096)
         f.flush()
-        assert len(_tmp_files(root)) == 1
+        assert len(tmp_files(root)) == 1
         names = fs.find("", withdirs=True)
         assert not [n for n in names if n.endswith(".tb5tmp")], names
     finally:
