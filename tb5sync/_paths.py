@@ -10,11 +10,18 @@ opened component by component relative to directory descriptors with
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 from .errors import PathError
 
-__all__ = ["split_request_path", "resolve_in_root", "DirFds"]
+__all__ = ["STATE_DIR", "split_request_path", "resolve_in_root", "check_in_root", "temp_name", "is_temp_name", "DirFds"]
+
+#: Directory under a root that holds tb5sync's own state (scan cache, chunk index, partial files).
+STATE_DIR = ".tb5sync"
+
+#: Names of files being written: ``.NAME.XXXXXXXX.tb5tmp`` beside their final name.
+_TEMP = re.compile(r"\..+\.[0-9a-f]{8}\.tb5tmp\Z", re.S)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -46,7 +53,8 @@ def resolve_in_root(root: str, path: str) -> str:
     """Absolute local path of request ``path`` under ``root``; the final component is not resolved.
 
     Parent directories are resolved with ``realpath``; if they lead outside
-    ``root`` (through a symlink), the request is refused.
+    ``root`` (through a symlink), or the result is tb5sync's state directory
+    ``root/.tb5sync`` or inside it, the request is refused.
 
     Parameters
     ----------
@@ -58,15 +66,53 @@ def resolve_in_root(root: str, path: str) -> str:
     Raises
     ------
     PathError
-        Unsafe path, or it resolves outside ``root``.
+        Unsafe path, it resolves outside ``root``, or into its state directory.
     """
     parts = split_request_path(path)
     if not parts:
         return root
     parent = os.path.realpath(os.path.join(root, *parts[:-1]))
-    if parent != root and not parent.startswith(root.rstrip("/") + "/"):
+    return check_in_root(root, os.path.join(parent, parts[-1]), path)
+
+
+def check_in_root(root: str, full: str, path: str) -> str:
+    """Return ``full`` if it lies inside ``root`` and outside ``root/.tb5sync``, else raise.
+
+    Parameters
+    ----------
+    root : str
+        Absolute, resolved root directory.
+    full : str
+        Absolute path, already resolved as far as the caller wants (no ``..``).
+    path : str
+        The request path, named in the error.
+
+    Raises
+    ------
+    PathError
+        ``full`` is outside ``root``, or is or lies in tb5sync's state directory.
+    """
+    if full == root:
+        return full
+    prefix = root.rstrip("/") + "/"
+    if not full.startswith(prefix):
         raise PathError(path, "resolves outside the served root")
-    return os.path.join(parent, parts[-1])
+    if full[len(prefix) :].split("/", 1)[0] == STATE_DIR:
+        raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
+    return full
+
+
+def temp_name(name: str) -> str:
+    """Temporary name for a file being written as ``name`` (a base name): ``.NAME.XXXXXXXX.tb5tmp``.
+
+    Renamed into place when complete; :func:`is_temp_name` recognises it (listings hide it).
+    """
+    return f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a base name made by :func:`temp_name`."""
+    return _TEMP.match(name) is not None
 
 
 class DirFds:

@@ -52,6 +52,7 @@ from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import isfilelike, stringify_path
 
 from . import client
+from ._paths import temp_name
 from . import protocol as P
 from .errors import (
     ConnectError,
@@ -596,7 +597,7 @@ class TB5FileSystem(AsyncFileSystem):
             callback.absolute_update(info["size"])
             return
         d, name = os.path.split(os.path.abspath(lpath))
-        tmp = os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
+        tmp = os.path.join(d, temp_name(name))
         try:
             with open(tmp, "xb") as f:
                 await self._stream(rpath, info, f.write, callback)

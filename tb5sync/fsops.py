@@ -36,7 +36,6 @@ import contextlib
 import errno
 import functools
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -45,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._paths import resolve_in_root, split_request_path
+from ._paths import STATE_DIR, check_in_root, is_temp_name, resolve_in_root, split_request_path, temp_name
 from .errors import (
     PathError,
     ReadOnlyError,
@@ -55,7 +54,6 @@ from .errors import (
     UsageError,
     remote_os_error,
 )
-from .manifest import STATE_DIR
 from .protocol import MAX_PAYLOAD
 from .store import TreeState
 
@@ -101,9 +99,6 @@ FS_METHODS = frozenset(
 assert MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Names of files being written (by FsOps and by the sync receiver): hidden from listings.
-_PENDING = re.compile(r"\..+\.[0-9a-f]{8}\.tb5tmp\Z", re.S)
 
 
 def _translating(arg: str = "path") -> Callable[[F], F]:
@@ -263,15 +258,9 @@ class FsOps:
             return []
         full = resolve_in_root(self.root, path)
         if follow and os.path.islink(full):
-            full = os.path.realpath(full)
-            prefix = self.root.rstrip("/") + "/"
-            if full != self.root and not full.startswith(prefix):
-                raise PathError(path, "is a symlink leading outside the served root")
+            full = check_in_root(self.root, os.path.realpath(full), path)
         rel = os.path.relpath(full, self.root)
-        parts = [] if rel == "." else rel.split("/")
-        if parts and parts[0] == STATE_DIR:
-            raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
-        return parts
+        return [] if rel == "." else rel.split("/")
 
     def _open_dir(self, parts: list[str], *, create: bool = False) -> int:
         """A new descriptor of directory ``parts`` under the root, walked with ``O_NOFOLLOW``."""
@@ -382,7 +371,7 @@ class FsOps:
         out = []
         with os.scandir(dfd) as it:
             for de in it:
-                if at_root and de.name == STATE_DIR or _PENDING.match(de.name):
+                if at_root and de.name == STATE_DIR or is_temp_name(de.name):
                     continue  # tb5sync's state, and files being written (not there until committed)
                 try:
                     out.append(self._entry_info(dfd, parent, de))
@@ -590,10 +579,6 @@ class FsOps:
             os.close(fd)
 
     # ---- writing ------------------------------------------------------------------------
-    @staticmethod
-    def _tmpname(name: str) -> str:
-        return f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp"
-
     def _commit(self, dfd: int, tmp: str, name: str, exclusive: bool) -> None:
         try:
             if exclusive:
@@ -613,7 +598,7 @@ class FsOps:
 
         On any error the temporary file is removed and nothing appears at ``name``.
         """
-        tmp = self._tmpname(name)
+        tmp = temp_name(name)
         fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
         try:
             fill(fd)
@@ -673,7 +658,7 @@ class FsOps:
                     pass
                 else:
                     raise RemoteExistsError(f"File exists: {path!r}")
-            tmp = self._tmpname(name)
+            tmp = temp_name(name)
             fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
             self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
             try:

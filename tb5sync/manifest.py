@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
 from .errors import RemoteNotFoundError, UsageError
 
 __all__ = ["Entry", "FILE", "DIR", "LINK", "STATE_DIR", "ExcludeRules", "scan", "Plan", "plan_sync", "kind_of", "source_name"]
@@ -24,8 +25,6 @@ log = logging.getLogger(__name__)
 FILE = "f"
 DIR = "d"
 LINK = "l"
-#: Name of the per-root state directory; never listed, never transferred.
-STATE_DIR = ".tb5sync"
 
 
 class Entry(NamedTuple):

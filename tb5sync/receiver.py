@@ -33,6 +33,7 @@ from typing import Any
 import lz4.block
 
 from . import chunking
+from ._paths import temp_name
 from .errors import (
     DestinationError,
     IntegrityError,
@@ -434,7 +435,7 @@ class Receiver:
     @staticmethod
     def _tmpname(final: str) -> str:
         d, name = os.path.split(final)
-        return os.path.join(d, f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp")
+        return os.path.join(d, temp_name(name))
 
     # ---- small files ------------------------------------------------------------------
     def _fetch_small(self, files: list[Entry]) -> None:

@@ -42,7 +42,7 @@ from .errors import (
     UsageError,
 )
 from .fsops import FS_METHODS, FsOps, Pages
-from .manifest import DIR, FILE, LINK, STATE_DIR, kind_of, scan
+from .manifest import DIR, FILE, LINK, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
 from .receiver import Receiver, RemoteLink, dest_base
@@ -329,31 +329,17 @@ class Server:
             nbytes -= n
         ch.send_control(FrameType.BYE, 0, {})
 
-    def _resolve(self, path: str) -> str:
-        """:func:`resolve_in_root`, refusing the server's own state directory (``ROOT/.tb5sync``).
-
-        Raises
-        ------
-        PathError
-            Unsafe path, outside the root, or inside the state directory.
-        """
-        full = resolve_in_root(self.root, path)
-        rel = self._rel(full)
-        if rel.split("/", 1)[0] == STATE_DIR:
-            raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
-        return full
-
     def _rel(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)
         return "" if rel == "." else rel
 
     def _ls(self, ch: Channel, path: str) -> None:
-        base = self._resolve(path)
+        base = resolve_in_root(self.root, path)
         entries = scan(base, recursive=False)
         ch.send_control(FrameType.RESPONSE, 0, {"entries": [list(e) for e in entries]})
 
     def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
-        base = self._resolve(path)
+        base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
         sid, s = self._new_session("pull", streams)
@@ -396,11 +382,11 @@ class Server:
             raise PathError(str(name), "bad source name")
         if src_kind not in (DIR, FILE, LINK):
             raise UsageError("src_kind must be d, f or l")
-        dst = self._resolve(path)
+        dst = resolve_in_root(self.root, path)
         dest = dest_base(dst, bool(msg.get("dst_slash")), name, str(src_kind))
         if dest != dst:
             # dest_base looked through a symlink at dst: resolve again and refuse if it leaves ROOT
-            dest = self._resolve(os.path.relpath(dest, self.root))
+            dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
