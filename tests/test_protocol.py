@@ -399,21 +399,19 @@ class ConnectionPair:
         self.tamper = tamper or (lambda direction, data: data)
         self.log: list[tuple[str, FrameType]] = []
 
-    def send_to_server(self, data: bytes) -> bytes:
-        data = self.tamper("c2s", data)
+    def _deliver(self, direction: str, data: bytes, reader: FrameReader, peer: Any) -> bytes:
+        """Pass ``data`` (tampered with) through ``reader`` to ``peer``; returns the peer's replies."""
         out = b""
-        for frame in frames_of(data, self.to_server):
-            self.log.append(("c2s", frame.header.type))
-            out += self.server.on_frame(frame)
+        for frame in frames_of(self.tamper(direction, data), reader):
+            self.log.append((direction, frame.header.type))
+            out += peer.on_frame(frame)
         return out
 
+    def send_to_server(self, data: bytes) -> bytes:
+        return self._deliver("c2s", data, self.to_server, self.server)
+
     def send_to_client(self, data: bytes) -> bytes:
-        data = self.tamper("s2c", data)
-        out = b""
-        for frame in frames_of(data, self.to_client):
-            self.log.append(("s2c", frame.header.type))
-            out += self.client.on_frame(frame)
-        return out
+        return self._deliver("s2c", data, self.to_client, self.client)
 
     def run(self) -> None:
         data = self.client.start()

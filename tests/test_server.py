@@ -737,16 +737,22 @@ def route(request: pytest.FixtureRequest, server: LiveServer, tmp_path: Path) ->
     return base, base + "/", str(tmp_path / "out"), str(tmp_path / "out")
 
 
+def _source_to_disturb(base: str, size: int) -> tuple[str, str, Any]:
+    """Write ``f.bin`` (``size`` random bytes) and ``keep.txt`` under ``base``; return the file's path,
+    the Sender method that will read it (large files: ranges, small: whole files) and that method."""
+    path = write(os.path.join(base, "f.bin"), os.urandom(size))
+    write(os.path.join(base, "keep.txt"), b"keep\n")
+    method = "read_ranges" if size >= 4 * 1024 * 1024 else "read_files"
+    return path, method, getattr(Sender, method)
+
+
 @pytest.mark.parametrize("size", [100_000, 5 * 1024 * 1024], ids=["small", "large"])
 def test_source_grows_during_transfer(
     route: tuple[str, str, str, str], monkeypatch: pytest.MonkeyPatch, size: int, server: LiveServer, tmp_path: Path
 ) -> None:
     base, s, d, final_dir = route
-    path = write(os.path.join(base, "f.bin"), os.urandom(size))
-    write(os.path.join(base, "keep.txt"), b"keep\n")
+    path, method, orig = _source_to_disturb(base, size)
     original = Path(path).read_bytes()
-    method = "read_ranges" if size >= 4 * 1024 * 1024 else "read_files"
-    orig = getattr(Sender, method)
     calls = []
 
     def changing(self: Sender, *args: Any, **kw: Any) -> Any:
@@ -782,10 +788,7 @@ def test_source_vanishes_during_transfer(
     route: tuple[str, str, str, str], monkeypatch: pytest.MonkeyPatch, size: int, server: LiveServer, tmp_path: Path
 ) -> None:
     base, s, d, final_dir = route
-    path = write(os.path.join(base, "f.bin"), os.urandom(size))
-    write(os.path.join(base, "keep.txt"), b"keep\n")
-    method = "read_ranges" if size >= 4 * 1024 * 1024 else "read_files"
-    orig = getattr(Sender, method)
+    path, method, orig = _source_to_disturb(base, size)
 
     def vanishing(self: Sender, *args: Any, **kw: Any) -> Any:
         with contextlib.suppress(FileNotFoundError):
