@@ -619,8 +619,7 @@ class TB5FileSystem(AsyncFileSystem):
             return
         handle, chan = await self._wopen(path, mode)
         try:
-            view = memoryview(data)
-            await asyncio.gather(*[self._wwrite(handle, chan, view[o : o + MAX_WRITE]) for o in range(0, len(view), MAX_WRITE)])
+            await self._wwrite(handle, chan, data)
         except BaseException:
             await self._wclose(handle, chan, commit=False)
             raise
@@ -634,7 +633,10 @@ class TB5FileSystem(AsyncFileSystem):
         return handle, chan
 
     async def _wwrite(self, handle: int, chan: int, data: bytes | memoryview) -> None:
-        await self._call("wwrite", {"handle": handle, "data": bytes(data)}, channel=chan)
+        """Append ``data`` to the open write, in requests of at most 16 MiB sent back to back (in order)."""
+        view = memoryview(data)
+        pieces = [view[o : o + MAX_WRITE] for o in range(0, len(view), MAX_WRITE)]
+        await asyncio.gather(*[self._call("wwrite", {"handle": handle, "data": bytes(p)}, channel=chan) for p in pieces])
 
     async def _wclose(self, handle: int, chan: int, commit: bool) -> None:
         try:
@@ -843,13 +845,8 @@ class TB5File(AbstractBufferedFile):
                 return True
             self._handle = sync(fs.loop, fs._wopen, self.path, mode, self.mode == "ab")
         handle, chan = self._handle
-
-        async def write_all() -> None:
-            view = memoryview(data)
-            await asyncio.gather(*[fs._wwrite(handle, chan, view[o : o + MAX_WRITE]) for o in range(0, len(view), MAX_WRITE)])
-
         try:
-            sync(fs.loop, write_all)
+            sync(fs.loop, fs._wwrite, handle, chan, data)
         except BaseException:
             self.discard()
             raise
