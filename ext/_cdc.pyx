@@ -15,7 +15,7 @@ from tb5sync.errors import UsageError
 
 include "_gear.pxi"
 
-__all__ = ["cut_points", "Chunker"]
+__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes"]
 
 cdef object _DEFAULT = object()  # stands for chunking.DEFAULT_PARAMS (imported lazily: no cycle)
 cdef object _chunking = None
@@ -97,6 +97,165 @@ cdef inline Py_ssize_t _roll(const unsigned char* p, Py_ssize_t i, Py_ssize_t en
     return -1
 
 
+cdef extern from *:
+    """
+    /* AVX-512 rolling of 8 lanes at once; see _roll_fast's docstring. x86-64 with GCC or
+       Clang only; elsewhere (and on CPUs without AVX-512) tb5_roll_lanes is never called. */
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    #include <immintrin.h>
+    #define TB5_HAVE_LANES 1
+    #else
+    #define TB5_HAVE_LANES 0
+    #endif
+    #define TB5_LANES 8
+    #define TB5_BLOCK 4096
+    #define TB5_WARM 64
+
+    static int tb5_lanes_ok = -1;
+
+    static int tb5_lanes_supported(void) {
+    #if TB5_HAVE_LANES
+        if (tb5_lanes_ok < 0) {
+            __builtin_cpu_init();
+            tb5_lanes_ok = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) ? 1 : 0;
+        }
+        return tb5_lanes_ok;
+    #else
+        return 0;
+    #endif
+    }
+
+    /* Roll one lane over p[j:stop] from state *f, one byte per step; return the end offset
+       (relative to p) of its first cut, or -1 with *f updated. */
+    static inline Py_ssize_t tb5_lane_rest(const unsigned char* p, Py_ssize_t j, Py_ssize_t stop,
+                                           uint64_t mask, uint64_t* f) {
+        uint64_t fp = *f;
+        for (; j < stop; j++) {
+            fp = (fp << 1) + TB5_GEAR[p[j]];
+            if ((fp & mask) == 0) return j + 1;
+        }
+        *f = fp;
+        return -1;
+    }
+
+    #if TB5_HAVE_LANES
+    /* Cut search over [*i_io, end) in rounds of TB5_LANES blocks of TB5_BLOCK bytes, lane k
+       rolling block k; the caller guarantees *i_io >= TB5_WARM. Returns the first cut's end
+       offset, or -1 with (*i_io, *fp_io) moved to the end of the last whole round. */
+    __attribute__((target("avx512f,avx512bw")))
+    static Py_ssize_t tb5_roll_lanes(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                                     uint64_t mask, uint64_t* fp_io) {
+        const Py_ssize_t round = (Py_ssize_t)TB5_LANES * TB5_BLOCK;
+        const __m512i vmask = _mm512_set1_epi64((long long)mask);
+        __m512i pick[8];  /* pick[s]: byte s of each 64-bit lane, zero-extended (vpshufb) */
+        const __m512i offs = _mm512_set_epi64(7LL * TB5_BLOCK, 6LL * TB5_BLOCK, 5LL * TB5_BLOCK,
+                                              4LL * TB5_BLOCK, 3LL * TB5_BLOCK, 2LL * TB5_BLOCK,
+                                              1LL * TB5_BLOCK, 0);
+        Py_ssize_t i = *i_io, j, r;
+        int s, k;
+        uint64_t f[TB5_LANES];
+        __m512i v, g, fv;
+        __mmask8 hit;
+        for (s = 0; s < 8; s++)
+            pick[s] = _mm512_set4_epi64((long long)(0x8080808080808000ULL | (unsigned)(8 + s)),
+                                        (long long)(0x8080808080808000ULL | (unsigned)s),
+                                        (long long)(0x8080808080808000ULL | (unsigned)(8 + s)),
+                                        (long long)(0x8080808080808000ULL | (unsigned)s));
+        while (end - i >= round) {
+            const unsigned char* a = p + i;
+            /* Lane 0 goes on from the running state; lanes 1..7 rebuild theirs from the
+               TB5_WARM bytes before their block (untested: those offsets are lane k-1's). */
+            fv = _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, (long long)*fp_io);
+            for (j = -TB5_WARM; j < 0; j += 8) {
+                v = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFE, offs, a + j, 1);
+                for (s = 0; s < 8; s++) {
+                    g = _mm512_i64gather_epi64(
+                        _mm512_shuffle_epi8(v, pick[s]), TB5_GEAR, 8);
+                    fv = _mm512_mask_add_epi64(fv, 0xFE, _mm512_slli_epi64(fv, 1), g);
+                }
+            }
+            for (j = 0; j < TB5_BLOCK; j += 8) {
+                v = _mm512_i64gather_epi64(offs, a + j, 1);  /* 8 bytes of each lane, little-endian */
+                for (s = 0; s < 8; s++) {
+                    g = _mm512_i64gather_epi64(
+                        _mm512_shuffle_epi8(v, pick[s]), TB5_GEAR, 8);
+                    fv = _mm512_add_epi64(_mm512_slli_epi64(fv, 1), g);
+                    hit = _mm512_testn_epi64_mask(fv, vmask);
+                    if (__builtin_expect(hit != 0, 0)) {
+                        /* Lanes before the first hit lane hold earlier offsets: finish them
+                           in order, then the hit itself. */
+                        _mm512_storeu_si512((void*)f, fv);
+                        for (k = 0; k < TB5_LANES; k++) {
+                            if (hit & (1u << k)) return i + (Py_ssize_t)k * TB5_BLOCK + j + s + 1;
+                            r = tb5_lane_rest(a + (Py_ssize_t)k * TB5_BLOCK, j + s + 1, TB5_BLOCK,
+                                              mask, &f[k]);
+                            if (r >= 0) return i + (Py_ssize_t)k * TB5_BLOCK + r;
+                        }
+                    }
+                }
+            }
+            _mm512_storeu_si512((void*)f, fv);
+            *fp_io = f[TB5_LANES - 1];
+            i += round;
+        }
+        *i_io = i;
+        return -1;
+    }
+    #else
+    static Py_ssize_t tb5_roll_lanes(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                                     uint64_t mask, uint64_t* fp_io) {
+        return -1;
+    }
+    #endif
+    """
+    Py_ssize_t TB5_LANES
+    Py_ssize_t TB5_BLOCK
+    Py_ssize_t TB5_WARM
+    int tb5_lanes_supported() noexcept nogil
+    Py_ssize_t tb5_roll_lanes(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                              uint64_t mask, uint64_t* fp_io) noexcept nogil
+
+
+cdef bint _use_lanes = tb5_lanes_supported() != 0
+
+
+def vector_lanes():
+    """Number of gear-hash lanes the cut search runs side by side on this CPU: 8 with AVX-512, else 1."""
+    return TB5_LANES if _use_lanes else 1
+
+
+def set_vector_lanes(bint enabled):
+    """Turn the AVX-512 lanes on or off (for tests and benchmarks); returns the previous setting.
+
+    Turning them on is ignored on a CPU without AVX-512. The cut points are the same either way.
+    """
+    global _use_lanes
+    cdef bint prev = _use_lanes
+    _use_lanes = enabled and tb5_lanes_supported() != 0
+    return prev
+
+
+cdef inline Py_ssize_t _roll_fast(const unsigned char* p, Py_ssize_t i, Py_ssize_t end,
+                                  uint64_t mask, uint64_t* fp_io) noexcept nogil:
+    """Like ``_roll``, but long ranges go 8 lanes at a time through ``tb5_roll_lanes`` first.
+
+    The gear hash is a serial chain (each step needs the previous state), which caps a scalar
+    loop near one byte per cycle. Each step shifts the 64-bit state left by one, so the state
+    at any offset depends only on the 64 bytes before it and can be rebuilt from them. With
+    AVX-512, ``tb5_roll_lanes`` rolls 8 blocks of 4 KiB side by side in one vector register
+    (table lookups by gather), each block's start state rebuilt from the 64 bytes before it;
+    the first cut in offset order wins, so the cut points are exactly those of the one-byte
+    loop. Ranges shorter than 32 KiB, and what is left after the last whole round, go to
+    ``_roll``.
+    """
+    cdef Py_ssize_t cut
+    if _use_lanes and end - i >= TB5_LANES * TB5_BLOCK and i >= TB5_WARM:
+        cut = tb5_roll_lanes(p, &i, end, mask, fp_io)
+        if cut != -1:
+            return cut
+    return _roll(p, i, end, mask, fp_io)
+
+
 cdef int _push(_Cuts* cuts, Py_ssize_t value) noexcept nogil:
     cdef Py_ssize_t cap
     cdef Py_ssize_t* data
@@ -136,11 +295,11 @@ cdef int _scan(const unsigned char* p, Py_ssize_t n, const _Params* prm, bint fi
         normal = start + prm.avg if limit - start > prm.avg else limit
         cut = -1
         if i < normal:
-            cut = _roll(p, i, normal, prm.mask_s, &fp)
+            cut = _roll_fast(p, i, normal, prm.mask_s, &fp)
             if cut < 0:
                 i = normal
         if cut < 0 and i < limit:
-            cut = _roll(p, i, limit, prm.mask_l, &fp)
+            cut = _roll_fast(p, i, limit, prm.mask_l, &fp)
             if cut < 0:
                 i = limit
         if cut < 0:

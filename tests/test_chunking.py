@@ -7,6 +7,7 @@ import importlib.util
 import mmap
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import blake3
@@ -19,6 +20,8 @@ from tb5sync.chunking import PARAMS_V1, ChunkParams
 from tb5sync.errors import UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from conftest import ChunkerImpl
 
 SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
@@ -334,3 +337,95 @@ def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) 
             out += ch.feed(data[i : i + step])
         outs.append(out + ch.finish())
     assert outs[0] == outs[1]
+
+
+# --- the AVX-512 lanes of the Cython core ----------------------------------------------------
+# The Cython core rolls 8 blocks of 4 KiB side by side when the CPU has AVX-512 and a search
+# range is at least 32 KiB long (so only parameter sets with avg_size - min_size >= 32 KiB use
+# them). These tests compare the lanes with the scalar loop of the same build and with the
+# pure-Python reference; on a CPU without AVX-512 both sides are the scalar loop.
+
+MID = ChunkParams(version=0, min_size=4096, avg_size=128 * 1024, max_size=512 * 1024)
+LANE_BLOCK = 4096
+LANES = 8
+
+
+@pytest.fixture(scope="module")
+def cdc(cy_chunker: ChunkerImpl) -> Iterator[ModuleType]:
+    """``tb5sync._cdc`` with its lanes setting restored after the test."""
+    from tb5sync import _cdc
+
+    prev = _cdc.set_vector_lanes(True)
+    yield _cdc
+    _cdc.set_vector_lanes(prev)
+
+
+def scalar_and_lanes(cdc: ModuleType, data: bytes, params: ChunkParams, final: bool = True) -> tuple[list[int], list[int]]:
+    cdc.set_vector_lanes(False)
+    scalar = cdc.cut_points(data, params, final)
+    cdc.set_vector_lanes(True)
+    return scalar, cdc.cut_points(data, params, final)
+
+
+def test_lanes_setting(cdc: ModuleType) -> None:
+    assert cdc.vector_lanes() in (1, LANES)
+    if cdc.vector_lanes() == LANES:
+        assert cdc.set_vector_lanes(False) is True
+        assert cdc.vector_lanes() == 1
+
+
+def test_lanes_cut_in_every_lane(cdc: ModuleType) -> None:
+    """On 32 MiB the lanes find cuts in each of the 8 blocks of a round, all where the scalar loop does."""
+    data = blake3.blake3(b"tb5sync-lanes").digest(length=32 << 20)
+    scalar, lanes = scalar_and_lanes(cdc, data, MID)
+    assert lanes == scalar
+    partial = chunking.py_cut_points(data[: 3 << 20], MID, final=False)
+    assert len(partial) > 10 and partial == scalar[: len(partial)]
+    seen = set()
+    start = 0
+    for cut in scalar:
+        # A cut's offset from where its search range began, and the lane that holds it.
+        first = start + MID.min_size if cut - start <= MID.avg_size else start + MID.avg_size
+        range_len = (MID.avg_size - MID.min_size) if first == start + MID.min_size else (MID.max_size - MID.avg_size)
+        off = cut - 1 - first
+        if off < range_len - range_len % (LANES * LANE_BLOCK):
+            seen.add(off // LANE_BLOCK % LANES)
+        start = cut
+    assert seen == set(range(LANES))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.binary(max_size=8),
+    size=st.integers(0, 400_000),
+    zeros=st.lists(st.tuples(st.integers(0, 400_000), st.integers(1, 70_000)), max_size=3),
+    level=st.integers(0, 3),
+    avg_shift=st.integers(15, 17),
+)
+def test_lanes_agree_with_scalar(
+    cdc: ModuleType, seed: bytes, size: int, zeros: list[tuple[int, int]], level: int, avg_shift: int
+) -> None:
+    data = bytearray(blake3.blake3(seed).digest(length=size) if size else b"")
+    for at, n in zeros:  # runs of zeros: no hash cut, forced cuts at max_size
+        data[at:at] = bytes(n)
+    p = ChunkParams(version=0, min_size=64, avg_size=1 << avg_shift, max_size=4 << avg_shift, normalization=level)
+    for final in (True, False):
+        scalar, lanes = scalar_and_lanes(cdc, bytes(data), p, final)
+        assert lanes == scalar
+
+
+def test_lanes_match_reference(cdc: ModuleType) -> None:
+    data = blake3.blake3(b"tb5sync-lanes-ref").digest(length=1 << 20) + bytes(70_000) + b"x" * 50_000
+    p = ChunkParams(version=0, min_size=64, avg_size=64 * 1024, max_size=256 * 1024, normalization=1)
+    assert cdc.cut_points(data, p) == chunking.py_cut_points(data, p)
+
+
+def test_lanes_streaming_equals_whole(cdc: ModuleType) -> None:
+    data = blake3.blake3(b"tb5sync-lanes-stream").digest(length=6 << 20)
+    ch = cdc.Chunker(MID)
+    out: list[int] = []
+    step = 777_777
+    for i in range(0, len(data), step):
+        out += ch.feed(data[i : i + step])
+    out += ch.finish()
+    assert out == cdc.cut_points(data, MID)
