@@ -95,6 +95,8 @@ def main() -> int:
     p.add_argument("--mib", type=int, help="buffer size for throughput, MiB (default 512; 128 short)")
     p.add_argument("--repeat", type=int, help="runs per chunker, best is kept (default 5; 3 short)")
     p.add_argument("--avg", type=int, help="average chunk size in bytes (default: format v1's, 1 MiB)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="also measure parallel_cut_points with this many threads (default 2; 1: skip)")
     p.add_argument("--check-mib", type=float, default=4.0, help="MiB compared against the pure-Python reference")
     p.add_argument("--delta", action="store_true", help="also estimate delta wire bytes per chunk size")
     p.add_argument("--delta-mib", type=int, help="file size for --delta, MiB (default 2048; 256 short)")
@@ -135,6 +137,12 @@ def main() -> int:
         fns["pyfastcdc"] = lambda: sum(1 for _ in fc.cut_buf(buf))
     except ImportError as exc:
         res["pyfastcdc_error"] = f"pyfastcdc (Cython build) not importable: {exc}"
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = max(1, a.threads)
+    cut_pool = ThreadPoolExecutor(max(1, threads - 1))
+    if threads > 1:
+        fns["ours_parallel"] = lambda: chunking.parallel_cut_points(buf, params, True, threads, cut_pool)
     fns["blake3"] = lambda: blake3.blake3(buf).digest()
     rates = best_rates(fns, n, repeat)
     ours = res["tb5sync_gbps"] = rates["ours"]
@@ -143,6 +151,11 @@ def main() -> int:
         res["tb5sync_scalar_gbps"] = rates["ours_scalar"]
     theirs = res["pyfastcdc_gbps"] = rates.get("pyfastcdc")
     res["blake3_1thread_gbps"] = rates["blake3"]
+    if threads > 1:
+        res["threads"] = threads
+        res["tb5sync_parallel_gbps"] = rates["ours_parallel"]
+        par_ok = chunking.parallel_cut_points(buf, params, True, threads, cut_pool) == chunking.cy_cut_points(buf, params)
+        res["parallel_identical"] = par_ok
 
     # identity against the pure-Python reference
     k = int(a.check_mib * 1024 * 1024)
@@ -163,6 +176,11 @@ def main() -> int:
         print(f"  pyfastcdc (Cython) {theirs:6.2f} GB/s   ratio tb5sync/pyfastcdc {ours / theirs:.2f}x (target >= 1.5x)")
     else:
         print(f"  pyfastcdc          not measured: {res['pyfastcdc_error']}")
+    if threads > 1:
+        par = res["tb5sync_parallel_gbps"]
+        vs = f"   ratio to pyfastcdc {par / theirs:.2f}x" if theirs else ""
+        print(f"  tb5sync, {threads} threads {par:6.2f} GB/s   (parallel_cut_points, cut points "
+              f"{'identical' if res['parallel_identical'] else 'DIFFERENT'} to one thread){vs}")
     print(f"  BLAKE3, 1 thread   {res['blake3_1thread_gbps']:6.2f} GB/s (for scale)")
     print(f"  cut points vs pure-Python reference on {len(sample) / 2**20:.1f} MiB ({len(cy)} chunks): "
           f"{'identical' if cy == py else 'DIFFERENT'}")
@@ -188,7 +206,7 @@ def main() -> int:
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if res["identical_cut_points"] else 1
+    return 0 if res["identical_cut_points"] and res.get("parallel_identical", True) else 1
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ __all__ = [
     "PARAMS_BY_VERSION",
     "cut_points",
     "Chunker",
+    "parallel_cut_points",
     "IMPLEMENTATION",
     "py_cut_points",
     "PyChunker",
@@ -363,6 +365,104 @@ class PyChunker:
         self._tail = bytearray()
         self._base = self._pos = self._fp = 0
         return [base + c for c in cuts]
+
+
+def parallel_cut_points(
+    buf: Buffer,
+    params: ChunkParams = DEFAULT_PARAMS,
+    final: bool = True,
+    segments: int = 2,
+    executor: Executor | None = None,
+) -> list[int]:
+    """Cut points of ``buf``, identical to :func:`cut_points`, with segments cut concurrently.
+
+    Content-defined cuts resynchronise: where a chunk starts decides where it ends, and a
+    chunk starts at every cut. ``buf`` is split into ``segments`` equal parts; part ``k``
+    (``k >= 1``) is cut by ``executor`` as if a chunk started at its first byte, while the
+    calling thread cuts part 0. Then, from the last true cut before part ``k``, the calling
+    thread cuts sequentially until one of its cuts is also one of part ``k``'s: from there on
+    part ``k``'s cuts are the true ones. That takes a chunk or two (a few MiB with format v1);
+    where it never happens (e.g. a long run of zeros, cut only at ``max_size``) the part is
+    simply cut sequentially, so the result never depends on the split. The cuts run without
+    the GIL in the Cython core, so ``segments`` threads cut about ``segments`` times faster
+    (the pure-Python twin gives the same result without the speed).
+
+    Parameters
+    ----------
+    buf : bytes-like
+        The data (any contiguous buffer).
+    params : ChunkParams
+        Chunk size parameters.
+    final : bool
+        As for :func:`cut_points`.
+    segments : int
+        Parts cut side by side (>= 1); fewer when parts would be shorter than
+        ``2 * max_size`` (8 MiB with format v1), one when ``buf`` is shorter than twice that.
+    executor : concurrent.futures.Executor or None
+        Runs parts 1.. (needs ``segments - 1`` free workers to gain anything; its tasks never
+        wait on anything, so a shared pool cannot deadlock). None: cut in one piece.
+
+    Returns
+    -------
+    list of int
+        Chunk end offsets (bytes, exclusive), exactly ``cut_points(buf, params, final)``.
+
+    Raises
+    ------
+    UsageError
+        Bad ``buf``, ``params`` or ``segments``.
+    """
+    params = _check_params(params)
+    if not _is_int(segments) or segments < 1:
+        raise UsageError(f"segments must be an int >= 1, got {segments!r}")
+    mv = _byte_view(buf)
+    n = len(mv)
+    segments = min(segments, n // (2 * params.max_size))
+    if executor is None or segments <= 1:
+        return cut_points(mv, params, final)
+    bounds = [n * k // segments for k in range(segments + 1)]
+    futures = [
+        executor.submit(_cut_part, mv, bounds[k], bounds[k + 1], params, final and k == segments - 1)
+        for k in range(1, segments)
+    ]
+    cuts = cut_points(mv[: bounds[1]], params, False)
+    last = cuts[-1] if cuts else 0
+    step = 2 * params.max_size  # a window this long always holds a definitive cut
+    for k, fut in enumerate(futures, start=1):
+        part = fut.result()
+        if part and part[-1] <= last:
+            continue  # the sequential walk already went past this part
+        where = {c: i for i, c in enumerate(part)}
+        while True:
+            end = min(n, last + step)
+            found = cut_points(mv[last:end], params, final and end == n) if end > last else []
+            if not found:
+                break  # at the end of a non-final buffer: the tail stays undecided
+            synced = -1
+            for c in found:
+                cuts.append(last + c)
+                if last + c in where:
+                    synced = where[last + c]
+                    break
+            last = cuts[-1]
+            if synced >= 0:
+                cuts += part[synced + 1 :]
+                last = cuts[-1]
+                break
+            if last >= bounds[k + 1]:
+                break
+    while last < n:  # only when the last part never resynchronised
+        found = cut_points(mv[last : min(n, last + step)], params, final and last + step >= n)
+        if not found:
+            break
+        cuts += [last + c for c in found]
+        last = cuts[-1]
+    return cuts
+
+
+def _cut_part(mv: memoryview, start: int, end: int, params: ChunkParams, final: bool) -> list[int]:
+    """Cuts of ``mv[start:end]`` as if a chunk started at ``start``, as offsets into ``mv``."""
+    return [start + c for c in cut_points(mv[start:end], params, final)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     p.add_argument("--hash-threads", type=int, default=0, metavar="N",
                    help="BLAKE3 hashing threads (default: $TB5SYNC_HASH_THREADS, else one per CPU)")
+    p.add_argument("--chunk-threads", type=int, default=0, metavar="N",
+                   help="threads cutting one large file into chunks side by side (default: "
+                        "$TB5SYNC_CHUNK_THREADS, else 1 below 8 CPUs, else min(4, CPUs/4))")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve a directory tree")
@@ -212,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .hashing import set_hash_threads
 
             set_hash_threads(a.hash_threads)
+        if a.chunk_threads:
+            from .hashing import set_chunk_threads
+
+            set_chunk_threads(a.chunk_threads)
         return handlers[a.command](a)
     except Tb5syncError as exc:
         print(f"tb5sync: error: {exc}", file=sys.stderr)

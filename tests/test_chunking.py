@@ -6,6 +6,7 @@ import array
 import importlib.util
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -429,3 +430,48 @@ def test_lanes_streaming_equals_whole(cdc: ModuleType) -> None:
         out += ch.feed(data[i : i + step])
     out += ch.finish()
     assert out == cdc.cut_points(data, MID)
+
+
+# --- parallel_cut_points: parts cut side by side, then stitched ------------------------------
+
+
+@pytest.fixture(scope="module")
+def cut_pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(5) as pool:
+        yield pool
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.one_of(inputs, st.binary(min_size=4000, max_size=30000)), segments=st.integers(1, 6),
+       final=st.booleans())
+def test_parallel_equals_sequential(cut_pool: ThreadPoolExecutor, data: bytes, segments: int, final: bool) -> None:
+    assert chunking.parallel_cut_points(data, SMALL, final, segments, cut_pool) == chunking.cut_points(data, SMALL, final)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4, 7])
+def test_parallel_equals_sequential_v1(cut_pool: ThreadPoolExecutor, segments: int) -> None:
+    if chunking.IMPLEMENTATION != "cython":
+        pytest.skip("48 MiB through the pure-Python reference takes minutes; the SMALL cases cover it")
+    data = blake3.blake3(b"tb5sync-parallel").digest(length=48 << 20)
+    for final in (True, False):
+        assert chunking.parallel_cut_points(data, PARAMS_V1, final, segments, cut_pool) == chunking.cut_points(
+            data, PARAMS_V1, final
+        )
+
+
+def test_parallel_parts_that_never_resynchronise(cut_pool: ThreadPoolExecutor) -> None:
+    """Zeros are cut only at max_size, counted from each part's start: parts never agree."""
+    data = bytes(30_001) + os.urandom(5000) + bytes(20_000)
+    for segments in (2, 3, 5):
+        for final in (True, False):
+            got = chunking.parallel_cut_points(data, SMALL, final, segments, cut_pool)
+            assert got == chunking.cut_points(data, SMALL, final)
+
+
+def test_parallel_bad_arguments(cut_pool: ThreadPoolExecutor) -> None:
+    with pytest.raises(UsageError, match="segments"):
+        chunking.parallel_cut_points(b"x" * 100, SMALL, True, 0, cut_pool)
+    with pytest.raises(UsageError):
+        chunking.parallel_cut_points("text", SMALL, True, 2, cut_pool)  # type: ignore[arg-type]
+    assert chunking.parallel_cut_points(b"", SMALL, True, 3, cut_pool) == []
+    assert chunking.parallel_cut_points(b"abc", SMALL, True, 3, None) == [3]

@@ -210,3 +210,29 @@ def test_hash_threads_setting(data_file: tuple[str, bytes]) -> None:
         hashing.set_hash_threads(0)
     default = int(os.environ.get("TB5SYNC_HASH_THREADS", "0") or 0) or max(2, os.cpu_count() or 2)
     assert hashing.hash_pool()._max_workers == default
+
+
+def test_chunk_threads_setting(tmp_path: Path) -> None:
+    """Several cutting threads give the same chunks as one, through the windows of chunk_fd."""
+    p = ChunkParams(version=0, min_size=1024, avg_size=16384, max_size=65536)
+    data = os.urandom(3 << 20) + bytes(300_000) + os.urandom(1 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hashing.set_chunk_threads(1)
+        assert hashing.chunk_threads() == 1
+        one = hashing.chunk_fd(fd, len(data), p)
+        hashing.set_chunk_threads(3)
+        assert hashing.chunk_threads() == 3
+        windows = list(hashing.iter_chunk_fd(fd, len(data), p, window=1 << 20))
+        assert [r for w in windows for r in w] == one
+        assert hashing.chunk_buffer(data, p) == one
+        with pytest.raises(UsageError):
+            hashing.set_chunk_threads(-1)
+    finally:
+        os.close(fd)
+        hashing.set_chunk_threads(0)
+    cpus = os.cpu_count() or 1
+    env = int(os.environ.get("TB5SYNC_CHUNK_THREADS", "0") or 0)
+    assert hashing.chunk_threads() == (env or (1 if cpus < 8 else min(4, cpus // 4)))
