@@ -119,20 +119,21 @@ def chunk_threads() -> int:
     use every core) and ``min(4, cpus // 4)`` above. One thread cuts ~2.4 GB/s (scalar) to
     ~3.4 GB/s (AVX-512 lanes); a ~10 GB/s link needs 3-4.
     """
-    if _chunk_threads:
-        return _chunk_threads
-    env = int(os.environ.get("TB5SYNC_CHUNK_THREADS", "0") or 0)
-    if env > 0:
-        return env
-    cpus = os.cpu_count() or 1
-    return 1 if cpus < 8 else min(4, cpus // 4)
+    global _chunk_threads
+    if not _chunk_threads:
+        env = int(os.environ.get("TB5SYNC_CHUNK_THREADS", "0") or 0)
+        cpus = os.cpu_count() or 1
+        _chunk_threads = env if env > 0 else (1 if cpus < 8 else min(4, cpus // 4))
+    return _chunk_threads
 
 
 def cut_buffer(mv: memoryview, params: chunking.ChunkParams, final: bool) -> list[int]:
     """:func:`chunking.cut_points` of ``mv`` (same result), cut by :func:`chunk_threads` threads."""
     global _chunk_pool
+    if len(mv) < 4 * params.max_size:
+        return chunking.cut_points(mv, params, final)
     n = chunk_threads()
-    if n <= 1 or len(mv) < 4 * params.max_size:
+    if n <= 1:
         return chunking.cut_points(mv, params, final)
     if _chunk_pool is None:
         _chunk_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="tb5-cut")
