@@ -12,6 +12,7 @@ Methods (the receiver's requests)::
     file_digests(paths)          -> {"digests": [digest or None, ...]}
     read_ranges(path, ranges, size, mtime_ns) -> (meta, parts)    # ranges: [[offset, length], ...]
     read_files(paths)            -> (meta, parts)                  # whole small files with their chunk lists
+    sub_chunks(path, ranges, size, mtime_ns, params) -> {"subs": [[digests, lengths], ...]}   # see refine
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import lz4.block
 
-from . import chunking
+from . import chunking, refine
 from ._paths import DirFds
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
@@ -348,6 +349,59 @@ class Sender:
         UsageError
             Ranges out of bounds or too large in total.
         """
+        fd, views = self._read_checked(path, ranges, size, mtime_ns)
+        try:
+            parts = []
+            meta_parts = []
+            for data in views:
+                wire, codec = encode_part(data, self.options.compress)
+                parts.append(wire)
+                meta_parts.append([len(data), len(wire), codec])
+            self._check_unchanged(fd, path, size, mtime_ns)
+            return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
+        finally:
+            os.close(fd)
+
+    def sub_chunks(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int, params: list[int]) -> dict[str, Any]:
+        """Sub-chunk lists of byte ranges (normally chunks the receiver lacks); see :mod:`tb5sync.refine`.
+
+        Parameters
+        ----------
+        path : str
+            File relative to the source base.
+        ranges : list of [offset, length]
+            As for :meth:`read_ranges` (each at most one chunk, at most :data:`MAX_READ` in all).
+        size, mtime_ns : int
+            What the chunk list was made from; a file that no longer matches is refused.
+        params : [min_size, avg_size, max_size, normalization]
+            Sub-chunk parameters (bytes; 256 B .. 1 MiB).
+
+        Returns
+        -------
+        dict
+            ``{"subs": [[digests, lengths], ...]}``, one :func:`refine.encode_subs` list per range.
+
+        Raises
+        ------
+        SourceChangedError
+            The file's size or mtime changed.
+        UsageError
+            Bad ranges or parameters.
+        """
+        prm = refine.params_from_wire(params)
+        fd, views = self._read_checked(path, ranges, size, mtime_ns)
+        try:
+            subs = [refine.encode_subs(refine.sub_chunk_list(v, prm)) for v in views]
+            self._check_unchanged(fd, path, size, mtime_ns)
+            return {"subs": subs}
+        finally:
+            os.close(fd)
+
+    def _read_checked(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int) -> tuple[int, list[memoryview]]:
+        """Open ``path``, check it still has ``size``/``mtime_ns``, read ``ranges`` into a reused buffer.
+
+        Returns the open descriptor (the caller closes it) and one view per range.
+        """
         total = 0
         for r in ranges:
             if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r)):
@@ -360,15 +414,12 @@ class Sender:
         except FileNotFoundError:
             raise SourceChangedError(path) from None
         try:
-            st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-                raise SourceChangedError(path)
-            parts = []
-            meta_parts = []
+            self._check_unchanged(fd, path, size, mtime_ns)
             for off, n in ranges:
                 if off + n > size:
                     raise UsageError(f"range [{off}, {off + n}) beyond end of {path} ({size} bytes)")
             buf = self._read_bufs.get(total)
+            views = []
             pos = 0
             for off, n in ranges:
                 data = buf[pos : pos + n]
@@ -379,15 +430,17 @@ class Sender:
                     if k <= 0:
                         raise SourceChangedError(path)
                     got += k
-                wire, codec = encode_part(data, self.options.compress)
-                parts.append(wire)
-                meta_parts.append([n, len(wire), codec])
-            st2 = os.fstat(fd)
-            if (st2.st_size, st2.st_mtime_ns) != (size, mtime_ns):
-                raise SourceChangedError(path)
-            return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
-        finally:
+                views.append(data)
+            return fd, views
+        except BaseException:
             os.close(fd)
+            raise
+
+    @staticmethod
+    def _check_unchanged(fd: int, path: str, size: int, mtime_ns: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+            raise SourceChangedError(path)
 
     def read_files(self, paths: list[str]) -> tuple[dict[str, Any], list[Any]]:
         """Read whole small files in one reply, with each file's chunk list for verification.

@@ -56,7 +56,7 @@ __all__ = ["Server", "DEFAULT_PORT", "SENDER_METHODS"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8873
-SENDER_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files"})
+SENDER_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks"})
 _HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
 _SOURCE_MAX = 1 << 36

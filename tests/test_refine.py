@@ -1,0 +1,128 @@
+"""Sub-chunk refinement of a delta (tb5sync.refine) and the sender's sub_chunks request."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from tb5sync import refine
+from tb5sync.chunking import ChunkParams
+from tb5sync.errors import RemoteProtocolError, SourceChangedError, UsageError
+from tb5sync.sender import Sender
+
+pytestmark = pytest.mark.timeout(60)
+
+
+
+
+def test_sub_chunk_list_covers_the_view() -> None:
+    data = random.Random(1).randbytes(300_000)
+    subs = refine.sub_chunk_list(data)
+    assert sum(n for _, n in subs) == len(data)
+    assert len(subs) > 5
+    off = 0
+    for d, n in subs:
+        assert d == xxhash.xxh3_128_digest(data[off : off + n])
+        assert n <= refine.SUB_PARAMS.max_size
+        off += n
+    assert refine.sub_chunk_list(b"") == []
+
+
+def test_wire_forms_round_trip_and_are_checked() -> None:
+    subs = refine.sub_chunk_list(random.Random(2).randbytes(100_000))
+    assert refine.decode_subs(refine.encode_subs(subs), 100_000) == subs
+    blob, lengths = refine.encode_subs(subs)
+    with pytest.raises(RemoteProtocolError, match="add up"):
+        refine.decode_subs([blob, lengths], 99_999)
+    with pytest.raises(RemoteProtocolError, match="malformed"):
+        refine.decode_subs([blob[:-1], lengths], 100_000)
+    with pytest.raises(RemoteProtocolError, match="malformed"):
+        refine.decode_subs("x", 1)
+    assert refine.params_from_wire(refine.params_to_wire(refine.SUB_PARAMS)) == refine.SUB_PARAMS
+    for bad in ([1, 2, 3], [64, 128, 512, 2], [4096, 16384, 4 << 20, 2], "x", [4096, 5000, 65536, 2]):
+        with pytest.raises(UsageError):
+            refine.params_from_wire(bad)
+
+
+@pytest.mark.parametrize("edit", ["overwrite", "insert", "delete", "none"])
+def test_plan_fetches_little_more_than_the_edit(tmp_path: Path, edit: str) -> None:
+    rnd = random.Random(3)
+    old = rnd.randbytes(3 << 20)
+    new = bytearray(old)
+    at = (1 << 20) + 400_000
+    if edit == "overwrite":
+        new[at : at + 5000] = rnd.randbytes(5000)
+    elif edit == "insert":
+        new[at:at] = rnd.randbytes(4096)
+    elif edit == "delete":
+        del new[at : at + 3000]
+    chunk_start, chunk_end = 1 << 20, (2 << 20) + 100_000  # the new file's chunk holding the edit
+    chunk = bytes(new[chunk_start:chunk_end])
+    basis = tmp_path / "basis"
+    basis.write_bytes(old)
+    fd = os.open(basis, os.O_RDONLY)
+    try:
+        index = refine.BasisIndex(fd, len(old))
+        index.add_window(chunk_start, chunk_end + (1 << 20))
+        index.add_window(chunk_start, chunk_end + (1 << 20))  # indexed once only
+        assert index.indexed_bytes == min(len(old), chunk_end + (1 << 20)) - chunk_start
+        copies, fetches = refine.plan(refine.sub_chunk_list(chunk), index)
+        fetched = sum(n for _, n in fetches)
+        edited = {"overwrite": 5000, "insert": 4096, "delete": 0, "none": 0}[edit]
+        assert fetched <= edited + 2 * refine.SUB_PARAMS.max_size
+        if edit == "none":
+            assert fetches == [] and len(copies) == 1
+        # Copies and fetches cover the chunk exactly once, and the copies hold the right bytes.
+        spans = sorted([(a, n) for a, _, n in copies] + fetches)
+        pos = 0
+        for a, n in spans:
+            assert a == pos
+            pos += n
+        assert pos == len(chunk)
+        buf = bytearray(len(chunk))
+        refine.fill_copies(memoryview(buf), fd, copies)
+        for a, n in fetches:
+            buf[a : a + n] = chunk[a : a + n]
+        assert bytes(buf) == chunk
+    finally:
+        os.close(fd)
+
+
+def test_fill_copies_refuses_a_shrunk_basis(tmp_path: Path) -> None:
+    basis = tmp_path / "basis"
+    basis.write_bytes(b"x" * 1000)
+    fd = os.open(basis, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="basis ended"):
+            refine.fill_copies(memoryview(bytearray(100)), fd, [(0, 950, 100)])
+    finally:
+        os.close(fd)
+
+
+def test_sender_sub_chunks(tmp_path: Path) -> None:
+    data = random.Random(4).randbytes(500_000)
+    (tmp_path / "f.bin").write_bytes(data)
+    st = os.stat(tmp_path / "f.bin")
+    sender = Sender(str(tmp_path))
+    try:
+        wire = refine.params_to_wire(refine.SUB_PARAMS)
+        got = sender.sub_chunks("f.bin", [[0, 200_000], [300_000, 200_000]], st.st_size, st.st_mtime_ns, wire)
+        assert [refine.decode_subs(v, 200_000) for v in got["subs"]] == [
+            refine.sub_chunk_list(data[:200_000]),
+            refine.sub_chunk_list(data[300_000:]),
+        ]
+        small = ChunkParams(version=0, min_size=256, avg_size=1024, max_size=4096)
+        got = sender.sub_chunks("f.bin", [[10, 50_000]], st.st_size, st.st_mtime_ns, refine.params_to_wire(small))
+        assert refine.decode_subs(got["subs"][0], 50_000) == refine.sub_chunk_list(data[10:50_010], small)
+        with pytest.raises(SourceChangedError):
+            sender.sub_chunks("f.bin", [[0, 10]], st.st_size, st.st_mtime_ns + 1, wire)
+        with pytest.raises(UsageError, match="beyond end"):
+            sender.sub_chunks("f.bin", [[499_999, 10]], st.st_size, st.st_mtime_ns, wire)
+        with pytest.raises(UsageError):
+            sender.sub_chunks("f.bin", [[0, 10]], st.st_size, st.st_mtime_ns, [1, 2, 3, 4])
+    finally:
+        sender.close()
