@@ -168,7 +168,8 @@ def _cmd_sync(a: argparse.Namespace) -> int:
         prefix = "would transfer" if a.dry_run else "transferred"
         print(f"files: {stats.files_total} total, {stats.files_transferred} {prefix}, {stats.files_deleted} deleted")
         print(f"bytes: {_fmt_bytes(stats.bytes_total)} total, {_fmt_bytes(stats.bytes_transferred)} {prefix}")
-        print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent}, reused {stats.chunks_reused}")
+        print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent} "
+              f"({_fmt_bytes(stats.bytes_matched)} of them matched in the basis), reused {stats.chunks_reused}")
         print(f"time: {stats.seconds:.3f} s, {stats.bytes_transferred / secs / 1e9:.2f} GB/s")
     return 0
 

@@ -24,7 +24,7 @@ from .transport import Channel, Requester, connect, open_session, serve
 __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
 
 DEFAULT_PORT = 8873
-_PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "finish"})
+_PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks", "finish"})
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class _PushHandler:
         self.total = total
         self.done = 0
         self._lock = threading.Lock()
-        for name in ("manifest", "chunk_list", "file_digests"):
+        for name in ("manifest", "chunk_list", "file_digests", "sub_chunks"):
             setattr(self, name, getattr(sender, name))
 
     def _tick(self, meta: dict[str, Any]) -> None:

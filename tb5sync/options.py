@@ -98,7 +98,11 @@ class SyncStats:
     wire_bytes : int
         Bytes on the wire, both directions, frame headers included (0 for local -> local).
     chunks_sent : int
-        Chunks that crossed from sender to receiver.
+        Chunks that crossed from sender to receiver, whole or (with a basis) only their
+        sub-chunks the basis lacks (see :mod:`tb5sync.refine`).
+    bytes_matched : int
+        Bytes of those chunks found in the basis as sub-chunks and so not sent (rsync's
+        "matched data").
     chunks_reused : int
         Chunks found at the destination (basis file, index or partial file), not sent.
     files_deleted : int
@@ -114,6 +118,7 @@ class SyncStats:
     wire_bytes: int = 0
     chunks_sent: int = 0
     chunks_reused: int = 0
+    bytes_matched: int = 0
     files_deleted: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

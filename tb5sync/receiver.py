@@ -32,7 +32,7 @@ from typing import Any
 
 import lz4.block
 
-from . import chunking
+from . import chunking, refine
 from ._paths import temp_name
 from .errors import (
     DestinationError,
@@ -66,6 +66,10 @@ BATCH_FILES = 2048
 #: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
 ProgressFn = Callable[[int, int], None]
 _DATA_METHODS = frozenset({"read_ranges", "read_files"})
+#: Requests answered with a plain response that read file data: sent on the data streams too.
+_READ_METHODS = frozenset({"sub_chunks"})
+#: Basis bytes indexed for a missing chunk beyond its own length (room for insertions).
+REFINE_SLACK = 512 * 1024
 
 
 class LocalLink:
@@ -116,7 +120,8 @@ class RemoteLink:
 
     def submit(self, method: str, **args: Any) -> Future[Any]:
         if method not in _DATA_METHODS:
-            return self.requester.submit(method, args, channel=0)
+            channel = next(self._data_streams) if method in _READ_METHODS else 0
+            return self.requester.submit(method, args, channel=channel)
         inner = self.requester.submit(method, args, channel=next(self._data_streams))
         outer: Future[Any] = Future()
 
@@ -226,8 +231,10 @@ class Receiver:
         self._done_bytes = 0
         self._total_bytes = 0
         self._st: dict[str, int] = dict.fromkeys(
-            ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "files_deleted"), 0
+            ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "bytes_matched", "files_deleted"), 0
         )
+        #: Sub-chunk index and placements of the basis of the large file being fetched (None: no basis).
+        self._refiner: tuple[refine.BasisIndex, refine.Placements] | None = None
         self._changed: list[str] = []
         self._records: list[tuple[str, int, int, int, list[tuple[bytes, int]]]] = []
 
@@ -567,6 +574,28 @@ class Receiver:
         first_fut = self.link.submit("chunk_list", path=e.path, start=0, limit=BATCH_BYTES)
         basis = self._basis_map(e.path)  # chunk the local basis while the sender cuts its first piece
         first = first_fut.result()
+        self._refiner = self._open_refiner(e.path)
+        try:
+            self._fetch_large_with(e, first, basis)
+        finally:
+            if self._refiner is not None:
+                os.close(self._refiner[0].fd)
+                self._refiner = None
+
+    def _open_refiner(self, rel: str) -> tuple[refine.BasisIndex, refine.Placements] | None:
+        """A sub-chunk index over the destination's current version of ``rel``, or None without one."""
+        try:
+            bfd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        st = os.fstat(bfd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            os.close(bfd)
+            return None
+        return refine.BasisIndex(bfd, st.st_size), refine.Placements()
+
+    def _fetch_large_with(self, e: Entry, first: dict[str, Any], basis: dict[bytes, int]) -> None:
+        """:meth:`_fetch_large` once the first chunk-list piece is here."""
         size, mtime_ns = first.get("size"), first.get("mtime_ns")
         if not isinstance(size, int) or not isinstance(mtime_ns, int) or size < 0:
             raise RemoteProtocolError("malformed chunk_list reply")
@@ -734,6 +763,8 @@ class Receiver:
             data = os.pread(lfd, n, soff)
             if len(data) == n and chunk_digest(data) == d:
                 os.pwrite(fd, data, off)
+                if self._refiner is not None and spath == self._spath(rel):
+                    self._refiner[1].record(off, soff)
                 return True
         return False
 
@@ -742,9 +773,16 @@ class Receiver:
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]] = deque()
 
+        refiner = self._refiner
+        sub_params = refine.params_to_wire(refine.SUB_PARAMS)
+
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
-            inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)))
+            if refiner is not None:  # a basis exists: ask what the chunks are made of first
+                method, extra = "sub_chunks", {"params": sub_params}
+            else:
+                method, extra = "read_ranges", {}
+            inflight.append((g, self.link.submit(method, path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, **extra)))
 
         it = iter(groups)
         for g in it:
@@ -756,26 +794,98 @@ class Receiver:
             nxt = next(it, None)
             if nxt is not None:
                 submit(nxt)
+            if refiner is not None:
+                self._fetch_refined(fd, rel, g, fut.result(), size, mtime_ns, refiner[0], refiner[1])
+                continue
             meta, parts = fut.result()
-            mparts = meta.get("parts")
-            if not isinstance(mparts, list) or len(mparts) != len(g) or len(parts) != len(g):
-                raise RemoteProtocolError("read_ranges reply does not match the request")
-            pieces = []
-            for (_off, n, d), part, (rawlen, _w, codec) in zip(g, parts, mparts):
-                if rawlen != n:
-                    raise RemoteProtocolError("read_ranges part has the wrong length")
-                pieces.append((_decode(part, rawlen, codec), d))
-            _verify_many(pieces, rel)
-            for (off, _n, _d), (data, _) in zip(g, pieces):
-                view = memoryview(data)
-                pos = off
-                while view:
-                    k = os.pwrite(fd, view, pos)
-                    view = view[k:]
-                    pos += k
+            pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+            _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+            for (off, _n, _d), data in zip(g, pieces):
+                _pwrite_all(fd, data, off)
                 self._st["chunks_sent"] += 1
                 self._tick(len(data))
             self.link.recycle(parts)
+
+    @staticmethod
+    def _decode_reply(meta: dict[str, Any], parts: list[Any], lengths: list[int]) -> list[memoryview | bytes]:
+        """The raw bytes of each part of a ``read_ranges`` reply, checked against the asked ``lengths``."""
+        mparts = meta.get("parts")
+        if not isinstance(mparts, list) or len(mparts) != len(lengths) or len(parts) != len(lengths):
+            raise RemoteProtocolError("read_ranges reply does not match the request")
+        out = []
+        for n, part, (rawlen, _w, codec) in zip(lengths, parts, mparts):
+            if rawlen != n:
+                raise RemoteProtocolError("read_ranges part has the wrong length")
+            out.append(_decode(part, rawlen, codec))
+        return out
+
+    def _fetch_refined(
+        self,
+        fd: int,
+        rel: str,
+        g: list[tuple[int, int, bytes]],
+        reply: dict[str, Any],
+        size: int,
+        mtime_ns: int,
+        index: refine.BasisIndex,
+        placed: refine.Placements,
+    ) -> None:
+        """Build each missing chunk of ``g`` from basis sub-chunks plus the fetched rest; see :mod:`tb5sync.refine`.
+
+        Each chunk is verified against its BLAKE3 digest before it is written; one that does not
+        match (a basis changed under us, an xxh3 collision) is fetched whole and verified again.
+
+        Raises
+        ------
+        IntegrityError
+            A chunk fetched whole still does not match its digest.
+        RemoteProtocolError
+            The sender's replies do not match the requests.
+        """
+        subs_wire = reply.get("subs")
+        if not isinstance(subs_wire, list) or len(subs_wire) != len(g):
+            raise RemoteProtocolError("sub_chunks reply does not match the request")
+        plans = []
+        want: list[list[int]] = []
+        for (off, n, _d), wire in zip(g, subs_wire):
+            subs = refine.decode_subs(wire, n)
+            at = placed.hint(off)
+            index.add_window(at, at + n + REFINE_SLACK)
+            copies, fetches = refine.plan(subs, index)
+            plans.append((copies, fetches))
+            want += [[off + a, k] for a, k in fetches]
+        fetched: list[memoryview | bytes] = []
+        parts: list[Any] = []
+        if want:
+            meta, parts = self.link.submit("read_ranges", path=rel, ranges=want, size=size, mtime_ns=mtime_ns).result()
+            fetched = self._decode_reply(meta, parts, [k for _, k in want])
+        got = iter(fetched)
+        bufs = []
+        for (_off, n, _d), (copies, fetches) in zip(g, plans):
+            buf = bytearray(n)
+            mv = memoryview(buf)
+            try:
+                refine.fill_copies(mv, index.fd, copies)
+            except OSError:
+                pass  # the basis shrank: the digest check below sends this chunk the long way
+            for a, k in fetches:
+                mv[a : a + k] = next(got)
+            bufs.append(buf)
+        self.link.recycle(parts)
+        ok = list(hash_pool().map(lambda bd: chunk_digest(bd[0]) == bd[1], zip(bufs, (d for _, _, d in g))))
+        for (off, n, d), buf, good, (copies, _f) in zip(g, bufs, ok, plans):
+            if not good:
+                log.info("%s: chunk at %d rebuilt from the basis does not match; fetching it whole", rel, off)
+                meta, parts = self.link.submit("read_ranges", path=rel, ranges=[[off, n]], size=size, mtime_ns=mtime_ns).result()
+                data = self._decode_reply(meta, parts, [n])[0]
+                _verify_many([(data, d)], rel)
+                buf = bytearray(data)
+                self.link.recycle(parts)
+                copies = []
+            _pwrite_all(fd, buf, off)
+            self._st["chunks_sent"] += 1
+            self._st["bytes_matched"] += sum(k for _, _, k in copies)
+            self._tick(n)
 
 
 def _run_into(fut: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
@@ -784,6 +894,15 @@ def _run_into(fut: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
         fut.set_result(fn(*args, missing_ok=True))
     except BaseException as exc:  # delivered to the caller through the future
         fut.set_exception(exc)
+
+
+def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> None:
+    """Write all of ``data`` at ``off`` of ``fd``."""
+    view = memoryview(data)
+    while view:
+        k = os.pwrite(fd, view, off)
+        view = view[k:]
+        off += k
 
 
 def _unlink_quiet(path: str) -> None:

@@ -19,6 +19,7 @@ The sub-chunk parameters travel in each request, so they are not part of the on-
 
 from __future__ import annotations
 
+import bisect
 import os
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "BasisIndex",
     "plan",
     "fill_copies",
+    "Placements",
 ]
 
 #: Sub-chunk parameters: 4 KiB min, 16 KiB average, 64 KiB max, normalization level 2.
@@ -236,3 +238,28 @@ def fill_copies(buf: memoryview, fd: int, copies: list[tuple[int, int, int]]) ->
             if k <= 0:
                 raise OSError(f"basis ended at {src + got} bytes while copying a sub-chunk")
             got += k
+
+
+class Placements:
+    """Where chunks of the new file were found in the basis, to guess where a missing one was.
+
+    ``record`` is called in increasing order of new-file offset (the order chunks are planned).
+    """
+
+    def __init__(self) -> None:
+        self._new: list[int] = []
+        self._old: list[int] = []
+
+    def record(self, new_off: int, basis_off: int) -> None:
+        """Chunk at ``new_off`` (bytes) of the new file was found at ``basis_off`` of the basis."""
+        if self._new and new_off <= self._new[-1]:
+            return
+        self._new.append(new_off)
+        self._old.append(basis_off)
+
+    def hint(self, new_off: int) -> int:
+        """Likely basis offset of the bytes at ``new_off``: same shift as the last chunk found before it."""
+        k = bisect.bisect_left(self._new, new_off) - 1
+        if k < 0:
+            return new_off
+        return self._old[k] + (new_off - self._new[k])
