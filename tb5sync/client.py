@@ -211,6 +211,7 @@ def push(
         raise RemoteNotFoundError(f"source does not exist: {src}")
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options)
+    sender.zero_copy = True  # its replies go out through sockets only
     total = 0
     handler = _PushHandler(sender, progress, 0)
     if progress is not None:

@@ -799,7 +799,17 @@ class Receiver:
                 continue
             meta, parts = fut.result()
             pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
-            _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+            try:
+                _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+            except IntegrityError:
+                # Asked once more: a source changed after the sender's check (its bytes go out
+                # with sendfile) now fails that check; a second mismatch is real corruption.
+                log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
+                self.link.recycle(parts)
+                ranges = [[off, n] for off, n, _ in g]
+                meta, parts = self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns).result()
+                pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+                _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
             for (off, _n, _d), data in zip(g, pieces):
                 _pwrite_all(fd, data, off)
                 self._st["chunks_sent"] += 1

@@ -32,6 +32,7 @@ from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .manifest import Entry, check_relpath, scan
 from .options import SyncOptions
 from .store import TreeState
+from .transport import FileRange, SharedFd, close_parts
 
 __all__ = ["Sender", "ReadBuffers", "CODEC_RAW", "CODEC_LZ4", "MAX_READ", "encode_part"]
 
@@ -60,14 +61,17 @@ def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview
     """
     if mode == "none" or len(data) < 512:
         return data, CODEC_RAW
-    if mode == "auto":
-        sample = bytes(data[:_SAMPLE])
-        if len(lz4.block.compress(sample, store_size=False)) * 8 > len(sample):
-            return data, CODEC_RAW
+    if mode == "auto" and not _compressible(bytes(data[:_SAMPLE])):
+        return data, CODEC_RAW
     packed = lz4.block.compress(data, store_size=False)
     if len(packed) + len(packed) // 16 >= len(data):
         return data, CODEC_RAW
     return packed, CODEC_LZ4
+
+
+def _compressible(sample: bytes) -> bool:
+    """Whether lz4 shrinks ``sample`` (the first 4 KiB of a range) below 1/8: ``--compress auto``'s test."""
+    return len(lz4.block.compress(sample, store_size=False)) * 8 <= len(sample)
 
 
 class ReadBuffers:
@@ -157,6 +161,8 @@ class Sender:
         self._acc: dict[str, tuple[tuple[int, int, int], int, list[tuple[bytes, int]]]] = {}
         self._acc_lock = threading.Lock()
         self._read_bufs = ReadBuffers(16)
+        #: Set by whoever serves this sender over a socket: raw ranges then go out with sendfile.
+        self.zero_copy = False
         try:
             st = os.lstat(base)
         except FileNotFoundError:
@@ -349,6 +355,8 @@ class Sender:
         UsageError
             Ranges out of bounds or too large in total.
         """
+        if self.zero_copy and self.options.compress != "lz4":
+            return self._read_ranges_sendfile(path, ranges, size, mtime_ns)
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
         try:
             parts = []
@@ -361,6 +369,38 @@ class Sender:
             return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
         finally:
             os.close(fd)
+
+    def _read_ranges_sendfile(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int) -> tuple[dict[str, Any], list[Any]]:
+        """:meth:`read_ranges` for a reply that goes out through a socket: raw ranges become
+        :class:`FileRange` parts sent with sendfile (no read into user space); only ranges that
+        ``--compress auto`` finds worth compressing are read and compressed here.
+
+        A file changed after the check below is caught by the receiver's digest check, and its
+        re-request of the range then sees the new size or mtime.
+        """
+        fd = self._open_checked(path, ranges, size, mtime_ns)
+        shared = SharedFd(fd)
+        parts: list[Any] = []
+        meta_parts = []
+        try:
+            for off, n in ranges:
+                if self.options.compress == "auto" and n >= 512 and _compressible(os.pread(fd, min(n, _SAMPLE), off)):
+                    data = os.pread(fd, n, off)
+                    if len(data) != n:
+                        raise SourceChangedError(path)
+                    wire, codec = encode_part(data, "auto")
+                    parts.append(wire)
+                    meta_parts.append([n, len(wire), codec])
+                else:
+                    parts.append(FileRange(shared, off, n))
+                    meta_parts.append([n, n, CODEC_RAW])
+        except BaseException:
+            close_parts(parts)
+            raise
+        finally:
+            if shared.users == 0:
+                os.close(fd)
+        return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
 
     def sub_chunks(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int, params: list[int]) -> dict[str, Any]:
         """Sub-chunk lists of byte ranges (normally chunks the receiver lacks); see :mod:`tb5sync.refine`.
@@ -402,23 +442,9 @@ class Sender:
 
         Returns the open descriptor (the caller closes it) and one view per range.
         """
-        total = 0
-        for r in ranges:
-            if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r)):
-                raise UsageError("each range must be [offset, length] with non-negative ints")
-            total += r[1]
-        if total > MAX_READ:
-            raise UsageError(f"read of {total} bytes exceeds the limit of {MAX_READ}")
+        fd = self._open_checked(path, ranges, size, mtime_ns)
         try:
-            fd = self._open(path)
-        except FileNotFoundError:
-            raise SourceChangedError(path) from None
-        try:
-            self._check_unchanged(fd, path, size, mtime_ns)
-            for off, n in ranges:
-                if off + n > size:
-                    raise UsageError(f"range [{off}, {off + n}) beyond end of {path} ({size} bytes)")
-            buf = self._read_bufs.get(total)
+            buf = self._read_bufs.get(sum(n for _, n in ranges))
             views = []
             pos = 0
             for off, n in ranges:
@@ -435,6 +461,37 @@ class Sender:
         except BaseException:
             os.close(fd)
             raise
+
+    def _open_checked(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int) -> int:
+        """Check ``ranges`` (list of [offset, length], at most :data:`MAX_READ` bytes in all, within
+        ``size``), open ``path`` and check it still has ``size``/``mtime_ns``; the caller closes the fd.
+
+        Raises
+        ------
+        UsageError
+            Malformed or out-of-bounds ranges, or too many bytes.
+        SourceChangedError
+            The file is gone or changed.
+        """
+        total = 0
+        for r in ranges:
+            if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r)):
+                raise UsageError("each range must be [offset, length] with non-negative ints")
+            if r[0] + r[1] > size:
+                raise UsageError(f"range [{r[0]}, {r[0] + r[1]}) beyond end of {path} ({size} bytes)")
+            total += r[1]
+        if total > MAX_READ:
+            raise UsageError(f"read of {total} bytes exceeds the limit of {MAX_READ}")
+        try:
+            fd = self._open(path)
+        except FileNotFoundError:
+            raise SourceChangedError(path) from None
+        try:
+            self._check_unchanged(fd, path, size, mtime_ns)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @staticmethod
     def _check_unchanged(fd: int, path: str, size: int, mtime_ns: int) -> None:

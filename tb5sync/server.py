@@ -345,6 +345,7 @@ class Server:
         sid, s = self._new_session("pull", streams)
         try:
             s.sender = Sender(base, options, self.state, self._rel(base))
+            s.sender.zero_copy = True  # its replies go out through sockets only
             kind = kind_of(base)
             s.channels[0] = ch
             ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})

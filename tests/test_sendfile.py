@@ -1,0 +1,134 @@
+"""Raw ranges sent with sendfile(2): FileRange parts, their file descriptors, and a source that
+changes after the sender's check (caught by the receiver's digest check and a re-request)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+import tb5sync
+from conftest import LiveServer
+from tb5sync import protocol as P
+from tb5sync.options import SyncOptions
+from tb5sync.sender import CODEC_LZ4, CODEC_RAW, Sender
+from tb5sync.transport import Channel, FileRange, SharedFd, close_parts
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _send_and_receive(parts: list[object], meta: dict[str, object]) -> tuple[dict[str, object], bytes]:
+    a, b = socket.socketpair()
+    tx, rx = Channel(a), Channel(b)
+    try:
+        t = threading.Thread(target=tx.send_data, args=(7, meta, parts))
+        t.start()
+        got = rx.recv_frame()
+        t.join()
+        assert got is not None
+        header, payload = got
+        assert header.type is P.FrameType.DATA and header.rid == 7
+        m, body = P.decode_data(payload)
+        return m, bytes(body)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_file_ranges_go_out_between_memory_parts(tmp_path: Path) -> None:
+    data = random.Random(1).randbytes(3 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    shared = SharedFd(os.open(path, os.O_RDONLY))
+    fd = shared.fd
+    parts = [b"head", FileRange(shared, 1000, 2 << 20), memoryview(b"mid"), FileRange(shared, 5, 10), b""]
+    _, body = _send_and_receive(parts, {"x": 1})
+    assert body == b"head" + data[1000 : 1000 + (2 << 20)] + b"mid" + data[5:15]
+    assert _fd_is_open(fd)
+    close_parts(parts)
+    close_parts(parts)  # idempotent
+    assert not _fd_is_open(fd)
+
+
+def test_a_file_that_shrank_is_padded_so_the_frame_stays_whole(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"a" * 100_000)
+    shared = SharedFd(os.open(path, os.O_RDONLY))
+    part = FileRange(shared, 0, 100_000)
+    os.truncate(path, 40_000)
+    _, body = _send_and_receive([part, b"tail"], {})
+    assert body == b"a" * 40_000 + bytes(60_000) + b"tail"
+    part.close()
+
+
+def test_zero_copy_sender_returns_file_ranges_and_closes_nothing_early(tmp_path: Path) -> None:
+    rnd = random.Random(2)
+    (tmp_path / "f.bin").write_bytes(rnd.randbytes(300_000) + b"z" * 200_000)
+    st = os.stat(tmp_path / "f.bin")
+    sender = Sender(str(tmp_path), SyncOptions(compress="auto"))
+    sender.zero_copy = True
+    try:
+        meta, parts = sender.read_ranges("f.bin", [[0, 300_000], [300_000, 200_000]], st.st_size, st.st_mtime_ns)
+        assert isinstance(parts[0], FileRange) and meta["parts"][0] == [300_000, 300_000, CODEC_RAW]
+        assert not isinstance(parts[1], FileRange) and meta["parts"][1][2] == CODEC_LZ4  # zeros-like: compressed
+        fd = parts[0].fd.fd
+        assert _fd_is_open(fd)
+        close_parts(parts)
+        assert not _fd_is_open(fd)
+        # Nothing taken by a FileRange: the descriptor is closed at once.
+        meta, parts = sender.read_ranges("f.bin", [[300_000, 200_000]], st.st_size, st.st_mtime_ns)
+        assert not any(isinstance(p, FileRange) for p in parts)
+        sender.zero_copy = False
+        meta, parts = sender.read_ranges("f.bin", [[0, 1000]], st.st_size, st.st_mtime_ns)
+        assert not isinstance(parts[0], FileRange)
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("route", ["push", "pull"])
+def test_source_changed_after_the_check_is_fetched_again(
+    tmp_path: Path, server: LiveServer, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """The sender checks size and mtime, then the file changes before sendfile reads it: the
+    receiver's digest check fails, its re-request sees the change, and the file is fetched anew."""
+    src = tmp_path / "src"
+    src.mkdir()
+    old = random.Random(3).randbytes(6 << 20)
+    new = random.Random(4).randbytes(6 << 20)
+    if route == "push":
+        target = src / "big.bin"
+        sync = (str(src) + "/", server.url("d"))
+        final = Path(server.root) / "d" / "big.bin"
+    else:
+        (Path(server.root) / "s").mkdir()
+        target = Path(server.root) / "s" / "big.bin"
+        sync = (server.url("s/"), str(tmp_path / "out"))
+        final = tmp_path / "out" / "big.bin"
+    target.write_bytes(old)
+    real = Sender._read_ranges_sendfile
+    calls = []
+
+    def changing(self: Sender, *args: object, **kw: object) -> tuple[dict[str, object], list[object]]:
+        reply = real(self, *args, **kw)
+        if not calls:
+            target.write_bytes(new)  # same size, new content and mtime: after the check
+            os.utime(target, ns=(1, 10**18))
+        calls.append(1)
+        return reply
+
+    monkeypatch.setattr(Sender, "_read_ranges_sendfile", changing)
+    tb5sync.sync(*sync)
+    assert final.read_bytes() == new
+    assert len(calls) >= 2
