@@ -24,7 +24,7 @@ from .transport import Channel, Requester, connect, open_session, serve
 __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
 
 DEFAULT_PORT = 8873
-_PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "finish"})
+_PUSH_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "finish"})
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class _PushHandler:
         self.total = total
         self.done = 0
         self._lock = threading.Lock()
-        for name in ("manifest", "chunk_list", "file_digests"):
+        for name in ("tree", "entries", "chunk_list", "file_digests"):
             setattr(self, name, getattr(sender, name))
 
     def _tick(self, meta: dict[str, Any]) -> None:
@@ -211,13 +211,11 @@ def push(
         raise RemoteNotFoundError(f"source does not exist: {src}")
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options)
-    total = 0
+    sender.prepare()  # the scan runs while the streams connect and the server scans its side
     handler = _PushHandler(sender, progress, 0)
     if progress is not None:
-        page = sender.manifest(0, 0)
-        del page
-        total = sum(e.size for e in (sender._entries or []) if e.kind == FILE)
-        handler.total = total
+        tree = sender.scanned()
+        handler.total = sum(row[3] for row in tree.summary()) + (tree.entries[0].size if kind == FILE else 0)
     msg = {
         "op": "push",
         "path": dst.path,

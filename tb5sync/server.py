@@ -56,7 +56,7 @@ __all__ = ["Server", "DEFAULT_PORT", "SENDER_METHODS"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8873
-SENDER_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files"})
+SENDER_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files"})
 _HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
 _SOURCE_MAX = 1 << 36
@@ -345,6 +345,7 @@ class Server:
         sid, s = self._new_session("pull", streams)
         try:
             s.sender = Sender(base, options, self.state, self._rel(base))
+            s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
             ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})
