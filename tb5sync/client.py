@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,11 +74,16 @@ def _token(token: bytes | str | None) -> bytes | None:
     return token
 
 
-def _open_streams(r: Remote, token: bytes | None, msg: dict[str, Any], streams: int) -> tuple[list[Channel], dict[str, Any]]:
+def _open_streams(
+    r: Remote, token: bytes | None, msg: dict[str, Any], streams: int, opened: Callable[[], None] | None = None
+) -> tuple[list[Channel], dict[str, Any]]:
+    """Open the session on a first stream, then join ``streams - 1`` more; ``opened()`` is called in between."""
     ch0 = connect(r.host, r.port, token)
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
+        if opened is not None:
+            opened()
         sid = resp.get("session")
         for i in range(1, streams):
             c = connect(r.host, r.port, token)
@@ -211,7 +216,6 @@ def push(
         raise RemoteNotFoundError(f"source does not exist: {src}")
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options)
-    sender.prepare()  # the scan runs while the streams connect and the server scans its side
     handler = _PushHandler(sender, progress, 0)
     if progress is not None:
         tree = sender.scanned()
@@ -225,7 +229,10 @@ def push(
         "options": options.to_wire(),
     }
     try:
-        chans, _ = _open_streams(dst, _token(token), msg, options.streams)
+        # The scan starts once the session is open (the server then scans the destination at
+        # the same time) and runs while the other streams join: started before, it would slow
+        # the handshake's round trips (each waits for the GIL).
+        chans, _ = _open_streams(dst, _token(token), msg, options.streams, sender.prepare)
     except BaseException:
         sender.close()
         raise

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import lz4.block
@@ -50,7 +50,7 @@ from .sender import CODEC_LZ4, CODEC_RAW, Sender
 from .store import TreeState
 from .transport import Requester, split_parts
 
-__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "SMALL_FILE", "ProgressFn"]
+__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,9 @@ class Receiver:
         Destination scan cache and chunk index; ``state_prefix`` is ``dest``
         relative to the state's root.
     progress : ProgressFn, optional
+    dst_scan : Future of Tree, optional
+        A scan of ``dest`` already running (:func:`scan_in_background` with the same
+        exclude rules); by default :meth:`run` starts one.
     """
 
     def __init__(
@@ -215,8 +218,10 @@ class Receiver:
         state_prefix: str = "",
         progress: ProgressFn | None = None,
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+        dst_scan: Future[Tree] | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
+        self._dst_scan = dst_scan
         self.link = link
         self.options = options
         self.state = state
@@ -263,9 +268,7 @@ class Receiver:
         t0 = time.perf_counter()
         rules = self.options.rules
         # Scan the destination while the sender scans the source (they overlap on two cores).
-        dst_fut: Future[Tree] = Future()
-        scanner = threading.Thread(target=_scan_into, args=(dst_fut, self.dest, rules), name="tb5-scan", daemon=True)
-        scanner.start()
+        dst_fut = self._dst_scan if self._dst_scan is not None else scan_in_background(self.dest, rules)
         try:
             root, src_dirs = self._fetch_summary()
             try:
@@ -274,7 +277,7 @@ class Receiver:
                 raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
             src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
-            scanner.join()
+            wait([dst_fut])  # the scan never outlives the run
         same = self._compare_digests(src, dst) if self.options.checksum else None
         plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
@@ -901,14 +904,29 @@ class Receiver:
             self.link.recycle(parts)
 
 
-def _scan_into(fut: Future[Tree], dest: str, rules: ExcludeRules) -> None:
-    """Scan ``dest`` (missing is empty) with its listing digests; settle ``fut`` with the tree or the exception."""
-    try:
-        tree = scan_tree(dest, rules, missing_ok=True)
-        tree.digests()
-        fut.set_result(tree)
-    except BaseException as exc:  # delivered to the caller through the future
-        fut.set_exception(exc)
+def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:
+    """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
+
+    Returns
+    -------
+    Future of Tree
+        Settles with the tree (empty when ``dest`` does not exist) or with the scan's
+        exception (e.g. ``PermissionError``). Pass it to :class:`Receiver` as ``dst_scan``
+        when the scan should start before the receiver can run (the server starts it as a
+        push session opens, while the client's other streams join).
+    """
+    fut: Future[Tree] = Future()
+
+    def scan_into() -> None:
+        try:
+            tree = scan_tree(dest, rules, missing_ok=True)
+            tree.digests()
+            fut.set_result(tree)
+        except BaseException as exc:  # delivered to the caller through the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=scan_into, name="tb5-scan", daemon=True).start()
+    return fut
 
 
 def _unlink_quiet(path: str) -> None:

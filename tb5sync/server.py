@@ -45,7 +45,7 @@ from .fsops import FS_METHODS, FsOps, Pages
 from .manifest import DIR, FILE, LINK, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
-from .receiver import Receiver, RemoteLink, dest_base
+from .receiver import Receiver, RemoteLink, dest_base, scan_in_background
 from .sender import Sender
 from .store import TreeState
 from .transport import Channel, Requester, serve, server_handshake, tune_socket
@@ -390,6 +390,9 @@ class Server:
             dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
+        # the destination is scanned while the other streams join and the client scans its source
+        # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
+        dst_scan = scan_in_background(dest, options.rules)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
         requester: Requester | None = None
         try:
@@ -399,7 +402,7 @@ class Server:
                 raise ConnectError("not all streams of the session joined in time")
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
-            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest))
+            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan)
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}
