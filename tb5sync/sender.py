@@ -31,7 +31,7 @@ from . import chunking
 from ._paths import DirFds
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .manifest import Entry, Tree, check_relpath, scan_tree
+from .manifest import Tree, check_relpath, scan_tree
 from .options import SyncOptions
 from .store import TreeState
 
