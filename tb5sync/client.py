@@ -10,16 +10,21 @@ import os
 import threading
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError, error_from_remote
 from .manifest import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
-from .receiver import ProgressFn, Receiver, RemoteLink, dest_base
 from .sender import Sender
-from .store import TreeState
 from .transport import Channel, Requester, connect, open_session, serve
+
+if TYPE_CHECKING:
+    from .receiver import ProgressFn
+    from .store import TreeState
+
+# The receiver and the state store (sqlite3) are imported where a pull or a local sync needs
+# them: a push's client, whose start-up is part of every no-change re-run, never does.
 
 __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
 
@@ -102,6 +107,8 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
     The state root is the destination directory the user named (or its parent
     when a single file lands on a file path).
     """
+    from .store import TreeState
+
     root = dst if (dest != dst or src_kind == DIR) else os.path.dirname(dst) or "."
     if writable:
         try:
@@ -137,6 +144,8 @@ def pull(
     DestinationError, IntegrityError, SourceChangedError
         See :meth:`Receiver.run`.
     """
+    from .receiver import Receiver, RemoteLink, dest_base
+
     chans, resp = _open_streams(src, _token(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
     requester = Requester(chans)
     state = None

@@ -23,7 +23,7 @@ import os
 import stat
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 
@@ -33,7 +33,9 @@ from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .manifest import Tree, check_relpath, scan_tree
 from .options import SyncOptions
-from .store import TreeState
+
+if TYPE_CHECKING:
+    from .store import TreeState
 
 __all__ = ["Sender", "ReadBuffers", "CODEC_RAW", "CODEC_LZ4", "MAX_READ", "encode_part"]
 
