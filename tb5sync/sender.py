@@ -47,8 +47,9 @@ CODEC_LZ4 = 1
 MAX_READ = 32 * 1024 * 1024
 #: Most manifest entries (or directory summaries) per page.
 MAX_PAGE = 16384
-#: Most path bytes (UTF-8) per page of entries or directory summaries: keeps a page far
-#: below the control frame limit (:data:`tb5sync.protocol.MAX_CONTROL`) whatever the path lengths.
+#: Most path characters per page of entries or directory summaries (a page stops once past it):
+#: keeps a page far below the control frame limit (:data:`tb5sync.protocol.MAX_CONTROL`, 32 MiB)
+#: whatever the path lengths.
 PAGE_PATH_BYTES = 4 * 1024 * 1024
 _SAMPLE = 4 * 1024
 _UNIT = 4 * 1024 * 1024
@@ -201,8 +202,9 @@ class Sender:
     def prepare(self) -> None:
         """Start scanning the source in a background thread, if not started yet.
 
-        A push calls this before it connects, so that the scan overlaps the session
-        set-up; :meth:`tree` waits for the scan in any case.
+        A push calls this as soon as its session is open, and the server as soon as a
+        pull's session is, so that the scan overlaps the other streams' set-up and the
+        destination's scan on the other side; :meth:`tree` waits for the scan in any case.
         """
         with self._tree_lock:
             if self._tree is not None:
