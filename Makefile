@@ -8,10 +8,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 .PHONY: demo test test-pure bench bench-short corpus clean
 
-$(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi
+$(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(PY) -m venv $(VENV)
 	TB5SYNC_REQUIRE_CYTHON=1 $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python -c "import tb5sync.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
+	$(BIN)/python -c "import tb5sync.manifest as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
 	touch $(STAMP)
 
 ## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify
@@ -23,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
-	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py
+	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py
 
 ## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
 ## SHARED is the team's shared/ folder, a sibling of the clone by default
@@ -51,4 +52,4 @@ bench-short: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --short
 
 clean:
-	rm -rf $(VENV) build ext/_cdc.c tb5sync/*.so *.egg-info
+	rm -rf $(VENV) build ext/_cdc.c ext/_scan.c tb5sync/*.so *.egg-info

@@ -1,7 +1,8 @@
-"""Build the Cython FastCDC core ``tb5sync._cdc`` from ``ext/_cdc.pyx``.
+"""Build the Cython cores: the FastCDC chunker ``tb5sync._cdc`` from ``ext/_cdc.pyx`` and the
+directory lister ``tb5sync._scan`` from ``ext/_scan.pyx``.
 
 Set ``TB5SYNC_REQUIRE_CYTHON=1`` to make a failed extension build fatal (CI does);
-otherwise a failed build falls back to the pure-Python reference chunker.
+otherwise a failed build falls back to the pure-Python twins.
 """
 import os
 import sys
@@ -36,7 +37,8 @@ def extensions():
         ["ext/_cdc.pyx"],
         extra_compile_args=["-O3"],
     )
-    return cythonize([ext], compiler_directives={"language_level": "3"})
+    scan = Extension("tb5sync._scan", ["ext/_scan.pyx"], extra_compile_args=["-O2"])
+    return cythonize([ext, scan], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -746,7 +746,7 @@ def find_tb5sync(override: str | None) -> tuple[list[str], dict]:
         return [found], env
     # not installed: run the source tree's cli.main() with this interpreter
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return [sys.executable, "-c", "import sys; from tb5sync.cli import main; sys.exit(main())"], env
+    return [sys.executable, "-c", "from tb5sync.cli import run; run()"], env
 
 
 # --------------------------------------------------------------------------- workloads

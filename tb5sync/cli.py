@@ -16,9 +16,9 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 log = logging.getLogger("tb5sync")
 
@@ -236,5 +236,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 11
 
 
+def run() -> NoReturn:
+    """The console script (and ``python -m tb5sync.cli``): :func:`main`, then exit at once.
+
+    Once the command has finished (its files, sockets and state databases closed by the
+    library, its output written), the interpreter's teardown (module dictionaries, the
+    objects of a 10^4-entry manifest, idle pool threads) took 15-20 ms here: about a tenth
+    of a no-change re-run of 20,000 files. So the output is flushed and logging shut down,
+    then the process ends with ``os._exit``, skipping ``atexit`` handlers. ``main`` itself
+    returns normally, for callers that embed the command (and the tests).
+    """
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # output piped into e.g. `head`
+        code = 141
+    except OSError:
+        code = code or 1
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

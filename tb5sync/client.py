@@ -9,22 +9,27 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError, error_from_remote
 from .manifest import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
-from .receiver import ProgressFn, Receiver, RemoteLink, dest_base
 from .sender import Sender
-from .store import TreeState
 from .transport import Channel, Requester, connect, open_session, serve
+
+if TYPE_CHECKING:
+    from .receiver import ProgressFn
+    from .store import TreeState
+
+# The receiver and the state store (sqlite3) are imported where a pull or a local sync needs
+# them: a push's client, whose start-up is part of every no-change re-run, never does.
 
 __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
 
 DEFAULT_PORT = 8873
-_PUSH_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks", "finish"})
+_PUSH_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks", "finish"})
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,16 @@ def _token(token: bytes | str | None) -> bytes | None:
     return token
 
 
-def _open_streams(r: Remote, token: bytes | None, msg: dict[str, Any], streams: int) -> tuple[list[Channel], dict[str, Any]]:
+def _open_streams(
+    r: Remote, token: bytes | None, msg: dict[str, Any], streams: int, opened: Callable[[], None] | None = None
+) -> tuple[list[Channel], dict[str, Any]]:
+    """Open the session on a first stream, then join ``streams - 1`` more; ``opened()`` is called in between."""
     ch0 = connect(r.host, r.port, token)
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
+        if opened is not None:
+            opened()
         sid = resp.get("session")
         for i in range(1, streams):
             c = connect(r.host, r.port, token)
@@ -97,6 +107,8 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
     The state root is the destination directory the user named (or its parent
     when a single file lands on a file path).
     """
+    from .store import TreeState
+
     root = dst if (dest != dst or src_kind == DIR) else os.path.dirname(dst) or "."
     if writable:
         try:
@@ -132,6 +144,8 @@ def pull(
     DestinationError, IntegrityError, SourceChangedError
         See :meth:`Receiver.run`.
     """
+    from .receiver import Receiver, RemoteLink, dest_base
+
     chans, resp = _open_streams(src, _token(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
     requester = Requester(chans)
     state = None
@@ -159,7 +173,7 @@ class _PushHandler:
         self.total = total
         self.done = 0
         self._lock = threading.Lock()
-        for name in ("manifest", "chunk_list", "file_digests", "sub_chunks"):
+        for name in ("tree", "entries", "chunk_list", "file_digests", "sub_chunks"):
             setattr(self, name, getattr(sender, name))
 
     def _tick(self, meta: dict[str, Any]) -> None:
@@ -212,13 +226,10 @@ def push(
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options)
     sender.zero_copy = True  # its replies go out through sockets only
-    total = 0
     handler = _PushHandler(sender, progress, 0)
     if progress is not None:
-        page = sender.manifest(0, 0)
-        del page
-        total = sum(e.size for e in (sender._entries or []) if e.kind == FILE)
-        handler.total = total
+        tree = sender.scanned()
+        handler.total = sum(row[3] for row in tree.summary()) + (tree.entries[0].size if kind == FILE else 0)
     msg = {
         "op": "push",
         "path": dst.path,
@@ -228,7 +239,10 @@ def push(
         "options": options.to_wire(),
     }
     try:
-        chans, _ = _open_streams(dst, _token(token), msg, options.streams)
+        # The scan starts once the session is open (the server then scans the destination at
+        # the same time) and runs while the other streams join: started before, it would slow
+        # the handshake's round trips (each waits for the GIL).
+        chans, _ = _open_streams(dst, _token(token), msg, options.streams, sender.prepare)
     except BaseException:
         sender.close()
         raise

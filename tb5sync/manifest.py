@@ -11,14 +11,32 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
 from .errors import RemoteNotFoundError, UsageError
 
-__all__ = ["Entry", "FILE", "DIR", "LINK", "STATE_DIR", "ExcludeRules", "scan", "Plan", "plan_sync", "kind_of", "source_name"]
+__all__ = [
+    "Entry",
+    "FILE",
+    "DIR",
+    "LINK",
+    "STATE_DIR",
+    "ExcludeRules",
+    "scan",
+    "scan_tree",
+    "Tree",
+    "listing_digest",
+    "Plan",
+    "plan_sync",
+    "kind_of",
+    "source_name",
+    "listdir_stat",
+    "py_listdir_stat",
+    "SCAN_IMPLEMENTATION",
+]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +242,8 @@ class ExcludeRules:
 
 _NO_RULES = ExcludeRules()
 
+_tuple_new = tuple.__new__  # builds an Entry without NamedTuple's Python-level __new__ (the scan's hot loop)
+
 
 def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
     m = st.st_mode
@@ -236,6 +256,88 @@ def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
         return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
     log.warning("skipping %s: not a regular file, directory or symlink", full)
     return None
+
+
+@dataclass
+class Tree:
+    """A scanned tree: the entries of :func:`scan`, grouped by directory, and per-directory digests.
+
+    Attributes
+    ----------
+    entries : list of Entry
+        As :func:`scan` returns them (base first, depth-first, parents before children).
+    children : dict of str to list of Entry
+        For every directory that was listed, its path -> its direct children in name
+        order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
+        parents before children. Empty when the base is not a directory.
+    """
+
+    entries: list[Entry]
+    children: dict[str, list[Entry]]
+    _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
+    _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
+
+    def digests(self) -> dict[str, bytes]:
+        """Each listed directory's path -> :func:`listing_digest` of its children (computed once)."""
+        if self._digests is None:
+            self._digests = {d: listing_digest(kids) for d, kids in self.children.items()}
+        return self._digests
+
+    def summary(self) -> list[tuple[str, bytes, int, int]]:
+        """``(path, digest, files, bytes)`` per listed directory, in :attr:`children` order.
+
+        ``files`` and ``bytes`` count the directory's direct children that are regular
+        files and their sizes (bytes), so that the sums over all directories are the
+        tree's totals (the base itself excepted when it is a file). Computed once.
+        """
+        if self._summary is None:
+            dg = self.digests()
+            out: list[tuple[str, bytes, int, int]] = []
+            for d, kids in self.children.items():
+                files = [e.size for e in kids if e.kind == FILE]
+                out.append((d, dg[d], len(files), sum(files)))
+            self._summary = out
+        return self._summary
+
+
+def listing_digest(children: Sequence[Entry]) -> bytes:
+    """BLAKE3-256 of one directory's listing: equal digests mean equal listings.
+
+    The listing is the msgpack array of the children's wire form
+    (``[path, kind, mode, size, mtime_ns, target]``, paths relative to the scan base), in
+    name order. Two sides whose bases correspond compute equal digests exactly when every
+    child has the same name, type, mode bits, size, mtime (ns) and link target, which is
+    everything the quick check and the metadata sync look at. An empty directory has the
+    digest of an empty array.
+    """
+    import blake3
+    import msgpack
+
+    return blake3.blake3(msgpack.packb(children)).digest()
+
+
+def scan_tree(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules = _NO_RULES,
+    *,
+    missing_ok: bool = False,
+) -> Tree:
+    """Scan like :func:`scan` (recursively) and keep each directory's listing.
+
+    Returns
+    -------
+    Tree
+        ``entries`` exactly as :func:`scan` would return them; ``children`` for the base
+        (when a directory) and every directory below it that was listed. A missing base
+        with ``missing_ok`` gives an empty tree.
+
+    Raises
+    ------
+    RemoteNotFoundError, PermissionError
+        As :func:`scan`.
+    """
+    children: dict[str, list[Entry]] = {}
+    return Tree(_scan(base, excludes, missing_ok, True, children), children)
 
 
 def scan(
@@ -273,6 +375,16 @@ def scan(
     PermissionError
         A directory cannot be listed.
     """
+    return _scan(base, excludes, missing_ok, recursive, None)
+
+
+def _scan(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules,
+    missing_ok: bool,
+    recursive: bool,
+    children: dict[str, list[Entry]] | None,
+) -> list[Entry]:
     base = os.fspath(base)
     try:
         st = os.lstat(base)
@@ -285,40 +397,107 @@ def scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, recursive)
+        _walk(base, "", excludes, out, children, recursive)
     return out
 
 
-def _walk(full: str, rel: str, excludes: ExcludeRules, out: list[Entry], recursive: bool = True) -> None:
-    with os.scandir(full) as it:
-        items = sorted(it, key=lambda e: e.name)
-    subdirs = []
-    for de in items:
-        name = de.name
+def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+    """One directory's names with the ``lstat`` fields a manifest needs (pure-Python twin).
+
+    Parameters
+    ----------
+    path : str or path
+        A directory (a symlink to one is followed, as ``os.scandir`` does).
+
+    Returns
+    -------
+    list of (str, int, int, int)
+        ``(name, st_mode, st_size, st_mtime_ns)`` per name, in the order the directory
+        gives them (not sorted), ``.`` and ``..`` left out; names decoded as ``os.fsdecode``
+        does; sizes in bytes, mtimes in ns since the epoch. A name that vanishes before it
+        is stat-ed is left out. An empty directory gives ``[]``.
+
+    Raises
+    ------
+    OSError
+        ``path`` cannot be listed (``FileNotFoundError``, ``NotADirectoryError``,
+        ``PermissionError``, ...), or a name cannot be stat-ed for another reason than
+        having vanished.
+
+    Notes
+    -----
+    The Cython twin ``tb5sync._scan.listdir_stat`` (``ext/_scan.pyx``) gives the same
+    list; it reads the directory and calls ``fstatat`` on every name with the GIL
+    released, about twice as fast as this one on a tree of small files.
+    """
+    out = []
+    with os.scandir(path) as it:
+        for de in it:
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            out.append((de.name, st.st_mode, st.st_size, st.st_mtime_ns))
+    return out
+
+
+# The one import site that picks the directory lister (TB5SYNC_PUREPYTHON=1 forces Python).
+cy_listdir_stat: Callable[[str], list[tuple[str, int, int, int]]] | None
+try:
+    from ._scan import listdir_stat as cy_listdir_stat
+except ImportError:
+    cy_listdir_stat = None
+listdir_stat: Callable[[str], list[tuple[str, int, int, int]]]
+SCAN_IMPLEMENTATION: str
+if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
+    listdir_stat, SCAN_IMPLEMENTATION = cy_listdir_stat, "cython"
+else:
+    listdir_stat, SCAN_IMPLEMENTATION = py_listdir_stat, "python"
+
+
+def _walk(
+    full: str, rel: str, excludes: ExcludeRules, out: list[Entry], children: dict[str, list[Entry]] | None, recursive: bool
+) -> None:
+    """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
+
+    The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
+    built without NamedTuple's Python-level constructor. Raises what listing ``full``
+    itself raises; names that vanish meanwhile are skipped.
+    """
+    items = listdir_stat(full)
+    items.sort()  # by name: names are unique within a directory
+    kids: list[Entry] = []
+    if children is not None:
+        children[rel] = kids
+    prefix = f"{rel}/" if rel else ""
+    dpre = full if full.endswith("/") else f"{full}/"
+    for name, m, size, mtime_ns in items:
         if name == STATE_DIR:
             continue
-        r = f"{rel}/{name}" if rel else name
-        try:
-            st = de.stat(follow_symlinks=False)
-            is_dir = stat.S_ISDIR(st.st_mode)
-            if excludes and excludes.match(r, is_dir):
-                continue
-            e = _entry_from_stat(r, st, de.path)
-        except FileNotFoundError:  # vanished while scanning
+        r = prefix + name
+        fmt = m & 0o170000  # stat.S_IFMT
+        if excludes and excludes.match(r, fmt == stat.S_IFDIR):
             continue
-        if e is None:
+        if fmt == stat.S_IFREG:
+            e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
+        elif fmt == stat.S_IFDIR:
+            e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
+        elif fmt == stat.S_IFLNK:
+            try:
+                target = os.readlink(dpre + name)
+            except FileNotFoundError:  # vanished while scanning
+                continue
+            e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
+        else:
+            log.warning("skipping %s: not a regular file, directory or symlink", dpre + name)
             continue
         out.append(e)
-        if e.kind == DIR and recursive:
-            subdirs.append((de.path, r, len(out)))
-    # Children of each directory follow it directly: splice in reverse so indices stay valid.
-    for path, r, pos in reversed(subdirs):
-        sub: list[Entry] = []
-        try:
-            _walk(path, r, excludes, sub)
-        except FileNotFoundError:
-            continue
-        out[pos:pos] = sub
+        kids.append(e)
+        if recursive and fmt == stat.S_IFDIR:
+            try:
+                _walk(dpre + name, r, excludes, out, children, True)
+            except FileNotFoundError:
+                continue
 
 
 @dataclass

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"TB5S"
-PROTOCOL_VERSION: Final = 2  # 2: chunk_list pieces, the fs session (tb5://)
+PROTOCOL_VERSION: Final = 3  # 2: chunk_list pieces, the fs session (tb5://); 3: tree/entries (listing digests) replace manifest
 HEADER: Final = struct.Struct("!4sBBHII")
 #: Largest control (msgpack) payload accepted, bytes.
 MAX_CONTROL: Final = 32 * 1024 * 1024

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import lz4.block
@@ -41,16 +41,16 @@ from .errors import (
     RemoteProtocolError,
     SourceChangedError,
     Tb5syncError,
-
+    UsageError,
 )
 from .hashing import chunk_digest, chunk_fd, file_digest, hash_pool
-from .manifest import DIR, FILE, LINK, Entry, plan_sync, scan
+from .manifest import DIR, FILE, LINK, Entry, ExcludeRules, Tree, check_relpath, plan_sync, scan_tree
 from .options import SyncOptions, SyncStats
-from .sender import CODEC_LZ4, CODEC_RAW, MAX_PAGE, Sender
+from .sender import CODEC_LZ4, CODEC_RAW, Sender
 from .store import TreeState
 from .transport import Requester, split_parts
 
-__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "SMALL_FILE", "ProgressFn"]
+__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,9 @@ class Receiver:
         Destination scan cache and chunk index; ``state_prefix`` is ``dest``
         relative to the state's root.
     progress : ProgressFn, optional
+    dst_scan : Future of Tree, optional
+        A scan of ``dest`` already running (:func:`scan_in_background` with the same
+        exclude rules); by default :meth:`run` starts one.
     """
 
     def __init__(
@@ -220,8 +223,10 @@ class Receiver:
         state_prefix: str = "",
         progress: ProgressFn | None = None,
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+        dst_scan: Future[Tree] | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
+        self._dst_scan = dst_scan
         self.link = link
         self.options = options
         self.state = state
@@ -270,23 +275,20 @@ class Receiver:
         t0 = time.perf_counter()
         rules = self.options.rules
         # Scan the destination while the sender scans the source (they overlap on two cores).
-        dst_fut: Future[list[Entry]] = Future()
-        scanner = threading.Thread(target=_run_into, args=(dst_fut, scan, self.dest, rules), name="tb5-scan", daemon=True)
-        scanner.start()
+        dst_fut = self._dst_scan if self._dst_scan is not None else scan_in_background(self.dest, rules)
         try:
-            src = list(self._fetch_manifest())
+            root, src_dirs = self._fetch_summary()
+            try:
+                dst_tree = dst_fut.result()
+            except PermissionError as exc:
+                raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
+            src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
-            scanner.join()
-        if not src:
-            raise RemoteNotFoundError("source is empty or does not exist")
-        try:
-            dst = dst_fut.result()
-        except PermissionError as exc:
-            raise DestinationError(f"cannot read destination {self.dest}: {exc.strerror}") from exc
+            wait([dst_fut])  # the scan never outlives the run
         same = self._compare_digests(src, dst) if self.options.checksum else None
         plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
-        files_total = sum(1 for e in src if e.kind == FILE)
-        bytes_total = sum(e.size for e in src if e.kind == FILE)
+        files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
+        bytes_total = sum(d[3] for d in src_dirs) + (root.size if root.kind == FILE else 0)
         self._total_bytes = sum(e.size for e in plan.files)
         if self.options.dry_run:
             return SyncStats(
@@ -321,19 +323,143 @@ class Receiver:
             **self._st,
         )
 
-    def _fetch_manifest(self) -> Iterator[Entry]:
-        start = 0
+    def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]]]:
+        """The source's root entry and its directory summaries ``(path, digest, files, bytes)``, all pages.
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The source does not exist.
+        RemoteProtocolError
+            A malformed page.
+        """
+        dirs: list[tuple[str, bytes, int, int]] = []
+        root: Entry | None = None
         while True:
-            page = self.link.submit("manifest", start=start, count=MAX_PAGE).result()
-            entries = page.get("entries")
-            total = page.get("total")
-            if not isinstance(entries, list) or not isinstance(total, int):
-                raise RemoteProtocolError("malformed manifest page")
-            for item in entries:
-                yield Entry.from_wire(item)
-            start += len(entries)
-            if start >= total or not entries:
-                return
+            page = self.link.submit("tree", start=len(dirs)).result()
+            rows, total = page.get("dirs"), page.get("total")
+            if not isinstance(rows, list) or not isinstance(total, int) or not isinstance(page.get("root"), list):
+                raise RemoteProtocolError("malformed tree page")
+            if root is None:
+                root = Entry.from_wire(page["root"])
+                if root.path != "":
+                    raise RemoteProtocolError("the tree's root entry must have the path ''")
+            for row in rows:
+                if not (isinstance(row, list) and len(row) == 4):
+                    raise RemoteProtocolError("malformed directory summary")
+                path, digest, files, nbytes = row
+                if not (isinstance(digest, bytes) and isinstance(files, int) and isinstance(nbytes, int) and files >= 0 and nbytes >= 0):
+                    raise RemoteProtocolError("malformed directory summary")
+                try:
+                    check_relpath(path)
+                except (UsageError, TypeError) as exc:
+                    raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
+                dirs.append((path, digest, files, nbytes))
+            if len(dirs) >= total or not rows:
+                return root, dirs
+
+    def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
+        """The source's children of each directory in ``dirs``: directory path -> entries in name order.
+
+        Directories are asked for in batches (all batches in flight at once), each batch
+        page by page.
+
+        Raises
+        ------
+        RemoteProtocolError
+            An entry that is not a child of the directory it was listed under.
+        UsageError
+            An unsafe path (see :meth:`Entry.from_wire`).
+        """
+        batches: list[list[str]] = []
+        cur: list[str] = []
+        size = 0
+        for d in dirs:
+            cur.append(d)
+            size += len(d) + 8
+            if len(cur) >= 4096 or size >= 1024 * 1024:
+                batches.append(cur)
+                cur, size = [], 0
+        if cur:
+            batches.append(cur)
+        futs = [self.link.submit("entries", dirs=b, skip=0) for b in batches]
+        out: dict[str, list[Entry]] = {}
+        for batch, fut in zip(batches, futs):
+            got: list[Entry] = []
+            while True:
+                page = fut.result()
+                items, more = page.get("entries"), page.get("more")
+                if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
+                    raise RemoteProtocolError("malformed entries page")
+                got += [Entry.from_wire(item) for item in items]
+                if not more:
+                    break
+                fut = self.link.submit("entries", dirs=batch, skip=len(got))
+            # split the concatenation by parent directory; the sender keeps the order asked for
+            it = iter(batch)
+            d = next(it)
+            listing: list[Entry] = []
+            out[d] = listing
+            for e in got:
+                parent = e.path.rpartition("/")[0]
+                while parent != d:
+                    d = next(it, None)  # type: ignore[arg-type]
+                    if d is None:
+                        raise RemoteProtocolError(f"entry {e.path!r:.200} is not in the directories asked for")
+                    listing = out[d] = []
+                listing.append(e)
+            for d in it:
+                out[d] = []
+        return out
+
+    def _changed_parts(
+        self, root: Entry, src_dirs: list[tuple[str, bytes, int, int]], dst_tree: Tree
+    ) -> tuple[list[Entry], list[Entry]]:
+        """The parts of both manifests that can differ: what :func:`plan_sync` must look at.
+
+        A directory whose listing digest is the same on both sides has identical children
+        (names, types, modes, sizes, mtimes, link targets): nothing in it changes, so its
+        children are neither fetched nor planned. Left in are the roots, every other
+        directory's children, and the entries of those other directories themselves (so
+        that they are created, or get their mode and mtime back after their contents
+        change). With ``--checksum`` nothing is skipped (contents are compared).
+
+        Returns
+        -------
+        (src, dst) : lists of Entry
+            Parents before children; ``src`` the source's part (fetched where it differs),
+            ``dst`` the destination's.
+        """
+        dst_dg = dst_tree.digests() if not self.options.checksum else {}
+        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
+        need = [p for p, _, _, _ in src_dirs if p not in same]
+        fetched = self._fetch_entries(need) if need else {}
+        by_parent: dict[str, dict[str, Entry]] = {}
+
+        def own_entry(d: str) -> Entry:
+            # d's entry from its parent's listing, which is the same on both sides
+            parent = d.rpartition("/")[0]
+            idx = by_parent.get(parent)
+            if idx is None:
+                idx = by_parent[parent] = {e.path: e for e in dst_tree.children[parent]}
+            e = idx.get(d)
+            if e is None or e.kind != DIR:
+                raise RemoteProtocolError(f"directory {d!r:.200} is not in its parent's listing")
+            return e
+
+        src = [root]
+        for d in need:
+            if d and d.rpartition("/")[0] in same:
+                src.append(own_entry(d))
+            src += fetched[d]
+        dst = dst_tree.entries[:1]
+        for d, kids in dst_tree.children.items():
+            if d in same:
+                continue
+            if d and d.rpartition("/")[0] in same:
+                dst.append(own_entry(d))
+            dst += kids
+        return src, dst
 
     def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
         have = {e.path: e for e in dst if e.kind == FILE}
@@ -898,12 +1024,29 @@ class Receiver:
             self._tick(n)
 
 
-def _run_into(fut: Future[Any], fn: Callable[..., Any], *args: Any) -> None:
-    """Call ``fn(*args)`` (with ``missing_ok=True``) and settle ``fut`` with its result or exception."""
-    try:
-        fut.set_result(fn(*args, missing_ok=True))
-    except BaseException as exc:  # delivered to the caller through the future
-        fut.set_exception(exc)
+def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:
+    """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
+
+    Returns
+    -------
+    Future of Tree
+        Settles with the tree (empty when ``dest`` does not exist) or with the scan's
+        exception (e.g. ``PermissionError``). Pass it to :class:`Receiver` as ``dst_scan``
+        when the scan should start before the receiver can run (the server starts it as a
+        push session opens, while the client's other streams join).
+    """
+    fut: Future[Tree] = Future()
+
+    def scan_into() -> None:
+        try:
+            tree = scan_tree(dest, rules, missing_ok=True)
+            tree.digests()
+            fut.set_result(tree)
+        except BaseException as exc:  # delivered to the caller through the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=scan_into, name="tb5-scan", daemon=True).start()
+    return fut
 
 
 def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> None:

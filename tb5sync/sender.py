@@ -6,7 +6,9 @@ serves an in-process receiver and, through :mod:`tb5sync.transport`, a remote on
 
 Methods (the receiver's requests)::
 
-    manifest(start, count)       -> {"entries": [[path, kind, mode, size, mtime_ns, target], ...], "total": n}
+    tree(start)                  -> {"root": [path, kind, mode, size, mtime_ns, target],
+                                     "dirs": [[path, digest, files, bytes], ...], "total": n}
+    entries(dirs, skip)          -> {"entries": [[path, kind, mode, size, mtime_ns, target], ...], "more": bool}
     chunk_list(path, fresh, start, limit)
                                  -> {"size", "mtime_ns", "start", "end", "chunks": [[digest, length], ...][, "digest"]}
     file_digests(paths)          -> {"digests": [digest or None, ...]}
@@ -21,7 +23,8 @@ import logging
 import os
 import stat
 import threading
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 
@@ -29,10 +32,12 @@ from . import chunking, refine
 from ._paths import DirFds
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .manifest import Entry, check_relpath, scan
+from .manifest import Tree, check_relpath, scan_tree
 from .options import SyncOptions
-from .store import TreeState
 from .transport import FileRange, SharedFd, close_parts
+
+if TYPE_CHECKING:
+    from .store import TreeState
 
 __all__ = ["Sender", "ReadBuffers", "CODEC_RAW", "CODEC_LZ4", "MAX_READ", "encode_part"]
 
@@ -42,8 +47,12 @@ CODEC_RAW = 0
 CODEC_LZ4 = 1
 #: Most bytes one read request may ask for.
 MAX_READ = 32 * 1024 * 1024
-#: Most manifest entries per page.
+#: Most manifest entries (or directory summaries) per page.
 MAX_PAGE = 16384
+#: Most path characters per page of entries or directory summaries (a page stops once past it):
+#: keeps a page far below the control frame limit (:data:`tb5sync.protocol.MAX_CONTROL`, 32 MiB)
+#: whatever the path lengths.
+PAGE_PATH_BYTES = 4 * 1024 * 1024
 _SAMPLE = 4 * 1024
 _UNIT = 4 * 1024 * 1024
 
@@ -157,7 +166,8 @@ class Sender:
         self.params = params
         self.state = state
         self.state_prefix = state_prefix
-        self._entries: list[Entry] | None = None
+        self._tree: Future[Tree] | None = None
+        self._tree_lock = threading.Lock()
         self._acc: dict[str, tuple[tuple[int, int, int], int, list[tuple[bytes, int]]]] = {}
         self._acc_lock = threading.Lock()
         self._read_bufs = ReadBuffers(16)
@@ -172,7 +182,7 @@ class Sender:
         self._name = os.path.basename(base)
 
     def close(self) -> None:
-        """Release directory descriptors."""
+        """Release directory descriptors (a scan still running in the background is left to finish)."""
         self._fds.close()
 
     # ---- helpers --------------------------------------------------------------------
@@ -196,16 +206,115 @@ class Sender:
         return file_digest(d for d, _ in refs), refs
 
     # ---- requests ---------------------------------------------------------------------
-    def manifest(self, start: int = 0, count: int = MAX_PAGE) -> dict[str, Any]:
-        """A page of the source manifest: entries ``[start, start+count)`` and the total.
+    def prepare(self) -> None:
+        """Start scanning the source in a background thread, if not started yet.
 
-        The tree is scanned on the first call and kept for the session.
+        A push calls this as soon as its session is open, and the server as soon as a
+        pull's session is, so that the scan overlaps the other streams' set-up and the
+        destination's scan on the other side; :meth:`tree` waits for the scan in any case.
         """
-        if self._entries is None:
-            self._entries = scan(self.base, self.options.rules)
-        count = max(0, min(int(count), MAX_PAGE))
+        with self._tree_lock:
+            if self._tree is not None:
+                return
+            fut: Future[Tree] = Future()
+            self._tree = fut
+        threading.Thread(target=self._scan_into, args=(fut,), name="tb5-src-scan", daemon=True).start()
+
+    def _scan_into(self, fut: Future[Tree]) -> None:
+        try:
+            tree = scan_tree(self.base, self.options.rules)
+            tree.digests()  # here, off the request path
+            fut.set_result(tree)
+        except BaseException as exc:  # delivered to whoever asks for the tree
+            fut.set_exception(exc)
+
+    def scanned(self) -> Tree:
+        """The source tree, scanned once per session (waits for :meth:`prepare`'s scan).
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The source vanished before it was scanned.
+        PermissionError
+            A directory cannot be listed.
+        """
+        self.prepare()
+        assert self._tree is not None
+        return self._tree.result()
+
+    def tree(self, start: int = 0) -> dict[str, Any]:
+        """The source's root entry and a page of its directory summaries.
+
+        Parameters
+        ----------
+        start : int
+            Index of the first directory summary (0, then the previous page's end).
+
+        Returns
+        -------
+        dict
+            ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": n}``:
+            ``root`` is the base's own entry (wire form); ``dirs`` a page of
+            :meth:`Tree.summary <tb5sync.manifest.Tree.summary>` from ``start`` (at most
+            :data:`MAX_PAGE` directories and about :data:`PAGE_PATH_BYTES` of paths, at
+            least one), in depth-first order; ``total`` the number of directories
+            (0 when the base is a file or a symlink).
+        """
+        t = self.scanned()
+        if not t.entries:
+            raise RemoteNotFoundError(f"source does not exist: {self.base}")
         start = max(0, int(start))
-        return {"entries": [list(e) for e in self._entries[start : start + count]], "total": len(self._entries)}
+        summary = t.summary() if start < len(t.children) else []
+        page: list[list[Any]] = []
+        nbytes = 0
+        for row in summary[start:]:
+            if page and (len(page) >= MAX_PAGE or nbytes >= PAGE_PATH_BYTES):
+                break
+            page.append(list(row))
+            nbytes += len(row[0])
+        return {"root": list(t.entries[0]), "dirs": page, "total": len(t.children)}
+
+    def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
+        """The children of the named directories, concatenated in the order asked, one page at a time.
+
+        Parameters
+        ----------
+        dirs : list of str
+            Directory paths from :meth:`tree`.
+        skip : int
+            Entries of the concatenation already received (0, then the sum of the pages so far).
+
+        Returns
+        -------
+        dict
+            ``{"entries": [[path, kind, mode, size, mtime_ns, target], ...], "more": bool}``;
+            at most :data:`MAX_PAGE` entries and about :data:`PAGE_PATH_BYTES` of paths;
+            ``more`` says that entries remain past this page.
+
+        Raises
+        ------
+        UsageError
+            A path that is not a directory of the scanned source, or a bad ``skip``.
+        """
+        if not isinstance(dirs, list) or not isinstance(skip, int) or skip < 0:
+            raise UsageError("entries needs a list of directories and a non-negative skip")
+        kids = self.scanned().children
+        out: list[list[Any]] = []
+        nbytes = 0
+        for d in dirs:
+            listing = kids.get(d) if isinstance(d, str) else None
+            if listing is None:
+                raise UsageError(f"not a directory of the source: {d!r:.200}")
+            if skip >= len(listing):
+                skip -= len(listing)
+                continue
+            for e in listing[skip:]:
+                if len(out) >= MAX_PAGE or nbytes >= PAGE_PATH_BYTES:
+                    return {"entries": out, "more": True}
+                out.append(list(e))
+                nbytes += len(e.path)
+            skip = 0
+        return {"entries": out, "more": False}
 
     def chunk_list(self, path: str, fresh: bool = False, start: int = 0, limit: int = 0) -> dict[str, Any]:
         """FastCDC chunk list of a regular file, whole or one piece at a time.

@@ -45,7 +45,7 @@ from .fsops import FS_METHODS, FsOps, Pages
 from .manifest import DIR, FILE, LINK, kind_of, scan
 from .options import SyncOptions
 from .protocol import FrameType
-from .receiver import Receiver, RemoteLink, dest_base
+from .receiver import Receiver, RemoteLink, dest_base, scan_in_background
 from .sender import Sender
 from .store import TreeState
 from .transport import Channel, Requester, serve, server_handshake, tune_socket
@@ -56,7 +56,7 @@ __all__ = ["Server", "DEFAULT_PORT", "SENDER_METHODS"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8873
-SENDER_METHODS = frozenset({"manifest", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks"})
+SENDER_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks"})
 _HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
 _SOURCE_MAX = 1 << 36
@@ -346,6 +346,7 @@ class Server:
         try:
             s.sender = Sender(base, options, self.state, self._rel(base))
             s.sender.zero_copy = True  # its replies go out through sockets only
+            s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
             ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})
@@ -390,6 +391,9 @@ class Server:
             dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
+        # the destination is scanned while the other streams join and the client scans its source
+        # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
+        dst_scan = scan_in_background(dest, options.rules)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
         requester: Requester | None = None
         try:
@@ -399,7 +403,7 @@ class Server:
                 raise ConnectError("not all streams of the session joined in time")
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
-            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest))
+            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan)
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}

@@ -113,7 +113,9 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
     state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run)
-    link = LocalLink(Sender(src_abs, options))
+    sender = Sender(src_abs, options)
+    sender.prepare()
+    link = LocalLink(sender)
     try:
         return Receiver(dest, link, options, state, prefix, progress).run()
     finally:

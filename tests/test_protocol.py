@@ -67,7 +67,7 @@ def test_header_layout_is_16_bytes_network_order() -> None:
     assert P.HEADER.size == 16
     assert P.MAGIC == b"TB5S"
     hdr = P.encode_frame(FrameType.RESPONSE, 0x01020304, 0x00ABCDEF)
-    assert hdr == b"TB5S" + bytes([2, FrameType.RESPONSE, 0, 0, 1, 2, 3, 4, 0x00, 0xAB, 0xCD, 0xEF])  # version 2
+    assert hdr == b"TB5S" + bytes([P.PROTOCOL_VERSION, FrameType.RESPONSE, 0, 0, 1, 2, 3, 4, 0x00, 0xAB, 0xCD, 0xEF])
 
 
 @pytest.mark.parametrize("ftype", list(FrameType), ids=lambda t: t.name)

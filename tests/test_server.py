@@ -893,3 +893,26 @@ def test_cli_json_stats(server: LiveServer, src: str) -> None:
     assert stats["files_total"] == stats["files_transferred"] == 3
     assert stats["wire_bytes"] > 0
     assert snapshot(os.path.join(server.root, "json")) == snapshot(src)
+
+
+def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) -> None:
+    """The console script ends with os._exit: what was printed must still arrive, into a file or a pipe."""
+    out = tmp_path / "stats.txt"
+    with open(out, "w") as f:
+        r = subprocess.run(
+            [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy")],
+            check=False, env={**os.environ, "PYTHONPATH": REPO}, stdout=f, stderr=subprocess.PIPE, text=True, timeout=60,
+        )
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["files", "bytes", "wire", "time"]
+    # a reader that goes away early: the exit status says so, without a traceback
+    with subprocess.Popen(
+        [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy2")],
+        env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141, err
+    assert b"Traceback" not in err
