@@ -80,8 +80,8 @@ ProgressFn = Callable[[int, int], None]
 _DATA_METHODS = frozenset({"read_ranges", "read_files"})
 #: Requests answered with a plain response that read file data: sent on the data streams too.
 _READ_METHODS = frozenset({"sub_chunks"})
-#: Basis bytes indexed for a missing chunk beyond its own length (room for insertions).
-REFINE_SLACK = 512 * 1024
+#: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
+REFINE_SLACK = 64 * 1024
 
 
 class LocalLink:
@@ -1029,15 +1029,38 @@ class Receiver:
 
         refiner = self._refiner
         sub_params = refine.params_to_wire(refine.SUB_PARAMS)
+        # With a basis, each group's sub-chunk list is turned into a plan (basis windows cut and
+        # indexed, the rest asked for, the chunks assembled) on one planner thread, in order,
+        # while this thread verifies and writes the groups before it.
+        planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
-            if refiner is not None:  # a basis exists: ask what the chunks are made of first
-                method, extra = "sub_chunks", {"params": sub_params}
+            if planner is not None and refiner is not None:
+                subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
+                inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner)))
             else:
-                method, extra = "read_ranges", {}
-            inflight.append((g, self.link.submit(method, path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, **extra)))
+                inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)))
 
+        try:
+            self._fetch_window(fd, rel, groups, size, mtime_ns, submit, inflight, window, planner is not None)
+        finally:
+            if planner is not None:
+                planner.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_window(
+        self,
+        fd: int,
+        rel: str,
+        groups: Iterator[list[tuple[int, int, bytes]]],
+        size: int,
+        mtime_ns: int,
+        submit: Callable[[list[tuple[int, int, bytes]]], None],
+        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]],
+        window: int,
+        refined: bool,
+    ) -> None:
+        """The loop of :meth:`_fetch_ranges`: keep ``window`` groups in flight, settle them in order."""
         it = iter(groups)
         for g in it:
             submit(g)
@@ -1048,8 +1071,8 @@ class Receiver:
             nxt = next(it, None)
             if nxt is not None:
                 submit(nxt)
-            if refiner is not None:
-                self._fetch_refined(fd, rel, g, fut.result(), size, mtime_ns, refiner[0], refiner[1])
+            if refined:
+                self._write_refined(fd, rel, g, fut.result(), size, mtime_ns)
                 continue
             meta, parts = fut.result()
             pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
@@ -1084,29 +1107,27 @@ class Receiver:
             out.append(_decode(part, rawlen, codec))
         return out
 
-    def _fetch_refined(
+    def _assemble_refined(
         self,
-        fd: int,
         rel: str,
         g: list[tuple[int, int, bytes]],
-        reply: dict[str, Any],
+        subs_fut: Future[Any],
         size: int,
         mtime_ns: int,
         index: refine.BasisIndex,
         placed: refine.Placements,
-    ) -> None:
+    ) -> list[tuple[bytearray, int]]:
         """Build each missing chunk of ``g`` from basis sub-chunks plus the fetched rest; see :mod:`tb5sync.refine`.
 
-        Each chunk is verified against its BLAKE3 digest before it is written; one that does not
-        match (a basis changed under us, an xxh3 collision) is fetched whole and verified again.
+        Runs on the planner thread, one group after another. Returns ``(bytes, matched)`` per
+        chunk, not yet verified: ``matched`` is how many of its bytes came from the basis.
 
         Raises
         ------
-        IntegrityError
-            A chunk fetched whole still does not match its digest.
         RemoteProtocolError
             The sender's replies do not match the requests.
         """
+        reply = subs_fut.result()
         subs_wire = reply.get("subs")
         if not isinstance(subs_wire, list) or len(subs_wire) != len(g):
             raise RemoteProtocolError("sub_chunks reply does not match the request")
@@ -1119,26 +1140,38 @@ class Receiver:
             copies, fetches = refine.plan(subs, index)
             plans.append((copies, fetches))
             want += [[off + a, k] for a, k in fetches]
-        fetched: list[memoryview | bytes] = []
-        parts: list[Any] = []
-        if want:
-            meta, parts = self.link.submit("read_ranges", path=rel, ranges=want, size=size, mtime_ns=mtime_ns).result()
-            fetched = self._decode_reply(meta, parts, [k for _, k in want])
-        got = iter(fetched)
-        bufs = []
-        for (_off, n, _d), (copies, fetches) in zip(g, plans):
+        data_fut = self.link.submit("read_ranges", path=rel, ranges=want, size=size, mtime_ns=mtime_ns) if want else None
+        out = []
+        for (_off, n, _d), (copies, _fetches) in zip(g, plans):
             buf = bytearray(n)
-            mv = memoryview(buf)
             try:
-                refine.fill_copies(mv, index.fd, copies)
+                refine.fill_copies(memoryview(buf), index.fd, copies)
             except OSError:
-                pass  # the basis shrank: the digest check below sends this chunk the long way
-            for a, k in fetches:
-                mv[a : a + k] = next(got)
-            bufs.append(buf)
-        self.link.recycle(parts)
-        ok = list(hash_pool().map(lambda bd: chunk_digest(bd[0]) == bd[1], zip(bufs, (d for _, _, d in g))))
-        for (off, n, d), buf, good, (copies, _f) in zip(g, bufs, ok, plans):
+                pass  # the basis shrank: the digest check sends this chunk the long way
+            out.append((buf, sum(k for _, _, k in copies)))
+        if data_fut is not None:
+            meta, parts = data_fut.result()
+            got = iter(self._decode_reply(meta, parts, [k for _, k in want]))
+            for (buf, _m), (_c, fetches) in zip(out, plans):
+                mv = memoryview(buf)
+                for a, k in fetches:
+                    mv[a : a + k] = next(got)
+            self.link.recycle(parts)
+        return out
+
+    def _write_refined(self, fd: int, rel: str, g: list[tuple[int, int, bytes]], built: list[tuple[bytearray, int]], size: int, mtime_ns: int) -> None:
+        """Verify the chunks :meth:`_assemble_refined` built and write them.
+
+        One that does not match its BLAKE3 digest (a basis changed under us, an xxh3
+        collision) is fetched whole and verified again.
+
+        Raises
+        ------
+        IntegrityError
+            A chunk fetched whole still does not match its digest.
+        """
+        ok = list(hash_pool().map(lambda bd: chunk_digest(bd[0][0]) == bd[1], zip(built, (d for _, _, d in g))))
+        for (off, n, d), (buf, matched), good in zip(g, built, ok):
             if not good:
                 log.info("%s: chunk at %d rebuilt from the basis does not match; fetching it whole", rel, off)
                 meta, parts = self.link.submit("read_ranges", path=rel, ranges=[[off, n]], size=size, mtime_ns=mtime_ns).result()
@@ -1146,11 +1179,11 @@ class Receiver:
                 _verify_many([(data, d)], rel)
                 buf = bytearray(data)
                 self.link.recycle(parts)
-                copies = []
+                matched = 0
             _pwrite_all(fd, buf, off)
             self._st["chunks_sent"] += 1
             self._verified += n
-            self._st["bytes_matched"] += sum(k for _, _, k in copies)
+            self._st["bytes_matched"] += matched
             self._tick(n)
 
 
