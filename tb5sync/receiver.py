@@ -715,33 +715,18 @@ class Receiver:
         committed = False
         try:
             first = first_fut.result()
-            self._refiner = self._open_refiner(e.path)
+            if basis is not None:  # sub-chunks of the same open basis (see refine)
+                self._refiner = refine.BasisIndex(basis.fd, basis.size), refine.Placements()
             self._fetch_large_with(e, first, basis)
             committed = True
         finally:
-            fds = [basis.fd] if basis is not None else []
+            self._refiner = None
             if basis is not None:
                 log.debug("basis of %s: %d bytes cut to re-align", e.path, basis.cut_bytes)
-            if self._refiner is not None:
-                fds.append(self._refiner[0].fd)
-                self._refiner = None
-            for bfd in fds:
                 if committed:
-                    _release_later(bfd)
+                    _release_later(basis.fd)
                 else:
-                    os.close(bfd)
-
-    def _open_refiner(self, rel: str) -> tuple[refine.BasisIndex, refine.Placements] | None:
-        """A sub-chunk index over the destination's current version of ``rel``, or None without one."""
-        try:
-            bfd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        st = os.fstat(bfd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-            os.close(bfd)
-            return None
-        return refine.BasisIndex(bfd, st.st_size), refine.Placements()
+                    os.close(basis.fd)
 
     def _fetch_large_with(self, e: Entry, first: dict[str, Any], basis: BasisFinder | None) -> None:
         """:meth:`_fetch_large` once the first chunk-list piece is here."""
