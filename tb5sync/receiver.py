@@ -80,6 +80,8 @@ ProgressFn = Callable[[int, int], None]
 _DATA_METHODS = frozenset({"read_ranges", "read_files"})
 #: Requests answered with a plain response that read file data: sent on the data streams too.
 _READ_METHODS = frozenset({"sub_chunks"})
+#: Rounds of places asked of the chunk index for one chunk (4 places each) before giving up.
+_INDEX_ROUNDS = 8
 #: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
 REFINE_SLACK = 64 * 1024
 
@@ -993,19 +995,36 @@ class Receiver:
         if self.state is None:
             return False
         me = self._spath(rel)
-        for spath, soff, slen in self.state.find_chunk(d):
-            if slen != n or (spath == me and basis is not None):
-                continue  # the basis itself was tried above
-            lfd = opened.get(spath)
-            if lfd is None:
-                try:
-                    lfd = os.open(os.path.join(self.state.root, spath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except OSError:
-                    continue
-                opened[spath] = lfd
-            if check_copy(lfd, soff, n, d, fd, off, buf):
-                return True
-        return False
+        tried_paths: set[str] = set()
+        stale: list[str] = []
+        try:
+            for _round in range(_INDEX_ROUNDS):
+                places = self.state.find_chunk(d, exclude=tried_paths)
+                if not places:
+                    return False
+                for spath, soff, slen in places:
+                    tried_paths.add(spath)
+                    if slen != n or (spath == me and basis is not None):
+                        continue  # the basis itself was tried above
+                    lfd = opened.get(spath)
+                    if lfd is None:
+                        try:
+                            lfd = os.open(os.path.join(self.state.root, spath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        except FileNotFoundError:
+                            stale.append(spath)  # deleted behind our back
+                            continue
+                        except OSError:
+                            continue
+                        opened[spath] = lfd
+                    if check_copy(lfd, soff, n, d, fd, off, buf):
+                        return True
+                    stale.append(spath)  # changed since it was indexed
+            return False
+        finally:
+            if stale and not self.options.dry_run:
+                # Stale rows would hide the places that still hold the chunk (the index is asked
+                # for a few places at a time): drop them; a later scan indexes what is there.
+                self.state.forget([p for p in stale if p != me])
 
     def _fetch_ranges(self, fd: int, rel: str, groups: Iterator[list[tuple[int, int, bytes]]], size: int, mtime_ns: int) -> None:
         """Ask for each group of missing chunks with a window of requests in flight; verify, then pwrite."""

@@ -21,7 +21,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
 from .manifest import STATE_DIR
@@ -167,13 +167,19 @@ class TreeState:
                 self._db.execute("DELETE FROM files WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
                 self._db.execute("DELETE FROM chunks WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
 
-    def find_chunk(self, digest: bytes) -> list[tuple[str, int, int]]:
-        """Places ``(path, offset, length)`` in the tree where a chunk with ``digest`` was seen.
+    def find_chunk(self, digest: bytes, exclude: Collection[str] = (), limit: int = 4) -> list[tuple[str, int, int]]:
+        """Up to ``limit`` places ``(path, offset, length)`` where a chunk with ``digest`` was seen.
 
-        The index can be stale: callers must verify the bytes they read against the digest.
+        Paths in ``exclude`` (already tried) are left out. The index can be stale (files
+        deleted or changed behind the server's back): callers must verify the bytes they read
+        against the digest, and should :meth:`forget` the paths that fail.
         """
+        marks = ",".join("?" * len(exclude))
+        sql = "SELECT path, offset, length FROM chunks WHERE digest=?"
+        if exclude:
+            sql += f" AND path NOT IN ({marks})"
         with self._lock:
-            return list(self._db.execute("SELECT path, offset, length FROM chunks WHERE digest=? LIMIT 4", (digest,)))
+            return list(self._db.execute(sql + " LIMIT ?", (digest, *exclude, limit)))
 
     def chunks_of(self, fd: int, path: str, st: os.stat_result, *, fresh: bool = False) -> tuple[bytes, list[ChunkRef]]:
         """Chunk list and file digest of the open file ``fd`` (whose ``fstat`` is ``st``), from cache or computed.

@@ -328,3 +328,27 @@ def test_unverified_bytes_are_never_committed(tmp_path: Any, monkeypatch: Any) -
         tb5sync.sync(src + "/", dst)
     assert _read(os.path.join(dst, "big.bin")) == old
     assert sorted(os.listdir(dst)) == [".tb5sync", "big.bin"] or sorted(os.listdir(dst)) == ["big.bin"]
+
+
+def test_chunk_index_recovers_from_copies_deleted_behind_its_back(tmp_path, server) -> None:
+    """Copies of a file deleted outside tb5sync leave stale index rows; they must not hide the
+    copies that still hold the chunks (the index is asked a few places at a time)."""
+    import random
+    import shutil
+
+    import tb5sync
+
+    src = tmp_path / "k"
+    src.mkdir()
+    (src / "u").write_bytes(random.Random(9).randbytes(4 << 20))
+    for i in range(6):
+        tb5sync.sync(str(src) + "/", server.url(f"kk_{i}"))
+    for i in range(5):  # all but the last copy go, behind the server's back
+        shutil.rmtree(os.path.join(server.root, f"kk_{i}"))
+    first = tb5sync.sync(str(src) + "/", server.url("kk_a"))
+    assert first.chunks_sent == 0 and first.chunks_reused >= 1, first
+    second = tb5sync.sync(str(src) + "/", server.url("kk_b"))
+    assert second.chunks_sent == 0 and second.chunks_reused >= 1, second
+    for name in ("kk_a", "kk_b"):
+        with open(os.path.join(server.root, name, "u"), "rb") as f:
+            assert f.read() == (src / "u").read_bytes()
