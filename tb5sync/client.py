@@ -54,9 +54,14 @@ def parse_url(url: str) -> Remote | None:
     Raises
     ------
     UsageError
-        A ``tb5://`` URL without a host, with a bad port, or another scheme.
+        A ``tb5://`` URL without a host, with a bad port, or another scheme; or a local path
+        that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``): write
+        ``./tb5:...`` for a local name that really starts so.
     """
     if "://" not in url:
+        if url.lower().startswith("tb5:"):
+            raise UsageError(f"{url!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
+                             f"write ./{url} for a local path)")
         return None
     parts = urlsplit(url)
     if parts.scheme != "tb5":

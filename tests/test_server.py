@@ -916,3 +916,12 @@ def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) 
         err = proc.stderr.read()
         assert proc.wait(timeout=60) == 141, err
     assert b"Traceback" not in err
+
+
+@pytest.mark.parametrize("typo", ["tb5:/127.0.0.1/x", "tb5:127.0.0.1/x", "TB5:/h/x"])
+def test_mistyped_url_is_refused_not_made_a_local_path(tmp_path: Path, src: str, typo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="mistyped URL"):
+        tb5sync.sync(src + "/", typo)
+    assert not any(p.lower().startswith("tb5:") for p in os.listdir(tmp_path))
+    assert parse_url("./tb5:/x") is None  # the way to name such a local path
