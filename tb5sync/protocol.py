@@ -466,9 +466,12 @@ class ServerHandshake:
         return out
 
 
-def error_frame(rid: int, exc: BaseException) -> bytes:
-    """Encode an ERROR frame reporting ``exc`` as ``{"kind": class name, "message": str[, "errno": int]}``."""
-    msg: dict[str, Any] = {"kind": type(exc).__name__, "message": str(exc)}
+def error_frame(rid: int, exc: BaseException, message: str | None = None) -> bytes:
+    """Encode an ERROR frame reporting ``exc`` as ``{"kind": class name, "message": str[, "errno": int]}``.
+
+    ``message`` replaces ``str(exc)`` when given (e.g. with server paths made relative).
+    """
+    msg: dict[str, Any] = {"kind": type(exc).__name__, "message": str(exc) if message is None else message}
     code = getattr(exc, "errno", None)
     if isinstance(exc, OSError) and isinstance(code, int):
         msg["errno"] = code

@@ -48,7 +48,7 @@ from .protocol import FrameType
 from .receiver import Receiver, RemoteLink, dest_base, scan_in_background
 from .sender import Sender
 from .store import TreeState
-from .transport import Channel, Requester, serve, server_handshake, tune_socket
+from .transport import Channel, Requester, hide_root, serve, server_handshake, tune_socket
 from . import protocol as P
 
 __all__ = ["Server", "DEFAULT_PORT", "SENDER_METHODS"]
@@ -222,6 +222,7 @@ class Server:
     def _handle(self, conn: socket.socket, addr: Any) -> None:
         tune_socket(conn)
         ch = Channel(conn)
+        ch.hide_root = self.root
         with self._lock:
             self._conns.add(ch)
         keep = False
@@ -409,10 +410,11 @@ class Server:
                 result: dict[str, Any] = {"stats": stats.as_dict()}
             except Tb5syncError as exc:
                 log.info("push to %s failed: %s", path, exc)
-                result = {"error": {"kind": type(exc).__name__, "message": str(exc)}}
+                result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}
             except OSError as exc:
                 log.info("push to %s failed: %s", path, exc)
-                result = {"error": {"kind": "DestinationError", "message": f"{exc.strerror or exc}: {exc.filename or path}"}}
+                message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
+                result = {"error": {"kind": "DestinationError", "message": message}}
             try:
                 requester.call("finish", result, timeout=30)
             except (Tb5syncError, OSError, TimeoutError) as exc:

@@ -136,6 +136,12 @@ class SharedFd:
             os.close(fd)
 
 
+def hide_root(message: str, root: str) -> str:
+    """``message`` with paths under ``root`` made relative to it (``root`` itself becomes ``.``)."""
+    root = root.rstrip(os.sep)
+    return message.replace(root + os.sep, "").replace(root, ".")
+
+
 def close_parts(parts: list[Any]) -> None:
     """Close the :class:`FileRange` parts of a reply (after sending it, or when it is dropped)."""
     for p in parts:
@@ -162,6 +168,9 @@ class Channel:
         self.pool: BufferPool | None = None
         self.closed = False
         self._error_sent = False
+        #: A server's root directory: error messages sent on this channel name paths under it
+        #: relative to it (a client never learns where the server's tree lives).
+        self.hide_root: str | None = None
 
     # ---- sending ----------------------------------------------------------------------
     def _sendall_parts(self, parts: list[Any]) -> None:
@@ -226,8 +235,9 @@ class Channel:
             if self._error_sent:
                 return
             self._error_sent = True
+        message = str(exc) if self.hide_root is None else hide_root(str(exc), self.hide_root)
         try:
-            self._sendall_parts([P.error_frame(rid, exc)])
+            self._sendall_parts([P.error_frame(rid, exc, message)])
         except OSError:
             pass
 

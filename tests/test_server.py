@@ -925,3 +925,16 @@ def test_mistyped_url_is_refused_not_made_a_local_path(tmp_path: Path, src: str,
         tb5sync.sync(src + "/", typo)
     assert not any(p.lower().startswith("tb5:") for p in os.listdir(tmp_path))
     assert parse_url("./tb5:/x") is None  # the way to name such a local path
+
+
+def test_errors_do_not_reveal_the_server_root(server: LiveServer, src: str, tmp_path: Path) -> None:
+    """Messages name paths relative to the served tree, never where it lives on the server."""
+    with pytest.raises(RemoteNotFoundError) as info:
+        ls_url(server.url("nope"))
+    assert server.root not in str(info.value) and "nope" in str(info.value)
+    os.makedirs(os.path.join(server.root, "dst"))
+    with open(os.path.join(server.root, "dst", "new.txt"), "w") as f:
+        f.write("a file where a directory is wanted")
+    with pytest.raises(Tb5syncError) as info2:
+        tb5sync.sync(os.path.join(src, "a.txt"), server.url("dst/new.txt/"))
+    assert server.root not in str(info2.value) and "new.txt" in str(info2.value)
