@@ -201,6 +201,13 @@ class _PushHandler:
 
     def finish(self, **result: Any) -> dict[str, Any]:
         self.result = result
+        stats = result.get("stats")
+        if self.progress is not None and isinstance(stats, dict):
+            # Only sent bytes were counted as they went; chunks the server already had are
+            # known now: the transfer is complete at the size of what was written.
+            done = max(int(stats.get("bytes_transferred") or 0), self.done)
+            with self._lock:
+                self.progress(done, done)
         return {}
 
 

@@ -219,3 +219,33 @@ def test_import_loads_no_engine() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("route_kind", ["push", "pull", "local"])
+def test_progress_ends_complete(server, tmp_path, route_kind):
+    """The progress callback's last call says done == total, also when most chunks are reused."""
+    import random
+
+    src = tmp_path / "psrc"
+    src.mkdir()
+    data = bytearray(random.Random(7).randbytes(6 << 20))
+    (src / "big.bin").write_bytes(data)
+    (src / "small.txt").write_bytes(b"x" * 1000)
+    if route_kind == "push":
+        s, d = str(src) + "/", server.url("p")
+    elif route_kind == "pull":
+        tb5sync.sync(str(src) + "/", os.path.join(server.root, "staged"))
+        s, d = server.url("staged/"), str(tmp_path / "pulled")
+    else:
+        s, d = str(src) + "/", str(tmp_path / "copy")
+    for run in range(2):
+        calls = []
+        stats = tb5sync.sync(s, d, progress=lambda done, total: calls.append((done, total)))
+        assert calls, run
+        done, total = calls[-1]
+        assert done == total == stats.bytes_transferred, (run, calls[-3:], stats)
+        assert all(0 <= a <= b or b == 0 for a, b in calls)
+        data[3_000_000:3_000_100] = b"E" * 100  # the second run: a delta, chunks mostly reused
+        (src / "big.bin").write_bytes(data)
+        if route_kind == "pull":
+            tb5sync.sync(str(src) + "/", os.path.join(server.root, "staged"))
