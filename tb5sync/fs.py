@@ -776,6 +776,25 @@ def _join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -
     return out
 
 
+def _check_parent(fs: TB5FileSystem, path: str) -> None:
+    """Raise as ``open(path, "wb")`` would when ``path``'s parent directory is missing or a file.
+
+    Raises
+    ------
+    FileNotFoundError, NotADirectoryError
+        The parent does not exist, or is not a directory.
+    """
+    parent = fs._parent(path)
+    if not parent:
+        return  # the server's ROOT
+    try:
+        kind = fs.info(parent)["type"]
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "No such file or directory", path) from None
+    if kind != "directory":
+        raise NotADirectoryError(20, "Not a directory", path)
+
+
 class TB5File(AbstractBufferedFile):
     """A file on a tb5sync server, opened through :class:`TB5FileSystem`.
 
@@ -799,6 +818,8 @@ class TB5File(AbstractBufferedFile):
         self._ahead: tuple[int, int, Any] | None = None
         if mode == "xb" and fs.exists(path):
             raise FileExistsError(17, "File exists", path)
+        if mode in ("wb", "xb", "ab") and not fs.auto_mkdir:
+            _check_parent(fs, path)  # fail at open, as LocalFileSystem does, not at close
         super().__init__(fs, path, mode, block_size or "default", autocommit, cache_type, cache_options, **kwargs)
         if mode == "rb" and self.details["type"] == "directory":
             raise IsADirectoryError(21, "Is a directory", path)

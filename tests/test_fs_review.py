@@ -353,3 +353,28 @@ def test_sync_sessions_cannot_reach_the_state_dir(srv: Any, tmp_path: Any) -> No
         pass
     assert sorted(os.listdir(state)) == before
     assert (pushed, pulled, listed) == (None, None, None)
+
+
+def test_write_into_a_missing_directory_fails_at_open(tmp_path: Any) -> None:
+    """As with LocalFileSystem, open(..., "wb") raises at once when the parent is missing or a file."""
+    live = start_server(str(tmp_path / "root"))
+    try:
+        fs = tb5(live)
+        local = LocalFileSystem()
+        (tmp_path / "root" / "afile").write_bytes(b"x")
+        for mode in ("wb", "xb", "ab"):
+            with pytest.raises(FileNotFoundError):
+                local.open(str(tmp_path / "root" / "nodir" / "f"), mode)
+            with pytest.raises(FileNotFoundError):
+                fs.open("nodir/f", mode)
+            with pytest.raises(NotADirectoryError):
+                fs.open("afile/f", mode)
+        with fs.open("top.txt", "wb") as f:  # ROOT itself is always there
+            f.write(b"ok")
+        assert fs.cat_file("top.txt") == b"ok"
+        fs2 = tb5(live, auto_mkdir=True)
+        with fs2.open("new/dir/f", "wb") as f:
+            f.write(b"made")
+        assert fs.cat_file("new/dir/f") == b"made"
+    finally:
+        live.server.stop()
