@@ -58,23 +58,32 @@ def _parse_bind(text: str) -> tuple[str, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
+    from . import __version__
+
+    def threads(q: argparse.ArgumentParser, default: Any) -> None:
+        q.add_argument("--hash-threads", type=int, default=default, metavar="N",
+                       help="BLAKE3 hashing threads (default: $TB5SYNC_HASH_THREADS, else one per CPU)")
+        q.add_argument("--chunk-threads", type=int, default=default, metavar="N",
+                       help="threads cutting one large file into chunks side by side (default: "
+                            "$TB5SYNC_CHUNK_THREADS, else 1 below 8 CPUs, else min(4, CPUs/4))")
+
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
-    p.add_argument("--hash-threads", type=int, default=0, metavar="N",
-                   help="BLAKE3 hashing threads (default: $TB5SYNC_HASH_THREADS, else one per CPU)")
-    p.add_argument("--chunk-threads", type=int, default=0, metavar="N",
-                   help="threads cutting one large file into chunks side by side (default: "
-                        "$TB5SYNC_CHUNK_THREADS, else 1 below 8 CPUs, else min(4, CPUs/4))")
+    threads(p, 0)
+    # The same options are accepted after the command too (there they override).
+    common = argparse.ArgumentParser(add_help=False)
+    threads(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve a directory tree")
+    s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
     s.add_argument("root", help="directory to serve; nothing outside it is read or written")
     s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one)")
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
     s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
 
-    y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)")
+    y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
     y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
     y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
@@ -93,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
     l_.add_argument("--token-file")
 
-    b = sub.add_parser("bench", help="link test: RTT and raw TCP throughput against a server")
+    b = sub.add_parser("bench", help="link test: RTT and raw TCP throughput against a server", parents=[common])
     b.add_argument("host", help="HOST[:PORT] of a tb5sync server")
     b.add_argument("--seconds", type=float, default=2.0, help="seconds per throughput measurement")
     b.add_argument("--token-file")

@@ -938,3 +938,17 @@ def test_errors_do_not_reveal_the_server_root(server: LiveServer, src: str, tmp_
     with pytest.raises(Tb5syncError) as info2:
         tb5sync.sync(os.path.join(src, "a.txt"), server.url("dst/new.txt/"))
     assert server.root not in str(info2.value) and "new.txt" in str(info2.value)
+
+
+def test_cli_version_and_thread_options_after_the_command() -> None:
+    from tb5sync.cli import build_parser
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tb5sync {tb5sync.__version__}"
+    p = build_parser()
+    a = p.parse_args(["sync", "--chunk-threads", "2", "--hash-threads", "3", "a", "b"])
+    assert (a.chunk_threads, a.hash_threads) == (2, 3)
+    a = p.parse_args(["--chunk-threads", "4", "sync", "a", "b"])
+    assert (a.chunk_threads, a.hash_threads) == (4, 0)
+    a = p.parse_args(["--hash-threads", "5", "serve", "--hash-threads", "1", "root"])
+    assert a.hash_threads == 1  # after the command wins
