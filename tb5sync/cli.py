@@ -170,12 +170,22 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    changes = stats.extra.get("changes") if a.dry_run else None
     if a.json:
-        print(json.dumps(stats.as_dict()))
+        out = stats.as_dict()
+        if changes is not None:
+            out["changes"] = changes
+        print(json.dumps(out))
     elif a.stats or a.dry_run:
+        if changes is not None:  # as rsync -n -v lists them
+            for path in changes.get("delete", []):
+                print(f"deleting {path}")
+            for path in changes.get("transfer", []):
+                print(path)
         secs = stats.seconds or 1e-9
         prefix = "would transfer" if a.dry_run else "transferred"
-        print(f"files: {stats.files_total} total, {stats.files_transferred} {prefix}, {stats.files_deleted} deleted")
+        deleted = "would delete" if a.dry_run else "deleted"
+        print(f"files: {stats.files_total} total, {stats.files_transferred} {prefix}, {stats.files_deleted} {deleted}")
         print(f"bytes: {_fmt_bytes(stats.bytes_total)} total, {_fmt_bytes(stats.bytes_transferred)} {prefix}")
         print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent} "
               f"({_fmt_bytes(stats.bytes_matched)} of them matched in the basis), reused {stats.chunks_reused}")

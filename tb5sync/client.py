@@ -286,7 +286,9 @@ def push(
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
     fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k != "extra"}
-    return SyncStats(**fields)
+    changes = res.get("changes")
+    extra = {"changes": changes} if isinstance(changes, dict) else {}
+    return SyncStats(**fields, extra=extra)
 
 
 def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:

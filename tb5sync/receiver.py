@@ -50,7 +50,7 @@ from .errors import (
     UsageError,
 )
 from .hashing import chunk_digest, chunk_fd, file_digest, hash_pool
-from .manifest import DIR, FILE, LINK, Entry, ExcludeRules, Tree, check_relpath, plan_sync, scan_tree
+from .manifest import DIR, FILE, LINK, Entry, ExcludeRules, Plan, Tree, check_relpath, plan_sync, scan_tree
 from .options import SyncOptions, SyncStats
 from .sender import CODEC_LZ4, CODEC_RAW, Sender
 from .store import TreeState
@@ -314,7 +314,7 @@ class Receiver:
                 wire_bytes=self.link.wire_bytes,
                 files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
                 seconds=time.perf_counter() - t0,
-                extra={"plan": plan},
+                extra={"plan": plan, "changes": dry_run_changes(plan, src)},
             )
         try:
             self._apply(plan, src)
@@ -1189,6 +1189,26 @@ class Receiver:
             self._verified += n
             self._st["bytes_matched"] += matched
             self._tick(n)
+
+
+def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
+    """What a dry run would change, as rsync ``-n -v`` lists it: paths relative to the destination base.
+
+    Returns
+    -------
+    dict
+        ``{"transfer": [...], "delete": [...]}``: directories, files and symlinks that would be
+        created or updated (in source order; a directory whose only change is its mode or mtime
+        is not listed), and entries that would be deleted (children first; an entry replaced by
+        one of another kind is listed under both).
+    """
+    transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
+    return {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+
+
+def _source_order(src: list[Entry]) -> Callable[[str], int]:
+    order = {e.path: i for i, e in enumerate(src)}
+    return lambda p: order.get(p, len(order))
 
 
 def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:

@@ -408,6 +408,8 @@ class Server:
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}
+                if "changes" in stats.extra:
+                    result["changes"] = stats.extra["changes"]
             except Tb5syncError as exc:
                 log.info("push to %s failed: %s", path, exc)
                 result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}

@@ -249,3 +249,60 @@ def test_progress_ends_complete(server, tmp_path, route_kind):
         (src / "big.bin").write_bytes(data)
         if route_kind == "pull":
             tb5sync.sync(str(src) + "/", os.path.join(server.root, "staged"))
+
+
+@pytest.mark.parametrize("route_kind", ["local", "push", "pull"])
+def test_dry_run_lists_what_would_change(server, tmp_path, route_kind):
+    """-n lists the paths that would be created, updated and deleted, and changes nothing."""
+    src = tmp_path / "dsrc"
+    (src / "sub").mkdir(parents=True)
+    (src / "same.txt").write_text("same")
+    (src / "edit.txt").write_text("v1")
+    (src / "sub" / "gone.txt").write_text("x")
+    if route_kind == "push":
+        s, d, final = str(src) + "/", server.url("dd"), os.path.join(server.root, "dd")
+    elif route_kind == "pull":
+        staged = os.path.join(server.root, "staged")
+        s, d, final = server.url("staged/"), str(tmp_path / "pulled"), str(tmp_path / "pulled")
+    else:
+        s, d, final = str(src) + "/", str(tmp_path / "copy"), str(tmp_path / "copy")
+
+    def publish():
+        if route_kind == "pull":
+            tb5sync.sync(str(src) + "/", staged, delete=True)
+
+    publish()
+    tb5sync.sync(s, d)
+    (src / "edit.txt").write_text("version 2")
+    (src / "new").mkdir()
+    (src / "new" / "added.bin").write_bytes(b"\0" * 10)
+    os.symlink("same.txt", src / "alink")
+    (src / "sub" / "gone.txt").unlink()
+    publish()
+    before = snapshot(final)
+    stats = tb5sync.sync(s, d, dry_run=True, delete=True)
+    changes = stats.extra["changes"]
+    assert changes["transfer"].index("new") < changes["transfer"].index("new/added.bin")  # parents first
+    assert set(changes["transfer"]) == {"edit.txt", "new", "new/added.bin", "alink"}
+    assert changes["delete"] == ["sub/gone.txt"]
+    assert snapshot(final) == before
+
+
+def test_cli_dry_run_prints_the_paths(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "s"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    dst = tmp_path / "d"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", f"{src}/", str(dst)],
+                       capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "deleting old.txt" in lines and "a.txt" in lines
+    assert any(ln.startswith("files:") and "1 would delete" in ln for ln in lines)
+    assert sorted(os.listdir(dst)) == ["old.txt"]
