@@ -17,7 +17,7 @@ from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError,
 from .manifest import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
 from .sender import Sender
-from .transport import Channel, Requester, connect, open_session, serve
+from .transport import Channel, Requester, close_parts, connect, open_session, serve
 
 if TYPE_CHECKING:
     from .receiver import ProgressFn
@@ -191,7 +191,11 @@ class _PushHandler:
 
     def read_ranges(self, **kw: Any) -> tuple[dict[str, Any], list[Any]]:
         meta, parts = self.sender.read_ranges(**kw)
-        self._tick(meta)
+        try:
+            self._tick(meta)
+        except BaseException:
+            close_parts(parts)  # a progress callback that raised must not leak the file
+            raise
         return meta, parts
 
     def read_files(self, **kw: Any) -> tuple[dict[str, Any], list[Any]]:

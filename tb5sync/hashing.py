@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -85,13 +86,14 @@ def hash_pool() -> ThreadPoolExecutor:
     """
     global _pool
     if _pool is None:
-        threads = _threads or int(os.environ.get("TB5SYNC_HASH_THREADS", "0") or 0) or max(2, os.cpu_count() or 2)
+        threads = _threads or _env_threads("TB5SYNC_HASH_THREADS", 256) or max(2, os.cpu_count() or 2)
         _pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-hash")
     return _pool
 
 
 _chunk_threads = 0
 _chunk_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def set_chunk_threads(n: int) -> None:
@@ -121,10 +123,30 @@ def chunk_threads() -> int:
     """
     global _chunk_threads
     if not _chunk_threads:
-        env = int(os.environ.get("TB5SYNC_CHUNK_THREADS", "0") or 0)
+        env = _env_threads("TB5SYNC_CHUNK_THREADS", 64)
         cpus = os.cpu_count() or 1
         _chunk_threads = env if env > 0 else (1 if cpus < 8 else min(4, cpus // 4))
     return _chunk_threads
+
+
+def _env_threads(name: str, most: int) -> int:
+    """The thread count in environment variable ``name`` (0 when unset).
+
+    Raises
+    ------
+    UsageError
+        Not an integer in 0..``most``.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= most:
+        raise UsageError(f"{name} must be an integer from 0 to {most}, got {text!r}")
+    return n
 
 
 def cut_buffer(mv: memoryview, params: chunking.ChunkParams, final: bool) -> list[int]:
@@ -135,9 +157,11 @@ def cut_buffer(mv: memoryview, params: chunking.ChunkParams, final: bool) -> lis
     n = chunk_threads()
     if n <= 1:
         return chunking.cut_points(mv, params, final)
-    if _chunk_pool is None:
-        _chunk_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="tb5-cut")
-    return chunking.parallel_cut_points(mv, params, final, n, _chunk_pool)
+    with _pool_lock:
+        if _chunk_pool is None:
+            _chunk_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="tb5-cut")
+        pool = _chunk_pool
+    return chunking.parallel_cut_points(mv, params, final, n, pool)
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:

@@ -80,6 +80,9 @@ ProgressFn = Callable[[int, int], None]
 _DATA_METHODS = frozenset({"read_ranges", "read_files"})
 #: Requests answered with a plain response that read file data: sent on the data streams too.
 _READ_METHODS = frozenset({"sub_chunks"})
+#: Groups in a row without one sub-chunk found in the basis after which a file's remaining
+#: missing chunks are fetched whole (the basis shares nothing with the new version).
+REFINE_GIVE_UP = 3
 #: Rounds of places asked of the chunk index for one chunk (4 places each) before giving up.
 _INDEX_ROUNDS = 8
 #: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
@@ -254,6 +257,7 @@ class Receiver:
         )
         #: Sub-chunk index and placements of the basis of the large file being fetched (None: no basis).
         self._refiner: tuple[refine.BasisIndex, refine.Placements] | None = None
+        self._refine_misses = 0
         self._changed: list[str] = []
         self._verified = 0  # bytes of the large file being fetched that are verified in its work file
         self._records: list[tuple[str, int, int, int, list[tuple[bytes, int]]]] = []
@@ -1029,7 +1033,7 @@ class Receiver:
     def _fetch_ranges(self, fd: int, rel: str, groups: Iterator[list[tuple[int, int, bytes]]], size: int, mtime_ns: int) -> None:
         """Ask for each group of missing chunks with a window of requests in flight; verify, then pwrite."""
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
-        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]] = deque()
+        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]] = deque()
 
         refiner = self._refiner
         sub_params = refine.params_to_wire(refine.SUB_PARAMS)
@@ -1038,16 +1042,18 @@ class Receiver:
         # while this thread verifies and writes the groups before it.
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
+        self._refine_misses = 0
+
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
-            if planner is not None and refiner is not None:
+            if planner is not None and refiner is not None and self._refine_misses < REFINE_GIVE_UP:
                 subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
-                inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner)))
+                inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner), True))
             else:
-                inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)))
+                inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns), False))
 
         try:
-            self._fetch_window(fd, rel, groups, size, mtime_ns, submit, inflight, window, planner is not None)
+            self._fetch_window(fd, rel, groups, size, mtime_ns, submit, inflight, window)
         finally:
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
@@ -1060,9 +1066,8 @@ class Receiver:
         size: int,
         mtime_ns: int,
         submit: Callable[[list[tuple[int, int, bytes]]], None],
-        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any]]],
+        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]],
         window: int,
-        refined: bool,
     ) -> None:
         """The loop of :meth:`_fetch_ranges`: keep ``window`` groups in flight, settle them in order."""
         it = iter(groups)
@@ -1071,12 +1076,15 @@ class Receiver:
             if len(inflight) >= window:
                 break
         while inflight:
-            g, fut = inflight.popleft()
+            g, fut, refined = inflight.popleft()
             nxt = next(it, None)
             if nxt is not None:
                 submit(nxt)
             if refined:
-                self._write_refined(fd, rel, g, fut.result(), size, mtime_ns)
+                matched = self._write_refined(fd, rel, g, fut.result(), size, mtime_ns)
+                # A basis that shares nothing with the new version only costs time: after a few
+                # groups in a row without a single matched sub-chunk, fetch the rest whole.
+                self._refine_misses = 0 if matched else self._refine_misses + 1
                 continue
             meta, parts = fut.result()
             pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
@@ -1163,8 +1171,8 @@ class Receiver:
             self.link.recycle(parts)
         return out
 
-    def _write_refined(self, fd: int, rel: str, g: list[tuple[int, int, bytes]], built: list[tuple[bytearray, int]], size: int, mtime_ns: int) -> None:
-        """Verify the chunks :meth:`_assemble_refined` built and write them.
+    def _write_refined(self, fd: int, rel: str, g: list[tuple[int, int, bytes]], built: list[tuple[bytearray, int]], size: int, mtime_ns: int) -> int:
+        """Verify the chunks :meth:`_assemble_refined` built and write them; return the bytes matched in the basis.
 
         One that does not match its BLAKE3 digest (a basis changed under us, an xxh3
         collision) is fetched whole and verified again.
@@ -1175,6 +1183,7 @@ class Receiver:
             A chunk fetched whole still does not match its digest.
         """
         ok = list(hash_pool().map(lambda bd: chunk_digest(bd[0][0]) == bd[1], zip(built, (d for _, _, d in g))))
+        total = 0
         for (off, n, d), (buf, matched), good in zip(g, built, ok):
             if not good:
                 log.info("%s: chunk at %d rebuilt from the basis does not match; fetching it whole", rel, off)
@@ -1188,7 +1197,9 @@ class Receiver:
             self._st["chunks_sent"] += 1
             self._verified += n
             self._st["bytes_matched"] += matched
+            total += matched
             self._tick(n)
+        return total
 
 
 def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:

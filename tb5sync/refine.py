@@ -46,6 +46,8 @@ __all__ = [
 #: Sub-chunk parameters: 4 KiB min, 16 KiB average, 64 KiB max, normalization level 2.
 #: Version 0: they are never written to disk (each request carries them).
 SUB_PARAMS = ChunkParams(version=0, min_size=4096, avg_size=16384, max_size=65536, normalization=2)
+#: Most sub-chunks a :class:`BasisIndex` holds before it starts over (~4 GiB of basis windows).
+MAX_ENTRIES = 1 << 18
 #: Bytes of a sub-chunk's name (xxh3-128).
 SUB_DIGEST_SIZE = 16
 #: Most sub-chunk parameters a request may ask for (bounds the sender's work per sub-chunk).
@@ -155,6 +157,10 @@ class BasisIndex:
         end = max(start, min(end, self.size))
         if end <= start or (start, end) in self._windows:
             return
+        if len(self._where) > MAX_ENTRIES:
+            # Bounded memory (~275 bytes per entry): windows far behind are rarely asked again.
+            self._where.clear()
+            self._windows.clear()
         self._windows.add((start, end))
         data = os.pread(self.fd, end - start, start)
         off = start

@@ -504,11 +504,12 @@ class Sender:
                     parts.append(FileRange(shared, off, n))
                     meta_parts.append([n, n, CODEC_RAW])
         except BaseException:
-            close_parts(parts)
+            close_parts(parts)  # the last FileRange to let go closes fd
             raise
         finally:
-            if shared.users == 0:
+            if shared.users == 0 and shared.fd >= 0:  # no FileRange ever took it
                 os.close(fd)
+                shared.fd = -1
         return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
 
     def sub_chunks(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int, params: list[int]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 from concurrent.futures import Future, InvalidStateError
@@ -137,9 +138,16 @@ class SharedFd:
 
 
 def hide_root(message: str, root: str) -> str:
-    """``message`` with paths under ``root`` made relative to it (``root`` itself becomes ``.``)."""
+    """``message`` with paths under ``root`` made relative to it (``root`` itself becomes ``.``).
+
+    A root of ``/`` leaves messages as they are (absolute paths are then what clients name).
+    ``/srv/data2`` is not taken for a path under ``/srv/data``.
+    """
     root = root.rstrip(os.sep)
-    return message.replace(root + os.sep, "").replace(root, ".")
+    if not root:
+        return message
+    message = message.replace(root + os.sep, "")
+    return re.sub(re.escape(root) + r"(?![\w.\-])", ".", message)
 
 
 def close_parts(parts: list[Any]) -> None:

@@ -236,3 +236,17 @@ def test_chunk_threads_setting(tmp_path: Path) -> None:
     cpus = os.cpu_count() or 1
     env = int(os.environ.get("TB5SYNC_CHUNK_THREADS", "0") or 0)
     assert hashing.chunk_threads() == (env or (1 if cpus < 8 else min(4, cpus // 4)))
+
+
+@pytest.mark.parametrize("var", ["TB5SYNC_CHUNK_THREADS", "TB5SYNC_HASH_THREADS"])
+def test_bad_thread_counts_in_the_environment_are_named(monkeypatch: pytest.MonkeyPatch, var: str) -> None:
+    monkeypatch.setenv(var, "lots")
+    try:
+        hashing.set_chunk_threads(0)
+        hashing.set_hash_threads(0)
+        with pytest.raises(UsageError, match=var):
+            hashing.chunk_threads() if var == "TB5SYNC_CHUNK_THREADS" else hashing.hash_pool()
+    finally:
+        monkeypatch.delenv(var)
+        hashing.set_chunk_threads(0)
+        hashing.set_hash_threads(0)

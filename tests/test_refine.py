@@ -198,3 +198,45 @@ def test_wrong_basis_match_falls_back_to_the_whole_chunk(
     assert (Path(server.root) / "d" / "big.bin").read_bytes() == new
     assert stats.chunks_sent >= 2
     assert stats.wire_bytes > 2 * 256 * 1024  # the chunks came whole
+
+
+def test_refinement_gives_up_on_a_basis_that_shares_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destination file unrelated to the new version: after a few groups without a match the
+    rest is fetched whole (the result is the same either way)."""
+    src, dst = tmp_path / "s", tmp_path / "d"
+    src.mkdir()
+    dst.mkdir()
+    new = random.Random(11).randbytes(100 << 20)
+    (src / "f.bin").write_bytes(new)
+    (dst / "f.bin").write_bytes(random.Random(12).randbytes(100 << 20))
+    calls = []
+    real = Sender.sub_chunks
+
+    def counting(self: Sender, *args: object, **kw: object) -> dict[str, object]:
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Sender, "sub_chunks", counting)
+    stats = tb5sync.sync(str(src) + "/", str(dst))
+    assert (dst / "f.bin").read_bytes() == new
+    assert stats.bytes_matched == 0
+    groups = (100 << 20) // (8 << 20)
+    assert 3 <= len(calls) < groups, (len(calls), groups)
+
+
+def test_basis_index_starts_over_past_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(refine, "MAX_ENTRIES", 10)
+    data = random.Random(13).randbytes(2 << 20)
+    (tmp_path / "b").write_bytes(data)
+    fd = os.open(tmp_path / "b", os.O_RDONLY)
+    try:
+        index = refine.BasisIndex(fd, len(data))
+        index.add_window(0, 1 << 20)
+        first = refine.sub_chunk_list(data[:100_000])[0]
+        assert index.find(*first) == 0
+        index.add_window(1 << 20, 2 << 20)  # over the bound: the first window is dropped
+        assert index.find(*first) is None
+        later = refine.sub_chunk_list(data[1 << 20 :])[0]
+        assert index.find(*later) == 1 << 20
+    finally:
+        os.close(fd)

@@ -132,3 +132,34 @@ def test_source_changed_after_the_check_is_fetched_again(
     tb5sync.sync(*sync)
     assert final.read_bytes() == new
     assert len(calls) >= 2
+
+
+def test_a_failing_range_closes_the_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One range became a FileRange, a later one fails: the error is the sender's, the fd is closed once."""
+    rnd = random.Random(5)
+    (tmp_path / "f.bin").write_bytes(rnd.randbytes(8192) + bytes(8192))
+    st = os.stat(tmp_path / "f.bin")
+    sender = Sender(str(tmp_path), SyncOptions(compress="auto"))
+    sender.zero_copy = True
+    closes: list[int] = []
+    real_close, real_pread = os.close, os.pread
+
+    def spy_close(fd: int) -> None:
+        closes.append(fd)
+        real_close(fd)
+
+    def short_pread(fd: int, n: int, off: int) -> bytes:
+        data = real_pread(fd, n, off)
+        return data[: n // 2] if off == 8192 and n == 8192 else data  # the file "shrank" under us
+
+    monkeypatch.setattr(os, "close", spy_close)
+    monkeypatch.setattr(os, "pread", short_pread)
+    try:
+        from tb5sync.errors import SourceChangedError
+
+        with pytest.raises(SourceChangedError):
+            sender.read_ranges("f.bin", [[0, 8192], [8192, 8192]], st.st_size, st.st_mtime_ns)
+        assert len(closes) == len(set(closes)) == 1
+    finally:
+        monkeypatch.undo()
+        sender.close()
