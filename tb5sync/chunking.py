@@ -426,38 +426,38 @@ def parallel_cut_points(
         for k in range(1, segments)
     ]
     cuts = cut_points(mv[: bounds[1]], params, False)
-    last = cuts[-1] if cuts else 0
-    step = 2 * params.max_size  # a window this long always holds a definitive cut
     for k, fut in enumerate(futures, start=1):
         part = fut.result()
+        last = cuts[-1] if cuts else 0
         if part and part[-1] <= last:
             continue  # the sequential walk already went past this part
-        where = {c: i for i, c in enumerate(part)}
-        while True:
-            end = min(n, last + step)
-            found = cut_points(mv[last:end], params, final and end == n) if end > last else []
-            if not found:
-                break  # at the end of a non-final buffer: the tail stays undecided
-            synced = -1
-            for c in found:
-                cuts.append(last + c)
-                if last + c in where:
-                    synced = where[last + c]
-                    break
-            last = cuts[-1]
-            if synced >= 0:
-                cuts += part[synced + 1 :]
-                last = cuts[-1]
-                break
-            if last >= bounds[k + 1]:
-                break
-    while last < n:  # only when the last part never resynchronised
-        found = cut_points(mv[last : min(n, last + step)], params, final and last + step >= n)
-        if not found:
-            break
-        cuts += [last + c for c in found]
-        last = cuts[-1]
+        synced = _walk(mv, params, final, cuts, {c: i for i, c in enumerate(part)}, bounds[k + 1])
+        if synced >= 0:
+            cuts += part[synced + 1 :]
+    _walk(mv, params, final, cuts, {}, n)  # only cuts anything when the last part never resynchronised
     return cuts
+
+
+def _walk(mv: memoryview, params: ChunkParams, final: bool, cuts: list[int], where: dict[int, int], bound: int) -> int:
+    """Cut ``mv`` sequentially from the last of ``cuts`` (true cuts, extended in place).
+
+    Stops at the first cut found in ``where`` (a part's cut -> its index there, returned), once
+    the cuts reach ``bound``, or at the end of ``mv``; returns -1 when no cut was in ``where``.
+    """
+    step = 2 * params.max_size  # a window this long always holds a definitive cut
+    n = len(mv)
+    last = cuts[-1] if cuts else 0
+    while last < bound:
+        end = min(n, last + step)
+        found = cut_points(mv[last:end], params, final and end == n)
+        if not found:
+            return -1  # at the end of a non-final buffer: the tail stays undecided
+        for c in found:
+            cuts.append(last + c)
+            if last + c in where:
+                return where[last + c]
+        last = cuts[-1]
+    return -1
 
 
 def _cut_part(mv: memoryview, start: int, end: int, params: ChunkParams, final: bool) -> list[int]:

@@ -257,7 +257,6 @@ class Receiver:
         )
         #: Sub-chunk index and placements of the basis of the large file being fetched (None: no basis).
         self._refiner: tuple[refine.BasisIndex, refine.Placements] | None = None
-        self._refine_misses = 0
         self._changed: list[str] = []
         self._verified = 0  # bytes of the large file being fetched that are verified in its work file
         self._records: list[tuple[str, int, int, int, list[tuple[bytes, int]]]] = []
@@ -1042,69 +1041,71 @@ class Receiver:
         # while this thread verifies and writes the groups before it.
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
-        self._refine_misses = 0
+        misses = 0  # groups in a row refined without one sub-chunk found in the basis
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
-            if planner is not None and refiner is not None and self._refine_misses < REFINE_GIVE_UP:
+            if planner is not None and refiner is not None and misses < REFINE_GIVE_UP:
                 subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
                 inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner), True))
             else:
                 inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns), False))
 
         try:
-            self._fetch_window(fd, rel, groups, size, mtime_ns, submit, inflight, window)
+            it = iter(groups)
+            for g in it:
+                submit(g)
+                if len(inflight) >= window:
+                    break
+            while inflight:
+                g, fut, refined = inflight.popleft()
+                nxt = next(it, None)
+                if nxt is not None:
+                    submit(nxt)
+                if refined:
+                    matched = self._write_refined(fd, rel, g, fut.result(), size, mtime_ns)
+                    # A basis that shares nothing with the new version only costs time: after a
+                    # few groups in a row without a single matched sub-chunk, fetch the rest whole.
+                    misses = 0 if matched else misses + 1
+                    continue
+                meta, parts = fut.result()
+                pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+                try:
+                    _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+                except IntegrityError:
+                    # Asked once more: a source changed after the sender's check (its bytes go
+                    # out with sendfile) now fails that check; a second mismatch is corruption.
+                    log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
+                    self.link.recycle(parts)
+                    pieces, parts = self._read_verified(rel, g, size, mtime_ns)
+                for (off, _n, _d), data in zip(g, pieces):
+                    _pwrite_all(fd, data, off)
+                    self._st["chunks_sent"] += 1
+                    self._verified += len(data)
+                    self._tick(len(data))
+                self.link.recycle(parts)
         finally:
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
 
-    def _fetch_window(
-        self,
-        fd: int,
-        rel: str,
-        groups: Iterator[list[tuple[int, int, bytes]]],
-        size: int,
-        mtime_ns: int,
-        submit: Callable[[list[tuple[int, int, bytes]]], None],
-        inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]],
-        window: int,
-    ) -> None:
-        """The loop of :meth:`_fetch_ranges`: keep ``window`` groups in flight, settle them in order."""
-        it = iter(groups)
-        for g in it:
-            submit(g)
-            if len(inflight) >= window:
-                break
-        while inflight:
-            g, fut, refined = inflight.popleft()
-            nxt = next(it, None)
-            if nxt is not None:
-                submit(nxt)
-            if refined:
-                matched = self._write_refined(fd, rel, g, fut.result(), size, mtime_ns)
-                # A basis that shares nothing with the new version only costs time: after a few
-                # groups in a row without a single matched sub-chunk, fetch the rest whole.
-                self._refine_misses = 0 if matched else self._refine_misses + 1
-                continue
-            meta, parts = fut.result()
-            pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
-            try:
-                _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
-            except IntegrityError:
-                # Asked once more: a source changed after the sender's check (its bytes go out
-                # with sendfile) now fails that check; a second mismatch is real corruption.
-                log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
-                self.link.recycle(parts)
-                ranges = [[off, n] for off, n, _ in g]
-                meta, parts = self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns).result()
-                pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
-                _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
-            for (off, _n, _d), data in zip(g, pieces):
-                _pwrite_all(fd, data, off)
-                self._st["chunks_sent"] += 1
-                self._verified += len(data)
-                self._tick(len(data))
-            self.link.recycle(parts)
+    def _read_verified(self, rel: str, g: list[tuple[int, int, bytes]], size: int, mtime_ns: int) -> tuple[list[memoryview | bytes], list[Any]]:
+        """Ask for the chunks ``(offset, length, digest)`` of ``g`` now and check their digests.
+
+        Returns the bytes of each chunk and the reply's parts (give them to ``link.recycle`` once
+        the bytes are written).
+
+        Raises
+        ------
+        IntegrityError
+            A chunk does not match its digest.
+        SourceChangedError
+            The source no longer has the size and mtime the chunk list was made from.
+        """
+        ranges = [[off, n] for off, n, _ in g]
+        meta, parts = self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns).result()
+        pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+        _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+        return pieces, parts
 
     @staticmethod
     def _decode_reply(meta: dict[str, Any], parts: list[Any], lengths: list[int]) -> list[memoryview | bytes]:
@@ -1187,10 +1188,8 @@ class Receiver:
         for (off, n, d), (buf, matched), good in zip(g, built, ok):
             if not good:
                 log.info("%s: chunk at %d rebuilt from the basis does not match; fetching it whole", rel, off)
-                meta, parts = self.link.submit("read_ranges", path=rel, ranges=[[off, n]], size=size, mtime_ns=mtime_ns).result()
-                data = self._decode_reply(meta, parts, [n])[0]
-                _verify_many([(data, d)], rel)
-                buf = bytearray(data)
+                pieces, parts = self._read_verified(rel, [(off, n, d)], size, mtime_ns)
+                buf = bytearray(pieces[0])
                 self.link.recycle(parts)
                 matched = 0
             _pwrite_all(fd, buf, off)
