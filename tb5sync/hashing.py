@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -51,10 +51,54 @@ ChunkRef = tuple[bytes, int]
 
 # Chunks smaller than this are hashed inline; larger ones go to the pool.
 _POOL_MIN = 256 * 1024
-_pool: ThreadPoolExecutor | None = None
+class _ThreadSetting:
+    """A thread count (set by the caller, else from ``$env``, else a default for this machine)
+    and the process-wide pool made from it on first use; setting the count again replaces the
+    pool once its queued work is done. Thread-safe.
+    """
+
+    def __init__(
+        self, what: str, env: str, most: int, default: Callable[[int], int], workers: Callable[[int], int], prefix: str
+    ) -> None:
+        self.what, self.env, self.most, self.prefix = what, env, most, prefix
+        self.default, self.workers = default, workers
+        self._n = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def set(self, n: int) -> None:
+        if not isinstance(n, int) or not 0 <= n <= self.most:
+            raise UsageError(f"{self.what} must be an int in 0..{self.most}")
+        with self._lock:
+            self._n = n
+            old, self._pool = self._pool, None
+        if old is not None:
+            old.shutdown(wait=False)
+
+    def count(self) -> int:
+        with self._lock:
+            return self._count()
+
+    def _count(self) -> int:
+        if not self._n:
+            self._n = _env_threads(self.env, self.most) or self.default(os.cpu_count() or 1)
+        return self._n
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers(self._count()), thread_name_prefix=self.prefix)
+            return self._pool
 
 
-_threads = 0
+_hash = _ThreadSetting(
+    "hash threads", "TB5SYNC_HASH_THREADS", 256, lambda cpus: max(2, cpus), lambda n: n, "tb5-hash"
+)
+# The calling thread cuts one part itself: the pool has one thread fewer.
+_cut = _ThreadSetting(
+    "chunk threads", "TB5SYNC_CHUNK_THREADS", 64, lambda cpus: 1 if cpus < 8 else min(4, cpus // 4),
+    lambda n: max(1, n - 1), "tb5-cut",
+)
 
 
 def set_hash_threads(n: int) -> None:
@@ -69,13 +113,7 @@ def set_hash_threads(n: int) -> None:
     UsageError
         ``n`` is negative or above 256.
     """
-    global _threads, _pool
-    if not isinstance(n, int) or not 0 <= n <= 256:
-        raise UsageError("hash threads must be an int in 0..256")
-    _threads = n
-    old, _pool = _pool, None
-    if old is not None:
-        old.shutdown(wait=False)
+    _hash.set(n)
 
 
 def hash_pool() -> ThreadPoolExecutor:
@@ -83,17 +121,13 @@ def hash_pool() -> ThreadPoolExecutor:
 
     Its size is the last :func:`set_hash_threads` value, else ``$TB5SYNC_HASH_THREADS``,
     else ``os.cpu_count()`` (at least 2).
+
+    Raises
+    ------
+    UsageError
+        ``$TB5SYNC_HASH_THREADS`` is not an integer in 0..256.
     """
-    global _pool
-    if _pool is None:
-        threads = _threads or _env_threads("TB5SYNC_HASH_THREADS", 256) or max(2, os.cpu_count() or 2)
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-hash")
-    return _pool
-
-
-_chunk_threads = 0
-_chunk_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+    return _hash.pool()
 
 
 def set_chunk_threads(n: int) -> None:
@@ -104,13 +138,7 @@ def set_chunk_threads(n: int) -> None:
     UsageError
         ``n`` is negative or above 64.
     """
-    global _chunk_threads, _chunk_pool
-    if not isinstance(n, int) or not 0 <= n <= 64:
-        raise UsageError("chunk threads must be an int in 0..64")
-    _chunk_threads = n
-    old, _chunk_pool = _chunk_pool, None
-    if old is not None:
-        old.shutdown(wait=False)
+    _cut.set(n)
 
 
 def chunk_threads() -> int:
@@ -120,13 +148,13 @@ def chunk_threads() -> int:
     machines with fewer than 8 CPUs (where the other end, the hashing and the copies already
     use every core) and ``min(4, cpus // 4)`` above. One thread cuts ~2.4 GB/s (scalar) to
     ~3.4 GB/s (AVX-512 lanes); a ~10 GB/s link needs 3-4.
+
+    Raises
+    ------
+    UsageError
+        ``$TB5SYNC_CHUNK_THREADS`` is not an integer in 0..64.
     """
-    global _chunk_threads
-    if not _chunk_threads:
-        env = _env_threads("TB5SYNC_CHUNK_THREADS", 64)
-        cpus = os.cpu_count() or 1
-        _chunk_threads = env if env > 0 else (1 if cpus < 8 else min(4, cpus // 4))
-    return _chunk_threads
+    return _cut.count()
 
 
 def _env_threads(name: str, most: int) -> int:
@@ -151,17 +179,12 @@ def _env_threads(name: str, most: int) -> int:
 
 def cut_buffer(mv: memoryview, params: chunking.ChunkParams, final: bool) -> list[int]:
     """:func:`chunking.cut_points` of ``mv`` (same result), cut by :func:`chunk_threads` threads."""
-    global _chunk_pool
     if len(mv) < 4 * params.max_size:
         return chunking.cut_points(mv, params, final)
     n = chunk_threads()
     if n <= 1:
         return chunking.cut_points(mv, params, final)
-    with _pool_lock:
-        if _chunk_pool is None:
-            _chunk_pool = ThreadPoolExecutor(n - 1, thread_name_prefix="tb5-cut")
-        pool = _chunk_pool
-    return chunking.parallel_cut_points(mv, params, final, n, pool)
+    return chunking.parallel_cut_points(mv, params, final, n, _cut.pool())
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
