@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(PY) -m venv $(VENV)
 	TB5SYNC_REQUIRE_CYTHON=1 $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python -c "import tb5sync.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
-	$(BIN)/python -c "import tb5sync.manifest as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
+	$(BIN)/python -c "import tb5sync.scan as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
 	touch $(STAMP)
 
 ## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify

@@ -17,8 +17,9 @@ include "_gear.pxi"
 
 __all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes"]
 
-cdef object _DEFAULT = object()  # stands for chunking.DEFAULT_PARAMS (imported lazily: no cycle)
-cdef object _chunking = None
+from tb5sync._params import DEFAULT_PARAMS, ChunkParams
+
+cdef object _DEFAULT = object()  # stands for DEFAULT_PARAMS
 
 
 cdef struct _Params:
@@ -37,13 +38,9 @@ cdef struct _Cuts:
 
 cdef object _resolve(object params):
     """Return the ChunkParams meant by ``params`` or raise UsageError."""
-    global _chunking
-    if _chunking is None:
-        from tb5sync import chunking
-        _chunking = chunking
     if params is _DEFAULT:
-        return _chunking.DEFAULT_PARAMS
-    if not isinstance(params, _chunking.ChunkParams):
+        return DEFAULT_PARAMS
+    if not isinstance(params, ChunkParams):
         raise UsageError(f"params must be a ChunkParams, got {type(params).__name__}")
     return params
 

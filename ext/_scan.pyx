@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Cython twin of ``tb5sync.manifest.py_listdir_stat``: one directory's names with their lstat fields.
+"""Cython twin of ``tb5sync.scan.py_listdir_stat``: one directory's names with their lstat fields.
 
 The directory is read and every name is ``fstatat``-ed (``AT_SYMLINK_NOFOLLOW``) relative to
 the directory's descriptor with the GIL released; the Python objects are made afterwards.
@@ -63,7 +63,7 @@ __all__ = ["listdir_stat"]
 def listdir_stat(path):
     """``[(name, st_mode, st_size, st_mtime_ns), ...]`` of the directory ``path``, in directory order.
 
-    See ``tb5sync.manifest.py_listdir_stat``.
+    See ``tb5sync.scan.py_listdir_stat``.
     """
     import os
 

@@ -41,7 +41,7 @@ def _read_token(path: str | None) -> bytes | None:
 
 def _parse_bind(text: str) -> tuple[str, int]:
     from .errors import UsageError
-    from .server import DEFAULT_PORT
+    from .messages import DEFAULT_PORT
 
     host, sep, port = text.rpartition(":")
     if not sep:

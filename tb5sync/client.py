@@ -13,23 +13,25 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError, error_from_remote
-from .manifest import DIR, FILE, LINK, Entry, kind_of, source_name
+from . import protocol as P
+from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError
+from .entry import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
 from .sender import Sender
-from .transport import Channel, Requester, close_parts, connect, open_session, serve
+from ._parts import close_parts
+from .messages import DEFAULT_PORT, PUSH_CLIENT_METHODS
+from .rpc import Requester, open_session, serve
+from .transport import Channel, connect
 
 if TYPE_CHECKING:
     from .receiver import ProgressFn
-    from .store import TreeState
+    from .state import TreeState
 
 # The receiver and the state store (sqlite3) are imported where a pull or a local sync needs
 # them: a push's client, whose start-up is part of every no-change re-run, never does.
 
-__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "DEFAULT_PORT", "local_state"]
+__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "local_state"]
 
-DEFAULT_PORT = 8873
-_PUSH_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks", "finish"})
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
     The state root is the destination directory the user named (or its parent
     when a single file lands on a file path).
     """
-    from .store import TreeState
+    from .state import TreeState
 
     root = dst if (dest != dst or src_kind == DIR) else os.path.dirname(dst) or "."
     if writable:
@@ -149,7 +151,8 @@ def pull(
     DestinationError, IntegrityError, SourceChangedError
         See :meth:`Receiver.run`.
     """
-    from .receiver import Receiver, RemoteLink, dest_base
+    from .links import RemoteLink
+    from .receiver import Receiver, dest_base
 
     chans, resp = _open_streams(src, _token(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
     requester = Requester(chans)
@@ -266,7 +269,7 @@ def push(
 
     def run(ch: Channel) -> None:
         try:
-            serve(ch, handler, _PUSH_METHODS)
+            serve(ch, handler, PUSH_CLIENT_METHODS)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -285,7 +288,7 @@ def push(
         raise ConnectError(f"server closed the session without a result{': ' + str(errors[0]) if errors else ''}")
     if "error" in res:
         err = res["error"]
-        raise error_from_remote(str(err.get("kind")), str(err.get("message")))
+        raise P.error_from_body(err if isinstance(err, dict) else {})
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")

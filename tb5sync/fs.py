@@ -46,34 +46,34 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from fsspec.asyn import AsyncFileSystem, sync, sync_wrapper
+from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
-from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import isfilelike, stringify_path
 
 from . import client
 from ._paths import temp_name
-from . import protocol as P
 from .errors import (
     ConnectError,
+    ProtocolError,
     Tb5syncError,
     RemoteIsADirectoryError,
     RemoteProtocolError,
-    SourceChangedError,
     UsageError,
     error_from_remote,
 )
-from .fsops import MAX_READ, MAX_WRITE
+from .messages import DEFAULT_PORT, FS_IDEMPOTENT
+from .messages import FS_MAX_READ as MAX_READ
+from .messages import FS_MAX_WRITE as MAX_WRITE
 from .options import SyncOptions
-from .transport import Requester, connect, open_session, split_parts
+from .rpc import Requester, call_direct, open_session, split_parts
+from .fsfile import TB5File, rest_of_read, join_read
+from .transport import connect
 
-__all__ = ["TB5FileSystem", "TB5File"]
+__all__ = ["TB5FileSystem", "TB5File"]  # TB5File is fsfile's, re-exported
 
-DEFAULT_PORT = client.DEFAULT_PORT
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
-_IDEMPOTENT = frozenset({"info", "ls", "find", "cat", "cat_many", "digest"})
 
 
 def _has_magic(path: str) -> bool:
@@ -132,24 +132,13 @@ class _Link:
             return _BUSY
         clean = False
         try:
-            self.direct.send_control(P.FrameType.REQUEST, 1, {"m": method, "a": args})
-            got = self.direct.recv_frame()
-            if got is None:
-                raise ConnectError("server closed the connection")
-            header, payload = got
+            result = call_direct(self.direct, method, args)
             clean = True
-            if header.type is P.FrameType.ERROR:
-                body = P.decode_control(payload)
-                raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
-            if header.type is P.FrameType.RESPONSE:
-                return P.decode_control(payload)
-            if header.type is P.FrameType.DATA:
-                return P.decode_data(payload)
-            raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
-        except OSError as exc:
-            if isinstance(exc, Tb5syncError):
-                raise
-            raise ConnectError(f"connection lost: {exc}") from exc
+            return result
+        except Tb5syncError as exc:
+            # the server's error for this request leaves the stream fine; a broken one does not
+            clean = not isinstance(exc, (ConnectError, ProtocolError))
+            raise
         finally:
             self.direct_lock.release()
             if not clean:  # interrupted mid-exchange: the stream's state is unknown
@@ -317,7 +306,7 @@ class TB5FileSystem(AsyncFileSystem):
                 return await asyncio.wrap_future(fut)
             except ConnectError:  # lost after sending: only a request without effects is sent again
                 self._drop(link)
-                if attempt or method not in _IDEMPOTENT:
+                if attempt or method not in FS_IDEMPOTENT:
                     raise
         raise AssertionError("unreachable")
 
@@ -332,7 +321,7 @@ class TB5FileSystem(AsyncFileSystem):
                 return link.requester.submit(method, args).result() if res is _BUSY else res
             except ConnectError:
                 self._drop(link)
-                if attempt or method not in _IDEMPOTENT:
+                if attempt or method not in FS_IDEMPOTENT:
                     raise
         raise AssertionError("unreachable")
 
@@ -376,10 +365,10 @@ class TB5FileSystem(AsyncFileSystem):
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
         path = self._strip_protocol(path)
         meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = _rest_of_read(path, meta, len(first))
+        rest = rest_of_read(path, meta, len(first))
         link = self._holder.link or self._connect()
         pieces = [f.result()[1] for f in [link.requester.submit("cat", args) for args in rest]]
-        out = _join_read(path, meta, first, pieces)
+        out = join_read(path, meta, first, pieces)
         link.release([first, *pieces])
         return out
 
@@ -493,9 +482,9 @@ class TB5FileSystem(AsyncFileSystem):
         """
         path = self._strip_protocol(path)
         meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = _rest_of_read(path, meta, len(first))
+        rest = rest_of_read(path, meta, len(first))
         pieces = [piece for _, piece in await asyncio.gather(*[self._call("cat", args) for args in rest])]
-        out = _join_read(path, meta, first, pieces)
+        out = join_read(path, meta, first, pieces)
         link = self._holder.link
         if link is not None:
             link.release([first, *pieces])
@@ -757,159 +746,3 @@ class TB5FileSystem(AsyncFileSystem):
         **kwargs: Any,
     ) -> TB5File:
         return TB5File(self, self._strip_protocol(path), mode, block_size, autocommit, cache_options=cache_options, **kwargs)
-
-
-def _rest_of_read(path: str, meta: dict[str, Any], got: int) -> list[dict[str, Any]]:
-    """The ``cat`` requests still needed after a first reply of ``got`` bytes (each pinned to that file version)."""
-    s, e = meta["start"], meta["end"]
-    if s + got >= e:
-        return []
-    pin = {"size": meta["size"], "mtime": meta["mtime"]}
-    return [{"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin} for o in range(s + got, e, MAX_READ)]
-
-
-def _join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -> bytes:
-    """The reply bytes as one ``bytes`` (one copy: memory traffic costs about as much as the wire here)."""
-    out = bytes(first) if not pieces else b"".join([first, *pieces])
-    if len(out) != meta["end"] - meta["start"]:
-        raise SourceChangedError(path)
-    return out
-
-
-def _check_parent(fs: TB5FileSystem, path: str) -> None:
-    """Raise as ``open(path, "wb")`` would when ``path``'s parent directory is missing or a file.
-
-    Raises
-    ------
-    FileNotFoundError, NotADirectoryError
-        The parent does not exist, or is not a directory.
-    """
-    parent = fs._parent(path)
-    if not parent:
-        return  # the server's ROOT
-    try:
-        kind = fs.info(parent)["type"]
-    except FileNotFoundError:
-        raise FileNotFoundError(2, "No such file or directory", path) from None
-    if kind != "directory":
-        raise NotADirectoryError(20, "Not a directory", path)
-
-
-class TB5File(AbstractBufferedFile):
-    """A file on a tb5sync server, opened through :class:`TB5FileSystem`.
-
-    Read mode (``"rb"``): random access through ranged requests (default block
-    8 MiB, fsspec's readahead cache); while reading sequentially the next block is
-    fetched in the background. Every range is pinned to the size and mtime seen
-    at open, so a file replaced meanwhile raises
-    :class:`~tb5sync.errors.SourceChangedError` instead of mixing versions.
-
-    Write modes (``"wb"``, ``"xb"``, ``"ab"``): buffered; the bytes go to a
-    temporary file on the server, renamed into place on close (``autocommit``) or
-    on :meth:`commit` inside an fsspec transaction. A ``with`` block left by an
-    exception, a file dropped without ``close()``, or a lost connection leaves
-    nothing at the final path (the old file, if any, stays).
-    """
-
-    DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
-
-    def __init__(self, fs: TB5FileSystem, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True, cache_type: str = "readahead", cache_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self._handle: tuple[int, int] | None = None
-        self._ahead: tuple[int, int, Any] | None = None
-        if mode == "xb" and fs.exists(path):
-            raise FileExistsError(17, "File exists", path)
-        if mode in ("wb", "xb", "ab") and not fs.auto_mkdir:
-            _check_parent(fs, path)  # fail at open, as LocalFileSystem does, not at close
-        super().__init__(fs, path, mode, block_size or "default", autocommit, cache_type, cache_options, **kwargs)
-        if mode == "rb" and self.details["type"] == "directory":
-            raise IsADirectoryError(21, "Is a directory", path)
-        if mode == "rb" and self.details["islink"] and self.details["type"] == "other":
-            fs.cat_file(path, 0, 0)  # a link leading outside the root: the server refuses (PermissionError)
-
-    # reading
-    def _pin(self) -> dict[str, Any]:
-        return {"size": self.details["size"], "mtime": self.details["mtime"]}
-
-    def _fetch_range(self, start: int, end: int) -> bytes:
-        end = min(end, self.size)
-        if start >= end:
-            return b""
-        fs: TB5FileSystem = self.fs
-        data = b""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            astart, aend, fut = ahead
-            if astart == start:
-                data = fut.result()[: end - start]
-            else:
-                fut.cancel()
-        if len(data) < end - start:
-            data += fs.cat_file(self.path, start + len(data), end, expect=self._pin())
-        # sequential reading: fetch the next block of the same size in the background
-        if end < self.size:
-            nend = min(self.size, end + (end - start))
-            coro = fs._cat_file(self.path, end, nend, expect=self._pin())
-            self._ahead = (end, nend, asyncio.run_coroutine_threadsafe(coro, fs.loop))
-        return data
-
-    # writing
-    def _initiate_upload(self) -> None:
-        """Nothing to do yet: a small file is written in one request at close."""
-
-    def _upload_chunk(self, final: bool = False) -> bool:
-        fs: TB5FileSystem = self.fs
-        data = self.buffer.getvalue()
-        mode = "create" if self.mode == "xb" else "overwrite"
-        if self._handle is None:
-            if final and self.autocommit and self.mode != "ab" and len(data) <= MAX_WRITE:
-                sync(fs.loop, fs._write_bytes, self.path, data, mode)
-                return True
-            self._handle = sync(fs.loop, fs._wopen, self.path, mode, self.mode == "ab")
-        handle, chan = self._handle
-        try:
-            sync(fs.loop, fs._wwrite, handle, chan, data)
-        except BaseException:
-            self.discard()
-            raise
-        if final and self.autocommit:
-            self.commit()
-        return True
-
-    def commit(self) -> None:
-        """Rename the written bytes into place (called on close, or by an fsspec transaction)."""
-        if self._handle is not None:
-            handle, chan = self._handle
-            self._handle = None
-            sync(self.fs.loop, self.fs._wclose, handle, chan, True)
-
-    def discard(self) -> None:
-        """Throw the written bytes away; nothing appears at the final path."""
-        if self._handle is not None:
-            handle, chan = self._handle
-            self._handle = None
-            sync(self.fs.loop, self.fs._wclose, handle, chan, False)
-
-    def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead[2].cancel()
-            self._ahead = None
-        super().close()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None and self.mode != "rb" and not self.closed:
-            # the writer failed: throw its bytes away rather than commit half a file
-            self.discard()
-            self.closed = True
-            return
-        self.close()
-
-    def __del__(self) -> None:
-        # a writer dropped without close() never commits (fsspec's default would)
-        if not self.closed and self.mode != "rb":
-            try:
-                self.discard()
-            except Exception:  # interpreter shutdown, loop gone: the server drops the temp file anyway
-                pass
-            self.closed = True
-        elif not self.closed:
-            self.close()

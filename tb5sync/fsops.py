@@ -54,19 +54,16 @@ from .errors import (
     UsageError,
     remote_os_error,
 )
-from .protocol import MAX_PAYLOAD
-from .store import TreeState
+from .messages import CAT_MANY_BUDGET
+from .messages import FS_MAX_READ as MAX_READ
+from .messages import FS_MAX_WRITE as MAX_WRITE
+from .state import TreeState
 
-__all__ = ["FsOps", "Pages", "FS_METHODS", "MAX_READ", "MAX_WRITE", "PAGE_BYTES"]
+__all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 
 #: Largest byte range one ``cat`` request returns (bytes); clients split larger reads.
-MAX_READ = 16 * 1024 * 1024
-#: Largest ``data`` one ``put``/``wwrite`` request may carry (bytes); clients split larger writes.
-MAX_WRITE = 16 * 1024 * 1024
 #: Size budget of one page of an ``ls``/``find`` reply (bytes of msgpack, estimated).
 PAGE_BYTES = 8 * 1024 * 1024
-#: Byte budget of one ``cat_many`` reply; items past it are answered ``["M"]`` (ask again).
-CAT_MANY_BUDGET = 32 * 1024 * 1024
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
 
@@ -74,29 +71,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO must not block open()
 _TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-FS_METHODS = frozenset(
-    {
-        "info",
-        "ls",
-        "find",
-        "cat",
-        "cat_many",
-        "digest",
-        "put",
-        "wopen",
-        "wwrite",
-        "wclose",
-        "rm",
-        "mkdir",
-        "rmdir",
-        "move",
-        "copy",
-        "touch",
-        "more",
-    }
-)
 
-assert MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import UsageError
 
 if TYPE_CHECKING:
-    from .manifest import ExcludeRules
+    from .excludes import ExcludeRules
 
 __all__ = ["SyncOptions", "SyncStats", "COMPRESS_MODES"]
 
@@ -25,7 +25,7 @@ class SyncOptions:
     delete : bool
         Remove destination entries that are not in the source (never excluded ones).
     excludes : tuple of str
-        rsync-style exclude patterns (see :class:`tb5sync.manifest.ExcludeRules`).
+        rsync-style exclude patterns (see :class:`tb5sync.excludes.ExcludeRules`).
     checksum : bool
         Compare content digests instead of size and mtime (rsync ``-c``).
     dry_run : bool
@@ -55,7 +55,7 @@ class SyncOptions:
     @property
     def rules(self) -> ExcludeRules:
         """The compiled exclude rules."""
-        from .manifest import ExcludeRules
+        from .excludes import ExcludeRules
 
         return ExcludeRules(self.excludes)
 

@@ -43,7 +43,7 @@ from typing import Any, Final
 
 import msgpack
 
-from .errors import AuthError, LocalProtocolError, RemoteProtocolError, VersionMismatchError
+from .errors import AuthError, LocalProtocolError, RemoteProtocolError, Tb5syncError, VersionMismatchError, error_from_remote
 
 __all__ = [
     "MAGIC",
@@ -66,6 +66,8 @@ __all__ = [
     "ServerHandshake",
     "client_mac",
     "server_mac",
+    "error_frame",
+    "error_from_body",
 ]
 
 MAGIC: Final = b"TB5S"
@@ -478,7 +480,15 @@ def error_frame(rid: int, exc: BaseException, message: str | None = None) -> byt
     return encode_control(FrameType.ERROR, rid, msg)
 
 
-def _raise_handshake_error(msg: dict[str, Any]) -> None:
-    from .errors import error_from_remote
+def error_from_body(msg: dict[str, Any]) -> Tb5syncError:
+    """The exception an ERROR frame's decoded body stands for (the one ERROR decoder).
 
-    raise error_from_remote(str(msg.get("kind", "RemoteError")), str(msg.get("message", "")))
+    ``msg`` is ``{"kind": class name, "message": str, "errno": int (optional)}`` as
+    :func:`error_frame` writes it; unknown kinds become :class:`~tb5sync.errors.RemoteError`.
+    """
+    code = msg.get("errno")
+    return error_from_remote(str(msg.get("kind", "RemoteError")), str(msg.get("message", "")), code if isinstance(code, int) else None)
+
+
+def _raise_handshake_error(msg: dict[str, Any]) -> None:
+    raise error_from_body(msg)

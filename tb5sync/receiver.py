@@ -22,7 +22,6 @@ Invariants kept here (see DESIGN.md):
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import queue
@@ -50,13 +49,15 @@ from .errors import (
     UsageError,
 )
 from .hashing import chunk_digest, chunk_fd, file_digest, hash_pool
-from .manifest import DIR, FILE, LINK, Entry, ExcludeRules, Plan, Tree, check_relpath, plan_sync, scan_tree
+from .entry import DIR, FILE, LINK, Entry, check_relpath
+from .excludes import ExcludeRules
+from .plan import dry_run_changes, plan_sync
+from .scan import Tree, scan_tree
 from .options import SyncOptions, SyncStats
-from .sender import CODEC_LZ4, CODEC_RAW, Sender
-from .store import TreeState
-from .transport import Requester, split_parts
+from .messages import CODEC_LZ4, CODEC_RAW
+from .state import TreeState
 
-__all__ = ["Receiver", "LocalLink", "RemoteLink", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
+__all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,7 @@ COPY_INFLIGHT = 6
 WRITEBACK_BYTES = 32 * 1024 * 1024
 #: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
 ProgressFn = Callable[[int, int], None]
-_DATA_METHODS = frozenset({"read_ranges", "read_files"})
 #: Requests answered with a plain response that read file data: sent on the data streams too.
-_READ_METHODS = frozenset({"sub_chunks"})
 #: Groups in a row without one sub-chunk found in the basis after which a file's remaining
 #: missing chunks are fetched whole (the basis shares nothing with the new version).
 REFINE_GIVE_UP = 3
@@ -87,76 +86,6 @@ REFINE_GIVE_UP = 3
 _INDEX_ROUNDS = 8
 #: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
 REFINE_SLACK = 64 * 1024
-
-
-class LocalLink:
-    """Link to an in-process :class:`Sender`; requests run on a small thread pool (overlap with writes)."""
-
-    wire_bytes = 0
-
-    def __init__(self, sender: Sender, threads: int = 2) -> None:
-        self.sender = sender
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-local")
-        self.streams = threads
-
-    def submit(self, method: str, **args: Any) -> Future[Any]:
-        return self._pool.submit(getattr(self.sender, method), **args)
-
-    def recycle(self, parts: list[Any]) -> None:
-        """Nothing to give back: in-process replies own their bytes."""
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.sender.close()
-
-
-class RemoteLink:
-    """Link to a sender across the wire through a :class:`Requester`.
-
-    Control requests go on stream 0; chunk and file reads are spread over the other streams
-    (over all of them when there is only one), so that a read never queues behind a
-    ``chunk_list`` piece that the sender is still cutting and hashing.
-    """
-
-    def __init__(self, requester: Requester) -> None:
-        self.requester = requester
-        self.streams = len(requester.channels)
-        self._data_streams = itertools.cycle(range(1, self.streams) if self.streams > 1 else [0])
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.requester.wire_bytes
-
-    def recycle(self, parts: list[Any]) -> None:
-        """Give the receive buffer under a DATA reply's ``parts`` back to the pool.
-
-        Call only when nothing will read ``parts`` (or any view of the same reply) again.
-        """
-        if parts and isinstance(parts[0], memoryview) and isinstance(parts[0].obj, bytearray):
-            self.requester.pool.put(parts[0].obj)
-
-    def submit(self, method: str, **args: Any) -> Future[Any]:
-        if method not in _DATA_METHODS:
-            channel = next(self._data_streams) if method in _READ_METHODS else 0
-            return self.requester.submit(method, args, channel=channel)
-        inner = self.requester.submit(method, args, channel=next(self._data_streams))
-        outer: Future[Any] = Future()
-
-        def done(f: Future[Any]) -> None:
-            try:
-                res = f.result()
-                if not isinstance(res, tuple):
-                    raise RemoteProtocolError(f"{method} must be answered with DATA")
-                meta, body = res
-                wire = meta.get("wire")
-                if not isinstance(wire, list):
-                    raise RemoteProtocolError("DATA meta lacks part lengths")
-                outer.set_result((meta, split_parts(body, wire)))
-            except BaseException as exc:  # delivered to the waiting receiver
-                outer.set_exception(exc)
-
-        inner.add_done_callback(done)
-        return outer
 
 
 def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
@@ -219,7 +148,7 @@ class Receiver:
     ----------
     dest : str
         Absolute destination base path (where the source's ``""`` entry lands).
-    link : LocalLink or RemoteLink
+    link : tb5sync.links.Link
         Way to the sender.
     options : SyncOptions
     state : TreeState or None
@@ -1199,26 +1128,6 @@ class Receiver:
             total += matched
             self._tick(n)
         return total
-
-
-def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
-    """What a dry run would change, as rsync ``-n -v`` lists it: paths relative to the destination base.
-
-    Returns
-    -------
-    dict
-        ``{"transfer": [...], "delete": [...]}``: directories, files and symlinks that would be
-        created or updated (in source order; a directory whose only change is its mode or mtime
-        is not listed), and entries that would be deleted (children first; an entry replaced by
-        one of another kind is listed under both).
-    """
-    transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
-    return {"transfer": transfer, "delete": [d.path for d in plan.delete]}
-
-
-def _source_order(src: list[Entry]) -> Callable[[str], int]:
-    order = {e.path: i for i, e in enumerate(src)}
-    return lambda p: order.get(p, len(order))
 
 
 def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:

@@ -32,21 +32,20 @@ from . import chunking, refine
 from ._paths import DirFds
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .manifest import Tree, check_relpath, scan_tree
+from .entry import check_relpath
+from .scan import Tree, scan_tree
+from .messages import CODEC_LZ4, CODEC_RAW
+from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
-from .transport import FileRange, SharedFd, close_parts
+from ._parts import FileRange, SharedFd, close_parts
 
 if TYPE_CHECKING:
-    from .store import TreeState
+    from .state import TreeState
 
-__all__ = ["Sender", "ReadBuffers", "CODEC_RAW", "CODEC_LZ4", "MAX_READ", "encode_part"]
+__all__ = ["Sender", "ReadBuffers", "encode_part"]
 
 log = logging.getLogger(__name__)
 
-CODEC_RAW = 0
-CODEC_LZ4 = 1
-#: Most bytes one read request may ask for.
-MAX_READ = 32 * 1024 * 1024
 #: Most manifest entries (or directory summaries) per page.
 MAX_PAGE = 16384
 #: Most path characters per page of entries or directory summaries (a page stops once past it):
@@ -255,7 +254,7 @@ class Sender:
         dict
             ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": n}``:
             ``root`` is the base's own entry (wire form); ``dirs`` a page of
-            :meth:`Tree.summary <tb5sync.manifest.Tree.summary>` from ``start`` (at most
+            :meth:`Tree.summary <tb5sync.scan.Tree.summary>` from ``start`` (at most
             :data:`MAX_PAGE` directories and about :data:`PAGE_PATH_BYTES` of paths, at
             least one), in depth-first order; ``total`` the number of directories
             (0 when the base is a file or a symlink).

@@ -41,22 +41,24 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .fsops import FS_METHODS, FsOps, Pages
-from .manifest import DIR, FILE, LINK, kind_of, scan
+from .fsops import FsOps, Pages
+from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
+from .entry import DIR, FILE, LINK, kind_of
+from .scan import scan
 from .options import SyncOptions
 from .protocol import FrameType
-from .receiver import Receiver, RemoteLink, dest_base, scan_in_background
+from .links import RemoteLink
+from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
-from .store import TreeState
-from .transport import Channel, Requester, hide_root, serve, server_handshake, tune_socket
+from .state import TreeState
+from .rpc import Requester, serve
+from .transport import Channel, hide_root, server_handshake, tune_socket
 from . import protocol as P
 
-__all__ = ["Server", "DEFAULT_PORT", "SENDER_METHODS"]
+__all__ = ["Server"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8873
-SENDER_METHODS = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks"})
 _HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
 _SOURCE_MAX = 1 << 36
@@ -276,7 +278,7 @@ class Server:
             return False
         if op == "ping":
             ch.send_control(FrameType.RESPONSE, 0, {})
-            serve(ch, _Ping(), frozenset({"ping"}))
+            serve(ch, _Ping(), PING_METHODS)
             return False
         if op == "source":
             self._source(ch, msg.get("bytes"))

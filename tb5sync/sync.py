@@ -100,8 +100,9 @@ def sync(
 
 def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
     from .client import local_state
-    from .manifest import DIR, kind_of, source_name
-    from .receiver import LocalLink, Receiver, dest_base
+    from .entry import DIR, kind_of, source_name
+    from .links import LocalLink
+    from .receiver import Receiver, dest_base
     from .sender import Sender
 
     src_abs = os.path.abspath(src)

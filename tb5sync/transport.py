@@ -1,35 +1,28 @@
-"""Sockets: framed channels, the client/server handshake, pipelined requests, and a serving loop.
+"""Sockets: framed channels, the client/server handshake, receive buffers and sendfile parts.
 
 Thin by design: it reads the socket, feeds :mod:`tb5sync.protocol`, and writes
-replies. One :class:`Channel` is one TCP stream. :class:`Requester` sends
-requests over one or more channels without waiting for replies (pipelining)
-and resolves a :class:`concurrent.futures.Future` per request; :func:`serve`
-answers requests on a channel by calling a handler object's methods.
+frames. One :class:`Channel` is one TCP stream. Requests and replies over
+channels (pipelining, the serving loop) are :mod:`tb5sync.rpc`'s.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
 import socket
 import threading
-from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from . import protocol as P
+from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
-    LocalProtocolError,
-    ProtocolError,
     RemoteProtocolError,
     Tb5syncError,
-    UsageError,
-    error_from_remote,
 )
 
-__all__ = ["BufferPool", "FileRange", "Channel", "Requester", "serve", "client_handshake", "server_handshake", "connect", "SOCK_BUF"]
+__all__ = ["BufferPool", "FileRange", "SharedFd", "Channel", "client_handshake", "server_handshake", "connect", "close_parts", "hide_root", "tune_socket", "SOCK_BUF"]
 
 log = logging.getLogger(__name__)
 
@@ -86,57 +79,6 @@ class BufferPool:
                 self._free.append(buf)
 
 
-class FileRange:
-    """A part of a DATA reply that is sent straight from a file with ``sendfile(2)``.
-
-    The bytes go from the page cache to the socket without a copy through user space (on
-    loopback and on NICs with scatter-gather, without any copy at the sender). The reply's
-    ``parts`` may mix these with bytes-like parts; :func:`serve` closes them once sent.
-
-    Parameters
-    ----------
-    fd : SharedFd
-        The open file (shared by the parts of one reply; closed with the last of them).
-    offset, length : int
-        Byte range of the file.
-    """
-
-    __slots__ = ("fd", "offset", "length", "_open")
-
-    def __init__(self, fd: SharedFd, offset: int, length: int) -> None:
-        self.fd = fd
-        self.offset = offset
-        self.length = length
-        self._open = True
-        fd.users += 1
-
-    def __len__(self) -> int:
-        return self.length
-
-    def close(self) -> None:
-        """Release this part's hold on the file (idempotent)."""
-        if self._open:
-            self._open = False
-            self.fd.release()
-
-
-class SharedFd:
-    """A file descriptor closed when its last :class:`FileRange` is closed (or at once if none took it)."""
-
-    __slots__ = ("fd", "users")
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.users = 0
-
-    def release(self) -> None:
-        """Drop one user; close the descriptor when none is left."""
-        self.users -= 1
-        if self.users <= 0 and self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-
 def hide_root(message: str, root: str) -> str:
     """``message`` with paths under ``root`` made relative to it (``root`` itself becomes ``.``).
 
@@ -148,13 +90,6 @@ def hide_root(message: str, root: str) -> str:
         return message
     message = message.replace(root + os.sep, "")
     return re.sub(re.escape(root) + r"(?![\w.\-])", ".", message)
-
-
-def close_parts(parts: list[Any]) -> None:
-    """Close the :class:`FileRange` parts of a reply (after sending it, or when it is dropped)."""
-    for p in parts:
-        if isinstance(p, FileRange):
-            p.close()
 
 
 class Channel:
@@ -382,229 +317,3 @@ def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) ->
         raise
     sock.settimeout(None)
     return ch
-
-
-def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
-    """Send OPEN with ``msg`` and wait for its RESPONSE (or raise the peer's ERROR)."""
-    ch.send_control(P.FrameType.OPEN, 0, msg)
-    got = ch.recv_frame()
-    if got is None:
-        raise ConnectError("server closed the connection instead of answering OPEN")
-    header, payload = got
-    body = P.decode_control(payload)
-    if header.type is P.FrameType.ERROR:
-        raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
-    if header.type is not P.FrameType.RESPONSE:
-        raise RemoteProtocolError(f"expected RESPONSE to OPEN, got {header.type.name}")
-    return body
-
-
-class Requester:
-    """Pipelined requests over one or more channels; one reader thread per channel.
-
-    ``submit`` returns at once with a future; control replies resolve to a dict,
-    DATA replies to ``(meta, parts)`` where ``parts`` are memoryviews cut from
-    the frame by ``meta``'s wire lengths (see :meth:`split_parts`).
-
-    Parameters
-    ----------
-    channels : list of Channel
-        The session's streams; channel 0 carries control requests by default.
-    """
-
-    def __init__(self, channels: list[Channel]) -> None:
-        if not channels:
-            raise UsageError("a requester needs at least one channel")
-        self.channels = channels
-        #: Receive buffers shared by the channels; DATA bodies are views into them.
-        self.pool = BufferPool(max_buffers=16)
-        for ch in channels:
-            ch.pool = self.pool
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: list[dict[int, Future[Any]]] = [{} for _ in channels]
-        self._rr = itertools.cycle(range(len(channels)))
-        self._dead: list[BaseException | None] = [None] * len(channels)
-        self._threads = []
-        for i in range(len(channels)):
-            t = threading.Thread(target=self._reader, args=(i,), name=f"tb5-rx-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes sent and received on all channels, frames included."""
-        return sum(c.bytes_sent + c.bytes_received for c in self.channels)
-
-    def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Future[Any]:
-        """Send a request and return its future. ``channel=None`` picks streams round-robin.
-
-        Raises
-        ------
-        ConnectError
-            The chosen channel is already dead.
-        """
-        idx = next(self._rr) if channel is None else channel
-        fut: Future[Any] = Future()
-        with self._lock:
-            if self._dead[idx] is not None:
-                raise ConnectError(f"stream {idx} is closed: {self._dead[idx]}")
-            rid = next(self._ids) & 0xFFFFFFFF
-            self._pending[idx][rid] = fut
-        try:
-            self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
-        except OSError as exc:
-            with self._lock:
-                self._pending[idx].pop(rid, None)
-            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
-        return fut
-
-    def call(self, method: str, args: dict[str, Any], *, channel: int = 0, timeout: float | None = None) -> Any:
-        """Send a request and wait for its reply."""
-        return self.submit(method, args, channel=channel).result(timeout)
-
-    def _reader(self, idx: int) -> None:
-        ch = self.channels[idx]
-        pending = self._pending[idx]
-        err: BaseException = ConnectError("peer closed the connection")
-        try:
-            while True:
-                got = ch.recv_frame()
-                if got is None:
-                    break
-                header, payload = got
-                with self._lock:
-                    fut = pending.pop(header.rid, None)
-                if header.type is P.FrameType.ERROR:
-                    body = P.decode_control(payload)
-                    exc = error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
-                    if fut is None:  # session-level error
-                        err = exc
-                        break
-                    _resolve(fut, exc=exc)
-                    continue
-                if header.type is P.FrameType.BYE:
-                    break
-                if fut is None:
-                    raise RemoteProtocolError(f"reply to unknown request id {header.rid}")
-                if header.type is P.FrameType.RESPONSE:
-                    _resolve(fut, P.decode_control(payload))
-                elif header.type is P.FrameType.DATA:
-                    meta, body = P.decode_data(payload)
-                    _resolve(fut, (meta, body))
-                else:
-                    raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
-        except (ProtocolError, OSError) as exc:
-            err = exc if isinstance(exc, ProtocolError) else ConnectError(f"connection lost: {exc}")
-        with self._lock:
-            self._dead[idx] = err
-            left = list(pending.values())
-            pending.clear()
-        for fut in left:
-            _resolve(fut, exc=err)
-
-    def close(self, bye: bool = True) -> None:
-        """Send BYE on every channel (when ``bye``), then close them."""
-        for ch in self.channels:
-            if bye:
-                try:
-                    ch.send_control(P.FrameType.BYE, 0, {})
-                except OSError:
-                    pass
-            ch.close()
-        for t in self._threads:
-            t.join(timeout=5)
-
-
-def _resolve(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Settle ``fut`` unless the caller cancelled it meanwhile (its reply is then dropped)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def split_parts(body: memoryview, lengths: list[int]) -> list[memoryview]:
-    """Cut a DATA body into consecutive parts of the given wire lengths.
-
-    Raises
-    ------
-    RemoteProtocolError
-        The lengths do not add up to the body's size.
-    """
-    out = []
-    off = 0
-    for n in lengths:
-        if not isinstance(n, int) or n < 0 or off + n > len(body):
-            raise RemoteProtocolError("DATA part lengths exceed the frame body")
-        out.append(body[off : off + n])
-        off += n
-    if off != len(body):
-        raise RemoteProtocolError("DATA part lengths do not cover the frame body")
-    return out
-
-
-def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
-    """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
-
-    A method returning a dict is answered with RESPONSE; one returning
-    ``(meta, parts)`` with a DATA frame. A :class:`Tb5syncError`, ``OSError`` or
-    bad arguments become an ERROR reply for that request and serving goes on;
-    a protocol violation ends the loop (after an ERROR frame) but never raises
-    past it except as the returned exception's re-raise.
-
-    Raises
-    ------
-    RemoteProtocolError, VersionMismatchError
-        The peer broke the protocol (an ERROR frame was sent first).
-    """
-    while True:
-        try:
-            got = ch.recv_frame()
-        except ProtocolError as exc:
-            ch.send_error(0, exc)
-            raise
-        if got is None:
-            return
-        header, payload = got
-        if header.type is P.FrameType.BYE:
-            return
-        if header.type is P.FrameType.ERROR:
-            body = P.decode_control(payload)
-            raise error_from_remote(str(body.get("kind")), str(body.get("message")), body.get("errno"))
-        if header.type is not P.FrameType.REQUEST:
-            exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
-            ch.send_error(0, exc)
-            raise exc
-        try:
-            msg = P.decode_control(payload)
-        except RemoteProtocolError as exc:
-            ch.send_error(0, exc)
-            raise
-        method = msg.get("m")
-        args = msg.get("a", {})
-        try:
-            if method not in methods or not isinstance(args, dict):
-                raise UsageError(f"unknown request {method!r}")
-            try:
-                result = getattr(handler, method)(**args)
-            except TypeError as exc:
-                raise UsageError(f"bad arguments for {method}: {exc}") from exc
-        except (Tb5syncError, OSError, ValueError) as exc:
-            if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
-                log.info("request %s failed: %s", method, exc)
-            ch.send_error(header.rid, exc)
-            continue
-        if isinstance(result, tuple):
-            meta, parts = result
-            try:
-                ch.send_data(header.rid, meta, parts)
-            finally:
-                close_parts(parts)
-        elif isinstance(result, dict):
-            ch.send_control(P.FrameType.RESPONSE, header.rid, result)
-        else:
-            raise LocalProtocolError(f"handler {method} returned {type(result).__name__}")

@@ -17,7 +17,8 @@ from fsspec.implementations.local import LocalFileSystem
 from conftest import LiveServer, slurp, start_server, tmp_files
 from conftest import tb5fs as tb5
 from tb5sync import errors
-from tb5sync.transport import Requester, connect, open_session
+from tb5sync.rpc import Requester, open_session
+from tb5sync.transport import connect
 
 TOKEN = b"s3cret-token"
 

@@ -21,7 +21,8 @@ from conftest import LiveServer, snapshot
 import tb5sync
 import tb5sync.sender as sender_mod
 from tb5sync.errors import RemoteProtocolError
-from tb5sync.manifest import DIR, FILE, LINK, Entry, listing_digest, scan, scan_tree
+from tb5sync.entry import DIR, FILE, LINK, Entry
+from tb5sync.scan import listing_digest, scan, scan_tree
 from tb5sync.receiver import Receiver
 from tb5sync.sender import Sender
 

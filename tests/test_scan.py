@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import make_tree, require_cython
 
-import tb5sync.manifest as m
+import tb5sync.scan as m
+from tb5sync.excludes import ExcludeRules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,7 +83,7 @@ def test_scan_is_the_same_with_either_twin(lister: Lister, odd_tree: str, monkey
     got = m.scan(odd_tree)
     assert got == want
     assert "fifo" not in {e.path for e in got}  # special files are skipped (with a warning)
-    rules = m.ExcludeRules(("*.bin", "d1/"))
+    rules = ExcludeRules(("*.bin", "d1/"))
     assert m.scan(odd_tree, rules) == [e for e in want if not e.path.endswith(".bin") and not e.path.startswith("d1")]
     tree = m.scan_tree(odd_tree)
     assert tree.entries == want

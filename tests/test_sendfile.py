@@ -15,8 +15,10 @@ import tb5sync
 from conftest import LiveServer
 from tb5sync import protocol as P
 from tb5sync.options import SyncOptions
-from tb5sync.sender import CODEC_LZ4, CODEC_RAW, Sender
-from tb5sync.transport import Channel, FileRange, SharedFd, close_parts
+from tb5sync.messages import CODEC_LZ4, CODEC_RAW
+from tb5sync.sender import Sender
+from tb5sync._parts import FileRange, SharedFd, close_parts
+from tb5sync.transport import Channel
 
 pytestmark = pytest.mark.timeout(60)
 

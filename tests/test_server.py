@@ -45,7 +45,8 @@ from tb5sync.errors import (
 )
 from tb5sync.protocol import FrameType
 from tb5sync.sender import Sender
-from tb5sync.transport import Channel, connect, open_session
+from tb5sync.rpc import open_session
+from tb5sync.transport import Channel, connect
 
 RAW = struct.Struct("!4sBBHII")
 TOKEN = b"s3cret-token"

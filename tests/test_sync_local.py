@@ -213,7 +213,7 @@ def test_import_loads_no_engine() -> None:
     code = (
         "import sys, tb5sync\n"
         "heavy = [m for m in ('tb5sync.client', 'tb5sync.receiver', 'tb5sync.sender', 'tb5sync.transport',"
-        " 'tb5sync.store', 'tb5sync.chunking', 'sqlite3', 'socket') if m in sys.modules]\n"
+        " 'tb5sync.state', 'tb5sync.chunking', 'sqlite3', 'socket') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
         "assert callable(tb5sync.sync) and tb5sync.SyncOptions is not None\n"
     )

@@ -24,7 +24,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
-from .manifest import STATE_DIR
+from ._paths import STATE_DIR
 from . import chunking
 
 __all__ = ["TreeState"]

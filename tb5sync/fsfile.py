@@ -1,0 +1,179 @@
+"""The file object of the ``tb5://`` filesystem: ranged reads and buffered atomic writes.
+
+:class:`TB5File` is what :meth:`TB5FileSystem.open <tb5sync.fs.TB5FileSystem.open>` returns;
+it reaches the server only through its filesystem's coroutines (the connections and the
+request layer are :mod:`tb5sync.fs`'s and :mod:`tb5sync.rpc`'s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fsspec.asyn import sync
+from fsspec.spec import AbstractBufferedFile
+
+from .errors import SourceChangedError
+from .messages import FS_MAX_READ as MAX_READ
+from .messages import FS_MAX_WRITE as MAX_WRITE
+
+if TYPE_CHECKING:
+    from .fs import TB5FileSystem
+
+__all__ = ["TB5File", "rest_of_read", "join_read"]
+
+
+def rest_of_read(path: str, meta: dict[str, Any], got: int) -> list[dict[str, Any]]:
+    """The ``cat`` requests still needed after a first reply of ``got`` bytes (each pinned to that file version)."""
+    s, e = meta["start"], meta["end"]
+    if s + got >= e:
+        return []
+    pin = {"size": meta["size"], "mtime": meta["mtime"]}
+    return [{"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin} for o in range(s + got, e, MAX_READ)]
+
+
+def join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -> bytes:
+    """The reply bytes as one ``bytes`` (one copy: memory traffic costs about as much as the wire here)."""
+    out = bytes(first) if not pieces else b"".join([first, *pieces])
+    if len(out) != meta["end"] - meta["start"]:
+        raise SourceChangedError(path)
+    return out
+
+
+def _check_parent(fs: TB5FileSystem, path: str) -> None:
+    """Raise as ``open(path, "wb")`` would when ``path``'s parent directory is missing or a file.
+
+    Raises
+    ------
+    FileNotFoundError, NotADirectoryError
+        The parent does not exist, or is not a directory.
+    """
+    parent = fs._parent(path)
+    if not parent:
+        return  # the server's ROOT
+    try:
+        kind = fs.info(parent)["type"]
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "No such file or directory", path) from None
+    if kind != "directory":
+        raise NotADirectoryError(20, "Not a directory", path)
+
+
+class TB5File(AbstractBufferedFile):
+    """A file on a tb5sync server, opened through :class:`TB5FileSystem`.
+
+    Read mode (``"rb"``): random access through ranged requests (default block
+    8 MiB, fsspec's readahead cache); while reading sequentially the next block is
+    fetched in the background. Every range is pinned to the size and mtime seen
+    at open, so a file replaced meanwhile raises
+    :class:`~tb5sync.errors.SourceChangedError` instead of mixing versions.
+
+    Write modes (``"wb"``, ``"xb"``, ``"ab"``): buffered; the bytes go to a
+    temporary file on the server, renamed into place on close (``autocommit``) or
+    on :meth:`commit` inside an fsspec transaction. A ``with`` block left by an
+    exception, a file dropped without ``close()``, or a lost connection leaves
+    nothing at the final path (the old file, if any, stays).
+    """
+
+    DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
+
+    def __init__(self, fs: TB5FileSystem, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True, cache_type: str = "readahead", cache_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self._handle: tuple[int, int] | None = None
+        self._ahead: tuple[int, int, Any] | None = None
+        if mode == "xb" and fs.exists(path):
+            raise FileExistsError(17, "File exists", path)
+        if mode in ("wb", "xb", "ab") and not fs.auto_mkdir:
+            _check_parent(fs, path)  # fail at open, as LocalFileSystem does, not at close
+        super().__init__(fs, path, mode, block_size or "default", autocommit, cache_type, cache_options, **kwargs)
+        if mode == "rb" and self.details["type"] == "directory":
+            raise IsADirectoryError(21, "Is a directory", path)
+        if mode == "rb" and self.details["islink"] and self.details["type"] == "other":
+            fs.cat_file(path, 0, 0)  # a link leading outside the root: the server refuses (PermissionError)
+
+    # reading
+    def _pin(self) -> dict[str, Any]:
+        return {"size": self.details["size"], "mtime": self.details["mtime"]}
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        end = min(end, self.size)
+        if start >= end:
+            return b""
+        fs: TB5FileSystem = self.fs
+        data = b""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            astart, aend, fut = ahead
+            if astart == start:
+                data = fut.result()[: end - start]
+            else:
+                fut.cancel()
+        if len(data) < end - start:
+            data += fs.cat_file(self.path, start + len(data), end, expect=self._pin())
+        # sequential reading: fetch the next block of the same size in the background
+        if end < self.size:
+            nend = min(self.size, end + (end - start))
+            coro = fs._cat_file(self.path, end, nend, expect=self._pin())
+            self._ahead = (end, nend, asyncio.run_coroutine_threadsafe(coro, fs.loop))
+        return data
+
+    # writing
+    def _initiate_upload(self) -> None:
+        """Nothing to do yet: a small file is written in one request at close."""
+
+    def _upload_chunk(self, final: bool = False) -> bool:
+        fs: TB5FileSystem = self.fs
+        data = self.buffer.getvalue()
+        mode = "create" if self.mode == "xb" else "overwrite"
+        if self._handle is None:
+            if final and self.autocommit and self.mode != "ab" and len(data) <= MAX_WRITE:
+                sync(fs.loop, fs._write_bytes, self.path, data, mode)
+                return True
+            self._handle = sync(fs.loop, fs._wopen, self.path, mode, self.mode == "ab")
+        handle, chan = self._handle
+        try:
+            sync(fs.loop, fs._wwrite, handle, chan, data)
+        except BaseException:
+            self.discard()
+            raise
+        if final and self.autocommit:
+            self.commit()
+        return True
+
+    def commit(self) -> None:
+        """Rename the written bytes into place (called on close, or by an fsspec transaction)."""
+        if self._handle is not None:
+            handle, chan = self._handle
+            self._handle = None
+            sync(self.fs.loop, self.fs._wclose, handle, chan, True)
+
+    def discard(self) -> None:
+        """Throw the written bytes away; nothing appears at the final path."""
+        if self._handle is not None:
+            handle, chan = self._handle
+            self._handle = None
+            sync(self.fs.loop, self.fs._wclose, handle, chan, False)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead[2].cancel()
+            self._ahead = None
+        super().close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self.mode != "rb" and not self.closed:
+            # the writer failed: throw its bytes away rather than commit half a file
+            self.discard()
+            self.closed = True
+            return
+        self.close()
+
+    def __del__(self) -> None:
+        # a writer dropped without close() never commits (fsspec's default would)
+        if not self.closed and self.mode != "rb":
+            try:
+                self.discard()
+            except Exception:  # interpreter shutdown, loop gone: the server drops the temp file anyway
+                pass
+            self.closed = True
+        elif not self.closed:
+            self.close()

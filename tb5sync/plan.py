@@ -1,0 +1,138 @@
+"""Plan a sync: compare the source's manifest with the destination's (rsync's generator decisions).
+
+No I/O here: the inputs are manifests, the output a :class:`Plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .entry import DIR, LINK, Entry
+from .excludes import NO_RULES, ExcludeRules
+
+__all__ = ["Plan", "plan_sync", "dry_run_changes"]
+
+@dataclass
+class Plan:
+    """What a receiver must do to make the destination match the source.
+
+    All paths are relative to the destination base. Lists keep source order
+    (parents before children), except ``delete`` which is children first.
+    """
+
+    mkdirs: list[Entry] = field(default_factory=list)
+    files: list[Entry] = field(default_factory=list)
+    links: list[Entry] = field(default_factory=list)
+    meta: list[Entry] = field(default_factory=list)
+    delete: list[Entry] = field(default_factory=list)
+    dirs: list[Entry] = field(default_factory=list)
+    unchanged: int = 0
+
+
+def plan_sync(
+    src: Iterable[Entry],
+    dst: Iterable[Entry],
+    *,
+    delete: bool = False,
+    excludes: ExcludeRules = NO_RULES,
+    same_content: dict[str, bool] | None = None,
+) -> Plan:
+    """Compare a source manifest with the destination's and plan the changes.
+
+    Parameters
+    ----------
+    src, dst : iterables of Entry
+        Manifests relative to the same base (``""`` is the base).
+    delete : bool
+        Plan removal of destination entries missing at the source (never of excluded ones).
+    excludes : ExcludeRules
+        Protects matching destination entries from deletion.
+    same_content : dict, optional
+        ``--checksum`` mode: for files present on both sides with equal size,
+        whether their content digests are equal. Files absent from the dict fall
+        back to the quick check.
+
+    Returns
+    -------
+    Plan
+        Quick check (rsync's): a regular file is unchanged when size and mtime_ns
+        are equal; in checksum mode, when size and content digest are equal.
+        An entry whose type differs is deleted first, then recreated.
+    """
+    have = {e.path: e for e in dst}
+    plan = Plan()
+    src_paths = set()
+    for e in src:
+        src_paths.add(e.path)
+        d = have.get(e.path)
+        if d is not None and d.kind != e.kind:
+            if not (d.kind == DIR and e.kind == DIR):
+                plan.delete.append(d)
+            d = None
+        if e.kind == DIR:
+            plan.dirs.append(e)
+            if d is None:
+                plan.mkdirs.append(e)
+            elif d.mode != e.mode:
+                plan.meta.append(e)
+        elif e.kind == LINK:
+            if d is None or d.target != e.target:
+                if d is not None:
+                    plan.delete.append(d)
+                plan.links.append(e)
+            else:
+                if d.mtime_ns != e.mtime_ns:
+                    plan.meta.append(e)
+                plan.unchanged += 1
+        else:
+            if d is None:
+                plan.files.append(e)
+                continue
+            if same_content is not None and e.path in same_content:
+                changed = d.size != e.size or not same_content[e.path]
+            else:
+                changed = d.size != e.size or d.mtime_ns != e.mtime_ns
+            if changed:
+                plan.files.append(e)
+            elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                plan.meta.append(e)
+                plan.unchanged += 1
+            else:
+                plan.unchanged += 1
+    if delete:
+        for p, d in have.items():
+            if p in src_paths or p == "":
+                continue
+            if excludes and (excludes.match(p, d.kind == DIR) or excludes.excluded_by_parent(p)):
+                continue
+            plan.delete.append(d)
+    # children before parents; de-duplicate
+    seen: set[str] = set()
+    uniq = []
+    for d in sorted(plan.delete, key=lambda x: x.path.count("/"), reverse=True):
+        if d.path not in seen:
+            seen.add(d.path)
+            uniq.append(d)
+    plan.delete = uniq
+    return plan
+
+
+def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
+    """What a dry run would change, as rsync ``-n -v`` lists it: paths relative to the destination base.
+
+    Returns
+    -------
+    dict
+        ``{"transfer": [...], "delete": [...]}``: directories, files and symlinks that would be
+        created or updated (in source order; a directory whose only change is its mode or mtime
+        is not listed), and entries that would be deleted (children first; an entry replaced by
+        one of another kind is listed under both).
+    """
+    transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
+    return {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+
+
+def _source_order(src: list[Entry]) -> Callable[[str], int]:
+    order = {e.path: i for i, e in enumerate(src)}
+    return lambda p: order.get(p, len(order))

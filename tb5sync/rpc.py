@@ -1,0 +1,296 @@
+"""Requests and replies over channels: one pipelined client, one direct call, one serving loop.
+
+:class:`Requester` sends requests over one or more :class:`~tb5sync.transport.Channel`
+without waiting for replies (pipelining) and resolves a
+:class:`concurrent.futures.Future` per request; :func:`call_direct` sends one request on a
+channel and reads its reply in the caller's thread (the fsspec face's small-op path);
+:func:`serve` answers requests on a channel by calling a handler object's methods. Every
+reply frame is turned into a result or an error by one function, :func:`reply_of`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from . import protocol as P
+from .errors import (
+    ConnectError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    Tb5syncError,
+    UsageError,
+)
+from ._parts import close_parts
+from .transport import BufferPool, Channel
+
+__all__ = ["Requester", "call_direct", "open_session", "serve", "split_parts", "reply_of"]
+
+log = logging.getLogger(__name__)
+
+
+def reply_of(header: P.Header, payload: bytes | bytearray | memoryview) -> Any:
+    """The result a reply frame carries: a dict (RESPONSE) or ``(meta, body)`` (DATA).
+
+    Raises
+    ------
+    Tb5syncError
+        The peer's error, for an ERROR frame (see :func:`tb5sync.protocol.error_from_body`).
+    RemoteProtocolError
+        Any other frame type.
+    """
+    if header.type is P.FrameType.RESPONSE:
+        return P.decode_control(payload)
+    if header.type is P.FrameType.DATA:
+        return P.decode_data(payload)
+    if header.type is P.FrameType.ERROR:
+        raise P.error_from_body(P.decode_control(payload))
+    raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
+
+
+def call_direct(ch: Channel, method: str, args: dict[str, Any]) -> Any:
+    """Send one request on ``ch`` and read its reply in this thread.
+
+    The caller owns ``ch`` for the exchange (no reader thread runs on it). Returns what
+    :func:`reply_of` returns.
+
+    Raises
+    ------
+    ConnectError
+        The connection broke or closed (the channel's state is then unknown: close it).
+    Tb5syncError
+        The server's error for this request.
+    """
+    try:
+        ch.send_control(P.FrameType.REQUEST, 1, {"m": method, "a": args})
+        got = ch.recv_frame()
+    except OSError as exc:
+        if isinstance(exc, Tb5syncError):
+            raise
+        raise ConnectError(f"connection lost: {exc}") from exc
+    if got is None:
+        raise ConnectError("server closed the connection")
+    return reply_of(*got)
+
+
+def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
+    """Send OPEN with ``msg`` and wait for its RESPONSE (or raise the peer's ERROR)."""
+    ch.send_control(P.FrameType.OPEN, 0, msg)
+    got = ch.recv_frame()
+    if got is None:
+        raise ConnectError("server closed the connection instead of answering OPEN")
+    header, payload = got
+    if header.type not in (P.FrameType.ERROR, P.FrameType.RESPONSE):
+        raise RemoteProtocolError(f"expected RESPONSE to OPEN, got {header.type.name}")
+    body: dict[str, Any] = reply_of(header, payload)
+    return body
+
+
+class Requester:
+    """Pipelined requests over one or more channels; one reader thread per channel.
+
+    ``submit`` returns at once with a future; control replies resolve to a dict,
+    DATA replies to ``(meta, parts)`` where ``parts`` are memoryviews cut from
+    the frame by ``meta``'s wire lengths (see :meth:`split_parts`).
+
+    Parameters
+    ----------
+    channels : list of Channel
+        The session's streams; channel 0 carries control requests by default.
+    """
+
+    def __init__(self, channels: list[Channel]) -> None:
+        if not channels:
+            raise UsageError("a requester needs at least one channel")
+        self.channels = channels
+        #: Receive buffers shared by the channels; DATA bodies are views into them.
+        self.pool = BufferPool(max_buffers=16)
+        for ch in channels:
+            ch.pool = self.pool
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: list[dict[int, Future[Any]]] = [{} for _ in channels]
+        self._rr = itertools.cycle(range(len(channels)))
+        self._dead: list[BaseException | None] = [None] * len(channels)
+        self._threads = []
+        for i in range(len(channels)):
+            t = threading.Thread(target=self._reader, args=(i,), name=f"tb5-rx-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes sent and received on all channels, frames included."""
+        return sum(c.bytes_sent + c.bytes_received for c in self.channels)
+
+    def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Future[Any]:
+        """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        Raises
+        ------
+        ConnectError
+            The chosen channel is already dead.
+        """
+        idx = next(self._rr) if channel is None else channel
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._dead[idx] is not None:
+                raise ConnectError(f"stream {idx} is closed: {self._dead[idx]}")
+            rid = next(self._ids) & 0xFFFFFFFF
+            self._pending[idx][rid] = fut
+        try:
+            self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
+        except OSError as exc:
+            with self._lock:
+                self._pending[idx].pop(rid, None)
+            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
+        return fut
+
+    def call(self, method: str, args: dict[str, Any], *, channel: int = 0, timeout: float | None = None) -> Any:
+        """Send a request and wait for its reply."""
+        return self.submit(method, args, channel=channel).result(timeout)
+
+    def _reader(self, idx: int) -> None:
+        ch = self.channels[idx]
+        pending = self._pending[idx]
+        err: BaseException = ConnectError("peer closed the connection")
+        try:
+            while True:
+                got = ch.recv_frame()
+                if got is None:
+                    break
+                header, payload = got
+                with self._lock:
+                    fut = pending.pop(header.rid, None)
+                if header.type is P.FrameType.BYE:
+                    break
+                if fut is None and header.type is not P.FrameType.ERROR:
+                    raise RemoteProtocolError(f"reply to unknown request id {header.rid}")
+                try:
+                    result = reply_of(header, payload)
+                except ProtocolError:
+                    raise
+                except Tb5syncError as exc:
+                    if fut is None:  # session-level error
+                        err = exc
+                        break
+                    _resolve(fut, exc=exc)
+                    continue
+                _resolve(fut, result)
+        except (ProtocolError, OSError) as exc:
+            err = exc if isinstance(exc, ProtocolError) else ConnectError(f"connection lost: {exc}")
+        with self._lock:
+            self._dead[idx] = err
+            left = list(pending.values())
+            pending.clear()
+        for fut in left:
+            _resolve(fut, exc=err)
+
+    def close(self, bye: bool = True) -> None:
+        """Send BYE on every channel (when ``bye``), then close them."""
+        for ch in self.channels:
+            if bye:
+                try:
+                    ch.send_control(P.FrameType.BYE, 0, {})
+                except OSError:
+                    pass
+            ch.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def _resolve(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle ``fut`` unless the caller cancelled it meanwhile (its reply is then dropped)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def split_parts(body: memoryview, lengths: list[int]) -> list[memoryview]:
+    """Cut a DATA body into consecutive parts of the given wire lengths.
+
+    Raises
+    ------
+    RemoteProtocolError
+        The lengths do not add up to the body's size.
+    """
+    out = []
+    off = 0
+    for n in lengths:
+        if not isinstance(n, int) or n < 0 or off + n > len(body):
+            raise RemoteProtocolError("DATA part lengths exceed the frame body")
+        out.append(body[off : off + n])
+        off += n
+    if off != len(body):
+        raise RemoteProtocolError("DATA part lengths do not cover the frame body")
+    return out
+
+
+def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
+    """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
+
+    A method returning a dict is answered with RESPONSE; one returning
+    ``(meta, parts)`` with a DATA frame. A :class:`Tb5syncError`, ``OSError`` or
+    bad arguments become an ERROR reply for that request and serving goes on;
+    a protocol violation ends the loop (after an ERROR frame) but never raises
+    past it except as the returned exception's re-raise.
+
+    Raises
+    ------
+    RemoteProtocolError, VersionMismatchError
+        The peer broke the protocol (an ERROR frame was sent first).
+    """
+    while True:
+        try:
+            got = ch.recv_frame()
+        except ProtocolError as exc:
+            ch.send_error(0, exc)
+            raise
+        if got is None:
+            return
+        header, payload = got
+        if header.type is P.FrameType.BYE:
+            return
+        if header.type is P.FrameType.ERROR:
+            raise P.error_from_body(P.decode_control(payload))
+        if header.type is not P.FrameType.REQUEST:
+            exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
+            ch.send_error(0, exc)
+            raise exc
+        try:
+            msg = P.decode_control(payload)
+        except RemoteProtocolError as exc:
+            ch.send_error(0, exc)
+            raise
+        method = msg.get("m")
+        args = msg.get("a", {})
+        try:
+            if method not in methods or not isinstance(args, dict):
+                raise UsageError(f"unknown request {method!r}")
+            try:
+                result = getattr(handler, method)(**args)
+            except TypeError as exc:
+                raise UsageError(f"bad arguments for {method}: {exc}") from exc
+        except (Tb5syncError, OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
+                log.info("request %s failed: %s", method, exc)
+            ch.send_error(header.rid, exc)
+            continue
+        if isinstance(result, tuple):
+            meta, parts = result
+            try:
+                ch.send_data(header.rid, meta, parts)
+            finally:
+                close_parts(parts)
+        elif isinstance(result, dict):
+            ch.send_control(P.FrameType.RESPONSE, header.rid, result)
+        else:
+            raise LocalProtocolError(f"handler {method} returned {type(result).__name__}")

@@ -1,0 +1,280 @@
+"""Scan a local tree into manifest entries, with per-directory listing digests.
+
+No networking here. The one import site that picks the directory lister: the Cython
+``_scan.listdir_stat`` or its pure-Python twin :func:`py_listdir_stat`
+(``TB5SYNC_PUREPYTHON=1`` forces Python).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
+from .entry import DIR, FILE, LINK, Entry
+from .errors import RemoteNotFoundError
+from .excludes import NO_RULES, ExcludeRules
+
+__all__ = ["scan", "scan_tree", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
+
+log = logging.getLogger(__name__)
+
+_tuple_new = tuple.__new__  # builds an Entry without NamedTuple's Python-level __new__ (the scan's hot loop)
+
+
+def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
+    m = st.st_mode
+    if stat.S_ISREG(m):
+        return Entry(rel, FILE, stat.S_IMODE(m), st.st_size, st.st_mtime_ns)
+    if stat.S_ISDIR(m):
+        return Entry(rel, DIR, stat.S_IMODE(m), 0, st.st_mtime_ns)
+    if stat.S_ISLNK(m):
+        target = os.readlink(full)
+        return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
+    log.warning("skipping %s: not a regular file, directory or symlink", full)
+    return None
+
+
+@dataclass
+class Tree:
+    """A scanned tree: the entries of :func:`scan`, grouped by directory, and per-directory digests.
+
+    Attributes
+    ----------
+    entries : list of Entry
+        As :func:`scan` returns them (base first, depth-first, parents before children).
+    children : dict of str to list of Entry
+        For every directory that was listed, its path -> its direct children in name
+        order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
+        parents before children. Empty when the base is not a directory.
+    """
+
+    entries: list[Entry]
+    children: dict[str, list[Entry]]
+    _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
+    _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
+
+    def digests(self) -> dict[str, bytes]:
+        """Each listed directory's path -> :func:`listing_digest` of its children (computed once)."""
+        if self._digests is None:
+            self._digests = {d: listing_digest(kids) for d, kids in self.children.items()}
+        return self._digests
+
+    def summary(self) -> list[tuple[str, bytes, int, int]]:
+        """``(path, digest, files, bytes)`` per listed directory, in :attr:`children` order.
+
+        ``files`` and ``bytes`` count the directory's direct children that are regular
+        files and their sizes (bytes), so that the sums over all directories are the
+        tree's totals (the base itself excepted when it is a file). Computed once.
+        """
+        if self._summary is None:
+            dg = self.digests()
+            out: list[tuple[str, bytes, int, int]] = []
+            for d, kids in self.children.items():
+                files = [e.size for e in kids if e.kind == FILE]
+                out.append((d, dg[d], len(files), sum(files)))
+            self._summary = out
+        return self._summary
+
+
+def listing_digest(children: Sequence[Entry]) -> bytes:
+    """BLAKE3-256 of one directory's listing: equal digests mean equal listings.
+
+    The listing is the msgpack array of the children's wire form
+    (``[path, kind, mode, size, mtime_ns, target]``, paths relative to the scan base), in
+    name order. Two sides whose bases correspond compute equal digests exactly when every
+    child has the same name, type, mode bits, size, mtime (ns) and link target, which is
+    everything the quick check and the metadata sync look at. An empty directory has the
+    digest of an empty array.
+    """
+    import blake3
+    import msgpack
+
+    return blake3.blake3(msgpack.packb(children)).digest()
+
+
+def scan_tree(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules = NO_RULES,
+    *,
+    missing_ok: bool = False,
+) -> Tree:
+    """Scan like :func:`scan` (recursively) and keep each directory's listing.
+
+    Returns
+    -------
+    Tree
+        ``entries`` exactly as :func:`scan` would return them; ``children`` for the base
+        (when a directory) and every directory below it that was listed. A missing base
+        with ``missing_ok`` gives an empty tree.
+
+    Raises
+    ------
+    RemoteNotFoundError, PermissionError
+        As :func:`scan`.
+    """
+    children: dict[str, list[Entry]] = {}
+    return Tree(_scan(base, excludes, missing_ok, True, children), children)
+
+
+def scan(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules = NO_RULES,
+    *,
+    missing_ok: bool = False,
+    recursive: bool = True,
+) -> list[Entry]:
+    """List the tree at ``base`` without following symlinks.
+
+    Parameters
+    ----------
+    base : path
+        A directory, regular file or symlink on the local filesystem.
+    excludes : ExcludeRules
+        Patterns relative to ``base``; excluded directories are not descended into.
+    missing_ok : bool
+        Return ``[]`` instead of raising when ``base`` does not exist.
+    recursive : bool
+        False lists only ``base`` and its immediate children.
+
+    Returns
+    -------
+    list of Entry
+        ``base`` itself first (path ``""``), then its contents in depth-first
+        order, parents before children, names sorted. ``.tb5sync`` state
+        directories and special files (sockets, FIFOs, devices; logged as a
+        warning) are left out.
+
+    Raises
+    ------
+    RemoteNotFoundError
+        ``base`` does not exist (and not ``missing_ok``).
+    PermissionError
+        A directory cannot be listed.
+    """
+    return _scan(base, excludes, missing_ok, recursive, None)
+
+
+def _scan(
+    base: str | os.PathLike[str],
+    excludes: ExcludeRules,
+    missing_ok: bool,
+    recursive: bool,
+    children: dict[str, list[Entry]] | None,
+) -> list[Entry]:
+    base = os.fspath(base)
+    try:
+        st = os.lstat(base)
+    except FileNotFoundError:
+        if missing_ok:
+            return []
+        raise RemoteNotFoundError(f"no such file or directory: {base}") from None
+    top = _entry_from_stat("", st, base)
+    if top is None:
+        return []
+    out = [top]
+    if top.kind == DIR:
+        _walk(base, "", excludes, out, children, recursive)
+    return out
+
+
+def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+    """One directory's names with the ``lstat`` fields a manifest needs (pure-Python twin).
+
+    Parameters
+    ----------
+    path : str or path
+        A directory (a symlink to one is followed, as ``os.scandir`` does).
+
+    Returns
+    -------
+    list of (str, int, int, int)
+        ``(name, st_mode, st_size, st_mtime_ns)`` per name, in the order the directory
+        gives them (not sorted), ``.`` and ``..`` left out; names decoded as ``os.fsdecode``
+        does; sizes in bytes, mtimes in ns since the epoch. A name that vanishes before it
+        is stat-ed is left out. An empty directory gives ``[]``.
+
+    Raises
+    ------
+    OSError
+        ``path`` cannot be listed (``FileNotFoundError``, ``NotADirectoryError``,
+        ``PermissionError``, ...), or a name cannot be stat-ed for another reason than
+        having vanished.
+
+    Notes
+    -----
+    The Cython twin ``tb5sync._scan.listdir_stat`` (``ext/_scan.pyx``) gives the same
+    list; it reads the directory and calls ``fstatat`` on every name with the GIL
+    released, about twice as fast as this one on a tree of small files.
+    """
+    out = []
+    with os.scandir(path) as it:
+        for de in it:
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            out.append((de.name, st.st_mode, st.st_size, st.st_mtime_ns))
+    return out
+
+
+# The one import site that picks the directory lister (TB5SYNC_PUREPYTHON=1 forces Python).
+cy_listdir_stat: Callable[[str], list[tuple[str, int, int, int]]] | None
+try:
+    from ._scan import listdir_stat as cy_listdir_stat
+except ImportError:
+    cy_listdir_stat = None
+listdir_stat: Callable[[str], list[tuple[str, int, int, int]]]
+SCAN_IMPLEMENTATION: str
+if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
+    listdir_stat, SCAN_IMPLEMENTATION = cy_listdir_stat, "cython"
+else:
+    listdir_stat, SCAN_IMPLEMENTATION = py_listdir_stat, "python"
+
+
+def _walk(
+    full: str, rel: str, excludes: ExcludeRules, out: list[Entry], children: dict[str, list[Entry]] | None, recursive: bool
+) -> None:
+    """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
+
+    The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
+    built without NamedTuple's Python-level constructor. Raises what listing ``full``
+    itself raises; names that vanish meanwhile are skipped.
+    """
+    items = listdir_stat(full)
+    items.sort()  # by name: names are unique within a directory
+    kids: list[Entry] = []
+    if children is not None:
+        children[rel] = kids
+    prefix = f"{rel}/" if rel else ""
+    dpre = full if full.endswith("/") else f"{full}/"
+    for name, m, size, mtime_ns in items:
+        if name == STATE_DIR:
+            continue
+        r = prefix + name
+        fmt = m & 0o170000  # stat.S_IFMT
+        if excludes and excludes.match(r, fmt == stat.S_IFDIR):
+            continue
+        if fmt == stat.S_IFREG:
+            e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
+        elif fmt == stat.S_IFDIR:
+            e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
+        elif fmt == stat.S_IFLNK:
+            try:
+                target = os.readlink(dpre + name)
+            except FileNotFoundError:  # vanished while scanning
+                continue
+            e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
+        else:
+            log.warning("skipping %s: not a regular file, directory or symlink", dpre + name)
+            continue
+        out.append(e)
+        kids.append(e)
+        if recursive and fmt == stat.S_IFDIR:
+            try:
+                _walk(dpre + name, r, excludes, out, children, True)
+            except FileNotFoundError:
+                continue
