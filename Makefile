@@ -20,8 +20,10 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 ## test: the whole suite with the Cython chunker, then the chunker and engine tests with pure Python forced;
+## the layering contracts (import-linter, pyproject.toml) are checked first;
 ## the corpus tests run when TB5SYNC_CORPUS is set, or when `make corpus` has built .corpus
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py

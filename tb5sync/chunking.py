@@ -383,13 +383,11 @@ def _cut_part(mv: memoryview, start: int, end: int, params: ChunkParams, final: 
 cy_cut_points: Callable[..., list[int]] | None
 CyChunker: type[Any] | None
 try:
-    from tb5sync import _cdc
+    from tb5sync._cdc import Chunker as CyChunker
+    from tb5sync._cdc import cut_points as cy_cut_points
 except ImportError:
     cy_cut_points = None
     CyChunker = None
-else:
-    cy_cut_points = _cdc.cut_points
-    CyChunker = _cdc.Chunker
 
 cut_points: Callable[..., list[int]]
 Chunker: type[Any]

@@ -243,8 +243,7 @@ def push(
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
     kind = kind_of(src_abs)
-    sender = Sender(src_abs, options)
-    sender.zero_copy = True  # its replies go out through sockets only
+    sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
     handler = _PushHandler(sender, progress, 0)
     if progress is not None:
         tree = sender.scanned()

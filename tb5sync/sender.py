@@ -145,6 +145,12 @@ class Sender:
         Scan cache for chunk lists; ``state_prefix`` maps base-relative paths to state paths.
     state_prefix : str
         Path of ``base`` relative to the state's root (``""`` when equal).
+    params : ChunkParams
+        Chunking format of the chunk lists it serves.
+    zero_copy : bool, default False
+        The replies go out through sockets only (a push client, a pull server): raw
+        ``read_ranges`` parts are then :class:`~tb5sync._parts.FileRange` s that the transport
+        sends with ``sendfile(2)``. In process (local sync) replies hold bytes.
 
     Raises
     ------
@@ -159,6 +165,8 @@ class Sender:
         state: TreeState | None = None,
         state_prefix: str = "",
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+        *,
+        zero_copy: bool = False,
     ) -> None:
         self.base = base
         self.options = options
@@ -170,8 +178,7 @@ class Sender:
         self._acc: dict[str, tuple[tuple[int, int, int], int, list[tuple[bytes, int]]]] = {}
         self._acc_lock = threading.Lock()
         self._read_bufs = ReadBuffers(16)
-        #: Set by whoever serves this sender over a socket: raw ranges then go out with sendfile.
-        self.zero_copy = False
+        self.zero_copy = zero_copy
         try:
             st = os.lstat(base)
         except FileNotFoundError:

@@ -347,8 +347,7 @@ class Server:
             raise RemoteNotFoundError(f"no such file or directory: {path}")
         sid, s = self._new_session("pull", streams)
         try:
-            s.sender = Sender(base, options, self.state, self._rel(base))
-            s.sender.zero_copy = True  # its replies go out through sockets only
+            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True)  # replies go out through sockets only
             s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
