@@ -4,7 +4,7 @@ It is the same code whether the sender is in-process (local sync), behind a
 client connection (pull) or behind the server's connection (push): it talks to
 the sender through a *link* with one method, ``submit(method, **args) -> Future``.
 
-Invariants kept here (see DESIGN.md):
+Invariants kept here (see docs/ARCHITECTURE.md):
 
 * every chunk is verified against its BLAKE3 digest before it is written: chunks that
   arrive, chunks rebuilt from basis sub-chunks, and chunks reused from the destination's
