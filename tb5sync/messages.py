@@ -32,8 +32,12 @@ Answered by the fs session (:class:`~tb5sync.fsops.FsOps`): :data:`FS_METHODS`.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple
 
+from .entry import Entry, check_relpath
+from .errors import RemoteProtocolError, UsageError
 from .protocol import MAX_PAYLOAD
 
 __all__ = [
@@ -51,6 +55,17 @@ __all__ = [
     "FS_MAX_READ",
     "FS_MAX_WRITE",
     "CAT_MANY_BUDGET",
+    "DIGEST_SIZE",
+    "DirSummary",
+    "TreePage",
+    "EntriesPage",
+    "ChunkListPiece",
+    "FileDigests",
+    "RangesMeta",
+    "FileInfo",
+    "FilesMeta",
+    "SubChunksReply",
+    "check_chunks",
 ]
 
 #: TCP port a server listens on and a ``tb5://`` URL names when none is given.
@@ -106,3 +121,307 @@ FS_MAX_WRITE: Final = 16 * 1024 * 1024
 CAT_MANY_BUDGET: Final = 32 * 1024 * 1024
 
 assert SENDER_MAX_READ < MAX_PAYLOAD and FS_MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
+
+#: Bytes of a chunk digest (BLAKE3-256) on the wire.
+DIGEST_SIZE: Final = 32
+
+
+# ---- replies: decoded and validated once, here ------------------------------------------------
+#
+# Each reply a receiver gets from a sender has a frozen type: ``to_wire()`` gives the msgpack-ready
+# form the sender sends, ``from_wire(...)`` checks a peer's reply (types, bounds, lengths adding up,
+# paths safe) and raises :class:`~tb5sync.errors.RemoteProtocolError` naming what was wrong. Nothing
+# above this module re-checks the shape of a reply.
+
+
+def _bad(what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"malformed {what}")
+
+
+def _is_uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_chunks(value: object, total: int, where: str) -> list[tuple[bytes, int]]:
+    """A wire chunk list ``[[digest, length], ...]`` as ``[(digest, length), ...]``, checked.
+
+    Parameters
+    ----------
+    value : object
+        The list as decoded from msgpack.
+    total : int
+        Bytes the chunks must add up to.
+    where : str
+        Path named in the error.
+
+    Raises
+    ------
+    RemoteProtocolError
+        Not a list of ``[32-byte digest, positive length]``, or the lengths do not add up to ``total``.
+    """
+    if not isinstance(value, list):
+        raise RemoteProtocolError(f"chunk list of {where} is not a list")
+    refs: list[tuple[bytes, int]] = []
+    acc = 0
+    for item in value:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise RemoteProtocolError(f"malformed chunk in the chunk list of {where}")
+        d, n = item
+        if not isinstance(d, bytes) or len(d) != DIGEST_SIZE or not _is_uint(n) or n == 0:
+            raise RemoteProtocolError(f"malformed chunk in the chunk list of {where}")
+        refs.append((d, n))
+        acc += n
+    if acc != total:
+        raise RemoteProtocolError(f"chunk list of {where} does not add up to its size")
+    return refs
+
+
+class DirSummary(NamedTuple):
+    """One directory of a :class:`TreePage`: its path, listing digest, direct files and their bytes."""
+
+    path: str
+    digest: bytes
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TreePage:
+    """Reply to ``tree(start)``: the source's root entry and a page of directory summaries.
+
+    Attributes
+    ----------
+    root : Entry
+        The source base itself (path ``""``).
+    dirs : list of DirSummary
+        Directories from ``start`` on, parents before children.
+    total : int
+        Directories in the whole tree (the receiver asks again until it has them all).
+    """
+
+    root: Entry
+    dirs: list[DirSummary]
+    total: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"root": list(self.root), "dirs": [list(d) for d in self.dirs], "total": self.total}
+
+    @classmethod
+    def from_wire(cls, msg: object) -> TreePage:
+        """Check a peer's ``tree`` reply. Raises RemoteProtocolError (or UsageError for an unsafe entry path)."""
+        if not isinstance(msg, dict):
+            raise _bad("tree page")
+        rows, total, root = msg.get("dirs"), msg.get("total"), msg.get("root")
+        if not isinstance(rows, list) or not _is_uint(total) or not isinstance(root, list):
+            raise _bad("tree page")
+        entry = Entry.from_wire(root)
+        if entry.path != "":
+            raise RemoteProtocolError("the tree's root entry must have the path ''")
+        dirs = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 4):
+                raise _bad("directory summary")
+            path, digest, files, nbytes = row
+            if not (isinstance(path, str) and isinstance(digest, bytes) and _is_uint(files) and _is_uint(nbytes)):
+                raise _bad("directory summary")
+            try:
+                check_relpath(path)
+            except (UsageError, TypeError) as exc:
+                raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
+            dirs.append(DirSummary(path, digest, files, nbytes))
+        return cls(entry, dirs, total)
+
+
+@dataclass(frozen=True, slots=True)
+class EntriesPage:
+    """Reply to ``entries(dirs, skip)``: children of the asked directories, in the order asked.
+
+    ``more`` is True when the sender stopped early (ask again with ``skip`` past what came);
+    a page with ``more`` is never empty.
+    """
+
+    entries: list[Entry]
+    more: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "more": self.more}
+
+    @classmethod
+    def from_wire(cls, msg: object) -> EntriesPage:
+        """Check a peer's ``entries`` reply. Raises RemoteProtocolError (UsageError for an unsafe path)."""
+        if not isinstance(msg, dict):
+            raise _bad("entries page")
+        items, more = msg.get("entries"), msg.get("more")
+        if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
+            raise _bad("entries page")
+        return cls([Entry.from_wire(item) for item in items], more)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkListPiece:
+    """Reply to ``chunk_list``: the chunks of bytes ``[start, end)`` of a file of ``size`` bytes.
+
+    ``digest`` (BLAKE3 over the whole chunk list) is present only when the piece is the whole file.
+    ``mtime_ns`` is the file's mtime in nanoseconds when it was read.
+    """
+
+    size: int
+    mtime_ns: int
+    start: int
+    end: int
+    chunks: list[tuple[bytes, int]]
+    digest: bytes | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "start": self.start,
+            "end": self.end,
+            "chunks": [list(r) for r in self.chunks],
+        }
+        if self.digest is not None:
+            out["digest"] = self.digest
+        return out
+
+    @classmethod
+    def from_wire(cls, msg: object, where: str) -> ChunkListPiece:
+        """Check a peer's ``chunk_list`` reply for file ``where``. Raises RemoteProtocolError."""
+        if not isinstance(msg, dict):
+            raise _bad(f"chunk_list reply for {where}")
+        size, mtime_ns, start, end = msg.get("size"), msg.get("mtime_ns"), msg.get("start"), msg.get("end")
+        if not (_is_uint(size) and isinstance(mtime_ns, int) and _is_uint(start) and _is_uint(end)):
+            raise _bad(f"chunk_list reply for {where}")
+        assert isinstance(size, int) and isinstance(mtime_ns, int) and isinstance(start, int) and isinstance(end, int)
+        if not start <= end <= size:
+            raise RemoteProtocolError(f"chunk_list piece of {where} is out of the file's bounds")
+        digest = msg.get("digest")
+        if digest is not None and not (isinstance(digest, bytes) and len(digest) == DIGEST_SIZE):
+            raise _bad(f"file digest of {where}")
+        return cls(size, mtime_ns, start, end, check_chunks(msg.get("chunks"), end - start, where), digest)
+
+
+@dataclass(frozen=True, slots=True)
+class FileDigests:
+    """Reply to ``file_digests(paths)``: one BLAKE3 file digest per path, None for a file that is gone."""
+
+    digests: list[bytes | None]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"digests": self.digests}
+
+    @classmethod
+    def from_wire(cls, msg: object, count: int) -> FileDigests:
+        """Check a peer's reply to a request for ``count`` paths. Raises RemoteProtocolError."""
+        digests = msg.get("digests") if isinstance(msg, dict) else None
+        if not isinstance(digests, list) or len(digests) != count:
+            raise RemoteProtocolError("file_digests reply has the wrong length")
+        if not all(d is None or isinstance(d, bytes) for d in digests):
+            raise _bad("file_digests reply")
+        return cls(digests)
+
+
+def _check_wire(meta: dict[str, Any], count: int, what: str) -> list[int]:
+    wire = meta.get("wire")
+    if not isinstance(wire, list) or len(wire) != count or not all(_is_uint(n) for n in wire):
+        raise RemoteProtocolError(f"{what} reply: DATA meta lacks part lengths")
+    return wire
+
+
+@dataclass(frozen=True, slots=True)
+class RangesMeta:
+    """DATA meta of a ``read_ranges`` reply: per part ``(raw length, wire length, codec)``; ``wire`` the wire lengths."""
+
+    parts: list[tuple[int, int, int]]
+
+    @property
+    def wire(self) -> list[int]:
+        return [w for _, w, _ in self.parts]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"parts": [list(p) for p in self.parts], "wire": self.wire}
+
+    @classmethod
+    def from_wire(cls, meta: object, lengths: Sequence[int]) -> RangesMeta:
+        """Check the meta against the asked range ``lengths`` (bytes). Raises RemoteProtocolError."""
+        mparts = meta.get("parts") if isinstance(meta, dict) else None
+        if not isinstance(mparts, list) or len(mparts) != len(lengths):
+            raise RemoteProtocolError("read_ranges reply does not match the request")
+        assert isinstance(meta, dict)
+        wire = _check_wire(meta, len(lengths), "read_ranges")
+        parts = []
+        for n, p, w in zip(lengths, mparts, wire):
+            if not (isinstance(p, list) and len(p) == 3 and all(_is_uint(x) for x in p)):
+                raise _bad("read_ranges part")
+            if p[0] != n:
+                raise RemoteProtocolError("read_ranges part has the wrong length")
+            if p[1] != w or p[2] not in (CODEC_RAW, CODEC_LZ4):
+                raise _bad("read_ranges part")
+            parts.append((p[0], p[1], p[2]))
+        return cls(parts)
+
+
+class FileInfo(NamedTuple):
+    """One file of a ``read_files`` reply: its size (bytes), mtime (ns), mode bits, chunks, wire length and codec."""
+
+    size: int
+    mtime_ns: int
+    mode: int
+    chunks: list[tuple[bytes, int]]
+    wirelen: int
+    codec: int
+
+
+@dataclass(frozen=True, slots=True)
+class FilesMeta:
+    """DATA meta of a ``read_files`` reply: a :class:`FileInfo` per asked path, None for a file that vanished or kept changing.
+
+    The parts of the reply are the files that are not None, in order.
+    """
+
+    files: list[FileInfo | None]
+
+    def to_wire(self) -> dict[str, Any]:
+        files = [None if f is None else [f.size, f.mtime_ns, f.mode, [list(r) for r in f.chunks], f.wirelen, f.codec] for f in self.files]
+        return {"files": files, "wire": [f.wirelen for f in self.files if f is not None]}
+
+    @classmethod
+    def from_wire(cls, meta: object, paths: Sequence[str]) -> FilesMeta:
+        """Check the meta against the asked ``paths``. Raises RemoteProtocolError."""
+        files = meta.get("files") if isinstance(meta, dict) else None
+        if not isinstance(files, list) or len(files) != len(paths):
+            raise RemoteProtocolError("read_files reply does not match the request")
+        assert isinstance(meta, dict)
+        out: list[FileInfo | None] = []
+        for path, info in zip(paths, files):
+            if info is None:
+                out.append(None)
+                continue
+            if not (isinstance(info, list) and len(info) == 6):
+                raise _bad(f"read_files entry for {path}")
+            size, mtime_ns, mode, chunks, wirelen, codec = info
+            if not (_is_uint(size) and isinstance(mtime_ns, int) and _is_uint(mode) and _is_uint(wirelen)) or codec not in (CODEC_RAW, CODEC_LZ4):
+                raise _bad(f"read_files entry for {path}")
+            out.append(FileInfo(size, mtime_ns, mode, check_chunks(chunks, size, path), wirelen, codec))
+        wire = _check_wire(meta, sum(f is not None for f in out), "read_files")
+        if wire != [f.wirelen for f in out if f is not None]:
+            raise _bad("read_files part lengths")
+        return cls(out)
+
+
+@dataclass(frozen=True, slots=True)
+class SubChunksReply:
+    """Reply to ``sub_chunks``: one encoded sub-chunk list per asked range (decoded by :func:`tb5sync.refine.decode_subs`)."""
+
+    subs: list[Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"subs": self.subs}
+
+    @classmethod
+    def from_wire(cls, msg: object, count: int) -> SubChunksReply:
+        """Check a peer's reply to a request for ``count`` ranges. Raises RemoteProtocolError."""
+        subs = msg.get("subs") if isinstance(msg, dict) else None
+        if not isinstance(subs, list) or len(subs) != count:
+            raise RemoteProtocolError("sub_chunks reply does not match the request")
+        return cls(subs)
