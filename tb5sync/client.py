@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from . import protocol as P
 from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError
@@ -19,9 +17,10 @@ from .entry import DIR, FILE, LINK, Entry, kind_of, source_name
 from .options import SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
-from .messages import DEFAULT_PORT, PUSH_CLIENT_METHODS
+from .messages import PUSH_CLIENT_METHODS
 from .rpc import Requester, open_session, serve
 from .transport import Channel, connect
+from .urls import Remote, parse_url, token_of
 
 if TYPE_CHECKING:
     from .receiver import ProgressFn
@@ -30,60 +29,7 @@ if TYPE_CHECKING:
 # The receiver and the state store (sqlite3) are imported where a pull or a local sync needs
 # them: a push's client, whose start-up is part of every no-change re-run, never does.
 
-__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "local_state"]
-
-
-
-@dataclass(frozen=True)
-class Remote:
-    """A parsed ``tb5://HOST[:PORT]/PATH`` URL. ``path`` is relative to the server's root."""
-
-    host: str
-    port: int
-    path: str
-
-    @property
-    def slash(self) -> bool:
-        """True when the path ends with ``/`` (rsync's "contents of")."""
-        return self.path.endswith("/") or self.path == ""
-
-
-def parse_url(url: str) -> Remote | None:
-    """Parse ``tb5://HOST[:PORT]/PATH``; None for a local path.
-
-    ``[v6addr]:port`` is accepted. The port defaults to 8873.
-
-    Raises
-    ------
-    UsageError
-        A ``tb5://`` URL without a host, with a bad port, or another scheme; or a local path
-        that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``): write
-        ``./tb5:...`` for a local name that really starts so.
-    """
-    if "://" not in url:
-        if url.lower().startswith("tb5:"):
-            raise UsageError(f"{url!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
-                             f"write ./{url} for a local path)")
-        return None
-    parts = urlsplit(url)
-    if parts.scheme != "tb5":
-        raise UsageError(f"unsupported URL scheme {parts.scheme!r} in {url!r} (expected tb5://)")
-    if not parts.hostname:
-        raise UsageError(f"no host in {url!r}")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError as exc:
-        raise UsageError(f"bad port in {url!r}: {exc}") from exc
-    path = parts.path[1:] if parts.path.startswith("/") else parts.path
-    return Remote(parts.hostname, port, path)
-
-
-def _token(token: bytes | str | None) -> bytes | None:
-    if token is None:
-        token = os.environ.get("TB5SYNC_TOKEN") or None
-    if isinstance(token, str):
-        token = token.encode()
-    return token
+__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "local_state"]  # Remote, parse_url: urls', re-exported
 
 
 def _open_streams(
@@ -154,7 +100,7 @@ def pull(
     from .links import RemoteLink
     from .receiver import Receiver, dest_base
 
-    chans, resp = _open_streams(src, _token(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
+    chans, resp = _open_streams(src, token_of(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
     requester = Requester(chans)
     state = None
     try:
@@ -260,7 +206,7 @@ def push(
         # The scan starts once the session is open (the server then scans the destination at
         # the same time) and runs while the other streams join: started before, it would slow
         # the handshake's round trips (each waits for the GIL).
-        chans, _ = _open_streams(dst, _token(token), msg, options.streams, sender.prepare)
+        chans, _ = _open_streams(dst, token_of(token), msg, options.streams, sender.prepare)
     except BaseException:
         sender.close()
         raise
@@ -304,7 +250,7 @@ def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:
     ------
     ConnectError, AuthError, PathError, RemoteNotFoundError
     """
-    ch = connect(url.host, url.port, _token(token))
+    ch = connect(url.host, url.port, token_of(token))
     try:
         resp = open_session(ch, {"op": "ls", "path": url.path})
     finally:
@@ -326,7 +272,7 @@ def bench_link(host: str, port: int, *, token: bytes | str | None = None, second
     import statistics
     import time
 
-    tok = _token(token)
+    tok = token_of(token)
     ch = connect(host, port, tok)
     try:
         open_session(ch, {"op": "ping"})

@@ -50,7 +50,6 @@ from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
-from . import client
 from ._paths import temp_name
 from .errors import (
     ConnectError,
@@ -68,6 +67,7 @@ from .options import SyncOptions
 from .rpc import Requester, call_direct, open_session, split_parts
 from .fsfile import TB5File, rest_of_read, join_read
 from .transport import connect
+from .urls import Remote, parse_url, token_of
 
 __all__ = ["TB5FileSystem", "TB5File"]  # TB5File is fsfile's, re-exported
 
@@ -225,7 +225,7 @@ class TB5FileSystem(AsyncFileSystem):
             raise UsageError(f"streams must be 1..64, not {streams!r}")
         self.host = host
         self.port = port
-        self.token = client._token(token)
+        self.token = token_of(token)
         self.streams = streams
         self.engine_threshold = engine_threshold
         self.auto_mkdir = auto_mkdir
@@ -252,7 +252,7 @@ class TB5FileSystem(AsyncFileSystem):
         """``host``, ``port`` and (from ``tb5://TOKEN@host`` or ``tb5://user:TOKEN@host``) ``token``."""
         if not isinstance(path, str) or not path.startswith("tb5://"):
             return {}
-        remote = client.parse_url(path)
+        remote = parse_url(path)
         assert remote is not None
         out: dict[str, Any] = {"host": remote.host, "port": remote.port}
         parts = urlsplit(path)
@@ -574,9 +574,11 @@ class TB5FileSystem(AsyncFileSystem):
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
 
+            from .client import pull  # the sync engine (its sender, receiver, state), loaded on first use
+
             await asyncio.to_thread(
-                client.pull,
-                client.Remote(self.host, self.port, rpath),
+                pull,
+                Remote(self.host, self.port, rpath),
                 lpath,
                 SyncOptions(streams=self.streams),
                 token=self.token,
@@ -653,10 +655,12 @@ class TB5FileSystem(AsyncFileSystem):
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
 
+            from .client import push  # the sync engine, loaded on first use
+
             await asyncio.to_thread(
-                client.push,
+                push,
                 lpath,
-                client.Remote(self.host, self.port, parent + "/" if parent else ""),
+                Remote(self.host, self.port, parent + "/" if parent else ""),
                 SyncOptions(streams=self.streams),
                 token=self.token,
                 progress=progress,

@@ -6,13 +6,14 @@ request paths relative to the served root (POSIX, no ``..``, no leading
 parts)`` for file contents (a DATA frame, no copy into msgpack).
 
 Safety
-    Every path is resolved inside the root (:func:`tb5sync._paths.resolve_in_root`)
-    and then opened component by component from a descriptor of the root with
-    ``O_NOFOLLOW``, so a symlink swapped in between the check and the use cannot
-    lead outside. A final symlink is followed for reads only when its target is
-    inside the root (otherwise :class:`~tb5sync.errors.PathError`, a
-    ``PermissionError``; ``info`` and listings then describe the link itself, type
-    ``"other"``, size 0); writes go through such a symlink to its target, as
+    Every path goes through a :class:`tb5sync._paths.Jail` of the root: resolved
+    inside the root (:meth:`~tb5sync._paths.Jail.resolve`), then opened from a
+    descriptor of the root without following any symlink, so a symlink swapped in
+    between the check and the use cannot lead outside. A final symlink is followed
+    for reads only when its target is inside the root (otherwise
+    :class:`~tb5sync.errors.PathError`, a ``PermissionError``; ``info`` and
+    listings then describe the link itself, type ``"other"``, size 0); writes go
+    through such a symlink to its target, as
     ``open(path, "w")`` does, while ``rm`` and ``move`` act on the link itself.
     The state directory ``.tb5sync`` is neither listed nor reachable.
 
@@ -32,7 +33,6 @@ Errors
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
@@ -41,10 +41,10 @@ import shutil
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._paths import STATE_DIR, check_in_root, is_temp_name, resolve_in_root, split_request_path, temp_name
+from ._paths import STATE_DIR, Jail, is_temp_name, split_request_path, temp_name
 from .errors import (
     PathError,
     ReadOnlyError,
@@ -67,7 +67,6 @@ PAGE_BYTES = 8 * 1024 * 1024
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO must not block open()
 _TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -211,7 +210,7 @@ class FsOps:
         self.state = state
         self.read_only = read_only
         self.pages = pages if pages is not None else Pages()
-        self._root_fd = os.open(root, _DIR_FLAGS)
+        self.jail = Jail(root)
         self._writes: dict[int, _Write] = {}
         self._buf: bytearray | None = None
 
@@ -219,93 +218,21 @@ class FsOps:
         """Abort every unfinished write (removing its temporary file) and close the root. Safe to call twice."""
         for handle in list(self._writes):
             self._abort(handle)
-        if self._root_fd >= 0:
-            os.close(self._root_fd)
-            self._root_fd = -1
+        self.jail.close()
 
     # ---- path resolution ----------------------------------------------------------------
-    def _real(self, path: str, *, follow: bool) -> list[str]:
-        """Components of ``path`` after resolving parent symlinks (and the final one if ``follow``).
-
-        Raises PathError when the result leaves the root or names the state directory.
-        """
-        if not split_request_path(path):
-            return []
-        full = resolve_in_root(self.root, path)
-        if follow and os.path.islink(full):
-            full = check_in_root(self.root, os.path.realpath(full), path)
-        rel = os.path.relpath(full, self.root)
-        return [] if rel == "." else rel.split("/")
-
-    def _open_dir(self, parts: list[str], *, create: bool = False) -> int:
-        """A new descriptor of directory ``parts`` under the root, walked with ``O_NOFOLLOW``."""
-        fd = os.dup(self._root_fd)
-        try:
-            for name in parts:
-                try:
-                    nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    try:
-                        os.mkdir(name, 0o777, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        raise PathError("/".join(parts), "a path component is a symlink") from exc
-                    raise
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _parent(self, path: str, *, create: bool = False) -> tuple[int, str, str]:
-        """``(dir_fd, name, relpath)`` of the directory holding ``path`` (not followed). Caller closes dir_fd."""
-        parts = self._real(path, follow=False)
-        if not parts:
-            raise PathError(path, "the served root itself cannot be replaced or removed")
-        return self._open_dir(parts[:-1], create=create), parts[-1], "/".join(parts)
-
     def _through(self, path: str) -> str:
         """Where a write to ``path`` lands: through a final symlink whose target is inside the root
         (as ``open(path, "w")`` would), else ``path`` itself. Raises PathError for a target outside."""
-        return "/".join(self._real(path, follow=True))
-
-    @contextlib.contextmanager
-    def _at(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
-        """:meth:`_parent` as a context: ``(dir_fd, name, relpath)``, the descriptor closed on exit."""
-        dfd, name, rel = self._parent(path, create=create)
-        try:
-            yield dfd, name, rel
-        finally:
-            os.close(dfd)
-
-    def _open_read(self, path: str) -> tuple[int, str]:
-        """Open ``path`` for reading (following a final symlink inside the root); returns ``(fd, real relpath)``."""
-        parts = self._real(path, follow=True)
-        if not parts:
-            return os.dup(self._root_fd), ""
-        dfd = self._open_dir(parts[:-1])
-        try:
-            return os.open(parts[-1], _READ_FLAGS, dir_fd=dfd), "/".join(parts)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise PathError(path, "is a symlink; not followed") from exc
-            raise
-        finally:
-            os.close(dfd)
+        return "/".join(self.jail.resolve(path, follow=True))
 
     def _stat(self, path: str) -> dict[str, Any]:
         """fsspec info of ``path``; a symlink is followed (inside the root) and reported with ``islink``."""
-        parts = self._real(path, follow=False)
+        parts = self.jail.resolve(path)
         name = "/".join(split_request_path(path))
         if not parts:
-            return _info("", os.fstat(self._root_fd))
-        dfd = self._open_dir(parts[:-1])
+            return _info("", os.fstat(self.jail.fd))
+        dfd = self.jail.open_dir(parts[:-1])
         try:
             lst = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             if not stat.S_ISLNK(lst.st_mode):
@@ -314,7 +241,7 @@ class FsOps:
         finally:
             os.close(dfd)
         try:
-            fd, _ = self._open_read(path)  # FileNotFoundError for a dangling link, as LocalFileSystem
+            fd, _ = self.jail.open_read(path)  # FileNotFoundError for a dangling link, as LocalFileSystem
         except PathError:  # leads outside the root: describe the link itself, never its target
             return _info(name, lst, islink=True, size=0, destination=dest)
         try:
@@ -332,7 +259,7 @@ class FsOps:
         dest = os.readlink(de.name, dir_fd=dfd)
         size = 0
         try:
-            fd, _ = self._open_read(name)
+            fd, _ = self.jail.open_read(name)
             try:
                 size = os.fstat(fd).st_size
             finally:
@@ -387,11 +314,11 @@ class FsOps:
         """``{"entries": [info, ...]}``: the directory's entries sorted by name, or ``[info]`` of a file."""
         info = self._stat(path)
         if info["islink"]:
-            self._real(path, follow=True)  # listing through a link leading outside: PathError
+            self.jail.resolve(path, follow=True)  # listing through a link leading outside: PathError
         if info["type"] != "directory":
             return {"entries": [info]}
-        parts = self._real(path, follow=True)
-        dfd = self._open_dir(parts)
+        parts = self.jail.resolve(path, follow=True)
+        dfd = self.jail.open_dir(parts)
         try:
             return self._paged(self._listdir(dfd, info["name"], not parts))
         finally:
@@ -416,8 +343,8 @@ class FsOps:
         out: list[dict[str, Any]] = []
         if withdirs and top["name"]:
             out.append(top)
-        top_parts = self._real(path, follow=True)
-        root_fd = self._open_dir(top_parts)
+        top_parts = self.jail.resolve(path, follow=True)
+        root_fd = self.jail.open_dir(top_parts)
         stack: list[tuple[int, str, int]] = [(root_fd, top["name"], 1)]
         try:
             while stack:
@@ -430,7 +357,7 @@ class FsOps:
                             if maxdepth is None or depth < maxdepth:
                                 name = info["name"].rpartition("/")[2]
                                 try:
-                                    stack.append((os.open(name, _DIR_FLAGS, dir_fd=dfd), info["name"], depth + 1))
+                                    stack.append((self.jail.open_dir([name], start=dfd), info["name"], depth + 1))
                                 except OSError:
                                     pass  # vanished or swapped for a symlink while walking
                         else:
@@ -455,7 +382,7 @@ class FsOps:
 
     def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int, into: bytearray | None = None) -> tuple[bytes | memoryview, os.stat_result, int, int]:
         """Read ``[start:end]`` (at most ``limit`` bytes); with ``into``, into that buffer (a view of it is returned)."""
-        fd, _ = self._open_read(path)
+        fd, _ = self.jail.open_read(path)
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -543,7 +470,7 @@ class FsOps:
         (see :func:`tb5sync.hashing.file_digest`), served from the scan cache when
         the file is unchanged.
         """
-        fd, rel = self._open_read(path)
+        fd, rel = self.jail.open_read(path)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -608,7 +535,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
-        with self._at(self._through(path), create=mkdirs) as (dfd, name, _):
+        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
             self._write_file(dfd, name, lambda fd: self._write_all(fd, data), exclusive)
         return {}
 
@@ -625,7 +552,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(handle, int) or handle in self._writes or len(self._writes) >= _MAX_WRITES:
             raise UsageError("wopen: bad, duplicate or too many write handles")
-        with self._at(self._through(path), create=mkdirs) as (dfd, name, rel):
+        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, rel):
             if exclusive:
                 try:
                     os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -674,11 +601,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
         try:
-            dfd = self._open_dir(w.dir_parts)
-            try:
-                fd = os.open(w.tmp, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            finally:
-                os.close(dfd)
+            fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND, shown=w.path)
             try:
                 self._write_all(fd, data)
             finally:
@@ -698,7 +621,7 @@ class FsOps:
             return {}
         del self._writes[handle]
         try:
-            dfd = self._open_dir(w.dir_parts)
+            dfd = self.jail.open_dir(w.dir_parts)
             try:
                 self._commit(dfd, w.tmp, w.name, w.exclusive)
             finally:
@@ -712,7 +635,7 @@ class FsOps:
     def _abort(self, handle: int) -> None:
         w = self._writes.pop(handle)
         try:
-            dfd = self._open_dir(w.dir_parts)
+            dfd = self.jail.open_dir(w.dir_parts)
         except (OSError, Tb5syncError):
             return  # the directory went away (and the temporary file with it)
         try:
@@ -741,7 +664,7 @@ class FsOps:
         return {}
 
     def _rm_one(self, path: str, recursive: bool) -> None:
-        with self._at(path) as (dfd, name, _):
+        with self.jail.parent(path) as (dfd, name, _):
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 if not recursive:
@@ -754,7 +677,7 @@ class FsOps:
     @_translating()
     def mkdir(self, path: str, parents: bool = True, exist_ok: bool = False) -> dict[str, Any]:
         """Create directory ``path``; ``parents`` creates missing parents; ``exist_ok`` accepts an existing directory."""
-        with self._at(path, create=parents) as (dfd, name, _):
+        with self.jail.parent(path, create=parents) as (dfd, name, _):
             try:
                 os.mkdir(name, 0o777, dir_fd=dfd)
             except FileExistsError:
@@ -771,7 +694,7 @@ class FsOps:
     @_translating()
     def rmdir(self, path: str) -> dict[str, Any]:
         """Remove the empty directory ``path`` (``OSError`` ENOTEMPTY otherwise)."""
-        with self._at(path) as (dfd, name, _):
+        with self.jail.parent(path) as (dfd, name, _):
             os.rmdir(name, dir_fd=dfd)
         return {}
 
@@ -783,7 +706,7 @@ class FsOps:
         if that exists already). Same filesystem only (``OSError`` EXDEV otherwise).
         ``mkdirs`` creates ``dst``'s missing parent directories.
         """
-        with self._at(src) as (sfd, sname, srel):
+        with self.jail.parent(src) as (sfd, sname, srel):
             os.stat(sname, dir_fd=sfd, follow_symlinks=False)
             try:
                 dst_is_dir = self._stat(dst)["type"] == "directory"
@@ -797,7 +720,7 @@ class FsOps:
                     pass
                 else:
                     raise RemoteExistsError(f"Destination path {dst!r} already exists")
-            with self._at(dst, create=mkdirs) as (dfd, dname, drel):
+            with self.jail.parent(dst, create=mkdirs) as (dfd, dname, drel):
                 if drel == srel:
                     return {}
                 if drel.startswith(srel + "/"):
@@ -816,7 +739,7 @@ class FsOps:
         ``dst`` is written atomically. A directory ``src`` creates directory ``dst``
         (as fsspec's LocalFileSystem ``cp_file``). ``mkdirs`` creates ``dst``'s parents.
         """
-        fd, _ = self._open_read(src)
+        fd, _ = self.jail.open_read(src)
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -833,7 +756,7 @@ class FsOps:
                     off += k
 
             try:
-                with self._at(self._through(dst), create=mkdirs) as (dfd, name, _):
+                with self.jail.parent(self._through(dst), create=mkdirs) as (dfd, name, _):
                     self._write_file(dfd, name, fill, False)
             except Tb5syncError:
                 raise
@@ -850,7 +773,7 @@ class FsOps:
 
         ``mkdirs`` creates missing parent directories.
         """
-        with self._at(self._through(path), create=mkdirs) as (dfd, name, _):
+        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
             try:
                 fd = os.open(name, flags, 0o666, dir_fd=dfd)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import DirFds
+from ._paths import Jail
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import check_relpath
@@ -184,12 +184,12 @@ class Sender:
         except FileNotFoundError:
             raise RemoteNotFoundError(f"source does not exist: {base}") from None
         self._single = not stat.S_ISDIR(st.st_mode)
-        self._fds = DirFds(os.path.dirname(base) if self._single else base)
+        self._jail = Jail(os.path.dirname(base) if self._single else base)
         self._name = os.path.basename(base)
 
     def close(self) -> None:
         """Release directory descriptors (a scan still running in the background is left to finish)."""
-        self._fds.close()
+        self._jail.close()
 
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
@@ -197,10 +197,10 @@ class Sender:
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
-            return self._fds.open(self._name)
+            return self._jail.open_cached(self._name)
         if not path:
             raise UsageError("the source base is a directory, not a file")
-        return self._fds.open(path)
+        return self._jail.open_cached(path)
 
     def _state_path(self, path: str) -> str:
         return "/".join(p for p in (self.state_prefix, path) if p)
