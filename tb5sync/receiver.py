@@ -38,6 +38,7 @@ import lz4.block
 
 from . import chunking, refine
 from ._basis import BasisFinder, check_copy, start_writeback
+from ._io import pwrite_all, unlink_quiet, write_all
 from ._paths import temp_name
 from .errors import (
     DestinationError,
@@ -509,7 +510,7 @@ class Receiver:
             os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
             os.rename(tmp, p)
         except BaseException:
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp)
             raise
 
     @staticmethod
@@ -597,10 +598,7 @@ class Receiver:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                view = mv
-                while view:
-                    k = os.write(fd, view)
-                    view = view[k:]
+                write_all(fd, mv)
                 os.fchmod(fd, mode & 0o7777)
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
                 st = os.fstat(fd)
@@ -608,7 +606,7 @@ class Receiver:
                 os.close(fd)
             os.rename(tmp, final)
         except BaseException:
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp)
             raise
         return st
 
@@ -713,7 +711,7 @@ class Receiver:
             if fd >= 0:
                 os.close(fd)
             if not committed and not keep_partial:
-                _unlink_quiet(work)
+                unlink_quiet(work)
 
     def _pieces(self, rel: str, first: dict[str, Any], size: int, mtime_ns: int) -> Iterator[tuple[int, list[tuple[bytes, int]]]]:
         """Yield ``(start offset, refs)`` per chunk-list piece, in order.
@@ -1008,7 +1006,7 @@ class Receiver:
                     self.link.recycle(parts)
                     pieces, parts = self._read_verified(rel, g, size, mtime_ns)
                 for (off, _n, _d), data in zip(g, pieces):
-                    _pwrite_all(fd, data, off)
+                    pwrite_all(fd, data, off)
                     self._st["chunks_sent"] += 1
                     self._verified += len(data)
                     self._tick(len(data))
@@ -1121,7 +1119,7 @@ class Receiver:
                 buf = bytearray(pieces[0])
                 self.link.recycle(parts)
                 matched = 0
-            _pwrite_all(fd, buf, off)
+            pwrite_all(fd, buf, off)
             self._st["chunks_sent"] += 1
             self._verified += n
             self._st["bytes_matched"] += matched
@@ -1155,15 +1153,6 @@ def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:
     return fut
 
 
-def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> None:
-    """Write all of ``data`` at ``off`` of ``fd``."""
-    view = memoryview(data)
-    while view:
-        k = os.pwrite(fd, view, off)
-        view = view[k:]
-        off += k
-
-
 def _release_later(fd: int) -> None:
     """Close ``fd`` on a daemon thread.
 
@@ -1173,11 +1162,3 @@ def _release_later(fd: int) -> None:
     final path are the new version's whatever that thread does.
     """
     threading.Thread(target=os.close, args=(fd,), name="tb5-release", daemon=True).start()
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
