@@ -49,7 +49,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .hashing import chunk_digest, chunk_fd, file_digest, hash_pool
+from .hashing import check_chunks, chunk_digest, chunk_fd, file_digest, hash_pool, verify_chunks
 from .entry import DIR, FILE, LINK, Entry, check_relpath
 from .excludes import ExcludeRules
 from .plan import dry_run_changes, plan_sync
@@ -130,16 +130,6 @@ def _decode(part: memoryview | bytes, rawlen: int, codec: int) -> memoryview | b
             raise IntegrityError("lz4 part decompressed to the wrong length")
         return out
     raise RemoteProtocolError(f"unknown codec {codec}")
-
-
-def _verify_many(pieces: list[tuple[memoryview | bytes, bytes]], where: str) -> None:
-    """Check each ``(bytes, digest)``; raise IntegrityError naming ``where`` on the first mismatch."""
-    if len(pieces) > 1 or (pieces and len(pieces[0][0]) > 256 * 1024):
-        ok = list(hash_pool().map(lambda p: chunk_digest(p[0]) == p[1], pieces))
-    else:
-        ok = [chunk_digest(b) == d for b, d in pieces]
-    if not all(ok):
-        raise IntegrityError(f"chunk digest mismatch in {where}: data corrupted in transit")
 
 
 class Receiver:
@@ -588,11 +578,12 @@ class Receiver:
         """
         e, data, _size, mtime_ns, mode, refs = item
         mv = memoryview(data)
+        pieces = []
         off = 0
         for d, n in refs:
-            if chunk_digest(mv[off : off + n]) != d:
-                raise IntegrityError(f"chunk digest mismatch in {e.path}: data corrupted in transit")
+            pieces.append((mv[off : off + n], d))
             off += n
+        verify_chunks(pieces, e.path, parallel=False)
         final = self._path(e.path)
         tmp = self._tmpname(final)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -998,7 +989,7 @@ class Receiver:
                 meta, parts = fut.result()
                 pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
                 try:
-                    _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+                    verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
                 except IntegrityError:
                     # Asked once more: a source changed after the sender's check (its bytes go
                     # out with sendfile) now fails that check; a second mismatch is corruption.
@@ -1031,7 +1022,7 @@ class Receiver:
         ranges = [[off, n] for off, n, _ in g]
         meta, parts = self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns).result()
         pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
-        _verify_many([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
+        verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
         return pieces, parts
 
     @staticmethod
@@ -1110,7 +1101,7 @@ class Receiver:
         IntegrityError
             A chunk fetched whole still does not match its digest.
         """
-        ok = list(hash_pool().map(lambda bd: chunk_digest(bd[0][0]) == bd[1], zip(built, (d for _, _, d in g))))
+        ok = check_chunks([(buf, d) for (buf, _m), (_o, _n, d) in zip(built, g)], parallel=True)
         total = 0
         for (off, n, d), (buf, matched), good in zip(g, built, ok):
             if not good:
