@@ -34,12 +34,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import lz4.block
-
 from . import chunking, refine
 from ._basis import BasisFinder, check_copy, start_writeback
 from ._io import pwrite_all, unlink_quiet, write_all
 from ._paths import temp_name
+from ._replies import check_refs, decode_part, decode_ranges
 from .errors import (
     DestinationError,
     IntegrityError,
@@ -55,7 +54,6 @@ from .excludes import ExcludeRules
 from .plan import dry_run_changes, plan_sync
 from .scan import Tree, scan_tree
 from .options import SyncOptions, SyncStats
-from .messages import CODEC_LZ4, CODEC_RAW
 from .state import TreeState
 
 __all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
@@ -114,22 +112,6 @@ def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) 
     if src_kind == DIR or dst_is_dir_hint or os.path.isdir(dst):
         return os.path.join(dst, name)
     return dst
-
-
-def _decode(part: memoryview | bytes, rawlen: int, codec: int) -> memoryview | bytes:
-    if codec == CODEC_RAW:
-        if len(part) != rawlen:
-            raise RemoteProtocolError("raw part length differs from its declared length")
-        return part
-    if codec == CODEC_LZ4:
-        try:
-            out = lz4.block.decompress(part, uncompressed_size=rawlen)
-        except Exception as exc:
-            raise IntegrityError(f"lz4 part does not decompress: {exc}") from exc
-        if len(out) != rawlen:
-            raise IntegrityError("lz4 part decompressed to the wrong length")
-        return out
-    raise RemoteProtocolError(f"unknown codec {codec}")
 
 
 class Receiver:
@@ -551,10 +533,10 @@ class Receiver:
             if pi >= len(parts):
                 raise RemoteProtocolError("read_files reply has fewer parts than files")
             size, mtime_ns, mode, refs, _wirelen, codec = info
-            data = _decode(parts[pi], size, codec)
+            data = decode_part(parts[pi], size, codec)
             pi += 1
             refs = [(bytes(d), int(n)) for d, n in refs]
-            self._check_refs(refs, size, e.path)
+            check_refs(refs, size, e.path)
             todo.append((e, data, size, mtime_ns, mode, refs))
         for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
             self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
@@ -605,11 +587,6 @@ class Receiver:
         if self.state is not None and self._records:
             self.state.record_many(self._records)
         self._records = []
-
-    @staticmethod
-    def _check_refs(refs: list[tuple[bytes, int]], size: int, where: str) -> None:
-        if sum(n for _, n in refs) != size or any(len(d) != 32 or n <= 0 for d, n in refs):
-            raise RemoteProtocolError(f"chunk list of {where} does not add up to its size")
 
     # ---- large files ------------------------------------------------------------------
     def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:
@@ -741,7 +718,7 @@ class Receiver:
                     if not isinstance(chunks, list) or start != pos or not isinstance(end, int) or not pos <= end <= size:
                         raise RemoteProtocolError(f"chunk_list piece of {rel} does not continue at {pos}")
                     refs = [(bytes(d), int(n)) for d, n in chunks]
-                    self._check_refs(refs, end - start, rel)
+                    check_refs(refs, end - start, rel)
                     if end == pos and end < size:
                         raise RemoteProtocolError(f"empty chunk_list piece for {rel} before its end")
                     nxt = self.link.submit("chunk_list", path=rel, start=end, limit=PIECE_BYTES) if end < size else None
@@ -987,7 +964,7 @@ class Receiver:
                     misses = 0 if matched else misses + 1
                     continue
                 meta, parts = fut.result()
-                pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+                pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
                 try:
                     verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
                 except IntegrityError:
@@ -1021,22 +998,9 @@ class Receiver:
         """
         ranges = [[off, n] for off, n, _ in g]
         meta, parts = self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns).result()
-        pieces = self._decode_reply(meta, parts, [n for _, n, _ in g])
+        pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
         verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
         return pieces, parts
-
-    @staticmethod
-    def _decode_reply(meta: dict[str, Any], parts: list[Any], lengths: list[int]) -> list[memoryview | bytes]:
-        """The raw bytes of each part of a ``read_ranges`` reply, checked against the asked ``lengths``."""
-        mparts = meta.get("parts")
-        if not isinstance(mparts, list) or len(mparts) != len(lengths) or len(parts) != len(lengths):
-            raise RemoteProtocolError("read_ranges reply does not match the request")
-        out = []
-        for n, part, (rawlen, _w, codec) in zip(lengths, parts, mparts):
-            if rawlen != n:
-                raise RemoteProtocolError("read_ranges part has the wrong length")
-            out.append(_decode(part, rawlen, codec))
-        return out
 
     def _assemble_refined(
         self,
@@ -1082,7 +1046,7 @@ class Receiver:
             out.append((buf, sum(k for _, _, k in copies)))
         if data_fut is not None:
             meta, parts = data_fut.result()
-            got = iter(self._decode_reply(meta, parts, [k for _, k in want]))
+            got = iter(decode_ranges(meta, parts, [k for _, k in want]))
             for (buf, _m), (_c, fetches) in zip(out, plans):
                 mv = memoryview(buf)
                 for a, k in fetches:
