@@ -30,14 +30,13 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from . import chunking, refine
 from ._basis import BasisFinder, check_copy, start_writeback
 from ._io import pwrite_all, unlink_quiet, write_all
-from ._paths import temp_name
 from ._replies import check_refs, decode_part, decode_ranges
 from .errors import (
     DestinationError,
@@ -49,6 +48,7 @@ from .errors import (
     UsageError,
 )
 from .hashing import check_chunks, chunk_digest, chunk_fd, file_digest, hash_pool, verify_chunks
+from .destination import Destination, ProgressFn
 from .entry import DIR, FILE, LINK, Entry, check_relpath
 from .excludes import ExcludeRules
 from .plan import dry_run_changes, plan_sync
@@ -75,8 +75,6 @@ BATCH_FILES = 2048
 COPY_INFLIGHT = 6
 #: Bytes of a large file's work file after which the writeback of the part settled so far is started.
 WRITEBACK_BYTES = 32 * 1024 * 1024
-#: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
-ProgressFn = Callable[[int, int], None]
 #: Requests answered with a plain response that read file data: sent on the data streams too.
 #: Groups in a row without one sub-chunk found in the basis after which a file's remaining
 #: missing chunks are fetched whole (the basis shares nothing with the new version).
@@ -152,28 +150,10 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self._done_bytes = 0
-        self._total_bytes = 0
-        self._st: dict[str, int] = dict.fromkeys(
-            ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "bytes_matched", "files_deleted"), 0
-        )
+        self.destination = Destination(self.dest, state, state_prefix, progress)
         #: Sub-chunk index and placements of the basis of the large file being fetched (None: no basis).
         self._refiner: tuple[refine.BasisIndex, refine.Placements] | None = None
-        self._changed: list[str] = []
         self._verified = 0  # bytes of the large file being fetched that are verified in its work file
-        self._records: list[tuple[str, int, int, int, list[tuple[bytes, int]]]] = []
-
-    # ---- paths ------------------------------------------------------------------------
-    def _path(self, rel: str) -> str:
-        return os.path.join(self.dest, rel) if rel else self.dest
-
-    def _spath(self, rel: str) -> str:
-        return "/".join(p for p in (self.state_prefix, rel) if p)
-
-    def _tick(self, n: int) -> None:
-        self._done_bytes += n
-        if self.progress is not None:
-            self.progress(self._done_bytes, self._total_bytes)
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -209,13 +189,13 @@ class Receiver:
         plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
         bytes_total = sum(d[3] for d in src_dirs) + (root.size if root.kind == FILE else 0)
-        self._total_bytes = sum(e.size for e in plan.files)
+        self.destination.total_bytes = sum(e.size for e in plan.files)
         if self.options.dry_run:
             return SyncStats(
                 files_total=files_total,
                 bytes_total=bytes_total,
                 files_transferred=len(plan.files),
-                bytes_transferred=self._total_bytes,
+                bytes_transferred=self.destination.total_bytes,
                 wire_bytes=self.link.wire_bytes,
                 files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
                 seconds=time.perf_counter() - t0,
@@ -232,15 +212,15 @@ class Receiver:
                 raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
             raise
         finally:
-            self._flush_records()
-        if self._changed:
-            raise SourceChangedError(", ".join(self._changed[:10]) + (" ..." if len(self._changed) > 10 else ""))
+            self.destination.flush_records()
+        if self.destination.changed:
+            raise SourceChangedError(", ".join(self.destination.changed[:10]) + (" ..." if len(self.destination.changed) > 10 else ""))
         return SyncStats(
             files_total=files_total,
             bytes_total=bytes_total,
             wire_bytes=self.link.wire_bytes,
             seconds=time.perf_counter() - t0,
-            **self._st,
+            **self.destination.stats,
         )
 
     def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]]]:
@@ -398,14 +378,14 @@ class Receiver:
 
     def _local_digest(self, rel: str) -> bytes | None:
         try:
-            fd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self.destination.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
             if self.state is None:
                 return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params))
-            return self.state.chunks_of(fd, self._spath(rel), st, fresh=True)[0]
+            return self.state.chunks_of(fd, self.destination.spath(rel), st, fresh=True)[0]
         finally:
             os.close(fd)
 
@@ -417,12 +397,12 @@ class Receiver:
         for d in plan.delete:
             replaced = d.path in src_paths
             if self._remove(d, replaced) and not replaced:
-                self._st["files_deleted"] += 1
+                self.destination.stats["files_deleted"] += 1
         parent = os.path.dirname(self.dest)
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, 0o755, exist_ok=True)  # rsync creates the destination directory
         for e in plan.mkdirs:
-            p = self._path(e.path)
+            p = self.destination.path(e.path)
             if e.path == "":
                 os.makedirs(p, 0o700, exist_ok=True)
             else:
@@ -435,14 +415,14 @@ class Receiver:
         for e in plan.links:
             self._make_link(e)
         for e in plan.meta:
-            p = self._path(e.path)
+            p = self.destination.path(e.path)
             if e.kind == FILE:
                 os.chmod(p, e.mode)
                 os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
             elif e.kind == LINK:
                 os.utime(p, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
         for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
-            p = self._path(e.path)
+            p = self.destination.path(e.path)
             os.chmod(p, e.mode)
             os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
 
@@ -453,7 +433,7 @@ class Receiver:
         earlier in the plan. A directory still holding excluded (protected) entries
         is kept; one that must be replaced by another type raises instead.
         """
-        p = self._path(d.path)
+        p = self.destination.path(d.path)
         try:
             if d.kind == DIR and not os.path.islink(p):
                 os.rmdir(p)
@@ -471,12 +451,12 @@ class Receiver:
                 ) from exc
             raise
         if self.state is not None:
-            self.state.forget([self._spath(d.path)])
+            self.state.forget([self.destination.spath(d.path)])
         return True
 
     def _make_link(self, e: Entry) -> None:
-        p = self._path(e.path)
-        tmp = self._tmpname(p)
+        p = self.destination.path(e.path)
+        tmp = self.destination.temp_path(p)
         os.symlink(e.target, tmp)
         try:
             os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
@@ -484,11 +464,6 @@ class Receiver:
         except BaseException:
             unlink_quiet(tmp)
             raise
-
-    @staticmethod
-    def _tmpname(final: str) -> str:
-        d, name = os.path.split(final)
-        return os.path.join(d, temp_name(name))
 
     # ---- small files ------------------------------------------------------------------
     def _fetch_small(self, files: list[Entry]) -> None:
@@ -528,7 +503,7 @@ class Receiver:
         for e, info in zip(batch, files):
             if info is None:
                 log.warning("source file vanished or kept changing: %s", e.path)
-                self._changed.append(e.path)
+                self.destination.changed.append(e.path)
                 continue
             if pi >= len(parts):
                 raise RemoteProtocolError("read_files reply has fewer parts than files")
@@ -539,14 +514,13 @@ class Receiver:
             check_refs(refs, size, e.path)
             todo.append((e, data, size, mtime_ns, mode, refs))
         for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
-            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, refs))
-            self._st["files_transferred"] += 1
-            self._st["bytes_transferred"] += size
-            self._st["chunks_sent"] += len(refs)
-            self._tick(size)
+            self.destination.record(e.path, st, refs)
+            self.destination.stats["files_transferred"] += 1
+            self.destination.stats["bytes_transferred"] += size
+            self.destination.stats["chunks_sent"] += len(refs)
+            self.destination.tick(size)
         self.link.recycle(parts)
-        if len(self._records) >= 4096:
-            self._flush_records()
+        self.destination.flush_records(min_rows=4096)
 
     def _write_small(self, item: tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]) -> os.stat_result:
         """Verify one small file's chunks, write it to a temporary name, rename it into place.
@@ -566,8 +540,8 @@ class Receiver:
             pieces.append((mv[off : off + n], d))
             off += n
         verify_chunks(pieces, e.path, parallel=False)
-        final = self._path(e.path)
-        tmp = self._tmpname(final)
+        final = self.destination.path(e.path)
+        tmp = self.destination.temp_path(final)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -583,11 +557,6 @@ class Receiver:
             raise
         return st
 
-    def _flush_records(self) -> None:
-        if self.state is not None and self._records:
-            self.state.record_many(self._records)
-        self._records = []
-
     # ---- large files ------------------------------------------------------------------
     def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:
         for attempt in range(tries):
@@ -598,10 +567,10 @@ class Receiver:
                 log.info("source changed during transfer, retrying: %s (attempt %d)", e.path, attempt + 1)
             except RemoteNotFoundError:
                 log.warning("source file vanished: %s", e.path)
-                self._changed.append(e.path)
+                self.destination.changed.append(e.path)
                 return
         log.warning("source file kept changing: %s", e.path)
-        self._changed.append(e.path)
+        self.destination.changed.append(e.path)
 
     def _fetch_large(self, e: Entry) -> None:
         """Fetch one large file into a work file, piece by piece of its chunk list, then commit.
@@ -633,13 +602,13 @@ class Receiver:
         size, mtime_ns = first.get("size"), first.get("mtime_ns")
         if not isinstance(size, int) or not isinstance(mtime_ns, int) or size < 0:
             raise RemoteProtocolError("malformed chunk_list reply")
-        final = self._path(e.path)
+        final = self.destination.path(e.path)
         if self.state is not None and self.state.persistent:
-            key = chunk_digest(f"{self._spath(e.path)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
+            key = chunk_digest(f"{self.destination.spath(e.path)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
             work = self.state.partial_path(key)
             keep_partial = True
         else:
-            work = self._tmpname(final)
+            work = self.destination.temp_path(final)
             keep_partial = False
         fd = os.open(work, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         committed = False
@@ -665,16 +634,16 @@ class Receiver:
             except OSError as exc:
                 if exc.errno != errno.EXDEV:
                     raise
-                tmp = self._tmpname(final)
+                tmp = self.destination.temp_path(final)
                 shutil.copy2(work, tmp)
                 os.rename(tmp, final)
                 os.unlink(work)
                 st = os.stat(final)
             committed = True
-            self._records.append((self._spath(e.path), st.st_size, st.st_mtime_ns, st.st_ino, all_refs))
-            self._flush_records()
-            self._st["files_transferred"] += 1
-            self._st["bytes_transferred"] += size
+            self.destination.record(e.path, st, all_refs)
+            self.destination.flush_records()
+            self.destination.stats["files_transferred"] += 1
+            self.destination.stats["bytes_transferred"] += size
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -750,7 +719,7 @@ class Receiver:
         basis's size, mtime and inode; nothing is cut or hashed here.
         """
         try:
-            bfd = os.open(self._path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            bfd = os.open(self.destination.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
         try:
@@ -760,7 +729,7 @@ class Receiver:
                 return None
             hit = None
             if self.state is not None:
-                hit = self.state.lookup(self._spath(rel), st.st_size, st.st_mtime_ns, st.st_ino)
+                hit = self.state.lookup(self.destination.spath(rel), st.st_size, st.st_mtime_ns, st.st_ino)
             return BasisFinder(bfd, st.st_size, self.params, hit[1] if hit is not None else None)
         except BaseException:
             os.close(bfd)
@@ -830,8 +799,8 @@ class Receiver:
                 ok = self._copy_elsewhere(fd, off, n, d, rel, basis, {place}, opened, bufs[-1])
             if ok:
                 self._verified += n
-                self._st["chunks_reused"] += 1
-                self._tick(n)
+                self.destination.stats["chunks_reused"] += 1
+                self.destination.tick(n)
                 return None
             out = None
             if cur and nbytes + n > BATCH_BYTES:
@@ -892,7 +861,7 @@ class Receiver:
                     return True
         if self.state is None:
             return False
-        me = self._spath(rel)
+        me = self.destination.spath(rel)
         tried_paths: set[str] = set()
         stale: list[str] = []
         try:
@@ -975,9 +944,9 @@ class Receiver:
                     pieces, parts = self._read_verified(rel, g, size, mtime_ns)
                 for (off, _n, _d), data in zip(g, pieces):
                     pwrite_all(fd, data, off)
-                    self._st["chunks_sent"] += 1
+                    self.destination.stats["chunks_sent"] += 1
                     self._verified += len(data)
-                    self._tick(len(data))
+                    self.destination.tick(len(data))
                 self.link.recycle(parts)
         finally:
             if planner is not None:
@@ -1075,11 +1044,11 @@ class Receiver:
                 self.link.recycle(parts)
                 matched = 0
             pwrite_all(fd, buf, off)
-            self._st["chunks_sent"] += 1
+            self.destination.stats["chunks_sent"] += 1
             self._verified += n
-            self._st["bytes_matched"] += matched
+            self.destination.stats["bytes_matched"] += matched
             total += matched
-            self._tick(n)
+            self.destination.tick(n)
         return total
 
 
