@@ -1,4 +1,4 @@
-"""Write-all loops and a quiet unlink: the few file-descriptor helpers every writer shares.
+"""Write-all loops, a quiet unlink, a background close: the few file helpers writers share.
 
 ``os.write`` and ``os.pwrite`` may write fewer bytes than asked (a signal, a full pipe, a
 file system that splits large writes); these loops go on until every byte is written.
@@ -7,8 +7,9 @@ file system that splits large writes); these loops go on until every byte is wri
 from __future__ import annotations
 
 import os
+import threading
 
-__all__ = ["write_all", "pwrite_all", "unlink_quiet"]
+__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later"]
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -46,3 +47,13 @@ def unlink_quiet(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def close_later(fd: int) -> None:
+    """Close ``fd`` on a daemon thread.
+
+    For a descriptor whose close may be slow and need not be waited for: the last reference
+    to an unlinked file (the kernel frees its blocks and pages in that close). The caller
+    must not use ``fd`` again.
+    """
+    threading.Thread(target=os.close, args=(fd,), name="tb5-release", daemon=True).start()
