@@ -44,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._io import write_all
 from ._paths import STATE_DIR, Jail, is_temp_name, split_request_path, temp_name
 from .errors import (
     PathError,
@@ -512,13 +513,6 @@ class FsOps:
         self._commit(dfd, tmp, name, exclusive)
 
     @staticmethod
-    def _write_all(fd: int, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-
-    @staticmethod
     def _check_mode(mode: str) -> bool:
         if mode not in ("overwrite", "create"):
             raise UsageError(f"mode must be 'overwrite' or 'create', not {mode!r}")
@@ -536,7 +530,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
         with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
-            self._write_file(dfd, name, lambda fd: self._write_all(fd, data), exclusive)
+            self._write_file(dfd, name, lambda fd: write_all(fd, data), exclusive)
         return {}
 
     @_writes
@@ -603,7 +597,7 @@ class FsOps:
         try:
             fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND, shown=w.path)
             try:
-                self._write_all(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
         except (OSError, Tb5syncError) as exc:

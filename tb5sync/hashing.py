@@ -24,7 +24,7 @@ import blake3 as _blake3
 import xxhash
 
 from . import chunking
-from .errors import UsageError
+from .errors import IntegrityError, UsageError
 
 __all__ = [
     "DIGEST_SIZE",
@@ -32,6 +32,8 @@ __all__ = [
     "chunk_digest",
     "file_digest",
     "quick_digest",
+    "check_chunks",
+    "verify_chunks",
     "chunk_buffer",
     "chunk_fd",
     "iter_chunk_fd",
@@ -203,6 +205,58 @@ def file_digest(chunk_digests: Iterable[bytes]) -> bytes:
 def quick_digest(data: bytes | bytearray | memoryview) -> bytes:
     """xxh3-128 of ``data`` (16 bytes): a cheap change check, not a content address."""
     return xxhash.xxh3_128_digest(data)
+
+
+def _matches(piece: tuple[bytes | bytearray | memoryview, bytes]) -> bool:
+    return chunk_digest(piece[0]) == piece[1]
+
+
+def check_chunks(
+    pieces: Sequence[tuple[bytes | bytearray | memoryview, bytes]], parallel: bool | None = None
+) -> list[bool]:
+    """Whether each ``(bytes, digest)`` of ``pieces`` has that BLAKE3-256 digest.
+
+    Parameters
+    ----------
+    pieces : sequence of (bytes-like, bytes)
+        A chunk's bytes and its expected 32-byte digest.
+    parallel : bool, optional
+        Hash in :func:`hash_pool` (True) or on this thread (False). By default in the pool
+        when there is more than one piece or the one piece is larger than 256 KiB.
+
+    Returns
+    -------
+    list of bool
+        One per piece, in order.
+    """
+    if parallel is None:
+        parallel = len(pieces) > 1 or (bool(pieces) and len(pieces[0][0]) > _POOL_MIN)
+    if parallel:
+        return list(hash_pool().map(_matches, pieces))
+    return [_matches(p) for p in pieces]
+
+
+def verify_chunks(
+    pieces: Sequence[tuple[bytes | bytearray | memoryview, bytes]], where: str, parallel: bool | None = None
+) -> None:
+    """Check that each ``(bytes, digest)`` of ``pieces`` has that BLAKE3-256 digest.
+
+    Parameters
+    ----------
+    pieces : sequence of (bytes-like, bytes)
+        A chunk's bytes and its expected 32-byte digest.
+    where : str
+        The file the chunks belong to, for the error message.
+    parallel : bool, optional
+        See :func:`check_chunks`.
+
+    Raises
+    ------
+    IntegrityError
+        Some chunk does not match its digest (data corrupted in transit).
+    """
+    if not all(check_chunks(pieces, parallel)):
+        raise IntegrityError(f"chunk digest mismatch in {where}: data corrupted in transit")
 
 
 def chunk_buffer(

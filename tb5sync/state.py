@@ -5,7 +5,7 @@ Layout under ``ROOT/.tb5sync/``::
     state.sqlite     files(path, size, mtime_ns, ino, params, digest, chunks)
                      chunks(digest, path, offset, length)
     partial/         large files being received, named by a key of the source file (BLAKE3 of
-                     its path, size and mtime_ns, see Receiver); kept
+                     its path, size and mtime_ns, see largefile); kept
                      across interruptions so that a re-run sends only what is missing;
                      pruned after 7 days untouched
 

@@ -272,14 +272,14 @@ def test_many_pieces_and_a_change_between_them(place: Any, monkeypatch: Any) -> 
     changes after the second piece was cut: the file is fetched again and ends up as the new source."""
     import functools
 
-    from tb5sync import receiver, sender
+    from tb5sync import largefile, sender
     from tb5sync.hashing import iter_chunk_fd
     from tb5sync.sender import Sender
 
     # pieces end at the sender's window: 4 MiB windows and 1-byte limits give one window a piece
     monkeypatch.setattr(sender, "iter_chunk_fd", functools.partial(iter_chunk_fd, window=4 * MiB))
-    monkeypatch.setattr(receiver, "PIECE_BYTES", 1)
-    monkeypatch.setattr(receiver, "BATCH_BYTES", 1)
+    monkeypatch.setattr(largefile, "PIECE_BYTES", 1)
+    monkeypatch.setattr(largefile, "BATCH_BYTES", 1)
     src, s, dst, d = place
     os.makedirs(src)
     rnd = random.Random(15)
@@ -308,7 +308,7 @@ def test_many_pieces_and_a_change_between_them(place: Any, monkeypatch: Any) -> 
 def test_unverified_bytes_are_never_committed(tmp_path: Any, monkeypatch: Any) -> None:
     """If chunks went missing between the plan and the commit (here: the fetch of missing chunks does
     nothing), the file is not renamed into place: the previous version stays whole."""
-    from tb5sync import receiver
+    from tb5sync import largefile
     from tb5sync.errors import IntegrityError
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
@@ -323,7 +323,7 @@ def test_unverified_bytes_are_never_committed(tmp_path: Any, monkeypatch: Any) -
         for _ in groups:
             pass
 
-    monkeypatch.setattr(receiver.Receiver, "_fetch_ranges", lose)
+    monkeypatch.setattr(largefile.LargeFileJob, "_fetch_ranges", lose)
     with pytest.raises(IntegrityError, match="verified before commit"):
         tb5sync.sync(src + "/", dst)
     assert _read(os.path.join(dst, "big.bin")) == old

@@ -1,0 +1,91 @@
+"""Checks of a sender's replies on the receiving side: part codecs, part lengths, chunk lists.
+
+Used by the small-file path (:mod:`tb5sync.receiver`) and the large-file path
+(:mod:`tb5sync.largefile`); the sender's side of the codecs is :func:`tb5sync.sender.encode_part`.
+Nothing here trusts the sender: a reply that does not match its request raises
+:class:`~tb5sync.errors.RemoteProtocolError`, bytes that do not decode raise
+:class:`~tb5sync.errors.IntegrityError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lz4.block
+
+from .errors import IntegrityError, RemoteProtocolError
+from .messages import CODEC_LZ4, CODEC_RAW
+
+__all__ = ["decode_part", "decode_ranges", "check_refs"]
+
+
+def decode_part(part: memoryview | bytes, rawlen: int, codec: int) -> memoryview | bytes:
+    """The raw bytes of one part of a DATA reply.
+
+    Parameters
+    ----------
+    part : bytes-like
+        The part as it came over the wire.
+    rawlen : int
+        Its length once decoded, bytes (as the reply's meta declares it).
+    codec : int
+        :data:`~tb5sync.messages.CODEC_RAW` or :data:`~tb5sync.messages.CODEC_LZ4`.
+
+    Returns
+    -------
+    bytes-like
+        ``part`` itself (raw), or the decompressed bytes; ``rawlen`` long.
+
+    Raises
+    ------
+    RemoteProtocolError
+        An unknown codec, or a raw part whose length is not ``rawlen``.
+    IntegrityError
+        An lz4 part that does not decompress to ``rawlen`` bytes.
+    """
+    if codec == CODEC_RAW:
+        if len(part) != rawlen:
+            raise RemoteProtocolError("raw part length differs from its declared length")
+        return part
+    if codec == CODEC_LZ4:
+        try:
+            out = lz4.block.decompress(part, uncompressed_size=rawlen)
+        except Exception as exc:
+            raise IntegrityError(f"lz4 part does not decompress: {exc}") from exc
+        if len(out) != rawlen:
+            raise IntegrityError("lz4 part decompressed to the wrong length")
+        return out
+    raise RemoteProtocolError(f"unknown codec {codec}")
+
+
+def decode_ranges(meta: dict[str, Any], parts: list[Any], lengths: list[int]) -> list[memoryview | bytes]:
+    """The raw bytes of each part of a ``read_ranges`` reply, checked against the asked ``lengths``.
+
+    Raises
+    ------
+    RemoteProtocolError
+        The reply has another number of parts than ranges asked for, or a part of another length.
+    IntegrityError
+        See :func:`decode_part`.
+    """
+    mparts = meta.get("parts")
+    if not isinstance(mparts, list) or len(mparts) != len(lengths) or len(parts) != len(lengths):
+        raise RemoteProtocolError("read_ranges reply does not match the request")
+    out = []
+    for n, part, (rawlen, _w, codec) in zip(lengths, parts, mparts):
+        if rawlen != n:
+            raise RemoteProtocolError("read_ranges part has the wrong length")
+        out.append(decode_part(part, rawlen, codec))
+    return out
+
+
+def check_refs(refs: list[tuple[bytes, int]], size: int, where: str) -> None:
+    """Check a chunk list ``(digest, length)`` from the sender: 32-byte digests, lengths adding up to ``size``.
+
+    Raises
+    ------
+    RemoteProtocolError
+        A digest that is not 32 bytes, a length that is not positive, or a sum other than ``size``.
+    """
+    if sum(n for _, n in refs) != size or any(len(d) != 32 or n <= 0 for d, n in refs):
+        raise RemoteProtocolError(f"chunk list of {where} does not add up to its size")

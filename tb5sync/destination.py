@@ -1,0 +1,120 @@
+"""The destination of one sync: where entries land, the scan cache's new rows, the counters.
+
+One :class:`Destination` per :class:`~tb5sync.receiver.Receiver`. The generator
+(:mod:`tb5sync.generator`), the small-file path (:mod:`tb5sync.receiver`) and each large-file
+job (:mod:`tb5sync.largefile`) share it instead of each keeping its own copy of the
+destination's paths, state and statistics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from ._paths import temp_name
+from .state import TreeState
+
+__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS"]
+
+#: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
+ProgressFn = Callable[[int, int], None]
+
+#: The :class:`~tb5sync.options.SyncStats` fields a :class:`Destination` counts.
+STAT_COUNTERS = ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "bytes_matched", "files_deleted")
+
+
+class Destination:
+    """Where a sync writes, and what it has written so far.
+
+    Parameters
+    ----------
+    base : str
+        Absolute destination base path (where the source's ``""`` entry lands), without a
+        trailing slash (``"/"`` for the root).
+    state : TreeState or None
+        Destination scan cache and chunk index.
+    state_prefix : str
+        ``base`` relative to the state's root (``""`` when they are the same).
+    progress : ProgressFn, optional
+        Told ``(bytes_done, bytes_total)`` after each :meth:`tick`.
+
+    Attributes
+    ----------
+    stats : dict of str to int
+        The counters of :data:`STAT_COUNTERS`, all starting at 0, for the run's
+        :class:`~tb5sync.options.SyncStats`.
+    done_bytes, total_bytes : int
+        Bytes committed so far, and bytes the plan will write (set once the plan is made).
+    changed : list of str
+        Relative paths of files that vanished or kept changing at the source (not synced);
+        the receiver raises :class:`~tb5sync.errors.SourceChangedError` naming them at the end.
+
+    Notes
+    -----
+    Not thread-safe, and with no lock: only the thread that runs
+    :meth:`tb5sync.receiver.Receiver.run` updates it (commits small files, settles reused
+    chunks, writes fetched and rebuilt chunks). The other threads of a large-file job do
+    not touch it: the planner thread only builds chunks from basis sub-chunks (the run
+    thread verifies, writes and counts them), the chunk-list helper only asks for pieces,
+    the hash pool only runs checked copies. :attr:`state` (a
+    :class:`~tb5sync.state.TreeState`) locks on its own.
+    """
+
+    def __init__(self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None) -> None:
+        self.base = base
+        self.state = state
+        self.state_prefix = state_prefix
+        self.progress = progress
+        self.stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
+        self.done_bytes = 0
+        self.total_bytes = 0
+        self.changed: list[str] = []
+        self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
+
+    # ---- paths ------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """The absolute path of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base)."""
+        return os.path.join(self.base, rel) if rel else self.base
+
+    def spath(self, rel: str) -> str:
+        """The entry ``rel``'s path in the scan cache (relative to the state's root)."""
+        return "/".join(p for p in (self.state_prefix, rel) if p)
+
+    @staticmethod
+    def temp_path(final: str) -> str:
+        """A temporary name beside the absolute path ``final``: ``.NAME.XXXXXXXX.tb5tmp`` in the same directory."""
+        d, name = os.path.split(final)
+        return os.path.join(d, temp_name(name))
+
+    # ---- progress ---------------------------------------------------------------------
+    def tick(self, n: int) -> None:
+        """Count ``n`` more bytes committed and tell :attr:`progress`."""
+        self.done_bytes += n
+        if self.progress is not None:
+            self.progress(self.done_bytes, self.total_bytes)
+
+    # ---- scan cache -------------------------------------------------------------------
+    def record(self, rel: str, st: os.stat_result, refs: Sequence[tuple[bytes, int]]) -> None:
+        """Keep the scan-cache row of the file ``rel`` just committed (``st`` from its fd) until :meth:`flush_records`.
+
+        Parameters
+        ----------
+        rel : str
+            Path relative to :attr:`base`.
+        st : os.stat_result
+            The committed file's size, mtime and inode.
+        refs : sequence of (bytes, int)
+            Its chunk list ``(digest, length)``, in order.
+        """
+        self._records.append((self.spath(rel), st.st_size, st.st_mtime_ns, st.st_ino, refs))
+
+    def flush_records(self, min_rows: int = 0) -> None:
+        """Write the kept rows to the scan cache if at least ``min_rows`` are waiting (all, by default).
+
+        Without a state the rows are dropped.
+        """
+        if len(self._records) < min_rows:
+            return
+        if self.state is not None and self._records:
+            self.state.record_many(self._records)
+        self._records = []

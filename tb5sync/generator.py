@@ -1,0 +1,401 @@
+"""The generator: list the source where it differs, plan the sync, apply the plan's non-data parts.
+
+rsync's split, on the receiving side: the generator decides what must change and makes the
+tree's shape (deletions, directories, symlinks, modes and mtimes); the receiver
+(:mod:`tb5sync.receiver`) moves file data. The listing is fetched from the sender through the
+*link* only where it can differ: a directory whose listing digest
+(:func:`tb5sync.scan.listing_digest`) is the same on both sides is neither fetched nor planned. The decisions themselves are :func:`tb5sync.plan.plan_sync`'s
+(no I/O there).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from concurrent.futures import Future, wait
+from typing import Any, NamedTuple
+
+from . import chunking
+from ._io import unlink_quiet
+from .destination import Destination
+from .entry import DIR, FILE, LINK, Entry, check_relpath
+from .errors import DestinationError, RemoteProtocolError, UsageError
+from .hashing import chunk_fd, file_digest
+from .options import SyncOptions, SyncStats
+from .plan import Plan, dry_run_changes, plan_sync
+from .scan import Tree
+
+__all__ = ["Generator", "Planned"]
+
+
+class Planned(NamedTuple):
+    """A plan and what it was made from.
+
+    Attributes
+    ----------
+    plan : Plan
+    src : list of Entry
+        The part of the source's listing that was planned (see :meth:`Generator._changed_parts`).
+    files_total, bytes_total : int
+        Regular files at the source and their bytes, all of them (planned or not).
+    """
+
+    plan: Plan
+    src: list[Entry]
+    files_total: int
+    bytes_total: int
+
+
+class Generator:
+    """Compare the sender's source with the destination, plan, and shape the destination tree.
+
+    Parameters
+    ----------
+    link : tb5sync.links.Link
+        Way to the sender.
+    destination : Destination
+        Where the source lands (paths, state, counters).
+    options : SyncOptions
+        ``checksum``, ``delete`` and the exclude rules are read here.
+    params : chunking.ChunkParams
+        Chunking of the destination (``--checksum`` digests when there is no state).
+    """
+
+    def __init__(self, link: Any, destination: Destination, options: SyncOptions, params: chunking.ChunkParams) -> None:
+        self.link = link
+        self.destination = destination
+        self.options = options
+        self.params = params
+
+    # ---- listing and plan -------------------------------------------------------------
+    def make_plan(self, dst_scan: Future[Tree]) -> Planned:
+        """Fetch the source's summary and listing where it differs, compare, and plan.
+
+        Sets the destination's ``total_bytes`` (the bytes of the files the plan writes).
+
+        Parameters
+        ----------
+        dst_scan : Future of Tree
+            The destination's scan (started before, so that it overlaps the sender's scan);
+            waited for before this returns or raises.
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The source does not exist.
+        DestinationError
+            The destination cannot be read.
+        RemoteProtocolError, UsageError
+            A malformed or unsafe listing from the sender.
+        """
+        rules = self.options.rules
+        try:
+            root, src_dirs = self._fetch_summary()
+            try:
+                dst_tree = dst_scan.result()
+            except PermissionError as exc:
+                raise DestinationError(f"cannot read destination {self.destination.base}: {exc.strerror}") from exc
+            src, dst = self._changed_parts(root, src_dirs, dst_tree)
+        finally:
+            wait([dst_scan])  # the scan never outlives the run
+        same = self._compare_digests(src, dst) if self.options.checksum else None
+        plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
+        files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
+        bytes_total = sum(d[3] for d in src_dirs) + (root.size if root.kind == FILE else 0)
+        self.destination.total_bytes = sum(e.size for e in plan.files)
+        return Planned(plan, src, files_total, bytes_total)
+
+    def dry_run(self, planned: Planned, t0: float) -> SyncStats:
+        """The statistics of a dry run of ``planned`` (nothing is changed), begun at ``t0`` (``time.perf_counter``).
+
+        ``extra`` holds the plan (``"plan"``) and the changes rsync ``-n -v`` would list
+        (``"changes"``, see :func:`tb5sync.plan.dry_run_changes`).
+        """
+        plan, src = planned.plan, planned.src
+        return SyncStats(
+            files_total=planned.files_total,
+            bytes_total=planned.bytes_total,
+            files_transferred=len(plan.files),
+            bytes_transferred=self.destination.total_bytes,
+            wire_bytes=self.link.wire_bytes,
+            files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
+            seconds=time.perf_counter() - t0,
+            extra={"plan": plan, "changes": dry_run_changes(plan, src)},
+        )
+
+    def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]]]:
+        """The source's root entry and its directory summaries ``(path, digest, files, bytes)``, all pages.
+
+        Raises
+        ------
+        RemoteNotFoundError
+            The source does not exist.
+        RemoteProtocolError
+            A malformed page.
+        """
+        dirs: list[tuple[str, bytes, int, int]] = []
+        root: Entry | None = None
+        while True:
+            page = self.link.submit("tree", start=len(dirs)).result()
+            rows, total = page.get("dirs"), page.get("total")
+            if not isinstance(rows, list) or not isinstance(total, int) or not isinstance(page.get("root"), list):
+                raise RemoteProtocolError("malformed tree page")
+            if root is None:
+                root = Entry.from_wire(page["root"])
+                if root.path != "":
+                    raise RemoteProtocolError("the tree's root entry must have the path ''")
+            for row in rows:
+                if not (isinstance(row, list) and len(row) == 4):
+                    raise RemoteProtocolError("malformed directory summary")
+                path, digest, files, nbytes = row
+                if not (isinstance(digest, bytes) and isinstance(files, int) and isinstance(nbytes, int) and files >= 0 and nbytes >= 0):
+                    raise RemoteProtocolError("malformed directory summary")
+                try:
+                    check_relpath(path)
+                except (UsageError, TypeError) as exc:
+                    raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
+                dirs.append((path, digest, files, nbytes))
+            if len(dirs) >= total or not rows:
+                return root, dirs
+
+    def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
+        """The source's children of each directory in ``dirs``: directory path -> entries in name order.
+
+        Directories are asked for in batches (all batches in flight at once), each batch
+        page by page.
+
+        Raises
+        ------
+        RemoteProtocolError
+            An entry that is not a child of the directory it was listed under.
+        UsageError
+            An unsafe path (see :meth:`Entry.from_wire`).
+        """
+        batches: list[list[str]] = []
+        cur: list[str] = []
+        size = 0
+        for d in dirs:
+            cur.append(d)
+            size += len(d) + 8
+            if len(cur) >= 4096 or size >= 1024 * 1024:
+                batches.append(cur)
+                cur, size = [], 0
+        if cur:
+            batches.append(cur)
+        futs = [self.link.submit("entries", dirs=b, skip=0) for b in batches]
+        out: dict[str, list[Entry]] = {}
+        for batch, fut in zip(batches, futs):
+            got: list[Entry] = []
+            while True:
+                page = fut.result()
+                items, more = page.get("entries"), page.get("more")
+                if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
+                    raise RemoteProtocolError("malformed entries page")
+                got += [Entry.from_wire(item) for item in items]
+                if not more:
+                    break
+                fut = self.link.submit("entries", dirs=batch, skip=len(got))
+            # split the concatenation by parent directory; the sender keeps the order asked for
+            it = iter(batch)
+            d = next(it)
+            listing: list[Entry] = []
+            out[d] = listing
+            for e in got:
+                parent = e.path.rpartition("/")[0]
+                while parent != d:
+                    d = next(it, None)  # type: ignore[arg-type]
+                    if d is None:
+                        raise RemoteProtocolError(f"entry {e.path!r:.200} is not in the directories asked for")
+                    listing = out[d] = []
+                listing.append(e)
+            for d in it:
+                out[d] = []
+        return out
+
+    def _changed_parts(
+        self, root: Entry, src_dirs: list[tuple[str, bytes, int, int]], dst_tree: Tree
+    ) -> tuple[list[Entry], list[Entry]]:
+        """The parts of both manifests that can differ: what :func:`plan_sync` must look at.
+
+        A directory whose listing digest is the same on both sides has identical children
+        (names, types, modes, sizes, mtimes, link targets): nothing in it changes, so its
+        children are neither fetched nor planned. Left in are the roots, every other
+        directory's children, and the entries of those other directories themselves (so
+        that they are created, or get their mode and mtime back after their contents
+        change). With ``--checksum`` nothing is skipped (contents are compared).
+
+        Returns
+        -------
+        (src, dst) : lists of Entry
+            Parents before children; ``src`` the source's part (fetched where it differs),
+            ``dst`` the destination's.
+        """
+        dst_dg = dst_tree.digests() if not self.options.checksum else {}
+        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
+        need = [p for p, _, _, _ in src_dirs if p not in same]
+        fetched = self._fetch_entries(need) if need else {}
+        by_parent: dict[str, dict[str, Entry]] = {}
+
+        def own_entry(d: str) -> Entry:
+            # d's entry from its parent's listing, which is the same on both sides
+            parent = d.rpartition("/")[0]
+            idx = by_parent.get(parent)
+            if idx is None:
+                idx = by_parent[parent] = {e.path: e for e in dst_tree.children[parent]}
+            e = idx.get(d)
+            if e is None or e.kind != DIR:
+                raise RemoteProtocolError(f"directory {d!r:.200} is not in its parent's listing")
+            return e
+
+        src = [root]
+        for d in need:
+            if d and d.rpartition("/")[0] in same:
+                src.append(own_entry(d))
+            src += fetched[d]
+        dst = dst_tree.entries[:1]
+        for d, kids in dst_tree.children.items():
+            if d in same:
+                continue
+            if d and d.rpartition("/")[0] in same:
+                dst.append(own_entry(d))
+            dst += kids
+        return src, dst
+
+    def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
+        """``--checksum``: for each regular file on both sides with the same size, whether the contents are equal.
+
+        The sender's file digests are asked for 1024 paths at a time, while this side
+        computes its own (:meth:`_local_digest`); a file that cannot be read here differs.
+
+        Raises
+        ------
+        RemoteProtocolError
+            A ``file_digests`` reply of the wrong length.
+        """
+        have = {e.path: e for e in dst if e.kind == FILE}
+        both = [e.path for e in src if e.kind == FILE and e.path in have and have[e.path].size == e.size]
+        out: dict[str, bool] = {}
+        for i in range(0, len(both), 1024):
+            batch = both[i : i + 1024]
+            fut = self.link.submit("file_digests", paths=batch)
+            mine = [self._local_digest(p) for p in batch]
+            theirs = fut.result().get("digests", [])
+            if len(theirs) != len(batch):
+                raise RemoteProtocolError("file_digests reply has the wrong length")
+            for p, a, b in zip(batch, mine, theirs):
+                out[p] = a is not None and a == b
+        return out
+
+    def _local_digest(self, rel: str) -> bytes | None:
+        """The file digest of the destination's ``rel``, read and hashed anew (and recorded in the scan cache if any); None if it cannot be opened."""
+        try:
+            fd = os.open(self.destination.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if self.destination.state is None:
+                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params))
+            return self.destination.state.chunks_of(fd, self.destination.spath(rel), st, fresh=True)[0]
+        finally:
+            os.close(fd)
+
+    # ---- applying the plan's non-data parts -------------------------------------------
+    def prepare(self, plan: Plan, src: list[Entry]) -> None:
+        """Apply what must come before the files are written: deletions, then new directories.
+
+        Deletions go first, deepest first, each counted in ``files_deleted`` unless the
+        entry is replaced by one of another type. The destination's parent is created
+        (mode 0755) when missing, as rsync does; new directories get mode 0700 until
+        :meth:`finish` gives them theirs.
+
+        Raises
+        ------
+        DestinationError
+            A non-empty directory must be replaced by another type.
+        OSError
+            A deletion or a mkdir failed.
+        """
+        src_paths = {e.path for e in src}
+        # Deletions first, deepest first, before anything new is created: a path never
+        # passes through an entry that this run just replaced (rsync's --delete-during order).
+        for d in plan.delete:
+            replaced = d.path in src_paths
+            if self._remove(d, replaced) and not replaced:
+                self.destination.stats["files_deleted"] += 1
+        parent = os.path.dirname(self.destination.base)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, 0o755, exist_ok=True)  # rsync creates the destination directory
+        for e in plan.mkdirs:
+            p = self.destination.path(e.path)
+            if e.path == "":
+                os.makedirs(p, 0o700, exist_ok=True)
+            else:
+                os.mkdir(p, 0o700)
+
+    def finish(self, plan: Plan) -> None:
+        """Apply what must come after the files are written: symlinks, then modes and mtimes.
+
+        Symlinks are made under a temporary name and renamed into place; unchanged files get
+        their mode and mtime, unchanged symlinks their mtime; then every directory of the plan
+        gets its mode and mtime, deepest first (writing into a directory changes its mtime).
+
+        Raises
+        ------
+        OSError
+            A symlink, chmod or utime failed.
+        """
+        for e in plan.links:
+            self._make_link(e)
+        for e in plan.meta:
+            p = self.destination.path(e.path)
+            if e.kind == FILE:
+                os.chmod(p, e.mode)
+                os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+            elif e.kind == LINK:
+                os.utime(p, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+        for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
+            p = self.destination.path(e.path)
+            os.chmod(p, e.mode)
+            os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+
+    def _remove(self, d: Entry, replaced: bool) -> bool:
+        """Remove one destination entry (never following symlinks); True if it was removed.
+
+        Directories are removed with ``rmdir`` only: their deletable children come
+        earlier in the plan. A directory still holding excluded (protected) entries
+        is kept; one that must be replaced by another type raises instead.
+        """
+        p = self.destination.path(d.path)
+        try:
+            if d.kind == DIR and not os.path.islink(p):
+                os.rmdir(p)
+            else:
+                os.unlink(p)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                if not replaced:
+                    return False
+                raise DestinationError(
+                    f"cannot replace non-empty directory {p} with a {'file' if d.kind == DIR else 'directory'}"
+                    " (use --delete, and check --exclude patterns)"
+                ) from exc
+            raise
+        if self.destination.state is not None:
+            self.destination.state.forget([self.destination.spath(d.path)])
+        return True
+
+    def _make_link(self, e: Entry) -> None:
+        """Make the symlink ``e`` under a temporary name, give it its mtime, and rename it into place."""
+        p = self.destination.path(e.path)
+        tmp = self.destination.temp_path(p)
+        os.symlink(e.target, tmp)
+        try:
+            os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+            os.rename(tmp, p)
+        except BaseException:
+            unlink_quiet(tmp)
+            raise
