@@ -1,9 +1,10 @@
-"""Checks of a sender's replies on the receiving side: part codecs, part lengths, chunk lists.
+"""The bytes of a sender's DATA replies on the receiving side: part codecs undone.
 
 Used by the small-file path (:mod:`tb5sync.receiver`) and the large-file path
 (:mod:`tb5sync.largefile`); the sender's side of the codecs is :func:`tb5sync.sender.encode_part`.
-Nothing here trusts the sender: a reply that does not match its request raises
-:class:`~tb5sync.errors.RemoteProtocolError`, bytes that do not decode raise
+The shape of each reply is checked once, by its type in :mod:`tb5sync.messages`
+(:class:`~tb5sync.messages.RangesMeta`, :class:`~tb5sync.messages.FilesMeta`); this module
+only turns checked parts into raw bytes. Bytes that do not decode raise
 :class:`~tb5sync.errors.IntegrityError`.
 """
 
@@ -14,9 +15,9 @@ from typing import Any
 import lz4.block
 
 from .errors import IntegrityError, RemoteProtocolError
-from .messages import CODEC_LZ4, CODEC_RAW
+from .messages import CODEC_LZ4, CODEC_RAW, RangesMeta
 
-__all__ = ["decode_part", "decode_ranges", "check_refs"]
+__all__ = ["decode_part", "decode_ranges"]
 
 
 def decode_part(part: memoryview | bytes, rawlen: int, codec: int) -> memoryview | bytes:
@@ -68,24 +69,7 @@ def decode_ranges(meta: dict[str, Any], parts: list[Any], lengths: list[int]) ->
     IntegrityError
         See :func:`decode_part`.
     """
-    mparts = meta.get("parts")
-    if not isinstance(mparts, list) or len(mparts) != len(lengths) or len(parts) != len(lengths):
+    checked = RangesMeta.from_wire(meta, lengths)
+    if len(parts) != len(lengths):
         raise RemoteProtocolError("read_ranges reply does not match the request")
-    out = []
-    for n, part, (rawlen, _w, codec) in zip(lengths, parts, mparts):
-        if rawlen != n:
-            raise RemoteProtocolError("read_ranges part has the wrong length")
-        out.append(decode_part(part, rawlen, codec))
-    return out
-
-
-def check_refs(refs: list[tuple[bytes, int]], size: int, where: str) -> None:
-    """Check a chunk list ``(digest, length)`` from the sender: 32-byte digests, lengths adding up to ``size``.
-
-    Raises
-    ------
-    RemoteProtocolError
-        A digest that is not 32 bytes, a length that is not positive, or a sum other than ``size``.
-    """
-    if sum(n for _, n in refs) != size or any(len(d) != 32 or n <= 0 for d, n in refs):
-        raise RemoteProtocolError(f"chunk list of {where} does not add up to its size")
+    return [decode_part(part, rawlen, codec) for part, (rawlen, _w, codec) in zip(parts, checked.parts)]

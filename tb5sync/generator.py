@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 from . import chunking
 from ._io import unlink_quiet
 from .destination import Destination
-from .entry import DIR, FILE, LINK, Entry, check_relpath
-from .errors import DestinationError, RemoteProtocolError, UsageError
+from .entry import DIR, FILE, LINK, Entry
+from .errors import DestinationError, RemoteProtocolError
 from .hashing import chunk_fd, file_digest
+from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
 from .plan import Plan, dry_run_changes, plan_sync
 from .scan import Tree
@@ -137,26 +138,11 @@ class Generator:
         dirs: list[tuple[str, bytes, int, int]] = []
         root: Entry | None = None
         while True:
-            page = self.link.submit("tree", start=len(dirs)).result()
-            rows, total = page.get("dirs"), page.get("total")
-            if not isinstance(rows, list) or not isinstance(total, int) or not isinstance(page.get("root"), list):
-                raise RemoteProtocolError("malformed tree page")
+            page = TreePage.from_wire(self.link.submit("tree", start=len(dirs)).result())
             if root is None:
-                root = Entry.from_wire(page["root"])
-                if root.path != "":
-                    raise RemoteProtocolError("the tree's root entry must have the path ''")
-            for row in rows:
-                if not (isinstance(row, list) and len(row) == 4):
-                    raise RemoteProtocolError("malformed directory summary")
-                path, digest, files, nbytes = row
-                if not (isinstance(digest, bytes) and isinstance(files, int) and isinstance(nbytes, int) and files >= 0 and nbytes >= 0):
-                    raise RemoteProtocolError("malformed directory summary")
-                try:
-                    check_relpath(path)
-                except (UsageError, TypeError) as exc:
-                    raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
-                dirs.append((path, digest, files, nbytes))
-            if len(dirs) >= total or not rows:
+                root = page.root
+            dirs += page.dirs
+            if len(dirs) >= page.total or not page.dirs:
                 return root, dirs
 
     def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
@@ -188,12 +174,9 @@ class Generator:
         for batch, fut in zip(batches, futs):
             got: list[Entry] = []
             while True:
-                page = fut.result()
-                items, more = page.get("entries"), page.get("more")
-                if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
-                    raise RemoteProtocolError("malformed entries page")
-                got += [Entry.from_wire(item) for item in items]
-                if not more:
+                page = EntriesPage.from_wire(fut.result())
+                got += page.entries
+                if not page.more:
                     break
                 fut = self.link.submit("entries", dirs=batch, skip=len(got))
             # split the concatenation by parent directory; the sender keeps the order asked for
@@ -280,9 +263,7 @@ class Generator:
             batch = both[i : i + 1024]
             fut = self.link.submit("file_digests", paths=batch)
             mine = [self._local_digest(p) for p in batch]
-            theirs = fut.result().get("digests", [])
-            if len(theirs) != len(batch):
-                raise RemoteProtocolError("file_digests reply has the wrong length")
+            theirs = FileDigests.from_wire(fut.result(), len(batch)).digests
             for p, a, b in zip(batch, mine, theirs):
                 out[p] = a is not None and a == b
         return out

@@ -29,10 +29,11 @@ from typing import Any
 from . import chunking, refine
 from ._basis import BasisFinder, check_copy, start_writeback
 from ._io import close_later, pwrite_all, unlink_quiet
-from ._replies import check_refs, decode_ranges
+from ._replies import decode_ranges
 from .destination import Destination
 from .entry import Entry
 from .errors import IntegrityError, RemoteProtocolError, SourceChangedError
+from .messages import ChunkListPiece, SubChunksReply
 from .hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from .options import SyncOptions
 
@@ -160,9 +161,8 @@ class LargeFileJob:
 
     def _fetch_into_work(self, first: dict[str, Any]) -> None:
         """:meth:`run` once the first chunk-list piece is here: open the work file, fill it, commit it."""
-        size, mtime_ns = first.get("size"), first.get("mtime_ns")
-        if not isinstance(size, int) or not isinstance(mtime_ns, int) or size < 0:
-            raise RemoteProtocolError("malformed chunk_list reply")
+        piece = ChunkListPiece.from_wire(first, self.rel)
+        size, mtime_ns = piece.size, piece.mtime_ns
         self.size, self.mtime_ns = size, mtime_ns
         dest = self.destination
         final = dest.path(self.rel)
@@ -264,13 +264,12 @@ class LargeFileJob:
             info, pos = first, 0
             try:
                 while True:
-                    if (info.get("size"), info.get("mtime_ns")) != (size, mtime_ns):
+                    piece = ChunkListPiece.from_wire(info, rel)
+                    if (piece.size, piece.mtime_ns) != (size, mtime_ns):
                         raise SourceChangedError(rel)
-                    chunks, start, end = info.get("chunks"), info.get("start"), info.get("end")
-                    if not isinstance(chunks, list) or start != pos or not isinstance(end, int) or not pos <= end <= size:
+                    start, end, refs = piece.start, piece.end, piece.chunks
+                    if start != pos:
                         raise RemoteProtocolError(f"chunk_list piece of {rel} does not continue at {pos}")
-                    refs = [(bytes(d), int(n)) for d, n in chunks]
-                    check_refs(refs, end - start, rel)
                     if end == pos and end < size:
                         raise RemoteProtocolError(f"empty chunk_list piece for {rel} before its end")
                     nxt = self.link.submit("chunk_list", path=rel, start=end, limit=PIECE_BYTES) if end < size else None
@@ -559,10 +558,7 @@ class LargeFileJob:
         RemoteProtocolError
             The sender's replies do not match the requests.
         """
-        reply = subs_fut.result()
-        subs_wire = reply.get("subs")
-        if not isinstance(subs_wire, list) or len(subs_wire) != len(g):
-            raise RemoteProtocolError("sub_chunks reply does not match the request")
+        subs_wire = SubChunksReply.from_wire(subs_fut.result(), len(g)).subs
         plans = []
         want: list[list[int]] = []
         for (off, n, _d), wire in zip(g, subs_wire):

@@ -46,12 +46,13 @@ from typing import Any
 
 from . import chunking
 from ._io import unlink_quiet, write_all
-from ._replies import check_refs, decode_part
+from ._replies import decode_part
 from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
 from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, Tb5syncError
 from .excludes import ExcludeRules
 from .generator import Generator, Planned
+from .messages import FilesMeta
 from .hashing import verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
 from .options import SyncOptions, SyncStats
@@ -227,9 +228,7 @@ class Receiver:
         is kernel time that contends on the same locks (rwsem spinning in the profile).
         """
         meta, parts = fut.result()
-        files = meta.get("files")
-        if not isinstance(files, list) or len(files) != len(batch):
-            raise RemoteProtocolError("read_files reply does not match the request")
+        files = FilesMeta.from_wire(meta, [e.path for e in batch]).files
         pi = 0
         todo: list[tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]] = []
         for e, info in zip(batch, files):
@@ -242,8 +241,6 @@ class Receiver:
             size, mtime_ns, mode, refs, _wirelen, codec = info
             data = decode_part(parts[pi], size, codec)
             pi += 1
-            refs = [(bytes(d), int(n)) for d, n in refs]
-            check_refs(refs, size, e.path)
             todo.append((e, data, size, mtime_ns, mode, refs))
         for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
             self.destination.record(e.path, st, refs)

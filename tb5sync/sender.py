@@ -32,9 +32,21 @@ from . import chunking, refine
 from ._paths import Jail
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .entry import check_relpath
+from .entry import Entry, check_relpath
 from .scan import Tree, scan_tree
-from .messages import CODEC_LZ4, CODEC_RAW
+from .messages import (
+    CODEC_LZ4,
+    CODEC_RAW,
+    ChunkListPiece,
+    DirSummary,
+    EntriesPage,
+    FileDigests,
+    FileInfo,
+    FilesMeta,
+    RangesMeta,
+    SubChunksReply,
+    TreePage,
+)
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
 from ._parts import FileRange, SharedFd, close_parts
@@ -271,14 +283,14 @@ class Sender:
             raise RemoteNotFoundError(f"source does not exist: {self.base}")
         start = max(0, int(start))
         summary = t.summary() if start < len(t.children) else []
-        page: list[list[Any]] = []
+        page: list[DirSummary] = []
         nbytes = 0
         for row in summary[start:]:
             if page and (len(page) >= MAX_PAGE or nbytes >= PAGE_PATH_BYTES):
                 break
-            page.append(list(row))
+            page.append(DirSummary(*row))
             nbytes += len(row[0])
-        return {"root": list(t.entries[0]), "dirs": page, "total": len(t.children)}
+        return TreePage(t.entries[0], page, len(t.children)).to_wire()
 
     def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
         """The children of the named directories, concatenated in the order asked, one page at a time.
@@ -305,7 +317,7 @@ class Sender:
         if not isinstance(dirs, list) or not isinstance(skip, int) or skip < 0:
             raise UsageError("entries needs a list of directories and a non-negative skip")
         kids = self.scanned().children
-        out: list[list[Any]] = []
+        out: list[Entry] = []
         nbytes = 0
         for d in dirs:
             listing = kids.get(d) if isinstance(d, str) else None
@@ -316,11 +328,11 @@ class Sender:
                 continue
             for e in listing[skip:]:
                 if len(out) >= MAX_PAGE or nbytes >= PAGE_PATH_BYTES:
-                    return {"entries": out, "more": True}
-                out.append(list(e))
+                    return EntriesPage(out, True).to_wire()
+                out.append(e)
                 nbytes += len(e.path)
             skip = 0
-        return {"entries": out, "more": False}
+        return EntriesPage(out, False).to_wire()
 
     def chunk_list(self, path: str, fresh: bool = False, start: int = 0, limit: int = 0) -> dict[str, Any]:
         """FastCDC chunk list of a regular file, whole or one piece at a time.
@@ -377,16 +389,10 @@ class Sender:
             if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise SourceChangedError(path)
             end = start + sum(n for _, n in refs)
-            out: dict[str, Any] = {
-                "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns,
-                "start": start,
-                "end": end,
-                "chunks": [list(r) for r in refs],
-            }
-            if start == 0 and end == st.st_size:
-                out["digest"] = digest if digest is not None else file_digest(d for d, _ in refs)
-            return out
+            if start == 0 and end == st.st_size and digest is None:
+                digest = file_digest(d for d, _ in refs)
+            whole = start == 0 and end == st.st_size
+            return ChunkListPiece(st.st_size, st.st_mtime_ns, start, end, refs, digest if whole else None).to_wire()
         finally:
             os.close(fd)
 
@@ -444,7 +450,7 @@ class Sender:
                 out.append(self.chunk_list(p, fresh=True)["digest"])
             except (RemoteNotFoundError, SourceChangedError, UsageError):
                 out.append(None)
-        return {"digests": out}
+        return FileDigests(out).to_wire()
 
     def read_ranges(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int) -> tuple[dict[str, Any], list[Any]]:
         """Read byte ranges of a file whose chunk list the receiver holds.
@@ -475,13 +481,13 @@ class Sender:
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
         try:
             parts = []
-            meta_parts = []
+            meta_parts: list[tuple[int, int, int]] = []
             for data in views:
                 wire, codec = encode_part(data, self.options.compress)
                 parts.append(wire)
-                meta_parts.append([len(data), len(wire), codec])
+                meta_parts.append((len(data), len(wire), codec))
             self._check_unchanged(fd, path, size, mtime_ns)
-            return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
+            return RangesMeta(meta_parts).to_wire(), parts
         finally:
             os.close(fd)
 
@@ -496,7 +502,7 @@ class Sender:
         fd = self._open_checked(path, ranges, size, mtime_ns)
         shared = SharedFd(fd)
         parts: list[Any] = []
-        meta_parts = []
+        meta_parts: list[tuple[int, int, int]] = []
         try:
             for off, n in ranges:
                 if self.options.compress == "auto" and n >= 512 and _compressible(os.pread(fd, min(n, _SAMPLE), off)):
@@ -505,10 +511,10 @@ class Sender:
                         raise SourceChangedError(path)
                     wire, codec = encode_part(data, "auto")
                     parts.append(wire)
-                    meta_parts.append([n, len(wire), codec])
+                    meta_parts.append((n, len(wire), codec))
                 else:
                     parts.append(FileRange(shared, off, n))
-                    meta_parts.append([n, n, CODEC_RAW])
+                    meta_parts.append((n, n, CODEC_RAW))
         except BaseException:
             close_parts(parts)  # the last FileRange to let go closes fd
             raise
@@ -516,7 +522,7 @@ class Sender:
             if shared.users == 0 and shared.fd >= 0:  # no FileRange ever took it
                 os.close(fd)
                 shared.fd = -1
-        return {"parts": meta_parts, "wire": [m[1] for m in meta_parts]}, parts
+        return RangesMeta(meta_parts).to_wire(), parts
 
     def sub_chunks(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int, params: list[int]) -> dict[str, Any]:
         """Sub-chunk lists of byte ranges (normally chunks the receiver lacks); see :mod:`tb5sync.refine`.
@@ -549,7 +555,7 @@ class Sender:
         try:
             subs = [refine.encode_subs(refine.sub_chunk_list(v, prm)) for v in views]
             self._check_unchanged(fd, path, size, mtime_ns)
-            return {"subs": subs}
+            return SubChunksReply(subs).to_wire()
         finally:
             os.close(fd)
 
@@ -631,7 +637,7 @@ class Sender:
         UsageError
             More than :data:`MAX_READ` bytes in total.
         """
-        files: list[Any] = []
+        files: list[FileInfo | None] = []
         parts: list[Any] = []
         total = 0
         for path in paths:
@@ -644,9 +650,9 @@ class Sender:
             if total > MAX_READ + 4 * 1024 * 1024:
                 raise UsageError(f"read_files of more than {MAX_READ} bytes")
             wire, codec = encode_part(data, self.options.compress)
-            files.append([st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), [list(r) for r in refs], len(wire), codec])
+            files.append(FileInfo(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), refs, len(wire), codec))
             parts.append(wire)
-        return {"files": files, "wire": [len(p) for p in parts]}, parts
+        return FilesMeta(files).to_wire(), parts
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):
