@@ -49,6 +49,7 @@ from .messages import (
 )
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
+from ._buffers import ReadBuffers
 from ._parts import FileRange, SharedFd, close_parts
 
 if TYPE_CHECKING:
@@ -65,7 +66,6 @@ MAX_PAGE = 16384
 #: whatever the path lengths.
 PAGE_PATH_BYTES = 4 * 1024 * 1024
 _SAMPLE = 4 * 1024
-_UNIT = 4 * 1024 * 1024
 
 
 def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview, int]:
@@ -92,56 +92,6 @@ def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview
 def _compressible(sample: bytes) -> bool:
     """Whether lz4 shrinks ``sample`` (the first 4 KiB of a range) below 1/8: ``--compress auto``'s test."""
     return len(lz4.block.compress(sample, store_size=False)) * 8 <= len(sample)
-
-
-class ReadBuffers:
-    """Reusable buffers for :meth:`Sender.read_ranges`, handed out only when nothing views them.
-
-    Reading each range into a fresh ``bytes`` costs page faults that take longer than the
-    copy itself; these buffers are reused instead. A buffer is free again once every
-    memoryview of it is gone (sent, or consumed by an in-process receiver): CPython refuses
-    to resize a ``bytearray`` with live exports, which is the test used here.
-
-    Parameters
-    ----------
-    max_buffers : int
-        Most buffers kept; when all are in use a new one is made and dropped after use.
-    """
-
-    def __init__(self, max_buffers: int = 16) -> None:
-        self.max_buffers = max_buffers
-        self._bufs: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _free(buf: bytearray) -> bool:
-        try:
-            buf.append(buf.pop())
-        except BufferError:
-            return False
-        return True
-
-    def get(self, n: int) -> memoryview:
-        """A view of ``n`` bytes of a buffer nothing else refers to; contents undefined.
-
-        The view is made under the lock, so the buffer counts as busy before another
-        thread can look at it; it is free again once this view and all views cut from
-        it are released.
-        """
-        with self._lock:
-            for buf in self._bufs:
-                if n <= len(buf) <= 2 * n + MAX_READ // 4 and self._free(buf):
-                    return memoryview(buf)[:n]
-            # whole 4 MiB units, so that one buffer serves the next requests of similar size
-            buf = bytearray(-(-n // _UNIT) * _UNIT if n > _UNIT else max(n, 1))
-            if len(self._bufs) < self.max_buffers:
-                self._bufs.append(buf)
-            else:  # replace a free buffer of the wrong size, if any
-                for i, old in enumerate(self._bufs):
-                    if self._free(old):
-                        self._bufs[i] = buf
-                        break
-            return memoryview(buf)[:n]
 
 
 class Sender:

@@ -13,9 +13,10 @@ from tb5sync import hashing
 from tb5sync.chunking import ChunkParams
 from tb5sync.errors import UsageError
 from tb5sync.options import SyncOptions
-from tb5sync.sender import ReadBuffers, Sender
+from tb5sync._buffers import ReadBuffers
+from tb5sync.sender import Sender
 from tb5sync.state import TreeState
-from tb5sync.transport import BufferPool
+from tb5sync._buffers import BufferPool
 
 SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
 
