@@ -13,7 +13,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
+from ._paths import STATE_DIR, is_temp_name  # state directory, files being written: never listed, never transferred
 from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
@@ -50,10 +50,14 @@ class Tree:
         For every directory that was listed, its path -> its direct children in name
         order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
         parents before children. Empty when the base is not a directory.
+    temps : list of str
+        Paths of the temporary files (``.NAME.XXXXXXXX.tb5tmp``, files being written by a
+        sync or left by an interrupted one) the scan passed over, relative to the base.
     """
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
+    temps: list[str] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -117,7 +121,8 @@ def scan_tree(
         As :func:`scan`.
     """
     children: dict[str, list[Entry]] = {}
-    return Tree(_scan(base, excludes, missing_ok, True, children), children)
+    temps: list[str] = []
+    return Tree(_scan(base, excludes, missing_ok, True, children, temps), children, temps)
 
 
 def scan(
@@ -145,8 +150,8 @@ def scan(
     list of Entry
         ``base`` itself first (path ``""``), then its contents in depth-first
         order, parents before children, names sorted. ``.tb5sync`` state
-        directories and special files (sockets, FIFOs, devices; logged as a
-        warning) are left out.
+        directories, files being written (``.NAME.XXXXXXXX.tb5tmp``) and special
+        files (sockets, FIFOs, devices; logged as a warning) are left out.
 
     Raises
     ------
@@ -164,6 +169,7 @@ def _scan(
     missing_ok: bool,
     recursive: bool,
     children: dict[str, list[Entry]] | None,
+    temps: list[str] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -177,7 +183,7 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive)
+        _walk(base, "", excludes, out, children, recursive, temps)
     return out
 
 
@@ -236,13 +242,20 @@ else:
 
 
 def _walk(
-    full: str, rel: str, excludes: ExcludeRules, out: list[Entry], children: dict[str, list[Entry]] | None, recursive: bool
+    full: str,
+    rel: str,
+    excludes: ExcludeRules,
+    out: list[Entry],
+    children: dict[str, list[Entry]] | None,
+    recursive: bool,
+    temps: list[str] | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
     The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
-    itself raises; names that vanish meanwhile are skipped.
+    itself raises; names that vanish meanwhile are skipped. Temporary files
+    (:func:`~tb5sync._paths.is_temp_name`) are left out, their paths appended to ``temps``.
     """
     items = listdir_stat(full)
     items.sort()  # by name: names are unique within a directory
@@ -253,6 +266,10 @@ def _walk(
     dpre = full if full.endswith("/") else f"{full}/"
     for name, m, size, mtime_ns in items:
         if name == STATE_DIR:
+            continue
+        if name.endswith(".tb5tmp") and is_temp_name(name):
+            if temps is not None:
+                temps.append(prefix + name)
             continue
         r = prefix + name
         fmt = m & 0o170000  # stat.S_IFMT
@@ -275,6 +292,6 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True)
+                _walk(dpre + name, r, excludes, out, children, True, temps)
             except FileNotFoundError:
                 continue
