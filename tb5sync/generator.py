@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from . import chunking
 from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
-from .errors import DestinationError, RemoteProtocolError
+from .errors import DestinationError, RemoteProtocolError, SourceChangedError
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
@@ -287,8 +287,10 @@ class Generator:
         try:
             st = os.fstat(fd)
             if self.destination.state is None:
-                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params))
+                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params, where=rel))
             return self.destination.state.chunks_of(fd, self.destination.spath(rel), st, fresh=True)[0]
+        except SourceChangedError:
+            return None  # it shrank while read: it differs, and is written anew
         finally:
             os.close(fd)
 

@@ -303,13 +303,15 @@ class TreeState:
 
         Raises
         ------
+        SourceChangedError
+            The file shrank while it was read.
         OSError
             The file cannot be read.
         """
         hit = None if fresh else self.lookup(path, st.st_size, st.st_mtime_ns, st.st_ino)
         if hit is not None:
             return hit
-        refs = chunk_fd(fd, st.st_size, self.params)
+        refs = chunk_fd(fd, st.st_size, self.params, where=path)
         digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
         return digest, refs
 

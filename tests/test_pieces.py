@@ -11,7 +11,7 @@ import pytest
 
 from tb5sync import hashing
 from tb5sync.chunking import ChunkParams
-from tb5sync.errors import UsageError
+from tb5sync.errors import SourceChangedError, UsageError
 from tb5sync.options import SyncOptions
 from tb5sync.sender import ReadBuffers, Sender
 from tb5sync.state import TreeState
@@ -111,12 +111,13 @@ def test_pieces_listed_in_order_fill_the_scan_cache(data_file: tuple[str, bytes]
             pos = sender.chunk_list("f.bin", start=pos, limit=20_000)["end"]
         hit = state.lookup("f.bin", st.st_size, st.st_mtime_ns, st.st_ino)
         assert hit is not None and hit[1] == hashing.chunk_buffer(data, SMALL)
-        # a cached list is sliced; a start that is not a cut point of it is refused
+        # a cached list is sliced; a start that is not a cut point of it, or past the end, is
+        # an earlier piece's end of another version: the source changed (exit 24, the receiver retries)
         second = sender.chunk_list("f.bin", start=0, limit=5000)
         assert [(bytes(d), n) for d, n in second["chunks"]] == hit[1][: len(second["chunks"])]
-        with pytest.raises(UsageError, match="boundary"):
+        with pytest.raises(SourceChangedError):
             sender.chunk_list("f.bin", start=hit[1][0][1] + 1, limit=5000)
-        with pytest.raises(UsageError):
+        with pytest.raises(SourceChangedError):
             sender.chunk_list("f.bin", start=len(data) + 1, limit=5000)
     finally:
         sender.close()

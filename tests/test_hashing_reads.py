@@ -1,0 +1,204 @@
+"""File hashing reads with pread into pooled buffers: digests checked independently, truncation is an error, not a signal.
+
+Expected digests come from the ``blake3`` package called here over the same byte ranges
+(not from tb5sync's own helpers); the truncation tests come from the issue: a file truncated
+while it is hashed used to raise SIGBUS through ``mmap`` and kill the process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import blake3
+import pytest
+
+import tb5sync.hashing as hashing
+from tb5sync import chunking
+from tb5sync.errors import SourceChangedError
+from tb5sync.sender import Sender
+from tb5sync.state import TreeState
+
+MiB = 1024 * 1024
+
+
+def _data(n: int, seed: int = 7) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(n)
+
+
+def _expected(data: bytes, params: chunking.ChunkParams) -> list[tuple[bytes, int]]:
+    """Chunk digests computed here: the blake3 package over each range between cut points of the whole buffer."""
+    out = []
+    prev = 0
+    for cut in chunking.py_cut_points(data, params, True):
+        out.append((blake3.blake3(data[prev:cut]).digest(), cut - prev))
+        prev = cut
+    return out
+
+
+@pytest.fixture(params=["preadv", "pread-copy"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way of reading into a buffer: preadv where the system has it, and the portable pread + copy."""
+    if request.param == "pread-copy":
+        monkeypatch.setattr(hashing, "read_into", hashing._pread_copy_into)
+    elif not hasattr(os, "preadv"):
+        pytest.skip("no preadv here (the portable path is tested)")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 3 * MiB + 17, 9 * MiB + 5])
+def test_chunk_fd_matches_blake3_over_the_same_ranges(tmp_path: Path, reader: str, size: int) -> None:
+    data = _data(size)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    params = chunking.DEFAULT_PARAMS
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        got = hashing.chunk_fd(fd, size, params)
+        windows = list(hashing.iter_chunk_fd(fd, size, params, window=params.max_size))
+    finally:
+        os.close(fd)
+    want = _expected(data, params)
+    assert got == want
+    assert [r for w in windows for r in w] == want  # small windows: the same cuts and digests
+    # a file's digest: BLAKE3 over the concatenated chunk digests
+    assert hashing.file_digest(d for d, _ in got) == blake3.blake3(b"".join(d for d, _ in want)).digest()
+
+
+def test_chunk_fd_of_a_range_from_a_cut(tmp_path: Path, small_chunk_params: chunking.ChunkParams) -> None:
+    data = _data(200_000, seed=3)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    want = _expected(data, small_chunk_params)
+    start = sum(n for _, n in want[:40])
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        got = [r for w in hashing.iter_chunk_fd(fd, len(data), small_chunk_params, start, window=4096) for r in w]
+    finally:
+        os.close(fd)
+    assert got == want[40:]
+
+
+def test_file_shorter_than_asked_is_source_changed(tmp_path: Path, reader: str) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(_data(5 * MiB))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(SourceChangedError, match="big.bin"):
+            hashing.chunk_fd(fd, 40 * MiB, where="big.bin")
+        with pytest.raises(SourceChangedError):
+            hashing.chunk_fd(fd, 6 * MiB)
+    finally:
+        os.close(fd)
+
+
+def test_truncated_between_windows(tmp_path: Path, small_chunk_params: chunking.ChunkParams) -> None:
+    """Truncated after the first window was read: an error at the next read, deterministically."""
+    data = _data(100_000, seed=5)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        it = hashing.iter_chunk_fd(fd, len(data), small_chunk_params, window=8192)
+        next(it)  # first window read (and the second), the first one's chunks returned
+        os.truncate(p, 10_000)
+        with pytest.raises(SourceChangedError):
+            for _ in it:
+                pass
+    finally:
+        os.close(fd)
+
+
+def test_abandoned_iteration_gives_its_buffers_back(tmp_path: Path) -> None:
+    data = _data(70 * MiB, seed=9)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        it = hashing.iter_chunk_fd(fd, len(data))
+        first = next(it)
+        it.close()
+        assert sum(n for _, n in first) > 0
+        again = hashing.chunk_fd(fd, len(data))  # the pooled buffers are reusable
+    finally:
+        os.close(fd)
+    assert again == _expected(data, chunking.DEFAULT_PARAMS)
+
+
+_TRUNCATE_RACE = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from tb5sync import hashing
+    from tb5sync.errors import SourceChangedError
+    path = sys.argv[1]
+    size = 48 * 1024 * 1024
+    block = os.urandom(1024 * 1024)
+    stop = threading.Event()
+    def truncator():
+        while not stop.is_set():
+            with open(path, "r+b") as f:
+                f.truncate(0)
+                for _ in range(48):
+                    f.write(block)
+    with open(path, "wb") as f:
+        for _ in range(48):
+            f.write(block)
+    t = threading.Thread(target=truncator)
+    t.start()
+    outcomes = {"ok": 0, "changed": 0}
+    deadline = time.monotonic() + 3
+    try:
+        while time.monotonic() < deadline:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                hashing.chunk_fd(fd, size, where=path)
+                outcomes["ok"] += 1
+            except SourceChangedError:
+                outcomes["changed"] += 1
+            finally:
+                os.close(fd)
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    print(outcomes)
+    """
+)
+
+
+def test_truncation_while_hashing_never_kills_the_process(tmp_path: Path) -> None:
+    """The issue's fault, in a child process: hashing while another thread truncates and rewrites the file."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_RACE, str(tmp_path / "racy.bin")], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (a negative one is a signal): {proc.stderr[-2000:]}"
+    assert "changed" in proc.stdout
+
+
+def test_chunk_list_piece_of_a_replaced_file_is_source_changed(tmp_path: Path) -> None:
+    """A piece asked from an offset that is no cut of the file now there: the file was replaced (exit 24, not 2)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    f = src / "big.bin"
+    f.write_bytes(_data(12 * MiB, seed=1))
+    state = TreeState(str(src))
+    sender = Sender(str(src), state=state)
+    try:
+        first = sender.chunk_list("big.bin", start=0, limit=4 * MiB)
+        end = first["end"]
+        f.write_bytes(_data(12 * MiB, seed=2))  # replaced: same size, new mtime
+        sender.chunk_list("big.bin")  # cached for the new version
+        with pytest.raises(SourceChangedError):
+            sender.chunk_list("big.bin", start=end + 1, limit=4 * MiB)
+        f.write_bytes(_data(1000, seed=3))
+        with pytest.raises(SourceChangedError):
+            sender.chunk_list("big.bin", start=end, limit=4 * MiB)
+        assert SourceChangedError("x").exit_code == 24
+    finally:
+        sender.close()
+        state.close()
