@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from ._io import write_all
-from ._paths import STATE_DIR, Jail, is_temp_name, temp_name
+from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .errors import PathError
 from .state import TreeState
 
@@ -532,15 +532,18 @@ class Destination:
         """Remove the temporary files ``temps`` (paths relative to the base) left by runs that are gone.
 
         Only names made by :func:`~tb5sync._paths.temp_name`, and only when no live run owns
-        them: a regular file whose ``flock`` can be taken (its writer's lock died with it) and
-        whose status has not changed for :data:`STALE_GRACE` seconds; a symlink (made and
-        renamed at once) older than that. Returns how many were removed.
+        them: not claimed by a write of this process that holds no descriptor between requests
+        (:func:`~tb5sync._paths.claim_temp`, the fs session's streamed writes), a regular file
+        whose ``flock`` can be taken (its writer's lock died with it) and whose status has not
+        changed for :data:`STALE_GRACE` seconds (a streamed write of another process changes
+        it with every piece); a symlink (made and renamed at once) older than that. Returns
+        how many were removed.
         """
         removed = 0
         now = time.time()
         for rel in temps:
             head, _, name = rel.rpartition("/")
-            if not is_temp_name(name):
+            if not is_temp_name(name) or temp_is_claimed(name):
                 continue
             try:
                 dfd = self.dir_fd(head)
