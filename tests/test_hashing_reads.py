@@ -202,3 +202,58 @@ def test_chunk_list_piece_of_a_replaced_file_is_source_changed(tmp_path: Path) -
     finally:
         sender.close()
         state.close()
+
+
+_CHECKSUM_TOUCH_RACE = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from tb5sync.server import Server
+    from tb5sync.fs import TB5FileSystem
+    from tb5sync.errors import Tb5syncError
+    root = sys.argv[1]
+    os.makedirs(root, exist_ok=True)
+    srv = Server(root, host="127.0.0.1", port=0).start()
+    try:
+        fs = TB5FileSystem(host="127.0.0.1", port=srv.port, skip_instance_cache=True)
+        block = os.urandom(1024 * 1024)
+        path = os.path.join(root, "f.bin")
+        stop = threading.Event()
+        def refill():
+            while not stop.is_set():
+                with open(path, "ab") as f:
+                    for _ in range(40):
+                        f.write(block)
+                fs.touch("f.bin")  # truncates in place, on the server
+        with open(path, "wb") as f:
+            for _ in range(40):
+                f.write(block)
+        t = threading.Thread(target=refill)
+        t.start()
+        outcomes = {"ok": 0, "error": 0}
+        deadline = time.monotonic() + 3
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    fs.checksum("f.bin")
+                    outcomes["ok"] += 1
+                except (Tb5syncError, OSError):
+                    outcomes["error"] += 1
+        finally:
+            stop.set()
+            t.join(30)
+        assert not t.is_alive()
+        assert fs.info("f.bin")["type"] == "file"  # the server still answers
+        print(outcomes)
+    finally:
+        srv.stop()
+    """
+)
+
+
+def test_fs_checksum_racing_touch_never_kills_the_server(tmp_path: Path) -> None:
+    """The issue's fs.checksum vs fs.touch race, in a child process running the server and the client."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECKSUM_TOUCH_RACE, str(tmp_path / "root")], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (a negative one is a signal): {proc.stderr[-2000:]}"
+    assert "'ok'" in proc.stdout
