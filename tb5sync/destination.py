@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from ._io import write_all
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
-from .errors import PathError
+from .errors import PathError, Tb5syncError
 from .state import TreeState
 
 __all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE"]
@@ -68,6 +70,25 @@ def lock_file(fd: int, wait: bool = False) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _names_path(fn: _F) -> _F:
+    """Make an ``OSError`` of the method ``fn(self, rel, ...)`` name the entry's path (not the bare name it used relative to a descriptor)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Destination, rel: str, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(self, rel, *args, **kw)
+        except OSError as exc:
+            if not isinstance(exc, Tb5syncError):
+                exc.filename = self.path(rel)
+                exc.filename2 = None
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _unlink_at(dfd: int, name: str) -> None:
@@ -297,6 +318,7 @@ class Destination:
         """Create the directories above the base when missing (rsync creates its destination's parent)."""
         self.parent("")
 
+    @_names_path
     def mkdir(self, rel: str, mode: int = 0o700) -> None:
         """Create the directory ``rel``; one that another run made meanwhile is taken as it is.
 
@@ -317,6 +339,7 @@ class Destination:
                 raise
         self._dirty.add(rel.rpartition("/")[0] if rel else "\0..")
 
+    @_names_path
     def remove(self, rel: str, is_dir: bool) -> None:
         """Remove the entry ``rel`` (``rmdir`` when ``is_dir`` and it still is one, else ``unlink``); never follows a symlink.
 
@@ -337,6 +360,7 @@ class Destination:
                 pass  # replaced by a symlink or a file meanwhile: remove that
         os.unlink(name, dir_fd=dfd)
 
+    @_names_path
     def chmod(self, rel: str, mode: int) -> None:
         """Set the permission bits of ``rel`` (a file or directory; a symlink is refused, not followed)."""
         if not self.parts(rel):
@@ -345,6 +369,7 @@ class Destination:
         dfd, name = self.parent(rel)
         _chmod_at(dfd, name, mode, self.path(rel))
 
+    @_names_path
     def utime(self, rel: str, mtime_ns: int) -> None:
         """Set the access and modification times of ``rel`` to ``mtime_ns`` (a symlink's own, not its target's)."""
         if not self.parts(rel):
@@ -369,6 +394,7 @@ class Destination:
         return self.jail.open_file(spath, _READ_FLAGS)
 
     # ---- new files ----------------------------------------------------------------------
+    @_names_path
     def write_file(self, rel: str, data: bytes | bytearray | memoryview, mode: int, mtime_ns: int) -> os.stat_result:
         """Write ``data`` to a temporary file beside ``rel``, give it ``mode`` and ``mtime_ns``, rename it over ``rel``.
 
@@ -407,6 +433,7 @@ class Destination:
         self._dirty.add(rel.rpartition("/")[0])
         return st
 
+    @_names_path
     def make_link(self, rel: str, target: str, mtime_ns: int) -> None:
         """Make the symlink ``rel -> target`` under a temporary name, give it its mtime, rename it into place."""
         dfd, name = self.parent(rel)
@@ -428,6 +455,7 @@ class Destination:
             self._partial_fd = self.jail.open_dir([STATE_DIR, "partial"], create=True)
         return self._partial_fd
 
+    @_names_path
     def open_work(self, rel: str, key: bytes | None) -> tuple[int, int, str, bool]:
         """Open the work file of the large file ``rel``: ``(fd, dir_fd, name, kept)``, locked for this run.
 
@@ -471,8 +499,9 @@ class Destination:
         """Remove a work file that is not kept (a failed attempt's temporary file)."""
         _unlink_at(wdir, wname)
 
-    def commit_work(self, fd: int, wdir: int, wname: str, rel: str) -> None:
-        """Rename the work file ``wname`` of ``wdir`` (still open as ``fd``) over ``rel``.
+    @_names_path
+    def commit_work(self, rel: str, fd: int, wdir: int, wname: str) -> None:
+        """Rename the work file ``wname`` of ``wdir`` (still open as ``fd``) over ``rel``; errors name ``rel``'s path.
 
         ``fd`` is ``fsync``-ed first when :attr:`fsync`. Across file systems (a bind mount
         the rename cannot cross) the bytes are copied to a temporary file beside ``rel``,

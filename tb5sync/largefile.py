@@ -217,7 +217,7 @@ class LargeFileJob:
         os.ftruncate(fd, self.size)
         os.fchmod(fd, self.entry.mode)
         os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))
-        self.destination.commit_work(fd, wdir, self.work, self.rel)
+        self.destination.commit_work(self.rel, fd, wdir, self.work)
         return os.fstat(fd)
 
     def _pieces(self, first: dict[str, Any]) -> Iterator[tuple[int, list[tuple[bytes, int]]]]:
