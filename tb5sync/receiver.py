@@ -133,7 +133,7 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self.destination = Destination(self.dest, state, state_prefix, progress)
+        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync)
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:

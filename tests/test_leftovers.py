@@ -367,3 +367,52 @@ def test_partials_are_capped_and_live_ones_kept(tmp_path: Path) -> None:
         state.close()
     assert sorted(os.listdir(pdir)) == [f"{0:064x}", f"{2:064x}"]  # live kept; then newest within the cap
     assert kept <= 2 * MiB + 100_000
+
+
+# ---- durability ---------------------------------------------------------------------------------
+
+
+def _record_durability(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    events: list[tuple[str, Any]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync-dir" if stat.S_ISDIR(st.st_mode) else "fsync-file", st.st_ino))
+        real_fsync(fd)
+
+    def rename(a: Any, b: Any, *args: Any, **kw: Any) -> None:
+        real_rename(a, b, *args, **kw)
+        events.append(("rename", b))
+
+    monkeypatch.setattr(destination_mod.os, "fsync", fsync)
+    monkeypatch.setattr(destination_mod.os, "rename", rename)
+    return events
+
+
+@pytest.mark.parametrize("size", [100, 6 * MiB], ids=["small", "large"])
+def test_fsync_orders_data_rename_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """With fsync: the file's data is flushed, then it is renamed into place, then its directory is flushed."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write(os.path.join(src, "d", "f"), os.urandom(size))
+    events = _record_durability(monkeypatch)
+    tb5sync.sync(src + "/", dst, fsync=True)
+    ino_f = os.stat(os.path.join(dst, "d", "f")).st_ino
+    ino_d = os.stat(os.path.join(dst, "d")).st_ino
+    i_data = events.index(("fsync-file", ino_f))
+    i_rename = events.index(("rename", "f"))
+    i_dir = events.index(("fsync-dir", ino_d))
+    assert i_data < i_rename < i_dir, events
+
+
+def test_no_fsync_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write(os.path.join(src, "f"), b"f")
+    events = _record_durability(monkeypatch)
+    tb5sync.sync(src + "/", dst)
+    assert [e for e in events if e[0].startswith("fsync")] == []
+    from tb5sync.options import SyncOptions
+
+    assert SyncOptions.from_wire({"fsync": True}).fsync is True
+    with pytest.raises(tb5sync.UsageError):
+        SyncOptions.from_wire({"fsync": "yes"})
