@@ -26,9 +26,13 @@ Invariants kept here (see docs/ARCHITECTURE.md):
   is renamed into place only when verified chunks cover all of its bytes
   (:meth:`tb5sync.largefile.LargeFileJob._commit`);
 * a file is written to a temporary name (small files: ``.NAME.XXXX.tb5tmp`` in
-  the same directory, :meth:`tb5sync.destination.Destination.temp_path`; large files:
+  the same directory, :meth:`tb5sync.destination.Destination.write_file`; large files:
   ``ROOT/.tb5sync/partial/<key>``, the key a BLAKE3 of the file's state path, size and
   mtime at the source), then renamed into place, so no reader sees a half-written file;
+* every change at the destination goes through :class:`~tb5sync.destination.Destination`,
+  relative to directory descriptors of the destination root's jail: no listing (checked
+  first: every entry's parent is one of its directories) and no directory swapped for a
+  symlink during the run leads a write outside the root;
 * partial large files survive an interruption and their verified chunks are
   reused by the next run (resume, :mod:`tb5sync.largefile`).
 """

@@ -7,7 +7,10 @@ Layout under ``ROOT/.tb5sync/``::
     partial/         large files being received, named by a key of the source file (BLAKE3 of
                      its path, size and mtime_ns, see largefile); kept
                      across interruptions so that a re-run sends only what is missing;
-                     pruned after 7 days untouched
+                     locked (flock) by the run writing them; pruned after 7 days
+                     untouched, and beyond PARTIAL_CAP bytes of idle ones (oldest first)
+
+``.tb5sync`` and ``partial`` are 0700, ``state.sqlite`` 0600.
 
 Blocking functions only: no sockets, no event loop. Async callers use
 ``asyncio.to_thread``. When ``ROOT`` cannot be written (a read-only source),
