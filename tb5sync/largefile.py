@@ -170,9 +170,10 @@ class LargeFileJob:
         key = None
         if dest.state is not None and dest.state.persistent:
             key = chunk_digest(f"{dest.spath(self.rel)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
-        self.fd, wdir, self.work, keep_partial = dest.open_work(self.rel, key)
         committed = False
+        wdir, keep_partial = -1, True
         try:
+            self.fd, wdir, self.work, keep_partial = dest.open_work(self.rel, key)
             partial_size = os.fstat(self.fd).st_size
             self.verified = 0
             groups = self._missing_groups(first, partial_size)
@@ -187,7 +188,7 @@ class LargeFileJob:
             dest.stats["files_transferred"] += 1
             dest.stats["bytes_transferred"] += size
         finally:
-            if not committed and not keep_partial:
+            if not committed and not keep_partial and wdir >= 0:
                 dest.drop_work(wdir, self.work)
             if self.fd >= 0:
                 os.close(self.fd)

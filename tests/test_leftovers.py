@@ -416,3 +416,31 @@ def test_no_fsync_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert SyncOptions.from_wire({"fsync": True}).fsync is True
     with pytest.raises(tb5sync.UsageError):
         SyncOptions.from_wire({"fsync": "yes"})
+
+
+def test_ctrl_c_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """The issue's Ctrl-C: SIGINT at spread-out moments of local syncs; not one ``.tb5tmp`` is left, without a re-run."""
+    src = str(tmp_path / "src")
+    for i in range(600):
+        write(os.path.join(src, f"d{i % 6}", f"f{i:03d}"), os.urandom(3000))
+    code = "import sys, tb5sync; tb5sync.sync(sys.argv[1] + '/', sys.argv[2])"
+    interrupted = 0
+    for k in range(8):
+        dst = str(tmp_path / f"dst{k}")
+        proc = subprocess.Popen([sys.executable, "-c", code, src, dst], stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.poll() is None:  # wait until files are being written
+                if os.path.isdir(os.path.join(dst, "d0")):
+                    break
+                time.sleep(0.001)
+            time.sleep(0.003 * k)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        interrupted += proc.returncode != 0
+        assert tmp_files(dst) == [], f"round {k}: {err.decode()[-500:]}"
+    assert interrupted > 0  # at least some rounds were really interrupted
