@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import Jail
+from ._paths import STATE_DIR, Jail, is_temp_name
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath
@@ -206,6 +206,10 @@ class Sender:
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
         check_relpath(path)
+        if ".tb5" in path and any(c == STATE_DIR or is_temp_name(c) for c in path.split("/")):
+            # never listed (see scan), so never asked for by an honest receiver: files being
+            # written, partial files and the state are not served
+            raise RemoteNotFoundError(f"not a source file: {path}")
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")

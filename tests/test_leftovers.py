@@ -99,6 +99,26 @@ def test_pull_does_not_serve_a_push_in_flight(tmp_path: Path) -> None:
         live.server.stop()
 
 
+def test_sender_never_serves_state_partial_or_temporary_files(tmp_path: Path) -> None:
+    """Asked by name (a crafted receiver), the sender refuses what no listing of it names."""
+    root = str(tmp_path / "root")
+    write(os.path.join(root, "f"), b"f")
+    write(os.path.join(root, "d", ".f.0123abcd.tb5tmp"), b"in flight")
+    state = TreeState(root)
+    write(os.path.join(root, ".tb5sync", "partial", "ab" * 32), b"partial data")
+    sender = Sender(root, state=state)
+    try:
+        for path in (".tb5sync/state.sqlite", ".tb5sync/partial/" + "ab" * 32, "d/.f.0123abcd.tb5tmp"):
+            with pytest.raises(tb5sync.RemoteNotFoundError):
+                sender.chunk_list(path)
+            meta, _parts = sender.read_files([path])
+            assert meta["files"] == [None], path
+        assert sender.chunk_list("f")["size"] == 1
+    finally:
+        sender.close()
+        state.close()
+
+
 # ---- interrupted runs ------------------------------------------------------------------------
 
 
