@@ -349,3 +349,63 @@ def test_every_kind_goes_through_the_jail(tmp_path: Path) -> None:
     assert os.readlink(os.path.join(dst, "l")) == "a/f"
     assert os.stat(os.path.join(dst, "a", "f")).st_mode & 0o777 == 0o640
 
+
+
+def test_two_pushes_creating_the_same_tree(tmp_path: Path) -> None:
+    """The issue's two pushes of one new tree at once: both succeed, the tree is the source's."""
+    src = str(tmp_path / "src")
+    for i in range(60):
+        write(os.path.join(src, f"a{i % 6}", f"b{i % 5}", f"f{i}"), b"%d" % i)
+    live = start_server(str(tmp_path / "root"))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def push() -> None:
+        try:
+            barrier.wait(10)
+            tb5sync.sync(src + "/", live.url("new/tree/"), streams=2)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=push) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a push hung"
+        assert errors == []
+        assert snapshot(os.path.join(live.root, "new", "tree")) == snapshot(src)
+    finally:
+        live.server.stop()
+
+
+def test_concurrent_runs_of_two_versions_leave_exactly_one(tmp_path: Path) -> None:
+    """Two versions of one large file with equal size and mtime, synced at once into one path: the result is one of them, whole."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    va, vb = os.urandom(9 * MiB), os.urandom(9 * MiB)
+    write(os.path.join(a, "big"), va)
+    write(os.path.join(b, "big"), vb)
+    for round_ in range(3):
+        dst = str(tmp_path / f"dst{round_}")
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(2)
+
+        def run(src: str) -> None:
+            try:
+                barrier.wait(10)
+                tb5sync.sync(src + "/", dst)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a sync hung"
+        assert errors == []
+        with open(os.path.join(dst, "big"), "rb") as f:
+            got = f.read()
+        assert got in (va, vb), f"round {round_}: neither version"
+        assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
