@@ -464,3 +464,42 @@ def test_ctrl_c_leaves_no_temporary_file(tmp_path: Path) -> None:
         interrupted += proc.returncode != 0
         assert tmp_files(dst) == [], f"round {k}: {err.decode()[-500:]}"
     assert interrupted > 0  # at least some rounds were really interrupted
+
+
+_STATE_WRITER = """
+import os, sys
+from tb5sync.state import TreeState
+state = TreeState(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    state.record_many([(f"d{i % 50}/f{j}", j, i, j, [(os.urandom(32), 1000)] * 20) for j in range(200)])
+    state.forget([f"d{(i + 25) % 50}"])
+    i += 1
+"""
+
+
+def test_state_survives_sigkill_while_writing(tmp_path: Path) -> None:
+    """SIGKILL during state transactions: the database opens, passes SQLite's integrity check, and is used."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    for delay in (0.05, 0.2, 0.5):
+        proc = subprocess.Popen([sys.executable, "-c", _STATE_WRITER, root], stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(30)
+            if proc.stdout:
+                proc.stdout.close()
+        state = TreeState(root)
+        try:
+            assert state.persistent
+            with state._lock:
+                assert state._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            state.record("x", 1, 2, 3, [(bytes(32), 1)])
+            assert state.lookup("x", 1, 2, 3) is not None
+        finally:
+            state.close()
+        assert not os.path.exists(os.path.join(root, ".tb5sync", "state.sqlite.corrupt"))
