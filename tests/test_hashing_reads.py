@@ -257,3 +257,26 @@ def test_fs_checksum_racing_touch_never_kills_the_server(tmp_path: Path) -> None
     )
     assert proc.returncode == 0, f"exit {proc.returncode} (a negative one is a signal): {proc.stderr[-2000:]}"
     assert "'ok'" in proc.stdout
+
+
+def test_sender_replies_carry_blake3_digests_of_the_bytes(tmp_path: Path) -> None:
+    """What the sender says about a file (read_files chunks, chunk_list, file_digests) matches blake3 over the file's bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    small, big = _data(300_000, seed=11), _data(6 * MiB + 3, seed=12)
+    (src / "small").write_bytes(small)
+    (src / "big").write_bytes(big)
+    sender = Sender(str(src))
+    try:
+        meta, _parts = sender.read_files(["small"])
+        size, _mtime, _mode, chunks, _wirelen, _codec = meta["files"][0]
+        assert size == len(small)
+        assert [(bytes(d), n) for d, n in chunks] == _expected(small, chunking.DEFAULT_PARAMS)
+        listed = sender.chunk_list("big")
+        refs = [(bytes(d), n) for d, n in listed["chunks"]]
+        assert refs == _expected(big, chunking.DEFAULT_PARAMS)
+        want_file = blake3.blake3(b"".join(d for d, _ in refs)).digest()
+        assert bytes(listed["digest"]) == want_file
+        assert [bytes(d) for d in sender.file_digests(["big"])["digests"]] == [want_file]
+    finally:
+        sender.close()

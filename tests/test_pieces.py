@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from tb5sync import hashing
@@ -29,6 +30,15 @@ def data_file(tmp_path: Path) -> tuple[str, bytes]:
     return str(p), data
 
 
+def _blake3_refs(data: bytes, refs: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    """``refs`` with each digest recomputed here, by the blake3 package over the same byte range."""
+    out, off = [], 0
+    for _, n in refs:
+        out.append((blake3.blake3(data[off : off + n]).digest(), n))
+        off += n
+    return out
+
+
 def _offsets(refs: list[tuple[bytes, int]]) -> list[int]:
     out, off = [], 0
     for _, n in refs:
@@ -48,6 +58,7 @@ def test_windowed_chunking_matches_whole_buffer(data_file: tuple[str, bytes], wi
         os.close(fd)
     assert [r for w in windows for r in w] == whole
     assert sum(n for _, n in whole) == len(data)
+    assert whole == _blake3_refs(data, whole)  # digests checked independently of the product's helpers
     if window < len(data) // 2:
         assert len(windows) > 1
 
@@ -91,7 +102,10 @@ def test_chunk_list_pieces_join_into_the_whole_list(data_file: tuple[str, bytes]
                 break
             assert "digest" not in piece
         assert pieces == whole["chunks"]
-        assert [(bytes(d), n) for d, n in pieces] == hashing.chunk_buffer(data, SMALL)
+        refs = [(bytes(d), n) for d, n in pieces]
+        assert refs == hashing.chunk_buffer(data, SMALL)
+        assert refs == _blake3_refs(data, refs)
+        assert bytes(whole["digest"]) == blake3.blake3(b"".join(d for d, _ in refs)).digest()
     finally:
         sender.close()
         if state is not None:
