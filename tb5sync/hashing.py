@@ -302,10 +302,11 @@ class _BufferPool:
 
     Reading a window into a buffer that is already mapped costs one copy from the page
     cache and no page faults; a new 32 MiB ``bytearray`` per window would fault in every
-    page again. At most ``keep`` idle buffers are kept.
+    page again. One iteration holds two buffers (the window being cut, the one being
+    hashed); at most ``keep`` idle buffers are kept (96 MiB of windows at most when idle).
     """
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 3) -> None:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
         self.keep = keep
