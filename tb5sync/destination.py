@@ -48,8 +48,11 @@ ProgressFn = Callable[[int, int], None]
 STAT_COUNTERS = ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "bytes_matched", "files_deleted")
 
 #: Seconds a temporary file's status must have been unchanged (``st_ctime``) before a later run
-#: may remove it as stale: covers the instant between its creation and its writer's ``flock``.
-STALE_GRACE = 60.0
+#: may remove it as stale. A sync's own temporary files are locked from the instant after their
+#: creation (this covers that instant with a wide margin); a streamed fs write of another
+#: process (no descriptor, no lock between its requests) changes it with every piece, so it
+#: is only at risk when idle that long.
+STALE_GRACE = 10.0
 
 #: Directory descriptors kept open per destination (the directories files are written into).
 _DIR_CACHE = 64
