@@ -7,6 +7,7 @@ No networking here. The one import site that picks the directory lister: the Cyt
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -183,17 +184,28 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive, temps)
+        try:
+            fd = os.open(base, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno not in _NOT_A_DIR:
+                raise
+            log.warning("skipping %s: replaced while scanning", base)
+            return out
+        try:
+            _walk(base, "", excludes, out, children, recursive, temps, fd)
+        finally:
+            os.close(fd)
     return out
 
 
-def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+def py_listdir_stat(path: str | os.PathLike[str] | int) -> list[tuple[str, int, int, int]]:
     """One directory's names with the ``lstat`` fields a manifest needs (pure-Python twin).
 
     Parameters
     ----------
-    path : str or path
-        A directory (a symlink to one is followed, as ``os.scandir`` does).
+    path : str, path or int
+        A directory (a symlink to one is followed, as ``os.scandir`` does), or a
+        descriptor of one (left open).
 
     Returns
     -------
@@ -240,6 +252,22 @@ if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
 else:
     listdir_stat, SCAN_IMPLEMENTATION = py_listdir_stat, "python"
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+#: What opening a directory with O_NOFOLLOW fails with when a symlink or a file was swapped in.
+_NOT_A_DIR = frozenset(e for e in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, getattr(errno, "EFTYPE", None)) if e is not None)
+#: A directory where an open descriptor can be named as a path (the kernel resolves
+#: ``/proc/self/fd/N`` to the descriptor's own directory, wherever it now is): the lister then
+#: reads the directory the scan opened, not whatever a path leads to meanwhile. None where
+#: there is none (macOS): the descriptor is listed with ``os.scandir(fd)`` instead.
+FD_PATHS: str | None = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else None
+
+
+def _list_fd(fd: int) -> list[tuple[str, int, int, int]]:
+    """:func:`listdir_stat` of the directory open as ``fd`` (through :data:`FD_PATHS`, else ``scandir(fd)``)."""
+    if FD_PATHS is not None:
+        return listdir_stat(f"{FD_PATHS}/{fd}")
+    return py_listdir_stat(fd)
+
 
 def _walk(
     full: str,
@@ -248,7 +276,8 @@ def _walk(
     out: list[Entry],
     children: dict[str, list[Entry]] | None,
     recursive: bool,
-    temps: list[str] | None = None,
+    temps: list[str] | None,
+    fd: int,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
@@ -256,8 +285,13 @@ def _walk(
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
     itself raises; names that vanish meanwhile are skipped. Temporary files
     (:func:`~tb5sync._paths.is_temp_name`) are left out, their paths appended to ``temps``.
+
+    ``fd`` is a descriptor of ``full`` (the caller's); every directory below is opened
+    relative to its parent's descriptor with ``O_NOFOLLOW`` and listed through its own
+    descriptor, so a directory swapped for a symlink during the scan is not followed (it is
+    skipped, as a vanished one is): no name outside the tree is listed.
     """
-    items = listdir_stat(full)
+    items = _list_fd(fd)
     items.sort()  # by name: names are unique within a directory
     kids: list[Entry] = []
     if children is not None:
@@ -281,8 +315,10 @@ def _walk(
             e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
         elif fmt == stat.S_IFLNK:
             try:
-                target = os.readlink(dpre + name)
-            except FileNotFoundError:  # vanished while scanning
+                target = os.readlink(name, dir_fd=fd)
+            except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
+                if not isinstance(exc, FileNotFoundError) and exc.errno != errno.EINVAL:
+                    raise
                 continue
             e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
         else:
@@ -292,6 +328,18 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True, temps)
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                if exc.errno not in _NOT_A_DIR:
+                    exc.filename = dpre + name  # the path, not the name relative to fd
+                    raise
+                log.warning("skipping %s: replaced while scanning", dpre + name)
+                continue
+            try:
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd)
+            except FileNotFoundError:
+                continue
+            finally:
+                os.close(cfd)

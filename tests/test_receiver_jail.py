@@ -409,3 +409,56 @@ def test_concurrent_runs_of_two_versions_leave_exactly_one(tmp_path: Path) -> No
             got = f.read()
         assert got in (va, vb), f"round {round_}: neither version"
         assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
+
+
+# ---- listings never follow a directory swapped for a symlink ------------------------------------
+
+
+@pytest.mark.parametrize("fd_paths", ["proc", "scandir"])
+def test_scan_does_not_follow_a_directory_swapped_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_paths: str) -> None:
+    """``d`` becomes ``d -> outside`` right after its parent was listed: nothing of ``outside`` is listed."""
+    import tb5sync.scan as scan_mod
+
+    if fd_paths == "scandir":
+        monkeypatch.setattr(scan_mod, "FD_PATHS", None)
+    elif scan_mod.FD_PATHS is None:
+        pytest.skip("no /proc/self/fd here (the scandir path is tested)")
+    base, outside = str(tmp_path / "base"), str(tmp_path / "outside")
+    write(os.path.join(base, "d", "mine"), b"m")
+    write(os.path.join(base, "e", "f"), b"f")
+    write(os.path.join(outside, "secret-name"), b"s")
+    write(os.path.join(outside, "sub", "deeper"), b"s")
+    real = scan_mod._list_fd
+    swapped: list[bool] = []
+
+    def list_then_swap(fd: int) -> Any:
+        items = real(fd)
+        if not swapped:  # the base was just listed
+            swapped.append(True)
+            _swap_for_link(os.path.join(base, "d"), outside)
+        return items
+
+    monkeypatch.setattr(scan_mod, "_list_fd", list_then_swap)
+    tree = scan_mod.scan_tree(base)
+    paths = [e.path for e in tree.entries]
+    assert not any("secret" in p or "deeper" in p for p in paths), paths
+    assert "e/f" in paths
+    # a directory opened before the swap is listed through its descriptor: its own entries
+    swapped.clear()
+    os.unlink(os.path.join(base, "d"))
+    os.rename(os.path.join(base, "d.moved"), os.path.join(base, "d"))
+    real_open = os.open
+    opened: list[bool] = []
+
+    def open_then_swap(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        fd = real_open(path, flags, *args, **kw)
+        if path == "d" and kw.get("dir_fd") is not None and not opened:
+            opened.append(True)
+            _swap_for_link(os.path.join(base, "d"), outside)
+        return fd
+
+    monkeypatch.setattr(scan_mod, "_list_fd", real)
+    monkeypatch.setattr(scan_mod.os, "open", open_then_swap)
+    paths = [e.path for e in scan_mod.scan_tree(base).entries]
+    assert opened and "d/mine" in paths and not any("secret" in p or "deeper" in p for p in paths), paths
+
