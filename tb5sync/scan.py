@@ -240,12 +240,12 @@ def py_listdir_stat(path: str | os.PathLike[str] | int) -> list[tuple[str, int, 
 
 
 # The one import site that picks the directory lister (TB5SYNC_PUREPYTHON=1 forces Python).
-cy_listdir_stat: Callable[[str], list[tuple[str, int, int, int]]] | None
+cy_listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]] | None
 try:
     from ._scan import listdir_stat as cy_listdir_stat
 except ImportError:
     cy_listdir_stat = None
-listdir_stat: Callable[[str], list[tuple[str, int, int, int]]]
+listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]]
 SCAN_IMPLEMENTATION: str
 if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
     listdir_stat, SCAN_IMPLEMENTATION = cy_listdir_stat, "cython"
@@ -255,18 +255,11 @@ else:
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 #: What opening a directory with O_NOFOLLOW fails with when a symlink or a file was swapped in.
 _NOT_A_DIR = frozenset(e for e in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, getattr(errno, "EFTYPE", None)) if e is not None)
-#: A directory where an open descriptor can be named as a path (the kernel resolves
-#: ``/proc/self/fd/N`` to the descriptor's own directory, wherever it now is): the lister then
-#: reads the directory the scan opened, not whatever a path leads to meanwhile. None where
-#: there is none (macOS): the descriptor is listed with ``os.scandir(fd)`` instead.
-FD_PATHS: str | None = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else None
 
 
 def _list_fd(fd: int) -> list[tuple[str, int, int, int]]:
-    """:func:`listdir_stat` of the directory open as ``fd`` (through :data:`FD_PATHS`, else ``scandir(fd)``)."""
-    if FD_PATHS is not None:
-        return listdir_stat(f"{FD_PATHS}/{fd}")
-    return py_listdir_stat(fd)
+    """:func:`listdir_stat` of the directory open as ``fd``: the directory the scan opened, wherever it now is."""
+    return listdir_stat(fd)
 
 
 def _walk(

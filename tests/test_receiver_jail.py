@@ -414,15 +414,17 @@ def test_concurrent_runs_of_two_versions_leave_exactly_one(tmp_path: Path) -> No
 # ---- listings never follow a directory swapped for a symlink ------------------------------------
 
 
-@pytest.mark.parametrize("fd_paths", ["proc", "scandir"])
-def test_scan_does_not_follow_a_directory_swapped_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_paths: str) -> None:
+@pytest.mark.parametrize("lister", ["cython", "python"])
+def test_scan_does_not_follow_a_directory_swapped_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lister: str) -> None:
     """``d`` becomes ``d -> outside`` right after its parent was listed: nothing of ``outside`` is listed."""
     import tb5sync.scan as scan_mod
 
-    if fd_paths == "scandir":
-        monkeypatch.setattr(scan_mod, "FD_PATHS", None)
-    elif scan_mod.FD_PATHS is None:
-        pytest.skip("no /proc/self/fd here (the scandir path is tested)")
+    if lister == "python":
+        monkeypatch.setattr(scan_mod, "listdir_stat", scan_mod.py_listdir_stat)
+    elif scan_mod.cy_listdir_stat is None:
+        pytest.skip("tb5sync._scan is not built (the Python twin is tested)")
+    else:
+        monkeypatch.setattr(scan_mod, "listdir_stat", scan_mod.cy_listdir_stat)
     base, outside = str(tmp_path / "base"), str(tmp_path / "outside")
     write(os.path.join(base, "d", "mine"), b"m")
     write(os.path.join(base, "e", "f"), b"f")
