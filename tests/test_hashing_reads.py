@@ -280,3 +280,59 @@ def test_sender_replies_carry_blake3_digests_of_the_bytes(tmp_path: Path) -> Non
         assert [bytes(d) for d in sender.file_digests(["big"])["digests"]] == [want_file]
     finally:
         sender.close()
+
+
+def test_pull_of_a_file_being_truncated_is_source_changed_or_whole(tmp_path: Path) -> None:
+    """Pulls while the server's file is truncated and rewritten in place: each ends with a state the file had, or SourceChangedError (exit 24)."""
+    import threading
+    import time
+
+    import tb5sync
+    from conftest import start_server
+
+    live = start_server(str(tmp_path / "root"))
+    path = os.path.join(live.root, "big.bin")
+    versions = [_data(8 * MiB, seed=s) for s in (21, 22)]
+    with open(path, "wb") as f:
+        f.write(versions[0])
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            with open(path, "r+b") as f:
+                f.truncate(0)
+                f.write(versions[i % 2])
+            time.sleep(0.01)
+
+    t = threading.Thread(target=rewrite, daemon=True)
+    t.start()
+    outcomes = {"whole": 0, "changed": 0}
+    try:
+        deadline = time.monotonic() + 3
+        k = 0
+        while time.monotonic() < deadline:
+            k += 1
+            out = str(tmp_path / f"out{k}")
+            try:
+                tb5sync.sync(live.url("big.bin"), out, streams=2)
+            except SourceChangedError as exc:
+                assert exc.exit_code == 24
+                outcomes["changed"] += 1
+                continue
+            with open(out, "rb") as f:
+                got = f.read()
+            # a state the file really had (empty after the truncation, a version being written,
+            # a whole version), never a mix of the two versions
+            assert any(v.startswith(got) for v in versions), f"a pull reported success with a mix ({len(got)} bytes)"
+            outcomes["whole"] += 1
+    finally:
+        stop.set()
+        t.join(30)
+        assert not t.is_alive()
+        try:
+            assert tb5sync.sync(live.url("big.bin"), str(tmp_path / "after")).files_transferred == 1  # still serving
+        finally:
+            live.server.stop()
+    assert sum(outcomes.values()) > 0
