@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import tmp_files
