@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
     y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
                    help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
+    y.add_argument("--fsync", action="store_true",
+                   help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
     y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
 
     l_ = sub.add_parser("ls", help="list a remote directory")
@@ -166,6 +168,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             compress=a.compress,
             progress=progress,
             token=_read_token(a.token_file),
+            fsync=a.fsync,
         )
     finally:
         if bar is not None:

@@ -35,6 +35,12 @@ class SyncOptions:
         ``"lz4"`` (lz4 where it makes the chunk smaller) or ``"none"``.
     streams : int
         TCP streams per session, 1 to 64.
+    fsync : bool
+        Durable commits (rsync ``--fsync``): each file's data is flushed to disk
+        (``fsync``) before it is renamed into place, and each directory that received
+        entries is flushed after its renames, before the run reports success; so a file
+        reported as synced survives a power cut. Off by default (as in rsync): a crash
+        can then lose recent files, but never leaves a partial file at a final path.
     """
 
     delete: bool = False
@@ -43,6 +49,7 @@ class SyncOptions:
     dry_run: bool = False
     compress: str = "auto"
     streams: int = 4
+    fsync: bool = False
 
     def __post_init__(self) -> None:
         if self.compress not in COMPRESS_MODES:
@@ -79,7 +86,7 @@ class SyncOptions:
         ex = kw.get("excludes", ())
         if not isinstance(ex, (list, tuple)) or not all(isinstance(p, str) for p in ex):
             raise UsageError("excludes must be a list of strings")
-        for k in ("delete", "checksum", "dry_run"):
+        for k in ("delete", "checksum", "dry_run", "fsync"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)

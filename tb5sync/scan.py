@@ -7,13 +7,14 @@ No networking here. The one import site that picks the directory lister: the Cyt
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
+from ._paths import STATE_DIR, is_temp_name  # state directory, files being written: never listed, never transferred
 from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
@@ -50,10 +51,14 @@ class Tree:
         For every directory that was listed, its path -> its direct children in name
         order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
         parents before children. Empty when the base is not a directory.
+    temps : list of str
+        Paths of the temporary files (``.NAME.XXXXXXXX.tb5tmp``, files being written by a
+        sync or left by an interrupted one) the scan passed over, relative to the base.
     """
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
+    temps: list[str] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -117,7 +122,8 @@ def scan_tree(
         As :func:`scan`.
     """
     children: dict[str, list[Entry]] = {}
-    return Tree(_scan(base, excludes, missing_ok, True, children), children)
+    temps: list[str] = []
+    return Tree(_scan(base, excludes, missing_ok, True, children, temps), children, temps)
 
 
 def scan(
@@ -145,8 +151,8 @@ def scan(
     list of Entry
         ``base`` itself first (path ``""``), then its contents in depth-first
         order, parents before children, names sorted. ``.tb5sync`` state
-        directories and special files (sockets, FIFOs, devices; logged as a
-        warning) are left out.
+        directories, files being written (``.NAME.XXXXXXXX.tb5tmp``) and special
+        files (sockets, FIFOs, devices; logged as a warning) are left out.
 
     Raises
     ------
@@ -164,6 +170,7 @@ def _scan(
     missing_ok: bool,
     recursive: bool,
     children: dict[str, list[Entry]] | None,
+    temps: list[str] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -177,17 +184,28 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive)
+        try:
+            fd = os.open(base, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno not in _NOT_A_DIR:
+                raise
+            log.warning("skipping %s: replaced while scanning", base)
+            return out
+        try:
+            _walk(base, "", excludes, out, children, recursive, temps, fd)
+        finally:
+            os.close(fd)
     return out
 
 
-def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+def py_listdir_stat(path: str | os.PathLike[str] | int) -> list[tuple[str, int, int, int]]:
     """One directory's names with the ``lstat`` fields a manifest needs (pure-Python twin).
 
     Parameters
     ----------
-    path : str or path
-        A directory (a symlink to one is followed, as ``os.scandir`` does).
+    path : str, path or int
+        A directory (a symlink to one is followed, as ``os.scandir`` does), or a
+        descriptor of one (left open).
 
     Returns
     -------
@@ -222,29 +240,51 @@ def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, i
 
 
 # The one import site that picks the directory lister (TB5SYNC_PUREPYTHON=1 forces Python).
-cy_listdir_stat: Callable[[str], list[tuple[str, int, int, int]]] | None
+cy_listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]] | None
 try:
     from ._scan import listdir_stat as cy_listdir_stat
 except ImportError:
     cy_listdir_stat = None
-listdir_stat: Callable[[str], list[tuple[str, int, int, int]]]
+listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]]
 SCAN_IMPLEMENTATION: str
 if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
     listdir_stat, SCAN_IMPLEMENTATION = cy_listdir_stat, "cython"
 else:
     listdir_stat, SCAN_IMPLEMENTATION = py_listdir_stat, "python"
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+#: What opening a directory with O_NOFOLLOW fails with when a symlink or a file was swapped in.
+_NOT_A_DIR = frozenset(e for e in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, getattr(errno, "EFTYPE", None)) if e is not None)
+
+
+def _list_fd(fd: int) -> list[tuple[str, int, int, int]]:
+    """:func:`listdir_stat` of the directory open as ``fd``: the directory the scan opened, wherever it now is."""
+    return listdir_stat(fd)
+
 
 def _walk(
-    full: str, rel: str, excludes: ExcludeRules, out: list[Entry], children: dict[str, list[Entry]] | None, recursive: bool
+    full: str,
+    rel: str,
+    excludes: ExcludeRules,
+    out: list[Entry],
+    children: dict[str, list[Entry]] | None,
+    recursive: bool,
+    temps: list[str] | None,
+    fd: int,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
     The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
-    itself raises; names that vanish meanwhile are skipped.
+    itself raises; names that vanish meanwhile are skipped. Temporary files
+    (:func:`~tb5sync._paths.is_temp_name`) are left out, their paths appended to ``temps``.
+
+    ``fd`` is a descriptor of ``full`` (the caller's); every directory below is opened
+    relative to its parent's descriptor with ``O_NOFOLLOW`` and listed through its own
+    descriptor, so a directory swapped for a symlink during the scan is not followed (it is
+    skipped, as a vanished one is): no name outside the tree is listed.
     """
-    items = listdir_stat(full)
+    items = _list_fd(fd)
     items.sort()  # by name: names are unique within a directory
     kids: list[Entry] = []
     if children is not None:
@@ -253,6 +293,10 @@ def _walk(
     dpre = full if full.endswith("/") else f"{full}/"
     for name, m, size, mtime_ns in items:
         if name == STATE_DIR:
+            continue
+        if name.endswith(".tb5tmp") and is_temp_name(name):
+            if temps is not None:
+                temps.append(prefix + name)
             continue
         r = prefix + name
         fmt = m & 0o170000  # stat.S_IFMT
@@ -264,8 +308,10 @@ def _walk(
             e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
         elif fmt == stat.S_IFLNK:
             try:
-                target = os.readlink(dpre + name)
-            except FileNotFoundError:  # vanished while scanning
+                target = os.readlink(name, dir_fd=fd)
+            except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
+                if not isinstance(exc, FileNotFoundError) and exc.errno != errno.EINVAL:
+                    raise
                 continue
             e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
         else:
@@ -275,6 +321,18 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True)
+                cfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                if exc.errno not in _NOT_A_DIR:
+                    exc.filename = dpre + name  # the path, not the name relative to fd
+                    raise
+                log.warning("skipping %s: replaced while scanning", dpre + name)
+                continue
+            try:
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd)
+            except FileNotFoundError:
+                continue
+            finally:
+                os.close(cfd)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import Jail
+from ._paths import STATE_DIR, Jail, is_temp_name
 from .errors import RemoteNotFoundError, SourceChangedError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath
@@ -156,6 +156,10 @@ class Sender:
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
         check_relpath(path)
+        if ".tb5" in path and any(c == STATE_DIR or is_temp_name(c) for c in path.split("/")):
+            # never listed (see scan), so never asked for by an honest receiver: files being
+            # written, partial files and the state are not served
+            raise RemoteNotFoundError(f"not a source file: {path}")
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
@@ -170,7 +174,7 @@ class Sender:
     def _chunks(self, fd: int, path: str, st: os.stat_result, fresh: bool = False) -> tuple[bytes, list[tuple[bytes, int]]]:
         if self.state is not None:
             return self.state.chunks_of(fd, self._state_path(path), st, fresh=fresh)
-        refs = chunk_fd(fd, st.st_size, self.params)
+        refs = chunk_fd(fd, st.st_size, self.params, where=path)
         return file_digest(d for d, _ in refs), refs
 
     # ---- requests ---------------------------------------------------------------------
@@ -329,7 +333,8 @@ class Sender:
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {path}")
             if start > st.st_size:
-                raise UsageError(f"start {start} is beyond the end of {path} ({st.st_size} bytes)")
+                # an earlier piece's end: the file was replaced or shrank since
+                raise SourceChangedError(path)
             digest: bytes | None = None
             if start == 0 and limit == 0:
                 digest, refs = self._chunks(fd, path, st, fresh)
@@ -365,10 +370,12 @@ class Sender:
                         out.append((d, n))
                     off += n
                 if not (aligned or start == off):
-                    raise UsageError(f"start {start} is not a chunk boundary of {path}")
+                    # ``start`` is an earlier piece's end, so the file the cache row lists is
+                    # another version than the one those pieces came from
+                    raise SourceChangedError(path)
                 return out
         refs: list[tuple[bytes, int]] = []
-        for window in iter_chunk_fd(fd, st.st_size, self.params, start, stop=stop):
+        for window in iter_chunk_fd(fd, st.st_size, self.params, start, stop=stop, where=path):
             refs += window
         if self.state is not None:
             self._remember(path, key, start, refs)

@@ -34,6 +34,7 @@ def sync(
     compress: str = "auto",
     progress: ProgressFn | None = None,
     token: bytes | str | None = None,
+    fsync: bool = False,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -59,6 +60,9 @@ def sync(
         Called as data is committed (push: as data is sent).
     token : bytes or str, optional
         Shared secret; defaults to the environment variable ``TB5SYNC_TOKEN``.
+    fsync : bool
+        Make every commit durable before the run reports success (rsync ``--fsync``; see
+        :class:`SyncOptions`).
 
     Returns
     -------
@@ -85,6 +89,7 @@ def sync(
         dry_run=dry_run,
         compress=compress,
         streams=DEFAULT_STREAMS if streams is None else streams,
+        fsync=fsync,
     )
     from .client import parse_url, pull, push
 
