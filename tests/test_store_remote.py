@@ -1,0 +1,204 @@
+"""Store refs between nodes: push/pull through a server's store session (tb5sync.storeclient, store.ops).
+
+Servers run on 127.0.0.1 port 0 and stop in teardown. Expected values: the bytes of the source
+trees, and the chunk counts a node can be known to lack (computed from the manifests).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from conftest import make_tree, slurp, snapshot, start_server
+
+from tb5sync.errors import AuthError, IntegrityError, ReadOnlyError, RefExistsError, RefNotFoundError, UsageError
+from tb5sync.hashing import chunk_digest
+from tb5sync.store import Store
+from tb5sync.store.ops import StoreOps
+from tb5sync.storeclient import pull_ref, push_ref, remote_refs
+from tb5sync.urls import parse_url
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def node(tmp_path: Any) -> Any:
+    """A live server with a store at ``tmp_path/remote_store``."""
+    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
+    try:
+        yield live
+    finally:
+        live.server.stop()
+
+
+def url(live: Any) -> Any:
+    r = parse_url(f"tb5://127.0.0.1:{live.port}")
+    assert r is not None
+    return r
+
+
+def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> None:
+    src = make_tree(str(tmp_path / "v1"), files=15)
+    with Store(tmp_path / "a") as a:
+        a.put("builds/main/1", src, description="v1")
+        total = len({d for it in a.manifest("builds/main/1") for d, _ in it.chunks} | {d for d, _ in a.ref("builds/main/1").mchunks})
+        res = push_ref(a, "builds/main/1", url(node), streams=3)
+        assert res["chunks"] == total and res["chunks_sent"] == total
+        again = push_ref(a, "builds/main/1", url(node), as_name="builds/main/1-copy")
+        assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0
+        with pytest.raises(RefExistsError):
+            push_ref(a, "builds/main/1", url(node))
+        # a second version: 1 MiB of the big file changed
+        big = os.path.join(src, "big.bin")
+        with open(big, "r+b") as f:
+            f.seek(4 * MiB)
+            f.write(os.urandom(MiB))
+        a.put("builds/main/2", src)
+        old = {d for it in a.manifest("builds/main/1") for d, _ in it.chunks}
+        new_chunks = {d for it in a.manifest("builds/main/2") for d, _ in it.chunks} - old
+        res2 = push_ref(a, "builds/main/2", url(node), streams=4)
+        assert res2["chunks_sent"] == len(new_chunks) + 1  # the new chunks and the new manifest
+    assert [r.name for r in remote_refs(url(node), "builds/")] == ["builds/main/1", "builds/main/1-copy", "builds/main/2"]
+    with Store(tmp_path / "c") as c:
+        got = pull_ref(c, "builds/main/1", url(node), streams=4)
+        assert got["chunks_fetched"] == len(old)
+        got2 = pull_ref(c, "builds/main/2", url(node), streams=2)
+        assert got2["chunks_fetched"] == len(new_chunks)
+        assert c.ref("builds/main/1").description == "v1"
+        c.get("builds/main/2", str(tmp_path / "out"))
+        assert snapshot(str(tmp_path / "out")) == snapshot(src)
+        assert c.verify()["ok"]
+        with pytest.raises(RefNotFoundError):
+            pull_ref(c, "builds/nope", url(node))
+    with Store(tmp_path / "remote_store") as r:
+        assert r.verify()["ok"]
+
+
+def test_read_only_token_allow_and_no_store(tmp_path: Any) -> None:
+    write_tree = make_tree(str(tmp_path / "src"), files=3)
+    with Store(tmp_path / "a") as a:
+        a.put("r/1", write_tree)
+        ro = start_server(str(tmp_path / "ro_root"), store=str(tmp_path / "a"), read_only=True)
+        tok = start_server(str(tmp_path / "tok_root"), store=str(tmp_path / "t"), token=b"s3cret")
+        deny = start_server(str(tmp_path / "deny_root"), store=str(tmp_path / "d"), allow=["10.9.9.0/24"])
+        bare = start_server(str(tmp_path / "bare_root"))
+        try:
+            with pytest.raises(ReadOnlyError):
+                push_ref(a, "r/1", url(ro), as_name="r/2")
+            with Store(tmp_path / "b") as b:
+                assert pull_ref(b, "r/1", url(ro))["chunks_fetched"] > 0  # reads are allowed
+            with pytest.raises(AuthError):
+                push_ref(a, "r/1", url(tok), token=b"wrong")
+            assert push_ref(a, "r/1", url(tok), token=b"s3cret")["chunks_sent"] > 0
+            with pytest.raises(AuthError):
+                push_ref(a, "r/1", url(deny))
+            with pytest.raises(UsageError):
+                push_ref(a, "r/1", url(bare))
+        finally:
+            for s in (ro, tok, deny, bare):
+                s.server.stop()
+
+
+def test_store_ops_refuses_bad_chunks_and_incomplete_commits(tmp_path: Any) -> None:
+    with Store(tmp_path / "s") as st:
+        ops = StoreOps(st)
+        lease = "ab" * 16
+        data = os.urandom(5000)
+        with pytest.raises(IntegrityError):
+            ops.put_chunks(lease, [[chunk_digest(b"other"), data]])
+        with pytest.raises(UsageError):
+            ops.put_chunks("not-a-lease", [[chunk_digest(data), data]])
+        with pytest.raises(UsageError):
+            ops.have([b"short"], lease)
+        # a manifest whose file chunk never arrived: no ref
+        src = tmp_path / "t"
+        os.makedirs(src)
+        (src / "f").write_bytes(data)
+        with Store(tmp_path / "other") as o:
+            info = o.put("x/1", str(src))
+            mchunks = [[d, o.read_chunk(d)] for d, _ in info.mchunks]
+        ops.put_chunks(lease, mchunks)
+        from tb5sync.hashing import refs_to_blob
+
+        with pytest.raises(IntegrityError):
+            ops.commit(lease, "x/1", info.manifest, refs_to_blob(info.mchunks))
+        assert st.refs() == []
+        ops.put_chunks(lease, [[chunk_digest(data), data]])
+        ops.commit(lease, "x/1", info.manifest, refs_to_blob(info.mchunks))
+        assert st.cat("x/1", "f") == data
+        ops.close()
+
+
+_PUSH = """
+import sys
+from tb5sync.store import Store
+from tb5sync.storeclient import push_ref
+from tb5sync.urls import parse_url
+st = Store(sys.argv[1])
+print("start", flush=True)
+push_ref(st, "big/1", parse_url(sys.argv[2]), streams=4)
+print("done", flush=True)
+"""
+
+
+def _serve(tmp_path: Any, store: str) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+                          "--store", store], stderr=subprocess.PIPE, text=True)
+    assert p.stderr is not None
+    m = re.search(r":(\d+)\s*$", p.stderr.readline())
+    assert m, "server did not start"
+    return p, int(m.group(1))
+
+
+def test_sigkill_during_push_client_and_server(tmp_path: Any) -> None:
+    os.makedirs(tmp_path / "root")
+    src = tmp_path / "src"
+    os.makedirs(src)
+    rnd = random.Random(8)
+    for i in range(6):
+        (src / f"w{i}").write_bytes(rnd.randbytes(6 * MiB))
+    with Store(tmp_path / "a", pack_target=4 * MiB) as a:
+        a.put("big/1", str(src))
+    remote_store = str(tmp_path / "r")
+    Store(remote_store, pack_target=2 * MiB).close()  # small packs: some are in place when the kill comes
+    for victim, delay in (("client", 0.12), ("server", 0.15), ("client", 0.25)):
+        srv, port = _serve(tmp_path, remote_store)
+        try:
+            cl = subprocess.Popen([sys.executable, "-c", _PUSH, str(tmp_path / "a"), f"tb5://127.0.0.1:{port}"],
+                                  stdout=subprocess.PIPE, text=True)
+            assert cl.stdout is not None and cl.stdout.readline() == "start\n"
+            time.sleep(delay)
+            (cl if victim == "client" else srv).send_signal(signal.SIGKILL)
+            cl.communicate(timeout=60)
+        finally:
+            srv.send_signal(signal.SIGKILL)
+            srv.wait(timeout=30)
+            assert srv.stderr is not None
+            srv.stderr.close()
+        with Store(remote_store) as r:
+            rep = r.verify()
+            assert rep["ok"], rep
+            if r.refs():  # the push may have finished before the kill
+                r.rm("big/1")
+    srv, port = _serve(tmp_path, remote_store)
+    try:
+        with Store(tmp_path / "a") as a:
+            push_ref(a, "big/1", parse_url(f"tb5://127.0.0.1:{port}"), streams=4)
+    finally:
+        srv.send_signal(signal.SIGTERM)
+        srv.wait(timeout=30)
+        assert srv.stderr is not None
+        srv.stderr.close()
+    with Store(remote_store) as r:
+        r.gc()
+        assert r.verify()["ok"]
+        r.get("big/1", str(tmp_path / "out"))
+    for i in range(6):
+        assert slurp(str(tmp_path / "out" / f"w{i}")) == slurp(str(src / f"w{i}"))
