@@ -283,8 +283,8 @@ def test_quota_evicts_lru_and_never_pinned(tmp_path: Any) -> None:
         st.pin("q/0")
         st.put("q/1", str(tmp_path / "v1"))
         st.put("q/2", str(tmp_path / "v2"))
+        time.sleep(0.15)  # uses closer than 0.1 s to the last one are not recorded
         st.cat("q/1", "f", 0, 10)  # q/1 used after q/2: q/2 is now the least recently used unpinned ref
-        time.sleep(0.01)
         st.set_quota(7 * MiB)
         st.put("q/3", str(tmp_path / "v3"))
         names = {r.name for r in st.refs()}

@@ -34,6 +34,7 @@ import sqlite3
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -301,6 +302,8 @@ class Store:
         self.packs = packs or LocalPackStorage(os.path.join(self.path, "packs"))
         self.host = os.uname().nodename
         self._lock = threading.RLock()
+        # decoded manifests by digest (immutable objects, checked when read): the last few, with a path index
+        self._manifests: OrderedDict[bytes, tuple[list[Item], dict[bytes, Item]]] = OrderedDict()
         self._db = sqlite3.connect(os.path.join(self.path, "index.sqlite"), check_same_thread=False,
                                    isolation_level=None, timeout=60)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -465,13 +468,30 @@ class Store:
         IntegrityError
             A chunk is missing or damaged, the object digest differs, or the manifest is malformed.
         """
+        return self._manifest_entry(digest, mchunks, where)[0]
+
+    def _manifest_entry(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str) -> tuple[list[Item], dict[bytes, Item]]:
+        with self._lock:
+            hit = self._manifests.get(digest)
+            if hit is not None:
+                self._manifests.move_to_end(digest)
+                return hit
         if file_digest(d for d, _ in mchunks) != digest:
             raise IntegrityError(f"{where}: chunk list does not match the manifest digest")
         data = b"".join(self.iter_chunks([d for d, _ in mchunks]))
-        return decode_manifest(data, where)
+        items = decode_manifest(data, where)
+        entry = (items, {it.path: it for it in items})
+        with self._lock:
+            self._manifests[digest] = entry
+            while len(self._manifests) > 8:
+                self._manifests.popitem(last=False)
+        return entry
 
     def touch(self, name: str) -> None:
-        """Mark ref ``name`` used now (the LRU order of quota eviction)."""
+        """Mark ref ``name`` used now (the LRU order of quota eviction; a use within the last 0.1 s is not rewritten)."""
+        now = time.time()
+        if any(now - t < 0.1 for (t,) in self._q("SELECT last_used FROM refs WHERE name=?", (name,))):
+            return
         with self._tx() as db:
             db.execute("UPDATE refs SET last_used=? WHERE name=?", (time.time(), name))
 
@@ -644,9 +664,11 @@ class Store:
             No such ref, or no such path in it.
         """
         bpath = os.fsencode(path).strip(b"/") if path else b""
-        for it in self.manifest(name):
-            if it.path == bpath:
-                return it
+        info = self.ref(name)
+        self.touch(info.name)
+        it = self._manifest_entry(info.manifest, info.mchunks, f"manifest of ref {name!r}")[1].get(bpath)
+        if it is not None:
+            return it
         raise RefNotFoundError(f"no path {os.fsdecode(bpath)!r} in ref {name!r}")
 
     def read_range(self, item: Item, offset: int = 0, length: int | None = None) -> bytes:
