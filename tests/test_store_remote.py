@@ -202,3 +202,71 @@ def test_sigkill_during_push_client_and_server(tmp_path: Any) -> None:
         r.get("big/1", str(tmp_path / "out"))
     for i in range(6):
         assert slurp(str(tmp_path / "out" / f"w{i}")) == slurp(str(src / f"w{i}"))
+
+
+# ---- read access without materialising: tb5store:// -------------------------------------------
+
+
+def _safetensors(path: str, tensors: dict[str, bytes]) -> dict[str, tuple[int, int]]:
+    """Write a safetensors file (8-byte LE header length, JSON header, data); returns name -> (begin, end) in the data."""
+    import json
+    import struct
+
+    header: dict[str, Any] = {}
+    off = 0
+    for name, data in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    head = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for data in tensors.values():
+            f.write(data)
+    return {k: tuple(v["data_offsets"]) for k, v in header.items()}
+
+
+def test_tb5store_fsspec_reads_a_tensor_without_the_file(tmp_path: Any, node: Any) -> None:
+    import json
+    import struct
+
+    import fsspec
+
+    rnd = random.Random(12)
+    tensors = {f"layer.{i}.weight": rnd.randbytes(6 * MiB) for i in range(4)}
+    os.makedirs(tmp_path / "m" / "sub")
+    spans = _safetensors(str(tmp_path / "m" / "model.safetensors"), tensors)
+    (tmp_path / "m" / "sub" / "config.json").write_bytes(b'{"a": 1}')
+    with Store(tmp_path / "a") as a:
+        a.put("models/qwen-0.5b/q4", str(tmp_path / "m"))
+        a.put("models/qwen-0.5b", str(tmp_path / "m" / "sub"))  # a ref that is a prefix of another
+        push_ref(a, "models/qwen-0.5b/q4", url(node))
+        push_ref(a, "models/qwen-0.5b", url(node))
+    fs = fsspec.filesystem("tb5store", host="127.0.0.1", port=node.port, skip_instance_cache=True)
+    try:
+        assert fs.ls("models", detail=False) == ["models/qwen-0.5b"]
+        assert fs.ls("tb5store://127.0.0.1/models/qwen-0.5b/q4", detail=False) == [
+            "models/qwen-0.5b/q4/model.safetensors", "models/qwen-0.5b/q4/sub"]
+        assert fs.cat_file("models/qwen-0.5b/config.json") == b'{"a": 1}'
+        path = "models/qwen-0.5b/q4/model.safetensors"
+        src = slurp(str(tmp_path / "m" / "model.safetensors"))
+        assert fs.info(path)["size"] == len(src) and fs.info(path)["type"] == "file"
+        before = fs._session.req.wire_bytes
+        n = struct.unpack("<Q", fs.cat_file(path, 0, 8))[0]
+        header = json.loads(fs.cat_file(path, 8, 8 + n))
+        b, e = header["layer.3.weight"]["data_offsets"]
+        assert (b, e) == spans["layer.3.weight"]
+        got = fs.cat_file(path, 8 + n + b + 1000, 8 + n + b + 5096)
+        assert got == tensors["layer.3.weight"][1000:5096]
+        assert fs._session.req.wire_bytes - before < 64 * 1024  # not the 24 MiB file
+        with fs.open(path, "rb", block_size=MiB) as f:
+            f.seek(8 + n + spans["layer.1.weight"][0])
+            assert f.read(3 * MiB) == tensors["layer.1.weight"][: 3 * MiB]
+        assert fs.cat_file(path, -10) == src[-10:]
+        with pytest.raises(FileNotFoundError):
+            fs.info("models/qwen-0.5b/q4/nope")
+        with pytest.raises(FileNotFoundError):
+            fs.ls("nothing/here")
+        with pytest.raises(UsageError):
+            fs.open(path, "wb")
+    finally:
+        fs.close()
