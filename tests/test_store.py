@@ -442,3 +442,45 @@ def test_cli_put_ls_stats_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]
     assert main(["store", "--store", str(tmp_path / "other"), "ls"]) == 0
     assert capsys.readouterr().out == ""
     assert os.path.isdir(tmp_path / "envstore" / "packs")
+
+
+# ---- the corpus: a real model file ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_corpus_model_second_version_stores_about_the_change(tmp_path: Any) -> None:
+    """A second version of the corpus's largest model file with 1% of its bytes rewritten (one
+    contiguous region, as a fine-tuned tensor would be) adds about 1% new bytes: the changed
+    region plus the chunks it straddles (FastCDC resynchronises within one chunk, 4 MiB at most)."""
+    corpus = os.environ.get("TB5SYNC_CORPUS")
+    if not corpus or not os.path.isdir(os.path.join(corpus, "models")):
+        pytest.skip("TB5SYNC_CORPUS with models/ not set (make corpus)")
+    models = os.path.join(corpus, "models")
+    files = [os.path.join(d, n) for d, _, ns in os.walk(models) for n in ns]
+    big = max(files, key=os.path.getsize)
+    size = os.path.getsize(big)
+    v2 = tmp_path / "v2"
+    for f in files:  # the same tree, hard-linked, except the model file: copied and edited
+        dst = v2 / os.path.relpath(f, models)
+        os.makedirs(dst.parent, exist_ok=True)
+        if f == big:
+            data = bytearray(slurp(f))
+            off, n = size // 2, size // 100
+            data[off : off + n] = random.Random(1).randbytes(n)
+            dst.write_bytes(bytes(data))
+            del data
+        else:
+            os.link(f, dst)
+    with Store(tmp_path / "st") as st:
+        st.put("models/all/v1", models)
+        before = st.stats()
+        st.put("models/all/v2", str(v2))
+        after = st.stats()
+        new = after["unique_bytes"] - before["unique_bytes"]
+        assert size // 100 <= new <= size // 100 + 2 * 4 * MiB, (new, size)
+        assert after["logical_bytes"] == 2 * before["logical_bytes"]
+        assert after["dedup_ratio"] >= 1.9
+        rel = os.path.relpath(big, models)
+        assert st.cat("models/all/v2", rel, size // 2 - 10, 20) == slurp(str(v2 / rel))[size // 2 - 10 : size // 2 + 10]
+        print(f"\n{rel}: {size} bytes, 1% rewritten: {new} new bytes ({100 * new / size:.2f}%), "
+              f"dedup ratio {after['dedup_ratio']}")
