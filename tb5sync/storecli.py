@@ -54,6 +54,7 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     q.add_argument("src")
     q.add_argument("-m", "--description", help="a description kept with the ref")
     q.add_argument("--force", action="store_true", help="replace REF if it exists")
+    q.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
     q = cmd("get", "materialise REF at DEST (atomically, rsync -a metadata)")
     q.add_argument("ref")
     q.add_argument("dest")
@@ -130,7 +131,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()
-            info = st.put(a.ref, a.src, a.description, replace=a.force)
+            info = st.put(a.ref, a.src, a.description, replace=a.force, exclude=a.exclude)
             dt = time.perf_counter() - t0
             after = st.stats()
             res = {**info.as_dict(), "seconds": dt, "new_bytes": after["unique_bytes"] - before["unique_bytes"]}

@@ -484,3 +484,17 @@ def test_corpus_model_second_version_stores_about_the_change(tmp_path: Any) -> N
         assert st.cat("models/all/v2", rel, size // 2 - 10, 20) == slurp(str(v2 / rel))[size // 2 - 10 : size // 2 + 10]
         print(f"\n{rel}: {size} bytes, 1% rewritten: {new} new bytes ({100 * new / size:.2f}%), "
               f"dedup ratio {after['dedup_ratio']}")
+
+
+def test_put_exclude_like_rsync(tmp_path: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=10)
+    excl = ["d1/", "*.bin", "/rel_link"]
+    with Store(tmp_path / "st") as st:
+        st.put("x/1", src, exclude=excl)
+        st.get("x/1", str(tmp_path / "got"))
+    if not have_rsync():
+        pytest.skip("rsync is not installed")
+    subprocess.run(["rsync", "-a", *[f"--exclude={e}" for e in excl], src + "/", str(tmp_path / "ref") + "/"], check=True)
+    got, ref = snapshot(str(tmp_path / "got")), snapshot(str(tmp_path / "ref"))
+    assert sorted(got) == sorted(ref)
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in ref.items()}

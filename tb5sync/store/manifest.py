@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from ..errors import IntegrityError, UsageError
+from ..excludes import NO_RULES, ExcludeRules
 from ..hashing import ChunkRef, blob_to_refs, refs_to_blob
 
 __all__ = ["MANIFEST_VERSION", "Item", "encode_manifest", "decode_manifest", "walk", "check_path"]
@@ -130,11 +131,13 @@ def decode_manifest(data: bytes, where: str = "manifest") -> list[Item]:
     return out
 
 
-def walk(root: str) -> Iterator[tuple[bytes, os.stat_result, str]]:
+def walk(root: str, rules: ExcludeRules = NO_RULES) -> Iterator[tuple[bytes, os.stat_result, str]]:
     """Walk ``root`` (a directory or a single file): yields ``(relative path bytes, lstat, full path)``.
 
     Directories are listed in sorted order, the root first as ``b""``. Symlinks are not
     followed. Sockets, FIFOs and devices are skipped (rsync -a copies devices only as root).
+    Paths ``rules`` excludes (rsync's exclude patterns) are left out, excluded directories
+    not entered.
 
     Raises
     ------
@@ -165,6 +168,8 @@ def walk(root: str) -> Iterator[tuple[bytes, os.stat_result, str]]:
                 cst = os.lstat(full)
             except FileNotFoundError:
                 continue  # vanished while we walked
+            if rules and rules.match(os.fsdecode(child), stat.S_ISDIR(cst.st_mode)):
+                continue
             if stat.S_ISDIR(cst.st_mode):
                 subdirs.append(child)
             elif not (stat.S_ISREG(cst.st_mode) or stat.S_ISLNK(cst.st_mode)):

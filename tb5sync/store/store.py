@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
+from ..excludes import ExcludeRules
 from ..errors import IntegrityError, RefExistsError, RefNotFoundError, SourceChangedError, UsageError
 from ..hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
 from .manifest import Item, decode_manifest, encode_manifest, walk
@@ -552,7 +553,7 @@ class Store:
 
     # ---- put ---------------------------------------------------------------------------------
     def put(self, name: str, src: str | os.PathLike[str], description: str | None = None,
-            replace: bool = False) -> RefInfo:
+            replace: bool = False, exclude: Sequence[str] = ()) -> RefInfo:
         """Store the directory, file or symlink ``src`` as ref ``name``, reading each file once.
 
         Each file is read in windows, cut into FastCDC v1 chunks, hashed (BLAKE3) and only the
@@ -567,15 +568,18 @@ class Store:
             ``name`` exists and ``replace`` is False.
         SourceChangedError
             A file changed while it was read.
+
+        ``exclude`` takes rsync's exclude patterns (:class:`tb5sync.excludes.ExcludeRules`).
         """
         check_ref_name(name)
+        rules = ExcludeRules(tuple(exclude))
         if not replace and self._ref_row(name) is not None:
             raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
         lease = self.lease()
         writer = PackWriter(self, lease)
         try:
             items = []
-            for rel, st, full in walk(os.fspath(src)):
+            for rel, st, full in walk(os.fspath(src), rules):
                 mode, mtime = stat.S_IMODE(st.st_mode), st.st_mtime_ns
                 if stat.S_ISDIR(st.st_mode):
                     items.append(Item(rel, "d", mode, 0, mtime))
