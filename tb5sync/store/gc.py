@@ -95,7 +95,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
         for manifest, mchunks in store._q("SELECT manifest, mchunks FROM refs"):
             marked |= _reach(store, bytes(manifest), bytes(mchunks), cache)
         dead_packs: list[str] = []
-        with store._tx() as db:
+        with store._tx(durable=True) as db:
             # the dead leases go first: what they held is free now
             live = set(store.live_leases(db))
             for (lid,) in list(db.execute("SELECT id FROM leases")):
@@ -158,7 +158,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
                 writer.flush()
                 where = {d: (p, off) for d, p, off, _ in writer.placed}
                 gone = []
-                with store._tx() as db:
+                with store._tx(durable=True) as db:
                     for old, d in moved:
                         new, off = where[d]
                         db.execute("UPDATE chunks SET pack=?, offset=? WHERE digest=? AND pack=?", (new, off, d, old))

@@ -56,6 +56,10 @@ STORE_VERSION = 1
 PACK_TARGET = 32 * 1024 * 1024
 #: A lease not touched for this long is dead even if its process seems alive (pid reuse, other hosts).
 LEASE_TTL = 24 * 3600.0
+#: Files up to this size are read whole and stored in batches (one index transaction per batch).
+SMALL_FILE = 4 * 1024 * 1024
+#: Bytes of small files gathered before a batch is stored.
+SMALL_BATCH = 32 * 1024 * 1024
 #: Bytes read from a file at a time by put (plus the undecided tail of at most one chunk).
 READ_WINDOW = 16 * 1024 * 1024
 
@@ -308,7 +312,7 @@ class Store:
         self._db = sqlite3.connect(os.path.join(self.path, "index.sqlite"), check_same_thread=False,
                                    isolation_level=None, timeout=60)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         with self._lock:
             self._db.executescript(_SCHEMA)
 
@@ -355,16 +359,28 @@ class Store:
         self.config, self.quota = cfg, quota
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One ``BEGIN IMMEDIATE`` transaction (the write lock across processes), committed on success."""
+    def _tx(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction (the write lock across processes), committed on success.
+
+        The index runs with ``synchronous=NORMAL`` (WAL: a commit survives a crash of the process,
+        the last ones may be lost with the power); ``durable`` commits with ``synchronous=FULL``,
+        which also makes every earlier commit durable. Ref commits and gc's sweeps are durable, so
+        that no pack is deleted on the strength of an index change the disk has not kept.
+        """
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
 
     def _q(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
         with self._lock:
@@ -538,7 +554,7 @@ class Store:
         for it in items:
             needed.update(d for d, _ in it.chunks)
         now = time.time()
-        with self._tx() as db:
+        with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
             if old is not None and not replace:
                 raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
@@ -577,6 +593,8 @@ class Store:
             raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
         lease = self.lease()
         writer = PackWriter(self, lease)
+        small: list[tuple[Item, bytes]] = []  # small files read, waiting to be chunked and stored together
+        small_bytes = 0
         try:
             items = []
             for rel, st, full in walk(os.fspath(src), rules):
@@ -586,10 +604,19 @@ class Store:
                 elif stat.S_ISLNK(st.st_mode):
                     target = os.readlink(os.fsencode(full))
                     items.append(Item(rel, "l", mode, len(target), mtime, target=target))
+                elif st.st_size <= SMALL_FILE:
+                    it = Item(rel, "f", mode, st.st_size, mtime)
+                    items.append(it)
+                    small.append((it, _read_small(full, st)))
+                    small_bytes += st.st_size
+                    if small_bytes >= SMALL_BATCH or len(small) >= 4096:
+                        self._store_small(small, lease, writer)
+                        small, small_bytes = [], 0
                 else:
                     refs = self._put_file(full, st, lease, writer)
                     items.append(Item(rel, "f", mode, st.st_size, mtime, digest=file_digest(d for d, _ in refs),
                                       chunks=refs))
+            self._store_small(small, lease, writer)
             mdigest, mrefs = self.put_bytes(encode_manifest(items), lease, writer)
             writer.flush()
             info = self.commit_ref(lease, name, mdigest, mrefs, items, description, replace)
@@ -606,6 +633,31 @@ class Store:
         mv = memoryview(data)
         refs = self._store_window(mv, cut_buffer(mv, self.params, True), lease, writer)
         return file_digest(d for d, _ in refs), refs
+
+    def _store_small(self, files: list[tuple[Item, bytes]], lease: Lease, writer: PackWriter) -> None:
+        """Chunk, hash and store many small files with one lease transaction (sets their chunks and digests)."""
+        if not files:
+            return
+        spans: list[tuple[int, int, int]] = []  # (file index, start, end)
+        for k, (_, data) in enumerate(files):
+            prev = 0
+            for c in cut_buffer(memoryview(data), self.params, True):
+                spans.append((k, prev, c))
+                prev = c
+        views = [memoryview(data) for _, data in files]
+        pool = hash_pool()
+        digests = list(pool.map(lambda sp: chunk_digest(views[sp[0]][sp[1] : sp[2]]), spans, chunksize=64))
+        fresh = list(dict.fromkeys(d for d in digests if d not in writer.known))
+        have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
+        for it, _ in files:
+            it.chunks = []
+        for d, (k, a, b) in zip(digests, spans):
+            if not have.get(d, True):
+                writer.add(d, views[k][a:b])
+                have[d] = True
+            files[k][0].chunks.append((d, b - a))
+        for it, _ in files:
+            it.digest = file_digest(d for d, _ in it.chunks)
 
     def _store_window(self, mv: memoryview, cuts: list[int], lease: Lease, writer: PackWriter) -> list[ChunkRef]:
         spans = []
@@ -775,6 +827,37 @@ class Store:
                 continue
             out.append(lid)
         return out
+
+
+def _read_small(full: str, st: os.stat_result) -> bytes:
+    """The whole content of a small file that ``lstat`` saw as ``st``.
+
+    Raises
+    ------
+    SourceChangedError
+        It is another file now, or its size or mtime changed while it was read.
+    """
+    fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_ino, fst.st_size, fst.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+            raise SourceChangedError(full)
+        parts = []
+        got = 0
+        while True:
+            b = os.read(fd, st.st_size + 1 - got if got <= st.st_size else 1)
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+            if got > st.st_size:
+                break
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise SourceChangedError(full)
+    return b"".join(parts)
 
 
 def _ref_of(row: Sequence[Any]) -> RefInfo:
