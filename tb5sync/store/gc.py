@@ -128,7 +128,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
         for name in os.listdir(store.tmp_dir):
             pid = name.split("-", 1)[0]
             if pid.isdigit() and int(pid) not in alive_pids and (int(pid) != os.getpid()):
-                from .store import _pid_alive
+                from .writer import _pid_alive
 
                 if not _pid_alive(int(pid)):
                     with contextlib.suppress(OSError):
