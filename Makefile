@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
 	$(BIN)/python benches/bench_fs.py
 	$(BIN)/python benches/bench_scaling.py
+	$(BIN)/python benches/bench_store.py
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

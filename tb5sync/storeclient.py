@@ -242,10 +242,8 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         inflight: list[Future[Any]] = []
         sent = 0
         for i, batch in enumerate(_batches(missing)):
-            payload = []
-            for d, _ in batch:
-                payload.append([d, store.read_chunk(d)])
-                sent += len(payload[-1][1])
+            payload = [[d, data] for (d, _), data in zip(batch, store.iter_chunks([d for d, _ in batch], ahead=8))]
+            sent += sum(len(p[1]) for p in payload)
             if len(inflight) >= _WINDOW * len(chans):
                 inflight.pop(0).result()
             inflight.append(s.req.submit("put_chunks", {"lease": lease, "chunks": payload}, channel=chans[i % len(chans)]))
