@@ -4,7 +4,7 @@ gc (one at a time per store: ``flock`` on ``STORE/gc.lock``; writers never wait 
 
 1. Mark, outside any transaction: every chunk reachable from the refs of the moment
    (manifest chunks and file chunks).
-2. Sweep, in one ``BEGIN IMMEDIATE`` transaction: mark what refs created since step 1 reach and
+2. Sweep (the pack files on disk listed first), in one ``BEGIN IMMEDIATE`` transaction: mark what refs created since step 1 reach and
    every chunk held by a live lease (a writer that found it indexed, or wrote it, records it in the
    same transaction, so a writer either sees the chunk gone and writes it again, or holds it
    before the sweep looks); delete the index rows of unmarked chunks, and the rows of packs left
@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -89,12 +88,14 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
     from .store import PackWriter
 
     with gc_lock(store):
-        t0 = time.time()
         cache: dict[bytes, set[bytes]] = {}
         marked: set[bytes] = set()
         for manifest, mchunks in store._q("SELECT manifest, mchunks FROM refs"):
             marked |= _reach(store, bytes(manifest), bytes(mchunks), cache)
         dead_packs: list[str] = []
+        # Listed before the sweep: a pack on disk now either is indexed, or is named by a lease
+        # (written before its rename, so visible to the transaction below), or is an orphan.
+        on_disk = store.packs.list()
         with store._tx(durable=True) as db:
             # the dead leases go first: what they held is free now
             live = set(store.live_leases(db))
@@ -115,13 +116,12 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
             known.update(p for (p,) in db.execute("SELECT pack FROM lease_packs"))
             alive_pids = {int(pid) for (pid,) in db.execute("SELECT pid FROM leases WHERE host=?", (store.host,))}
         freed = 0
-        on_disk = store.packs.list()
         for pack in dead_packs:
             freed += on_disk.get(pack, (0, 0.0))[0]
             store.packs.delete(pack)
         orphans = 0
         for pack, (size, mtime) in on_disk.items():
-            if pack not in known and pack not in dead_packs and mtime < t0:
+            if pack not in known and pack not in dead_packs:
                 store.packs.delete(pack)
                 freed += size
                 orphans += 1
@@ -184,6 +184,8 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
 def verify(store: Store) -> dict[str, Any]:
     """Re-hash every chunk of every pack; check the index against the packs; report per ref.
 
+    Holds the gc lock (a concurrent gc would make packs vanish under the check).
+
     Returns
     -------
     dict
@@ -191,6 +193,11 @@ def verify(store: Store) -> dict[str, Any]:
         "missing_chunks": [hex...], "bad_packs": {pack: reason}, "refs": {name: {"ok", "missing", "damaged"}}}``.
         A ref is whole when its manifest and every chunk it reaches are present and intact.
     """
+    with gc_lock(store):
+        return _verify(store)
+
+
+def _verify(store: Store) -> dict[str, Any]:
     index: dict[bytes, tuple[str, int, int]] = {
         bytes(d): (p, off, n) for d, p, off, n in store._q("SELECT digest, pack, offset, length FROM chunks")}
     good: set[bytes] = set()
