@@ -274,6 +274,33 @@ def test_gc_sweeps_and_repacks_only_the_unreferenced(tmp_path: Any) -> None:
         assert st.stats()["stored_bytes"] == 0 and pack_files(st) == []
 
 
+def test_gc_keeps_a_ref_committed_between_its_mark_and_its_sweep(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window restic's prune closes with an exclusive lock: a put finishing while gc marks."""
+    write(str(tmp_path / "old" / "f"), os.urandom(MiB))
+    write(str(tmp_path / "new" / "g"), os.urandom(2 * MiB))
+    st = Store(tmp_path / "st", pack_target=MiB)
+    other = Store(tmp_path / "st", pack_target=MiB)  # another writer on the same store
+    try:
+        st.put("old", str(tmp_path / "old"))
+        real_q = st._q
+        done = []
+
+        def q(sql: str, args: Any = ()) -> Any:
+            rows = real_q(sql, args)
+            if sql.startswith("SELECT manifest, mchunks FROM refs") and not done:
+                done.append(other.put("new", str(tmp_path / "new")))  # committed after the mark read the refs
+            return rows
+
+        monkeypatch.setattr(st, "_q", q)
+        st.gc(repack_below=1.0)
+        monkeypatch.undo()
+        assert done and st.verify()["ok"]
+        assert st.cat("new", "g") == slurp(str(tmp_path / "new" / "g"))
+    finally:
+        st.close()
+        other.close()
+
+
 def test_quota_evicts_lru_and_never_pinned(tmp_path: Any) -> None:
     rnd = random.Random(9)
     for i in range(5):
@@ -381,20 +408,26 @@ def test_sigkill_during_put_and_gc_leaves_every_ref_whole(tmp_path: Any) -> None
 _WORKER = """
 import os, sys, random
 from tb5sync.store import Store
-store, src, role, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+store, src, role, n, work = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 st = Store(store, pack_target=1 << 20)
-rnd = random.Random(n)
-if role == "put":
-    for i in range(5):
-        st.put(f"w{n}/{i}", src)
+if role == "put":  # new data every round (packs written while gc runs); odd rounds become garbage
+    for i in range(6):
+        d = os.path.join(work, f"w{n}", str(i))
+        os.makedirs(d)
+        for k in range(3):
+            with open(os.path.join(d, f"f{k}"), "wb") as f:
+                f.write(os.urandom(300_000 + k))
+        with open(os.path.join(d, "shared"), "wb") as f:  # a chunk every round shares with base
+            f.write(open(os.path.join(src, "f0"), "rb").read())
+        st.put(f"w{n}/{i}", d)
         if i % 2:
             st.rm(f"w{n}/{i}")
 elif role == "gc":
-    for _ in range(8):
+    for _ in range(10):
         st.gc(repack_below=1.0)
 elif role == "get":
-    for i in range(6):
-        out = os.path.join(sys.argv[5], f"{n}-{i}")
+    for i in range(8):
+        out = os.path.join(work, "gets", f"{n}-{i}")
         st.get("base", out)
         for name in os.listdir(src):
             with open(os.path.join(src, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
@@ -410,17 +443,24 @@ def test_concurrent_put_gc_get_processes(tmp_path: Any) -> None:
     store = str(tmp_path / "st")
     with Store(store, pack_target=MiB) as st:
         st.put("base", str(src))
-    os.makedirs(tmp_path / "gets")
-    procs = [subprocess.Popen([PY, "-c", _WORKER, store, str(src), role, str(n), str(tmp_path / "gets")])
+        st.put("garbage", str(tmp_path / "src" / "f1"))
+        st.rm("garbage")
+    work = tmp_path / "work"
+    os.makedirs(work / "gets")
+    procs = [subprocess.Popen([PY, "-c", _WORKER, store, str(src), role, str(n), str(work)])
              for role, n in (("put", 1), ("put", 2), ("gc", 3), ("get", 4), ("gc", 5))]
     for p in procs:
         assert p.wait(timeout=100) == 0
     with Store(store) as st:
         rep = st.verify()
         assert rep["ok"], rep
-        assert {r.name for r in st.refs()} == {"base", "w1/0", "w1/2", "w1/4", "w2/0", "w2/2", "w2/4"}
+        kept = {f"w{n}/{i}" for n in (1, 2) for i in (0, 2, 4)}
+        assert {r.name for r in st.refs()} == {"base"} | kept
         st.gc()
         assert st.verify()["ok"]
+        for name in sorted(kept):
+            st.get(name, str(tmp_path / "out" / name))
+            assert snapshot(str(tmp_path / "out" / name)) == snapshot(str(work / name))
 
 
 # ---- CLI --------------------------------------------------------------------------------------------

@@ -52,13 +52,14 @@ def gc_lock(store: Store) -> Iterator[None]:
         os.close(fd)
 
 
-def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set[bytes]]) -> set[bytes]:
+def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set[bytes]],
+           parallel: bool = True) -> set[bytes]:
     from ..hashing import blob_to_refs
 
     got = cache.get(manifest)
     if got is None:
         refs = blob_to_refs(mchunks)
-        items = store.read_manifest(manifest, refs, f"manifest {manifest.hex()}")
+        items = store.read_manifest(manifest, refs, f"manifest {manifest.hex()}", parallel)
         got = {d for d, _ in refs}
         for it in items:
             got.update(d for d, _ in it.chunks)
@@ -105,7 +106,8 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
                         db.execute(f"DELETE FROM {t} WHERE lease=?", (lid,))
                     db.execute("DELETE FROM leases WHERE id=?", (lid,))
             for manifest, mchunks in list(db.execute("SELECT manifest, mchunks FROM refs")):
-                marked |= _reach(store, bytes(manifest), bytes(mchunks), cache)
+                # refs made since the mark: read in this thread, which holds the index lock
+                marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
             marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
             dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
             db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])

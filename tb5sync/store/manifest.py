@@ -33,7 +33,7 @@ import msgpack
 
 from ..errors import IntegrityError, UsageError
 from ..excludes import NO_RULES, ExcludeRules
-from ..hashing import ChunkRef, blob_to_refs, refs_to_blob
+from ..hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
 
 __all__ = ["MANIFEST_VERSION", "Item", "encode_manifest", "decode_manifest", "walk", "check_path"]
 
@@ -121,7 +121,8 @@ def decode_manifest(data: bytes, where: str = "manifest") -> list[Item]:
         except ValueError as exc:
             raise IntegrityError(f"{where}: {path!r}: {exc}") from exc
         if kind == "f":
-            if digest is None or len(digest) != 32 or sum(n for _, n in chunks) != size:
+            if (digest is None or len(digest) != 32 or sum(n for _, n in chunks) != size
+                    or file_digest(d for d, _ in chunks) != digest):
                 raise IntegrityError(f"{where}: file entry {path!r} has a bad digest or chunk list")
         elif kind == "l" and target is None:
             raise IntegrityError(f"{where}: symlink entry {path!r} has no target")

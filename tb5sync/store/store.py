@@ -361,17 +361,21 @@ class Store:
             self.touch(info.name)
         return items
 
-    def read_manifest(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str = "manifest") -> list[Item]:
+    def read_manifest(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str = "manifest",
+                      parallel: bool = True) -> list[Item]:
         """Read a manifest object (chunks ``mchunks``, object digest ``digest``) and check it.
+
+        ``parallel=False`` reads in the calling thread (required while holding a transaction).
 
         Raises
         ------
         IntegrityError
             A chunk is missing or damaged, the object digest differs, or the manifest is malformed.
         """
-        return self._manifest_entry(digest, mchunks, where)[0]
+        return self._manifest_entry(digest, mchunks, where, parallel)[0]
 
-    def _manifest_entry(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str) -> tuple[list[Item], dict[bytes, Item]]:
+    def _manifest_entry(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str,
+                        parallel: bool = True) -> tuple[list[Item], dict[bytes, Item]]:
         with self._lock:
             hit = self._manifests.get(digest)
             if hit is not None:
@@ -379,7 +383,10 @@ class Store:
                 return hit
         if file_digest(d for d, _ in mchunks) != digest:
             raise IntegrityError(f"{where}: chunk list does not match the manifest digest")
-        data = b"".join(self.iter_chunks([d for d, _ in mchunks]))
+        if parallel:
+            data = b"".join(self.iter_chunks([d for d, _ in mchunks]))
+        else:  # in this thread: the caller may hold the index lock, which the pool's threads would wait for
+            data = b"".join(self.read_chunk(d) for d, _ in mchunks)
         items = decode_manifest(data, where)
         entry = (items, {it.path: it for it in items})
         with self._lock:
