@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
     s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
-    s.add_argument("--store", metavar="DIR", help="also serve this artifact store (tb5sync store push/pull)")
+    s.add_argument("--store", metavar="DIR", nargs="?", const="",
+                   help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
@@ -119,7 +120,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
     host, port = _parse_bind(a.bind)
     srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
-                 store=a.store)
+                 store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store)
     srv.bind()
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
 

@@ -270,3 +270,30 @@ def test_tb5store_fsspec_reads_a_tensor_without_the_file(tmp_path: Any, node: An
             fs.open(path, "wb")
     finally:
         fs.close()
+
+
+def test_serve_store_under_the_roots_state(tmp_path: Any) -> None:
+    """``tb5sync serve ROOT --store`` (no DIR) serves ROOT/.tb5sync/store, which a sync of ROOT never lists."""
+    os.makedirs(tmp_path / "root" / "data")
+    (tmp_path / "root" / "data" / "x").write_bytes(b"x")
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+                          "--store"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        m = re.search(r":(\d+)\s*$", p.stderr.readline())
+        assert m
+        with Store(tmp_path / "a") as a:
+            a.put("r/1", str(tmp_path / "root" / "data"))
+            assert push_ref(a, "r/1", parse_url(f"tb5://127.0.0.1:{m.group(1)}"))["chunks_sent"] == 2
+        import tb5sync
+
+        tb5sync.sync(f"tb5://127.0.0.1:{m.group(1)}/", str(tmp_path / "copy"))
+        assert sorted(os.listdir(tmp_path / "copy")) == [".tb5sync", "data"]  # the copy's own state
+        assert not os.path.exists(tmp_path / "copy" / ".tb5sync" / "store")  # the server's store did not travel
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        if p.stderr is not None:
+            p.stderr.close()
+    with Store(tmp_path / "root" / ".tb5sync" / "store") as r:
+        assert [x.name for x in r.refs()] == ["r/1"] and r.verify()["ok"]
