@@ -538,3 +538,30 @@ def test_put_exclude_like_rsync(tmp_path: Any) -> None:
     got, ref = snapshot(str(tmp_path / "got")), snapshot(str(tmp_path / "ref"))
     assert sorted(got) == sorted(ref)
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in ref.items()}
+
+
+def test_packs_on_an_fsspec_filesystem(tmp_path: Any) -> None:
+    """The pack storage interface is all the store needs: the same operations with packs in fsspec's memory filesystem."""
+    import fsspec
+
+    from tb5sync.store import FsspecPackStorage
+
+    mem = fsspec.filesystem("memory", skip_instance_cache=True)
+    root = f"/tb5-{os.getpid()}-{random.randrange(1 << 30)}/packs"
+    src = make_tree(str(tmp_path / "src"), files=8)
+    try:
+        with Store(tmp_path / "st", pack_target=MiB, packs=FsspecPackStorage(mem, root)) as st:
+            st.put("o/1", src)
+            write(str(tmp_path / "two" / "x"), os.urandom(2 * MiB))
+            st.put("o/2", str(tmp_path / "two"))
+            assert not os.listdir(tmp_path / "st" / "packs") if os.path.isdir(tmp_path / "st" / "packs") else True
+            assert len(mem.find(root)) == st.stats()["packs"] > 0
+            st.get("o/1", str(tmp_path / "out"))
+            assert snapshot(str(tmp_path / "out")) == snapshot(src)
+            assert st.cat("o/2", "x", 5, 10) == slurp(str(tmp_path / "two" / "x"))[5:15]
+            st.rm("o/2")
+            st.gc(repack_below=1.0)
+            assert st.verify()["ok"] and len(mem.find(root)) == st.stats()["packs"]
+    finally:
+        if mem.exists(root.rsplit("/", 1)[0]):
+            mem.rm(root.rsplit("/", 1)[0], recursive=True)

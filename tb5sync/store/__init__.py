@@ -10,7 +10,7 @@ between nodes is :mod:`tb5sync.storeclient` (client) and :mod:`tb5sync.store.ops
 from __future__ import annotations
 
 from .manifest import Item
-from .packs import LocalPackStorage, PackStorage
+from .packs import FsspecPackStorage, LocalPackStorage, PackStorage
 from .store import RefInfo, Store, check_ref_name, default_store_path
 
-__all__ = ["Store", "RefInfo", "Item", "PackStorage", "LocalPackStorage", "check_ref_name", "default_store_path"]
+__all__ = ["Store", "RefInfo", "Item", "PackStorage", "LocalPackStorage", "FsspecPackStorage", "check_ref_name", "default_store_path"]

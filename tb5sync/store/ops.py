@@ -97,8 +97,8 @@ class StoreOps:
     def chunks(self, digests: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
         parts = []
         total = 0
-        for d in _digests(digests, "chunks"):
-            data = self.store.read_chunk(d)
+        ds = _digests(digests, "chunks")
+        for data in self.store.iter_chunks(ds, ahead=8):  # read and checked ahead in the hash pool
             total += len(data)
             if total > STORE_MAX_BATCH + 4 * 1024 * 1024:
                 raise UsageError(f"chunks: more than {STORE_MAX_BATCH} bytes asked for")

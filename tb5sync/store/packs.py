@@ -23,6 +23,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 
 from ..errors import IntegrityError, UsageError
 
@@ -31,6 +32,7 @@ __all__ = [
     "FRAME_HEADER",
     "PackStorage",
     "LocalPackStorage",
+    "FsspecPackStorage",
     "frame_header",
     "parse_frame_header",
     "iter_frames",
@@ -249,3 +251,61 @@ class LocalPackStorage(PackStorage):
             fds, self._fds = list(self._fds.values()), OrderedDict()
         for fd in fds:
             os.close(fd)
+
+
+class FsspecPackStorage(PackStorage):
+    """Packs as objects ``ROOT/<first 2 hex>/<name>`` of an fsspec filesystem (an object store: s3,
+    gcs, az; or ``memory``, ``file``).
+
+    Object stores make a whole-object PUT atomic, which is all :meth:`put_file` needs; ranged
+    reads are ``cat_file(path, start, end)``. fsspec is not imported here: pass the filesystem.
+
+    Parameters
+    ----------
+    fs : fsspec.AbstractFileSystem
+        The filesystem.
+    root : str
+        Prefix of the packs on it (e.g. ``"bucket/store/packs"``).
+    """
+
+    def __init__(self, fs: object, root: str) -> None:
+        self.fs: Any = fs
+        self.root = root.rstrip("/")
+
+    def path(self, name: str) -> str:
+        """Object path of pack ``name``."""
+        check_name(name)
+        return f"{self.root}/{name[:2]}/{name}"
+
+    def put_file(self, name: str, path: str) -> int:
+        size = os.stat(path).st_size
+        self.fs.put_file(path, self.path(name))
+        os.unlink(path)
+        return size
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes:
+        data = bytes(self.fs.cat_file(self.path(name), start=offset, end=offset + length))
+        if len(data) != length:
+            raise IntegrityError(f"pack {name} is truncated: wanted {length} bytes at {offset}, got {len(data)}")
+        return data
+
+    def list(self) -> dict[str, tuple[int, float]]:
+        out: dict[str, tuple[int, float]] = {}
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return out
+        for p, info in found.items():
+            n = p.rstrip("/").rsplit("/", 1)[-1]
+            try:
+                check_name(n)
+            except UsageError:
+                continue
+            out[n] = (int(info.get("size") or 0), 0.0)
+        return out
+
+    def delete(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self.path(name))
+        except FileNotFoundError:
+            pass
