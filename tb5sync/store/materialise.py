@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import sys
+from collections.abc import Iterable
 
 from .._paths import temp_name
 from ..errors import DestinationError, IntegrityError
@@ -32,8 +33,6 @@ def reflink_supported() -> bool:
 
 def _clone(src_fd: int, dst_fd: int) -> bool:
     """Clone ``src_fd``'s extents into ``dst_fd``; False where the filesystem cannot."""
-    if not reflink_supported():
-        return False
     import fcntl
 
     try:
@@ -57,6 +56,8 @@ def _build(store: object, items: list[Item], top: bytes, hardlink: bool) -> None
 
     assert isinstance(store, Store)
     dirs = {it.path for it in items if it.kind == "d"}
+    cloning = reflink_supported()  # until the first refusal: one filesystem under one destination
+    where = store.locate(d for it in items if it.kind == "f" and len(it.chunks) == 1 for d, _ in it.chunks)
     done: dict[bytes, tuple[bytes, int, int]] = {}  # file digest -> (path, mode, mtime_ns)
     for it in items:
         if it.path and (it.path.rpartition(b"/")[0] not in dirs):
@@ -75,14 +76,19 @@ def _build(store: object, items: list[Item], top: bytes, hardlink: bool) -> None
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
             try:
                 cloned = False
-                if first is not None and it.size:
+                if first is not None and it.size and cloning:
                     src = os.open(first[0], os.O_RDONLY)
                     try:
-                        cloned = _clone(src, fd)
+                        cloned = cloning = _clone(src, fd)
                     finally:
                         os.close(src)
                 if not cloned:
-                    for data in store.iter_chunks([d for d, _ in it.chunks]):
+                    digests = [d for d, _ in it.chunks]
+                    if len(digests) > 1:
+                        chunks: Iterable[bytes] = store.iter_chunks(digests)
+                    else:  # one chunk or none: read here, located in advance
+                        chunks = [store.read_at(d, where.get(d)) for d in digests]
+                    for data in chunks:
                         view = memoryview(data)
                         while view:
                             view = view[os.write(fd, view):]

@@ -317,6 +317,36 @@ class Store:
             return data
         raise AssertionError("unreachable")
 
+    def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]:
+        """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones left out), 500 per query."""
+        ds = list(dict.fromkeys(digests))
+        out: dict[bytes, tuple[str, int, int]] = {}
+        for k in range(0, len(ds), 500):
+            part = ds[k : k + 500]
+            rows = self._q(f"SELECT digest, pack, offset, length FROM chunks WHERE digest IN ({','.join('?' * len(part))})", part)
+            out.update((bytes(d), (p, o, n)) for d, p, o, n in rows)
+        return out
+
+    def read_at(self, digest: bytes, where: tuple[str, int, int] | None) -> bytes:
+        """Chunk ``digest`` read from ``where`` (from :meth:`locate`), checked; looked up again if it moved.
+
+        Raises
+        ------
+        IntegrityError
+            As :meth:`read_chunk`.
+        """
+        if where is not None:
+            pack, offset, length = where
+            try:
+                raw = self.packs.get_range(pack, offset - FRAME_HEADER, length + FRAME_HEADER)
+            except (FileNotFoundError, IntegrityError):
+                return self.read_chunk(digest)  # moved by a repack since it was located
+            head_digest, head_len = parse_frame_header(raw[:FRAME_HEADER])
+            data = raw[FRAME_HEADER:]
+            if head_digest == digest and head_len == length and chunk_digest(data) == digest:
+                return data
+        return self.read_chunk(digest)
+
     def iter_chunks(self, digests: Sequence[bytes], ahead: int = 4) -> Iterator[bytes]:
         """The bytes of each of ``digests`` in order, read and checked ``ahead`` at a time in the hash pool."""
         pool = hash_pool()
