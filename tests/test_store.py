@@ -463,6 +463,50 @@ def test_concurrent_put_gc_get_processes(tmp_path: Any) -> None:
             assert snapshot(str(tmp_path / "out" / name)) == snapshot(str(work / name))
 
 
+def test_threads_share_one_store(tmp_path: Any) -> None:
+    """Threads putting, getting and collecting through one Store object (and a second one on the same directory)."""
+    import threading
+
+    rnd = random.Random(6)
+    srcs = []
+    for t in range(4):
+        d = tmp_path / f"s{t}"
+        write(str(d / "own"), rnd.randbytes(500_000))
+        write(str(d / "shared"), b"z" * 300_000)
+        srcs.append(d)
+    errors: list[BaseException] = []
+    st = Store(tmp_path / "st", pack_target=MiB)
+    other = Store(tmp_path / "st", pack_target=MiB)
+
+    def work(t: int) -> None:
+        try:
+            for i in range(4):
+                s = st if (t + i) % 2 else other
+                s.put(f"t{t}/{i}", str(srcs[t]))
+                s.get(f"t{t}/{i}", str(tmp_path / "out" / f"t{t}-{i}"))
+                assert slurp(str(tmp_path / "out" / f"t{t}-{i}" / "own")) == slurp(str(srcs[t] / "own"))
+                if i % 2:
+                    s.rm(f"t{t}/{i}")
+                if t == 0:
+                    s.gc(repack_below=1.0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=90)
+    try:
+        assert not errors, errors
+        assert {r.name for r in st.refs()} == {f"t{t}/{i}" for t in range(4) for i in (0, 2)}
+        st.gc()
+        assert st.verify()["ok"]
+    finally:
+        st.close()
+        other.close()
+
+
 # ---- CLI --------------------------------------------------------------------------------------------
 
 
