@@ -1,7 +1,7 @@
 """``tb5sync store ...``: the artifact store's commands (see :mod:`tb5sync.store`).
 
 ``tb5sync store [--store DIR] put REF DIR|FILE``, ``get REF DEST``, ``cat REF PATH``, ``ls [PREFIX]``,
-``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``,
+``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
 ``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``.
 The store is ``--store DIR``, else ``$TB5SYNC_STORE``, else ``tb5sync/store`` in the user's data
 directory. ``--json`` prints data as JSON.
@@ -82,6 +82,7 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     q.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                    help="repack packs whose live bytes are below this fraction (default 0.5)")
     cmd("stats", "logical and stored bytes, dedup ratio, packs", True)
+    cmd("reindex", "rebuild the chunk index from the packs (after a lost or damaged index)", True)
     q = cmd("quota", "show or set the size quota (LRU eviction of unpinned refs)")
     q.add_argument("size", nargs="?", help="e.g. 200G, or none")
     for name, what in (("push", "send REF to a server's store"), ("pull", "fetch REF from a server's store")):
@@ -179,6 +180,11 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             print(json.dumps(res) if a.json else
                   f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
                   f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+        elif c == "reindex":
+            res = st.reindex()
+            print(json.dumps(res) if a.json else
+                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
+                  f"missing packs dropped, {res['damaged']} damaged frames")
         elif c == "stats":
             s = st.stats()
             if a.json:

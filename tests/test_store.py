@@ -246,6 +246,26 @@ def test_pack_format_is_self_describing(tmp_path: Any) -> None:
                 assert index[digest] == (os.path.basename(path), off, n)
 
 
+def test_reindex_rebuilds_the_chunk_index_from_the_packs(tmp_path: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=6)
+    with Store(tmp_path / "st", pack_target=MiB) as st:
+        st.put("r/1", src)
+        rows = sorted(st._q("SELECT digest, pack, offset, length FROM chunks"))
+        with st._tx() as db:  # the index loses its chunk rows (refs stay)
+            db.execute("DELETE FROM chunks")
+            db.execute("DELETE FROM packs")
+        assert not st.verify()["refs"]["r/1"]["ok"]
+        res = st.reindex()
+        assert res["chunks_added"] == len(rows) and res["damaged"] == 0
+        assert sorted(st._q("SELECT digest, pack, offset, length FROM chunks")) == rows
+        assert st.verify()["ok"]
+        st.get("r/1", str(tmp_path / "out"))
+        assert snapshot(str(tmp_path / "out")) == snapshot(src)
+        os.unlink(pack_files(st)[0])  # a pack lost: its rows go, the ref shows as damaged
+        assert st.reindex()["rows_dropped"] > 0
+        assert not st.verify()["refs"]["r/1"]["ok"]
+
+
 # ---- gc and quota -------------------------------------------------------------------------------
 
 

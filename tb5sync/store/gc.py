@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from .packs import FRAME_HEADER, iter_frames
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["gc", "verify", "enforce_quota", "gc_lock"]
+__all__ = ["gc", "verify", "reindex", "enforce_quota", "gc_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,46 @@ def _verify(store: Store) -> dict[str, Any]:
     ok = not damaged and not missing and not bad_packs and all(r["ok"] for r in refs.values())
     return {"ok": ok, "chunks": checked, "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
             "missing_chunks": sorted(d.hex() for d in missing), "bad_packs": bad_packs, "refs": refs}
+
+
+def reindex(store: Store) -> dict[str, int]:
+    """Rebuild the chunk index from the packs themselves (each frame names its digest and length).
+
+    Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
+    rows pointing at packs that are gone are dropped. Refs are not in the packs: they stay as
+    they are. Holds the gc lock.
+
+    Returns
+    -------
+    dict
+        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match).
+    """
+    added = dropped = damaged = 0
+    with gc_lock(store):
+        on_disk = store.packs.list()
+        for pack, (size, _) in sorted(on_disk.items()):
+            try:
+                data = store.packs.get_range(pack, 0, size)
+                frames = list(iter_frames(data, f"pack {pack}"))
+            except (OSError, IntegrityError) as exc:
+                log.warning("reindex: skipping %s: %s", pack, exc)
+                continue
+            rows = []
+            for digest, off, n in frames:
+                if chunk_digest(memoryview(data)[off : off + n]) == digest:
+                    rows.append((digest, pack, off, n))
+                else:
+                    damaged += 1
+            with store._tx(durable=True) as db:
+                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+                for r in rows:
+                    added += db.execute("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", r).rowcount
+        with store._tx(durable=True) as db:
+            for (pack,) in list(db.execute("SELECT DISTINCT pack FROM chunks")):
+                if pack not in on_disk:
+                    dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
+                    db.execute("DELETE FROM packs WHERE id=?", (pack,))
+    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged}
 
 
 def _read_pack(store: Store, pack: str) -> bytes:

@@ -720,6 +720,12 @@ class Store:
 
         return verify(self)
 
+    def reindex(self) -> dict[str, int]:
+        """Rebuild the chunk index from the packs; see :func:`tb5sync.store.gc.reindex`."""
+        from .gc import reindex
+
+        return reindex(self)
+
     def enforce_quota(self, keep: str | None = None) -> list[str]:
         """Evict unpinned refs, least recently used first, until the packs fit the quota; see :func:`tb5sync.store.gc.enforce_quota`."""
         from .gc import enforce_quota
