@@ -79,22 +79,26 @@ class StoreOps:
         return self._lease
 
     def refs(self, prefix: str = "") -> dict[str, Any]:
+        """``{"refs": [ref, ...]}``: refs whose name starts with ``prefix``."""
         if not isinstance(prefix, str):
             raise UsageError("prefix must be a string")
         return {"refs": [ref_to_wire(r) for r in self.store.refs(prefix)]}
 
     def ref(self, name: str) -> dict[str, Any]:
+        """``{"ref": ref}`` (a use: the ref's last use is now). Raises ``RefNotFoundError``."""
         info = self.store.ref(name)
         self.store.touch(info.name)
         return {"ref": ref_to_wire(info)}
 
     def have(self, digests: list[bytes], lease: str | None = None) -> dict[str, Any]:
+        """``{"have": [bool, ...]}``; with ``lease`` (a writable server) what is had is held for it."""
         ds = _digests(digests, "have")
         if lease is None or self.read_only:
             return {"have": [self.store.has(d) for d in ds]}
         return {"have": self._join(lease).protect(ds)}
 
     def chunks(self, digests: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
+        """DATA: the chunks' bytes (each checked as it is read), meta ``{"lengths"}``; at most ~16 MiB."""
         parts = []
         total = 0
         ds = _digests(digests, "chunks")
@@ -106,6 +110,7 @@ class StoreOps:
         return {"lengths": [len(p) for p in parts]}, parts
 
     def put_chunks(self, lease: str, chunks: list[list[Any]]) -> dict[str, Any]:
+        """Store ``[[digest, bytes], ...]`` under ``lease``; every chunk is checked first (``IntegrityError``)."""
         self._join(lease)
         assert self._writer is not None
         if not isinstance(chunks, list):
@@ -124,6 +129,7 @@ class StoreOps:
         return {}
 
     def flush(self, lease: str) -> dict[str, Any]:
+        """Put this stream's open pack in place and index it."""
         self._join(lease)
         assert self._writer is not None
         self._writer.flush()
@@ -131,6 +137,7 @@ class StoreOps:
 
     def commit(self, lease: str, name: str, manifest: bytes, mchunks: bytes, description: str | None = None,
                created: float | None = None, replace: bool = False) -> dict[str, Any]:
+        """Write ref ``name`` once its manifest reads back whole and every chunk it reaches is stored."""
         le = self._join(lease)
         assert self._writer is not None
         self._writer.flush()
@@ -154,6 +161,7 @@ class StoreOps:
                              os.fsdecode(it.target) if it.target is not None else None] for it in items]}
 
     def read(self, name: str, path: str, offset: int = 0, length: int | None = None) -> tuple[dict[str, Any], list[Any]]:
+        """DATA: bytes ``[offset, offset+length)`` of file ``path`` in ref ``name`` (at most 16 MiB), meta ``{"length"}``."""
         if not isinstance(offset, int) or offset < 0 or (length is not None and (not isinstance(length, int) or length < 0)):
             raise UsageError("read: offset and length must be ints >= 0")
         length = STORE_MAX_BATCH if length is None else min(length, STORE_MAX_BATCH)
