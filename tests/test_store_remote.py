@@ -75,8 +75,9 @@ def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> N
         c.get("builds/main/2", str(tmp_path / "out"))
         assert snapshot(str(tmp_path / "out")) == snapshot(src)
         assert c.verify()["ok"]
-        with pytest.raises(RefNotFoundError):
+        with pytest.raises(RefNotFoundError) as ei:
             pull_ref(c, "builds/nope", url(node))
+        assert str(tmp_path) not in str(ei.value) and "<store>" in str(ei.value)  # no server path leaves
     with Store(tmp_path / "remote_store") as r:
         assert r.verify()["ok"]
 

@@ -10,11 +10,13 @@ Knows no sockets: :func:`tb5sync.rpc.serve` calls these methods.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ..errors import IntegrityError, ReadOnlyError, UsageError
+from ..errors import IntegrityError, ReadOnlyError, Tb5syncError, UsageError
 from ..hashing import blob_to_refs, chunk_digest, refs_to_blob
 from ..messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
 from .store import Lease, PackWriter, RefInfo, Store, check_ref_name
@@ -59,6 +61,25 @@ def _digests(v: object, what: str) -> list[bytes]:
     return v
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _hiding(fn: _F) -> _F:
+    """Errors leave with the store's directory named ``<store>``: a peer never learns the server's paths."""
+
+    @functools.wraps(fn)
+    def wrapper(self: StoreOps, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(self, *args, **kw)
+        except Tb5syncError as exc:
+            text = str(exc)
+            if self.store.path in text:
+                exc.args = (text.replace(self.store.path, "<store>"),)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
 class StoreOps:
     """Answers one connection's store requests. ``read_only`` refuses every write."""
 
@@ -78,18 +99,21 @@ class StoreOps:
             self._writer = PackWriter(self.store, self._lease)
         return self._lease
 
+    @_hiding
     def refs(self, prefix: str = "") -> dict[str, Any]:
         """``{"refs": [ref, ...]}``: refs whose name starts with ``prefix``."""
         if not isinstance(prefix, str):
             raise UsageError("prefix must be a string")
         return {"refs": [ref_to_wire(r) for r in self.store.refs(prefix)]}
 
+    @_hiding
     def ref(self, name: str) -> dict[str, Any]:
         """``{"ref": ref}`` (a use: the ref's last use is now). Raises ``RefNotFoundError``."""
         info = self.store.ref(name)
         self.store.touch(info.name)
         return {"ref": ref_to_wire(info)}
 
+    @_hiding
     def have(self, digests: list[bytes], lease: str | None = None) -> dict[str, Any]:
         """``{"have": [bool, ...]}``; with ``lease`` (a writable server) what is had is held for it."""
         ds = _digests(digests, "have")
@@ -97,6 +121,7 @@ class StoreOps:
             return {"have": [self.store.has(d) for d in ds]}
         return {"have": self._join(lease).protect(ds)}
 
+    @_hiding
     def chunks(self, digests: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
         """DATA: the chunks' bytes (each checked as it is read), meta ``{"lengths"}``; at most ~16 MiB."""
         parts = []
@@ -109,6 +134,7 @@ class StoreOps:
             parts.append(data)
         return {"lengths": [len(p) for p in parts]}, parts
 
+    @_hiding
     def put_chunks(self, lease: str, chunks: list[list[Any]]) -> dict[str, Any]:
         """Store ``[[digest, bytes], ...]`` under ``lease``; every chunk is checked first (``IntegrityError``)."""
         self._join(lease)
@@ -128,6 +154,7 @@ class StoreOps:
             self._writer.add(d, data)
         return {}
 
+    @_hiding
     def flush(self, lease: str) -> dict[str, Any]:
         """Put this stream's open pack in place and index it."""
         self._join(lease)
@@ -135,6 +162,7 @@ class StoreOps:
         self._writer.flush()
         return {}
 
+    @_hiding
     def commit(self, lease: str, name: str, manifest: bytes, mchunks: bytes, description: str | None = None,
                created: float | None = None, replace: bool = False) -> dict[str, Any]:
         """Write ref ``name`` once its manifest reads back whole and every chunk it reaches is stored."""
@@ -154,12 +182,14 @@ class StoreOps:
         self.store.enforce_quota(keep=name)
         return {"ref": ref_to_wire(info)}
 
+    @_hiding
     def list(self, name: str) -> dict[str, Any]:
         """The manifest of ``name``: ``{"entries": [[path, kind, mode, size, mtime_ns, target], ...]}``."""
         items = self.store.manifest(name)
         return {"entries": [[os.fsdecode(it.path), it.kind, it.mode, it.size, it.mtime_ns,
                              os.fsdecode(it.target) if it.target is not None else None] for it in items]}
 
+    @_hiding
     def read(self, name: str, path: str, offset: int = 0, length: int | None = None) -> tuple[dict[str, Any], list[Any]]:
         """DATA: bytes ``[offset, offset+length)`` of file ``path`` in ref ``name`` (at most 16 MiB), meta ``{"length"}``."""
         if not isinstance(offset, int) or offset < 0 or (length is not None and (not isinstance(length, int) or length < 0)):
