@@ -298,3 +298,64 @@ def test_serve_store_under_the_roots_state(tmp_path: Any) -> None:
             p.stderr.close()
     with Store(tmp_path / "root" / ".tb5sync" / "store") as r:
         assert [x.name for x in r.refs()] == ["r/1"] and r.verify()["ok"]
+
+
+def test_pull_refuses_a_corrupting_server(tmp_path: Any, node: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_tree(str(tmp_path / "src"), files=4)
+    with Store(tmp_path / "a") as a:
+        a.put("c/1", src)
+        push_ref(a, "c/1", url(node))
+    real = StoreOps.chunks
+
+    def flipped(self: StoreOps, digests: list[bytes]) -> Any:
+        meta, parts = real(self, digests)
+        if parts and len(parts[-1]) > 100:
+            p = bytearray(parts[-1])
+            p[50] ^= 1
+            parts[-1] = bytes(p)
+        return meta, parts
+
+    monkeypatch.setattr(StoreOps, "chunks", flipped)
+    with Store(tmp_path / "c") as c:
+        with pytest.raises(IntegrityError):
+            pull_ref(c, "c/1", url(node), streams=2)
+        assert c.refs() == []
+        monkeypatch.undo()
+        pull_ref(c, "c/1", url(node), streams=2)  # the store takes new work, and the good copy
+        assert c.verify()["ok"]
+
+
+def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
+    """A manifest is data from a peer: paths that climb out, and files under a symlink, are refused."""
+    import msgpack
+
+    from tb5sync.hashing import file_digest, refs_to_blob
+    from tb5sync.store.manifest import Item, decode_manifest, encode_manifest
+
+    for bad in (b"../x", b"/abs", b"a//b", b"a/./b", b"a\0b"):
+        raw = msgpack.packb({"v": 1, "entries": [[b"", "d", 0o755, 0, 0, None, None, b""],
+                                                  [bad, "d", 0o755, 0, 0, None, None, b""]]}, use_bin_type=True)
+        with pytest.raises(IntegrityError):
+            decode_manifest(raw)
+    for junk in (b"", b"\xc1", msgpack.packb({"v": 2, "entries": []}), msgpack.packb([1, 2])):
+        with pytest.raises(IntegrityError):
+            decode_manifest(junk)
+    outside = tmp_path / "outside"
+    os.makedirs(outside)
+    data = b"evil"
+    with Store(tmp_path / "s") as st:
+        lease = st.lease()
+        from tb5sync.store.store import PackWriter
+
+        w = PackWriter(st, lease)
+        d = chunk_digest(data)
+        w.add(d, data)
+        items = [Item(b"", "d", 0o755, 0, 0), Item(b"a", "l", 0o777, 1, 0, target=os.fsencode(str(outside))),
+                 Item(b"a/evil", "f", 0o644, 4, 0, digest=file_digest([d]), chunks=[(d, 4)])]
+        mdigest, mrefs = st.put_bytes(encode_manifest(items), lease, w)
+        w.flush()
+        st.commit_ref(lease, "bad/1", mdigest, mrefs, items)
+        with pytest.raises(IntegrityError):
+            st.get("bad/1", str(tmp_path / "got"))
+        assert os.listdir(outside) == [] and not os.path.exists(tmp_path / "got")
+        assert refs_to_blob(mrefs)  # the manifest itself was stored whole
