@@ -108,9 +108,10 @@ class StoreOps:
 
     @_hiding
     def ref(self, name: str) -> dict[str, Any]:
-        """``{"ref": ref}`` (a use: the ref's last use is now). Raises ``RefNotFoundError``."""
+        """``{"ref": ref}`` (a use: the ref's last use is now, unless read-only). Raises ``RefNotFoundError``."""
         info = self.store.ref(name)
-        self.store.touch(info.name)
+        if not self.read_only:  # a read-only server writes nothing, not even the last use
+            self.store.touch(info.name)
         return {"ref": ref_to_wire(info)}
 
     @_hiding
@@ -185,7 +186,7 @@ class StoreOps:
     @_hiding
     def list(self, name: str) -> dict[str, Any]:
         """The manifest of ``name``: ``{"entries": [[path, kind, mode, size, mtime_ns, target], ...]}``."""
-        items = self.store.manifest(name)
+        items = self.store.manifest(name, touch=not self.read_only)
         return {"entries": [[os.fsdecode(it.path), it.kind, it.mode, it.size, it.mtime_ns,
                              os.fsdecode(it.target) if it.target is not None else None] for it in items]}
 
@@ -195,7 +196,7 @@ class StoreOps:
         if not isinstance(offset, int) or offset < 0 or (length is not None and (not isinstance(length, int) or length < 0)):
             raise UsageError("read: offset and length must be ints >= 0")
         length = STORE_MAX_BATCH if length is None else min(length, STORE_MAX_BATCH)
-        data = self.store.cat(name, path, offset, length)
+        data = self.store.cat(name, path, offset, length, touch=not self.read_only)
         return {"length": len(data)}, [data]
 
     def close(self) -> None:

@@ -632,7 +632,7 @@ class Store:
         return refs
 
     # ---- reading files -----------------------------------------------------------------------
-    def item(self, name: str, path: str | bytes) -> Item:
+    def item(self, name: str, path: str | bytes, touch: bool = True) -> Item:
         """The manifest entry of ``path`` (``""`` for the root) in ref ``name``.
 
         Raises
@@ -642,7 +642,8 @@ class Store:
         """
         bpath = os.fsencode(path).strip(b"/") if path else b""
         info = self.ref(name)
-        self.touch(info.name)
+        if touch:
+            self.touch(info.name)
         it = self._manifest_entry(info.manifest, info.mchunks, f"manifest of ref {name!r}")[1].get(bpath)
         if it is not None:
             return it
@@ -676,9 +677,10 @@ class Store:
             out += data[lo:hi]
         return bytes(out)
 
-    def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`)."""
-        return self.read_range(self.item(name, path), offset, length)
+    def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None,
+            touch: bool = True) -> bytes:
+        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`); ``touch`` records the use."""
+        return self.read_range(self.item(name, path, touch), offset, length)
 
     def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
         """Materialise ref ``name`` at ``dest`` atomically (see :func:`tb5sync.store.materialise.materialise`)."""
