@@ -16,7 +16,15 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from .errors import ConnectError, IntegrityError, ReadOnlyError, RemoteProtocolError, UsageError
+from .errors import (
+    ConnectError,
+    IntegrityError,
+    ReadOnlyError,
+    RefExistsError,
+    RefNotFoundError,
+    RemoteProtocolError,
+    UsageError,
+)
 from .hashing import ChunkRef, chunk_digest, refs_to_blob
 from .messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
 from .rpc import Requester, open_session, split_parts
@@ -162,8 +170,6 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     t0 = time.perf_counter()
     local_name = check_ref_name(as_name or name)
     if not replace and store._ref_row(local_name) is not None:
-        from .errors import RefExistsError
-
         raise RefExistsError(f"ref {local_name!r} already exists in store {store.path}")
     with StoreSession(remote, token, streams) as s:
         info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
@@ -228,6 +234,13 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     with StoreSession(remote, token, streams) as s:
         if s.read_only:
             raise ReadOnlyError(f"server {remote.host}:{remote.port} is read-only")
+        if not replace:  # refused now rather than after every chunk has crossed
+            try:
+                s.call("ref", {"name": remote_name})
+            except RefNotFoundError:
+                pass
+            else:
+                raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port}")
         lease = secrets.token_hex(16)
         chunks = list(info.mchunks) + [c for c in _unique_chunks(items) if c[0] not in {d for d, _ in info.mchunks}]
         have: list[bool] = []
