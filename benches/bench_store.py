@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from typing import Any
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-from .errors import RefNotFoundError, RemoteProtocolError, UsageError
+from .errors import RemoteProtocolError, UsageError
 from .messages import DEFAULT_PORT, STORE_MAX_BATCH
 from .storeclient import StoreSession
 from .urls import Remote

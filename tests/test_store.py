@@ -23,7 +23,7 @@ from tb5sync.cli import main
 from tb5sync.errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, UsageError
 from tb5sync.hashing import chunk_fd
 from tb5sync.store import Store
-from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC
+from tb5sync.store.packs import PACK_MAGIC
 
 MiB = 1024 * 1024
 PY = sys.executable
