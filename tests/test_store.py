@@ -469,8 +469,14 @@ def test_concurrent_put_gc_get_processes(tmp_path: Any) -> None:
     os.makedirs(work / "gets")
     procs = [subprocess.Popen([PY, "-c", _WORKER, store, str(src), role, str(n), str(work)])
              for role, n in (("put", 1), ("put", 2), ("gc", 3), ("get", 4), ("gc", 5))]
-    for p in procs:
-        assert p.wait(timeout=100) == 0
+    try:
+        for p in procs:
+            assert p.wait(timeout=100) == 0
+    finally:  # a hung worker must not outlive the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     with Store(store) as st:
         rep = st.verify()
         assert rep["ok"], rep
