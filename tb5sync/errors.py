@@ -36,6 +36,8 @@ __all__ = [
     "RemoteNotADirectoryError",
     "RemotePermissionError",
     "remote_os_error",
+    "RefNotFoundError",
+    "RefExistsError",
 ]
 
 
@@ -191,6 +193,16 @@ class RemotePermissionError(RemoteOSError, PermissionError):
     """The server's operating system refused access (``EACCES``/``EPERM``)."""
 
 
+class RefNotFoundError(RemoteNotFoundError):
+    """An artifact store has no ref of that name (or a ref has no such path)."""
+
+
+class RefExistsError(Tb5syncError, FileExistsError):
+    """An artifact store already has a ref of that name (and replacing it was not asked for)."""
+
+    exit_code = 2
+
+
 _BY_ERRNO: dict[int, type[Tb5syncError]] = {
     errno.ENOENT: RemoteNotFoundError,
     errno.EEXIST: RemoteExistsError,
@@ -231,6 +243,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemoteIsADirectoryError,
         RemoteNotADirectoryError,
         RemotePermissionError,
+        RefNotFoundError,
+        RefExistsError,
     )
 }
 

@@ -100,6 +100,9 @@ class Server:
         CIDR networks clients may connect from; empty allows all.
     read_only : bool
         Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
+    store : str or path or None
+        An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
+        (``tb5sync store push/pull``); None: such sessions are refused.
 
     Raises
     ------
@@ -115,6 +118,7 @@ class Server:
         token: bytes | str | None = None,
         allow: Sequence[str] = (),
         read_only: bool = False,
+        store: str | os.PathLike[str] | None = None,
     ) -> None:
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -137,6 +141,8 @@ class Server:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.store_path = os.path.abspath(os.fspath(store)) if store is not None else None
+        self._store: Any = None
 
     @property
     def port(self) -> int:
@@ -202,6 +208,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.state.close()
+        if self._store is not None:
+            self._store.close()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -276,6 +284,9 @@ class Server:
             finally:
                 ops.close()
             return False
+        if op == "store":
+            self._serve_store(ch)
+            return False
         if op == "ping":
             ch.send_control(FrameType.RESPONSE, 0, {})
             serve(ch, _Ping(), PING_METHODS)
@@ -294,6 +305,24 @@ class Server:
             self._push(ch, msg, path, options, streams)
             return False
         raise UsageError(f"unknown session op {op!r}")
+
+    def _serve_store(self, ch: Channel) -> None:
+        """A store session: :data:`~tb5sync.messages.STORE_METHODS` answered from ``--store``."""
+        from .messages import STORE_METHODS
+        from .store import Store
+        from .store.ops import StoreOps
+
+        if self.store_path is None:
+            raise UsageError("this server has no artifact store (start it with --store DIR)")
+        with self._lock:
+            if self._store is None:
+                self._store = Store(self.store_path)
+        ops = StoreOps(self._store, self.read_only)
+        try:
+            ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+            serve(ch, ops, STORE_METHODS)
+        finally:
+            ops.close()
 
     def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
         sid = secrets.token_hex(16)
