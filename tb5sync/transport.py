@@ -28,7 +28,8 @@ from .errors import (
 
 __all__ = [
     "BufferPool", "FileRange", "SharedFd", "Channel", "client_handshake", "server_handshake", "connect",
-    "close_parts", "hide_root", "tune_socket", "set_keepalive", "SOCK_BUF", "IO_TIMEOUT", "KEEPALIVE",
+    "close_parts", "hide_root", "tune_socket", "set_keepalive", "client_tls", "dial", "SOCK_BUF", "IO_TIMEOUT",
+    "KEEPALIVE",
 ]
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,7 @@ class Channel:
 
     def _wait_first_byte(self) -> None:
         """Wait up to :attr:`idle_timeout` for the next frame to start."""
-        if self.idle_timeout is None or self.idle_timeout == self.io_timeout:
+        if self.idle_timeout == self.io_timeout:
             return  # the socket's own timeout (or none) applies to the header's first recv
         if self.tls and self.sock.pending():  # type: ignore[attr-defined]
             return
@@ -520,3 +521,45 @@ def connect(
         raise
     ch.set_io_timeout(io_timeout)
     return ch
+
+
+def client_tls(cafile: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """A TLS client context: the system's CAs, or only ``cafile``'s; hostname checked; TLS >= 1.2.
+
+    Raises
+    ------
+    UsageError
+        ``cafile`` cannot be read or holds no certificate.
+    """
+    from .errors import UsageError
+
+    try:
+        ctx = ssl.create_default_context(cafile=None if cafile is None else os.fspath(cafile))
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"cannot load TLS CA file {os.fspath(cafile or '')}: {getattr(exc, 'strerror', None) or exc}") from exc
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def dial(
+    host: str,
+    port: int,
+    token: bytes | None,
+    *,
+    tls: bool = False,
+    tls_ca: str | os.PathLike[str] | None = None,
+    io_timeout: float | None = IO_TIMEOUT,
+    timeout: float = 10.0,
+) -> Channel:
+    """:func:`connect` with the client's defaults: TLS when ``tls`` (CAs from ``tls_ca`` or the
+    system), keepalive a quarter of ``io_timeout`` (at most :data:`KEEPALIVE`; a dead link is then
+    found within about ``io_timeout / 2``).
+
+    Raises
+    ------
+    ConnectError, BusyError, AuthError, VersionMismatchError, RemoteProtocolError, UsageError
+        As :func:`connect`; ``UsageError`` for an unreadable ``tls_ca``.
+    """
+    keepalive = KEEPALIVE if io_timeout is None else max(1.0, min(KEEPALIVE, io_timeout / 4))
+    ctx = client_tls(tls_ca) if tls or tls_ca is not None else None
+    return connect(host, port, token, timeout, io_timeout=io_timeout, keepalive=keepalive, tls=ctx)
