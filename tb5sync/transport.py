@@ -506,7 +506,9 @@ def connect(
             sock = tls.wrap_socket(sock, server_hostname=host)
         except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
             sock.close()
-            raise ConnectError(f"TLS handshake with {host}:{port} failed: {getattr(exc, 'reason', None) or exc}") from exc
+            why = getattr(exc, "reason", None) or str(exc)
+            detail = getattr(exc, "verify_message", None)
+            raise ConnectError(f"TLS handshake with {host}:{port} failed: {why}{f' ({detail})' if detail else ''}") from exc
     ch = Channel(sock)
     try:
         client_handshake(ch, token)
