@@ -339,7 +339,8 @@ class TB5FileSystem(AsyncFileSystem):
 
     def _call_sync(self, method: str, args: dict[str, Any]) -> Any:
         """:meth:`_call` for the calling thread: no hop through fsspec's event loop (small ops' latency)."""
-        for attempt in (0, 1):
+        attempt = stale = 0
+        while True:
             link = self._holder.link
             if link is None or link.closed:
                 link = self._connect()
@@ -347,13 +348,16 @@ class TB5FileSystem(AsyncFileSystem):
                 res = link.call_direct(method, args)
                 if res is _STALE:  # closed by the server while idle, before anything was sent
                     self._drop(link)
+                    stale += 1
+                    if stale > 2:
+                        raise ConnectError("the server closes every new connection at once")
                     continue
                 return link.requester.submit(method, args).result() if res is _BUSY else res
             except ConnectError:
                 self._drop(link)
                 if attempt or method not in FS_IDEMPOTENT:
                     raise
-        raise AssertionError("unreachable")
+                attempt += 1
 
     # Sync twins of the latency-bound calls: fsspec's generic wrappers would run each through
     # its event loop thread and back, two thread hops that cost more than the round trip.

@@ -395,9 +395,25 @@ class Channel:
         if self.closed:
             return True
         try:
-            return _wait_fd(self.sock.fileno(), False, 0)
+            if not _wait_fd(self.sock.fileno(), False, 0):
+                return False
         except (OSError, ValueError):
             return True
+        if not self.tls:
+            return True  # readable between requests: an end of stream, a BYE or an ERROR
+        # TLS: the readable bytes may be a record that carries no data (a session ticket, a key
+        # update); read without blocking to tell. Data or an end of stream means the channel is done.
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.settimeout(0)
+            self.sock.recv(1)
+            return True
+        except ssl.SSLWantReadError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
 
     def close(self) -> None:
         """Shut down and close the socket. Safe to call twice."""

@@ -135,3 +135,27 @@ def test_cli_serve_and_sync_over_tls(tmp_path: Path, pki: dict[str, str]) -> Non
         assert proc.wait(10) == 0
         if proc.stderr:
             proc.stderr.close()
+
+
+def test_idle_tls_channel_is_not_taken_for_closed_and_reconnects(tmp_path: Path, pki: dict[str, str]) -> None:
+    """TLS records without data (TLS 1.3 session tickets) do not make an idle channel look closed;
+    one the server did close is reopened before the next call."""
+    from conftest import wait_for
+
+    live = start_server(str(tmp_path / "root"), token=TOKEN, tls_cert=pki["cert"], tls_key=pki["key"], idle_timeout=0.7)
+    try:
+        from tb5sync.rpc import open_session
+
+        ch = dial("127.0.0.1", live.port, TOKEN, tls=True, tls_ca=pki["ca"])
+        open_session(ch, {"op": "fs"})
+        assert not ch.peer_closed()
+        wait_for(ch.peer_closed, 5, "the server's idle close is seen")
+        ch.close()
+        fs = fsspec.filesystem("tb5s", host="127.0.0.1", port=live.port, token=TOKEN, tls_ca=pki["ca"], streams=1,
+                               skip_instance_cache=True)
+        fs.pipe_file("a", b"1")
+        wait_for(lambda: live.server.threads == 0, 5, "idle connections closed by the server")
+        fs.pipe_file("b", b"2")
+        assert fs.cat_file("b") == b"2" and (Path(live.root) / "a").read_bytes() == b"1"
+    finally:
+        live.server.stop()
