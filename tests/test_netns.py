@@ -159,3 +159,40 @@ def test_sync_over_a_lossy_delayed_link_is_exact(link: Link, tmp_path: Path) -> 
         assert snapshot(str(tmp_path / "dst")) == snapshot(src)
     finally:
         live.server.stop()
+
+
+HOLDER = r"""
+import sys, time
+from tb5sync.rpc import open_session
+from tb5sync.transport import connect
+chans = []
+for port in sys.argv[2:]:
+    ch = connect(sys.argv[1], int(port), b"netns-token", keepalive=None, io_timeout=None)
+    open_session(ch, {"op": "fs"})
+    chans.append(ch)
+print("open", flush=True)
+time.sleep(60)
+"""
+
+
+def test_keepalive_frees_the_sessions_of_a_vanished_peer(link: Link, tmp_path: Path) -> None:
+    """An idle session whose peer vanished (link down, nothing in flight) is ended by keepalive;
+    the control server, with keepalive and timeouts off, still holds its session meanwhile."""
+    probed = start_server(str(tmp_path / "a"), link.host_ip, token=TOKEN, keepalive=1.0, idle_timeout=None, io_timeout=3.0)
+    control = start_server(str(tmp_path / "b"), link.host_ip, token=TOKEN, keepalive=None, idle_timeout=None, io_timeout=None)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen(["ip", "netns", "exec", link.ns, sys.executable, "-c", HOLDER, link.host_ip,
+                             str(probed.port), str(control.port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
+        assert probed.server.threads == 1 and control.server.threads == 1
+        link.set("down")
+        took = wait_for(lambda: probed.server.threads == 0 and probed.server.connections == 0, 20, "keepalive ended the session")
+        assert control.server.threads == 1, "the control lost its session too: the link cut, not keepalive, ended it"
+        assert took < 10, took
+        print(f"keepalive ended the vanished peer's session {took:.1f} s after the cut")
+    finally:
+        proc.kill()
+        proc.communicate()
+        probed.server.stop()
+        control.server.stop()
