@@ -71,6 +71,7 @@ class AuthLimiter:
         self.window = window
         self.max_peers = max_peers
         self._fails: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+        self._logged: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def _prune(self, key: str, now: float) -> collections.deque[float] | None:
@@ -94,6 +95,20 @@ class AuthLimiter:
             if q is None or len(q) < self.limit:
                 return 0.0
             return max(0.0, q[-self.limit] + self.window - now)
+
+    def first_refusal(self, ip: str) -> bool:
+        """True for the first refusal of ``ip``'s current lockout (log that one, not every one)."""
+        now = time.monotonic()
+        key = peer_key(ip)
+        with self._lock:
+            last = self._logged.get(key)
+            if last is not None and now - last < self.window:
+                return False
+            self._logged[key] = now
+            self._logged.move_to_end(key)
+            while len(self._logged) > self.max_peers:
+                self._logged.popitem(last=False)
+            return True
 
     def failed(self, ip: str) -> int:
         """Count a failure of ``ip``; returns its failures in the window."""

@@ -315,7 +315,8 @@ class Server:
         ip = str(addr[0])
         wait = self._auth.blocked_for(ip)
         if wait:
-            log.warning("refused %s: too many failed authentications (next try in %.0f s)", ip, wait)
+            if self._auth.first_refusal(ip):  # once per lockout: an attacker cannot flood the log
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
             self._refuse(conn, AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s"))
             return
         with self._lock:

@@ -506,6 +506,8 @@ def test_failed_authentications_are_logged_and_rate_limited(tmp_path: Path, capl
         failed = [r for r in caplog.records if "authentication failed from 127.0.0.1" in r.getMessage()]
         assert len(failed) == 3
         assert all(r.levelno == logging.WARNING for r in failed)
+        refusals = [r for r in caplog.records if "too many failed authentications" in r.getMessage()]
+        assert len(refusals) == 1, "28 refusals must not flood the log"
         assert "b'wrong'" not in caplog.text and "daemon-token" not in caplog.text
         wait_for(lambda: live.server._auth.blocked_for("127.0.0.1") == 0, 5, "the window passed")
         serving(live, TOKEN)
