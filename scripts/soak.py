@@ -312,7 +312,8 @@ class Soak:
             mnt.rmdir()
             return
         try:
-            src = self.tree(f"f{self.n}", big=1)
+            src = self.tree(f"f{self.n}")
+            (src / "over.bin").write_bytes(os.urandom(20 << 20))  # more than the 16 MiB the disk holds
             code, err = self.wait_client(self.client("sync", "--timeout", str(CLIENT_TIMEOUT), f"{src}/", self.url(f"small{self.n}/")), 120, "disk full")
             self.check("clear-error", code == 11, f"a full disk gave exit {code}: {err.strip()[-200:]}")
             self.whole(src, mnt, "full disk")
