@@ -127,10 +127,10 @@ def _timeout_error(exc: OSError, what: str, timeout: float | None) -> OSError:
     """``exc`` as a :class:`LinkTimeoutError` when it is a timeout; otherwise ``exc`` itself."""
     if isinstance(exc, LinkTimeoutError):
         return exc
-    if isinstance(exc, TimeoutError) and not isinstance(exc, Tb5syncError):
+    if exc.errno in _TIMEOUT_ERRNOS:  # from the kernel (an OSError with ETIMEDOUT is a TimeoutError too)
+        return LinkTimeoutError(f"the link is dead: keepalive probes or sent data went unanswered while {what}")
+    if isinstance(exc, TimeoutError) and not isinstance(exc, Tb5syncError):  # the socket timeout
         return LinkTimeoutError(f"no progress for {timeout:g} s while {what}: the peer stalled or the link is down")
-    if exc.errno in _TIMEOUT_ERRNOS:
-        return LinkTimeoutError(f"link timed out while {what} (keepalive or unacknowledged data): {exc.strerror}")
     return exc
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LiveServer, make_tree, snapshot, wait_for
+from conftest import LiveServer, joined, make_tree, snapshot, wait_for
 
 from tb5sync.server import Server
 
@@ -196,3 +196,70 @@ def test_keepalive_frees_the_sessions_of_a_vanished_peer(link: Link, tmp_path: P
         proc.communicate()
         probed.server.stop()
         control.server.stop()
+
+
+WAITER = r"""
+import sys, time
+from tb5sync.rpc import open_session
+from tb5sync.transport import dial
+ch = dial(sys.argv[1], int(sys.argv[2]), None, io_timeout=4.0)
+open_session(ch, {"op": "fs"})
+ch.send_control(__import__("tb5sync.protocol").protocol.FrameType.REQUEST, 1, {"m": "digest", "a": {"path": "x"}})
+print("waiting", flush=True)
+t0 = time.monotonic()
+try:
+    ch.recv_frame()
+    print("reply", flush=True)
+except Exception as exc:
+    print(f"{type(exc).__name__} after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
+"""
+
+
+def test_client_waiting_for_a_slow_reply_keeps_waiting_until_the_link_dies(link: Link, tmp_path: Path) -> None:
+    """A server computing a reply (alive, silent) is waited for past the I/O timeout; the same wait
+    ends with LinkTimeoutError soon after the link goes down (keepalive / TCP_USER_TIMEOUT)."""
+    import socket
+    import threading
+
+    from tb5sync import protocol as P
+    from tb5sync.transport import Channel, server_handshake
+
+    lsock = socket.socket()
+    lsock.bind((link.host_ip, 0))
+    lsock.listen(1)
+    held: list[socket.socket] = []
+
+    def silent_server() -> None:
+        conn, _ = lsock.accept()
+        held.append(conn)
+        ch = Channel(conn, io_timeout=10)
+        server_handshake(ch, None)
+        ch.max_payload = P.MAX_PAYLOAD
+        ch.recv_frame()  # OPEN
+        ch.send_control(P.FrameType.RESPONSE, 0, {"read_only": False})
+        ch.recv_frame()  # the request, never answered
+
+    t = threading.Thread(target=silent_server, daemon=True)
+    t.start()
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.Popen(["ip", "netns", "exec", link.ns, sys.executable, "-c", WAITER, link.host_ip, str(lsock.getsockname()[1])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting"
+        time.sleep(7)  # past the 4 s I/O timeout: a silent but live server is not a stall
+        assert proc.poll() is None, proc.communicate()
+        link.set("down")
+        cut = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - cut
+        assert out.startswith("LinkTimeoutError") and "the link is dead" in out, (out, err)
+        assert waited < 12, waited
+        print(f"client: {out.strip()} ({waited:.1f} s after the cut)")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for c in held:
+            c.close()
+        lsock.close()
+        joined(t, 5)
