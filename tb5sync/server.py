@@ -222,7 +222,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._janitor: Janitor | None = None
-        self._busy_logged = 0.0
+        self._logged: dict[str, float] = {}
 
     @property
     def port(self) -> int:
@@ -311,8 +311,19 @@ class Server:
         assert self._janitor is not None
         self._janitor.refuse(conn, P.error_frame(0, exc))
 
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        """Log a refusal at most once per 10 s per kind (a flood of refused connections is not a flood of log lines)."""
+        now = time.monotonic()
+        if now - self._logged.get(what, -1e9) > 10:
+            self._logged[what] = now
+            log.warning(msg, *args)
+
     def _accepted(self, conn: socket.socket, addr: Any) -> None:
         ip = str(addr[0])
+        if not self._allowed(ip):  # refused before a thread exists
+            self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
+            self._refuse(conn, AuthError(f"client address {ip} is not allowed"))
+            return
         wait = self._auth.blocked_for(ip)
         if wait:
             if self._auth.first_refusal(ip):  # once per lockout: an attacker cannot flood the log
@@ -329,10 +340,7 @@ class Server:
                     return
                 self._conns.add(ch)
         if busy:
-            now = time.monotonic()
-            if now - self._busy_logged > 10:
-                self._busy_logged = now
-                log.warning("refusing connections: %d open (--max-connections)", self.max_connections)
+            self._log_once("busy", "refusing connections: %d open (--max-connections)", self.max_connections)
             self._refuse(conn, BusyError(f"server busy: {self.max_connections} connections open (its --max-connections); try again later"))
             return
         t = threading.Thread(target=self._handle, args=(ch, addr), name=f"tb5-conn-{addr[1]}", daemon=True)
@@ -417,10 +425,6 @@ class Server:
             tune_socket(ch.sock)
             set_keepalive(ch.sock, self.keepalive, self.io_timeout)
             ch.hide_root = self.root
-            if not self._allowed(addr[0]):
-                log.warning("refused %s: not in --allow", addr[0])
-                ch.send_error(0, AuthError(f"client address {addr[0]} is not allowed"))
-                return
             if self.tls is not None:
                 ch = self._wrap_tls(ch)
                 current.append(ch)
