@@ -572,3 +572,16 @@ def test_stop_waits_for_connection_threads(tmp_path: Path) -> None:
             got = ch.recv_frame()
             assert got is not None
         ch.close()
+
+
+def test_refused_addresses_get_no_thread_and_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    live = start_server(str(tmp_path / "root"), allow=["10.0.0.0/8"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+            for _ in range(20):
+                with pytest.raises(AuthError, match="127.0.0.1 is not allowed"):
+                    connect("127.0.0.1", live.port, None)
+                assert live.server.threads == 0
+        assert len([r for r in caplog.records if "not in --allow" in r.getMessage()]) == 1
+    finally:
+        live.server.stop()
