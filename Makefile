@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 CORPUS  ?= .corpus
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-pure bench bench-short corpus clean
+.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak
 
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,19 @@ test: $(STAMP)
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py
+
+## fuzz: the fuzz targets of tests/test_fuzz.py (frame reader, handshakes, every message decoder)
+## with FUZZ_EXAMPLES inputs each instead of the suite's 100
+FUZZ_EXAMPLES ?= 10000
+fuzz: $(STAMP)
+	TB5SYNC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py -o timeout=3600
+
+## soak: a randomized loop of server kills, link cuts (veth down, netem loss and delay in a network
+## namespace; needs root and iproute2), full disks and concurrent clients for SOAK_SECONDS,
+## printing every invariant checked and any violation (exit 1 on a violation)
+SOAK_SECONDS ?= 60
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --seconds $(SOAK_SECONDS)
 
 ## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
 ## SHARED is the team's shared/ folder, a sibling of the clone by default

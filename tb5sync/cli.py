@@ -3,7 +3,7 @@
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
 11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found,
-24 source changed, 130 interrupted).
+24 source changed, 30 I/O timeout, 130 interrupted).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ __all__ = ["main", "run", "build_parser"]
 log = logging.getLogger("tb5sync")
 
 
-def _read_token(path: str | None) -> bytes | None:
+def _read_token(path: str | None, env: bool = True) -> bytes | None:
+    """The token in ``path``; without a path, ``$TB5SYNC_TOKEN`` when ``env`` (else None: the
+    client then takes the URL's token, then the environment's)."""
     from .errors import UsageError
 
     if path is None:
-        tok = os.environ.get("TB5SYNC_TOKEN")
+        tok = os.environ.get("TB5SYNC_TOKEN") if env else None
         return tok.encode() if tok else None
     try:
         with open(path, "rb") as f:
@@ -67,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="threads cutting one large file into chunks side by side (default: "
                             "$TB5SYNC_CHUNK_THREADS, else 1 below 8 CPUs, else min(4, CPUs/4))")
 
+    def timeout_opts(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="I/O timeout: a stalled server or a dead link ends the command after this long (default 60; 0: none)")
+        q.add_argument("--tls-ca", metavar="PEM", help="CA certificates to check a tb5s:// server against (default: the system's)")
+
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
@@ -84,9 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
     s.add_argument("--store", metavar="DIR", nargs="?", const="",
                    help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
+    s.add_argument("--no-auth", action="store_true",
+                   help="serve without a token on an address that is not loopback (refused otherwise)")
+    s.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with this certificate chain (clients use tb5s:// URLs)")
+    s.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    s.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="connections at once, every stream counted; more are refused as busy (default 256)")
+    s.add_argument("--max-sessions", type=int, default=64, metavar="N",
+                   help="sessions (syncs, ls, fs clients) at once; more are refused as busy (default 64)")
+    s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="time a new connection has to authenticate and say what it wants (default 10)")
+    s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="I/O timeout: a started frame that makes no progress this long ends its session (default 60; 0: none)")
+    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="a session whose peer sends nothing this long is ended (default 3600; 0: none)")
+    s.add_argument("--keepalive", type=float, default=15.0, metavar="SECONDS",
+                   help="TCP keepalive idle time; a dead peer is found in about twice this (default 15; 0: off)")
+    s.add_argument("--auth-limit", type=int, default=10, metavar="N",
+                   help="failed authentications per client address per --auth-window before it is refused (default 10; 0: no limit)")
+    s.add_argument("--auth-window", type=float, default=60.0, metavar="SECONDS", help="window of --auth-limit (default 60)")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
-    y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
+    y.add_argument("src", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
     y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
     y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
     y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
@@ -100,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
     y.add_argument("--fsync", action="store_true",
                    help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
-    y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
+    y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+    timeout_opts(y)
 
     l_ = sub.add_parser("ls", help="list a remote directory")
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
-    l_.add_argument("--token-file")
+    l_.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+    timeout_opts(l_)
 
     b = sub.add_parser("bench", help="link test: RTT and raw TCP throughput against a server", parents=[common])
     b.add_argument("host", help="HOST[:PORT] of a tb5sync server")
@@ -121,10 +149,16 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
 
     host, port = _parse_bind(a.bind)
-    srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
-                 store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store)
+    srv = Server(
+        a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
+        no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
+        max_connections=a.max_connections, max_sessions=a.max_sessions, handshake_timeout=a.handshake_timeout,
+        io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
+        auth_limit=a.auth_limit, auth_window=a.auth_window,
+        store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store,
+    )
     srv.bind()
-    print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
+    print(f"tb5sync: serving {srv.root} on {host}:{srv.port}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -174,8 +208,10 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             streams=a.streams,
             compress=a.compress,
             progress=progress,
-            token=_read_token(a.token_file),
             fsync=a.fsync,
+            token=_read_token(a.token_file, env=False),
+            timeout=a.timeout or None,
+            tls_ca=a.tls_ca,
         )
     finally:
         if bar is not None:
@@ -210,7 +246,7 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     r = parse_url(a.url)
     if r is None:
         raise UsageError(f"ls needs a tb5:// URL, not {a.url!r}")
-    entries = ls(r, token=_read_token(a.token_file))
+    entries = ls(r, token=_read_token(a.token_file, env=False), timeout=a.timeout or None, tls_ca=a.tls_ca)
     import stat as _stat
 
     for e in entries[1:] if entries and entries[0].kind == "d" else entries:

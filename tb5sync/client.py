@@ -19,7 +19,7 @@ from .sender import Sender
 from ._parts import close_parts
 from .messages import PUSH_CLIENT_METHODS
 from .rpc import Requester, open_session, serve
-from .transport import Channel, connect
+from .transport import IO_TIMEOUT, Channel, dial
 from .urls import Remote, parse_url, token_of
 
 if TYPE_CHECKING:
@@ -32,11 +32,16 @@ if TYPE_CHECKING:
 __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "local_state"]  # Remote, parse_url: urls', re-exported
 
 
+def _connect(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | os.PathLike[str] | None) -> Channel:
+    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout)
+
+
 def _open_streams(
-    r: Remote, token: bytes | None, msg: dict[str, Any], streams: int, opened: Callable[[], None] | None = None
+    r: Remote, token: bytes | None, msg: dict[str, Any], streams: int, opened: Callable[[], None] | None = None,
+    timeout: float | None = IO_TIMEOUT, tls_ca: str | os.PathLike[str] | None = None,
 ) -> tuple[list[Channel], dict[str, Any]]:
     """Open the session on a first stream, then join ``streams - 1`` more; ``opened()`` is called in between."""
-    ch0 = connect(r.host, r.port, token)
+    ch0 = _connect(r, token, timeout, tls_ca)
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
@@ -44,7 +49,7 @@ def _open_streams(
             opened()
         sid = resp.get("session")
         for i in range(1, streams):
-            c = connect(r.host, r.port, token)
+            c = _connect(r, token, timeout, tls_ca)
             chans.append(c)
             open_session(c, {"op": "join", "session": sid, "index": i})
     except BaseException:
@@ -81,17 +86,23 @@ def pull(
     token: bytes | str | None = None,
     progress: ProgressFn | None = None,
     keep_state: bool = True,
+    timeout: float | None = IO_TIMEOUT,
+    tls_ca: str | os.PathLike[str] | None = None,
 ) -> SyncStats:
     """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
 
     ``keep_state=False`` keeps the destination's scan cache and chunk index in
     memory (no ``.tb5sync`` directory is created locally; an interrupted large
-    file is not resumable).
+    file is not resumable). ``token`` (else the URL's, else ``$TB5SYNC_TOKEN``)
+    authenticates; ``timeout`` is the I/O timeout in seconds (see
+    :func:`tb5sync.transport.dial`); ``tls_ca`` a CA file for ``tb5s://`` servers.
 
     Raises
     ------
-    ConnectError, AuthError, VersionMismatchError
+    ConnectError, AuthError, VersionMismatchError, BusyError
         Reaching or authenticating with the server failed.
+    LinkTimeoutError
+        The server or the link stalled for ``timeout`` seconds.
     RemoteNotFoundError, PathError
         The source does not exist or is outside the server's root.
     DestinationError, IntegrityError, SourceChangedError
@@ -100,7 +111,8 @@ def pull(
     from .links import RemoteLink
     from .receiver import Receiver, dest_base
 
-    chans, resp = _open_streams(src, token_of(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
+    chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": src.path, "options": options.to_wire()},
+                                options.streams, timeout=timeout, tls_ca=tls_ca)
     requester = Requester(chans)
     state = None
     try:
@@ -172,11 +184,14 @@ def push(
     token: bytes | str | None = None,
     progress: ProgressFn | None = None,
     name: str | None = None,
+    timeout: float | None = IO_TIMEOUT,
+    tls_ca: str | os.PathLike[str] | None = None,
 ) -> SyncStats:
     """Copy the local path ``src`` to ``dst`` on a server; the server's receiver drives.
 
     ``name`` overrides the name the source gets inside a directory destination
     (default: ``src``'s own name, or "contents of" for a trailing slash).
+    ``token``, ``timeout`` and ``tls_ca`` as for :func:`pull`.
 
     Raises
     ------
@@ -206,7 +221,7 @@ def push(
         # The scan starts once the session is open (the server then scans the destination at
         # the same time) and runs while the other streams join: started before, it would slow
         # the handshake's round trips (each waits for the GIL).
-        chans, _ = _open_streams(dst, token_of(token), msg, options.streams, sender.prepare)
+        chans, _ = _open_streams(dst, token_of(token, dst), msg, options.streams, sender.prepare, timeout, tls_ca)
     except BaseException:
         sender.close()
         raise
@@ -243,14 +258,19 @@ def push(
     return SyncStats(**fields, extra=extra)
 
 
-def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:
+def ls(
+    url: Remote, *, token: bytes | str | None = None, timeout: float | None = IO_TIMEOUT,
+    tls_ca: str | os.PathLike[str] | None = None,
+) -> list[Entry]:
     """One directory level (or the single entry) at ``url``; the first entry (path ``""``) is the path itself.
+
+    ``token``, ``timeout`` and ``tls_ca`` as for :func:`pull`.
 
     Raises
     ------
     ConnectError, AuthError, PathError, RemoteNotFoundError
     """
-    ch = connect(url.host, url.port, token_of(token))
+    ch = _connect(url, token_of(token, url), timeout, tls_ca)
     try:
         resp = open_session(ch, {"op": "ls", "path": url.path})
     finally:
@@ -273,7 +293,7 @@ def bench_link(host: str, port: int, *, token: bytes | str | None = None, second
     import time
 
     tok = token_of(token)
-    ch = connect(host, port, tok)
+    ch = dial(host, port, tok)
     try:
         open_session(ch, {"op": "ping"})
         req = Requester([ch])
@@ -293,7 +313,7 @@ def bench_link(host: str, port: int, *, token: bytes | str | None = None, second
         chans = []
         try:
             for _ in range(streams):
-                c = connect(host, port, tok)
+                c = dial(host, port, tok)
                 chans.append(c)
             got = [0] * streams
             t0 = time.perf_counter()

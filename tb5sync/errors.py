@@ -23,6 +23,8 @@ __all__ = [
     "VersionMismatchError",
     "AuthError",
     "ConnectError",
+    "BusyError",
+    "LinkTimeoutError",
     "PathError",
     "RemoteNotFoundError",
     "ReadOnlyError",
@@ -92,6 +94,24 @@ class ConnectError(Tb5syncError, ConnectionError):
     """The server could not be reached, or the connection dropped mid-session."""
 
     exit_code = 10
+
+
+class BusyError(ConnectError):
+    """The server is at one of its caps (connections, sessions) and refused the connection.
+
+    Nothing was done; the same request may be retried later (rsync's daemon says
+    "max connections reached -- try again later" in the same case).
+    """
+
+
+class LinkTimeoutError(ConnectError, TimeoutError):
+    """The peer made no progress for longer than the configured timeout, or TCP keepalive
+    found the link dead. The connection is closed; its resources are released.
+
+    ``exit_code`` 30 is rsync's ``RERR_TIMEOUT`` ("timeout in data send/receive").
+    """
+
+    exit_code = 30
 
 
 class PathError(Tb5syncError, PermissionError):
@@ -233,6 +253,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
     for cls in (
         UsageError,
         AuthError,
+        BusyError,
+        LinkTimeoutError,
         ReadOnlyError,
         RemoteNotFoundError,
         IntegrityError,

@@ -45,7 +45,6 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
@@ -67,7 +66,7 @@ from .messages import FS_MAX_WRITE as MAX_WRITE
 from .options import SyncOptions
 from .rpc import Requester, call_direct, open_session, split_parts
 from .fsfile import TB5File, rest_of_read, join_read
-from .transport import connect
+from .transport import IO_TIMEOUT, dial
 from .urls import Remote, parse_url, token_of
 
 __all__ = ["TB5FileSystem", "TB5File"]  # TB5File is fsfile's, re-exported
@@ -84,6 +83,7 @@ def _has_magic(path: str) -> bool:
 
 
 _BUSY = object()
+_STALE = object()
 
 
 class _Link:
@@ -95,11 +95,14 @@ class _Link:
     itself, which roughly halves a small call's latency.
     """
 
-    def __init__(self, host: str, port: int, token: bytes | None, streams: int, timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, token: bytes | None, streams: int, timeout: float,
+        tls: bool = False, tls_ca: str | None = None, io_timeout: float | None = IO_TIMEOUT,
+    ) -> None:
         chans = []
         try:
             for _ in range(streams + 1):
-                ch = connect(host, port, token, timeout)
+                ch = dial(host, port, token, tls=tls, tls_ca=tls_ca, io_timeout=io_timeout, timeout=timeout)
                 chans.append(ch)
                 resp = open_session(ch, {"op": "fs"})
         except BaseException:
@@ -133,6 +136,10 @@ class _Link:
         """
         if not self.direct_lock.acquire(blocking=False):
             return _BUSY
+        if self.direct.peer_closed():  # the server ended the idle connection: nothing was sent yet
+            self.direct_lock.release()
+            self.close()
+            return _STALE
         clean = False
         try:
             result = call_direct(self.direct, method, args)
@@ -190,6 +197,13 @@ class TB5FileSystem(AsyncFileSystem):
         ``FileNotFoundError``.
     timeout : float
         Seconds allowed to connect and authenticate.
+    tls : bool
+        Connect over TLS (``tb5s://`` URLs set it); the server runs with ``--tls-cert``.
+    tls_ca : str or None
+        CA certificates to check the server against (default: the system's).
+    io_timeout : float or None
+        I/O timeout, seconds: a stalled server or a dead link fails the call with
+        :class:`~tb5sync.errors.LinkTimeoutError` after this long (default 60; None: never).
     **kwargs
         fsspec's own (``asynchronous``, ``loop``, ``batch_size``, ...).
 
@@ -207,7 +221,7 @@ class TB5FileSystem(AsyncFileSystem):
     read (info, ls, find, cat, checksum) interrupted by it is retried once.
     """
 
-    protocol = "tb5"
+    protocol = ("tb5", "tb5s")
     root_marker = ""
 
     def __init__(
@@ -219,6 +233,9 @@ class TB5FileSystem(AsyncFileSystem):
         engine_threshold: int = ENGINE_THRESHOLD,
         auto_mkdir: bool = False,
         timeout: float = 10.0,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        io_timeout: float | None = IO_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -233,6 +250,9 @@ class TB5FileSystem(AsyncFileSystem):
         self.engine_threshold = engine_threshold
         self.auto_mkdir = auto_mkdir
         self.timeout = timeout
+        self.tls = bool(tls or tls_ca)
+        self.tls_ca = tls_ca
+        self.io_timeout = io_timeout
         self._holder = _Holder()
         self._write_ids = itertools.count(1)
         weakref.finalize(self, _Holder.close, self._holder)
@@ -244,30 +264,37 @@ class TB5FileSystem(AsyncFileSystem):
         if isinstance(path, (list, tuple)):
             return type(path)(cls._strip_protocol(p) for p in path)
         path = stringify_path(path)
-        if path.startswith("tb5://"):
-            path = path[len("tb5://") :].partition("/")[2]
-        elif path.startswith("tb5::"):
-            path = path[len("tb5::") :]
+        for scheme in ("tb5://", "tb5s://"):
+            if path.startswith(scheme):
+                path = path[len(scheme) :].partition("/")[2]
+                break
+        else:
+            for chain in ("tb5::", "tb5s::"):
+                if path.startswith(chain):
+                    path = path[len(chain) :]
+                    break
         return path.strip("/")
 
     @staticmethod
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
-        """``host``, ``port`` and (from ``tb5://TOKEN@host`` or ``tb5://user:TOKEN@host``) ``token``."""
-        if not isinstance(path, str) or not path.startswith("tb5://"):
+        """``host``, ``port``, ``tls`` (``tb5s://``) and (from ``tb5://TOKEN@host`` or
+        ``tb5://user:TOKEN@host``) ``token``: :func:`tb5sync.urls.parse_url`'s reading, the
+        CLI's and the API's too."""
+        if not isinstance(path, str) or not path.startswith(("tb5://", "tb5s://")):
             return {}
         remote = parse_url(path)
         assert remote is not None
         out: dict[str, Any] = {"host": remote.host, "port": remote.port}
-        parts = urlsplit(path)
-        token = parts.password or parts.username
-        if token:
-            out["token"] = unquote(token)
+        if remote.tls:
+            out["tls"] = True
+        if remote.token:
+            out["token"] = remote.token.decode()
         return out
 
     def unstrip_protocol(self, name: str) -> str:
         """Full URL of ``name``: ``tb5://HOST:PORT/name``."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tb5://{host}:{self.port}/{self._strip_protocol(name)}"
+        return f"{'tb5s' if self.tls else 'tb5'}://{host}:{self.port}/{self._strip_protocol(name)}"
 
     @classmethod
     def _parent(cls, path: str) -> str:
@@ -279,7 +306,7 @@ class TB5FileSystem(AsyncFileSystem):
         h = self._holder
         with h.lock:
             if h.link is None or h.link.closed:
-                h.link = _Link(self.host, self.port, self.token, self.streams, self.timeout)
+                h.link = _Link(self.host, self.port, self.token, self.streams, self.timeout, self.tls, self.tls_ca, self.io_timeout)
             return h.link
 
     def _drop(self, link: _Link) -> None:
@@ -315,18 +342,25 @@ class TB5FileSystem(AsyncFileSystem):
 
     def _call_sync(self, method: str, args: dict[str, Any]) -> Any:
         """:meth:`_call` for the calling thread: no hop through fsspec's event loop (small ops' latency)."""
-        for attempt in (0, 1):
+        attempt = stale = 0
+        while True:
             link = self._holder.link
             if link is None or link.closed:
                 link = self._connect()
             try:
                 res = link.call_direct(method, args)
+                if res is _STALE:  # closed by the server while idle, before anything was sent
+                    self._drop(link)
+                    stale += 1
+                    if stale > 2:
+                        raise ConnectError("the server closes every new connection at once")
+                    continue
                 return link.requester.submit(method, args).result() if res is _BUSY else res
             except ConnectError:
                 self._drop(link)
                 if attempt or method not in FS_IDEMPOTENT:
                     raise
-        raise AssertionError("unreachable")
+                attempt += 1
 
     # Sync twins of the latency-bound calls: fsspec's generic wrappers would run each through
     # its event loop thread and back, two thread hops that cost more than the round trip.
@@ -581,12 +615,14 @@ class TB5FileSystem(AsyncFileSystem):
 
             await asyncio.to_thread(
                 pull,
-                Remote(self.host, self.port, rpath),
+                Remote(self.host, self.port, rpath, tls=self.tls),
                 lpath,
                 SyncOptions(streams=self.streams),
                 token=self.token,
                 progress=progress,
                 keep_state=False,
+                timeout=self.io_timeout,
+                tls_ca=self.tls_ca,
             )
             callback.absolute_update(info["size"])
             return
@@ -666,11 +702,13 @@ class TB5FileSystem(AsyncFileSystem):
             await asyncio.to_thread(
                 push,
                 lpath,
-                Remote(self.host, self.port, parent + "/" if parent else ""),
+                Remote(self.host, self.port, parent + "/" if parent else "", tls=self.tls),
                 SyncOptions(streams=self.streams),
                 token=self.token,
                 progress=progress,
                 name=name,
+                timeout=self.io_timeout,
+                tls_ca=self.tls_ca,
             )
             callback.absolute_update(size)
             return

@@ -51,6 +51,7 @@ __all__ = [
     "HEADER",
     "MAX_CONTROL",
     "MAX_PAYLOAD",
+    "MAX_HANDSHAKE",
     "FrameType",
     "Header",
     "Frame",
@@ -77,6 +78,10 @@ HEADER: Final = struct.Struct("!4sBBHII")
 MAX_CONTROL: Final = 32 * 1024 * 1024
 #: Largest payload of any frame accepted, bytes (DATA frames carry up to this much chunk data).
 MAX_PAYLOAD: Final = 64 * 1024 * 1024
+#: Largest payload accepted before the peer is authenticated, bytes: HELLO, CHALLENGE, AUTH and
+#: WELCOME are under 64 bytes, a handshake ERROR under 300. Until the handshake is done a peer
+#: that announces more is refused before anything is allocated (a stranger pins no memory).
+MAX_HANDSHAKE: Final = 512
 _U32 = struct.Struct("!I")
 
 

@@ -182,7 +182,7 @@ class Requester:
                     continue
                 _resolve(fut, result)
         except (ProtocolError, OSError) as exc:
-            err = exc if isinstance(exc, ProtocolError) else ConnectError(f"connection lost: {exc}")
+            err = exc if isinstance(exc, Tb5syncError) else ConnectError(f"connection lost: {exc}")
         with self._lock:
             self._dead[idx] = err
             left = list(pending.values())

@@ -22,18 +22,23 @@ the peer); the server itself keeps serving.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ._paths import resolve_in_root
+from .admission import AuthLimiter, Janitor, is_loopback
 from .errors import (
     AuthError,
+    BusyError,
     ConnectError,
     PathError,
     ReadOnlyError,
@@ -52,18 +57,20 @@ from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
 from .state import TreeState
 from .rpc import Requester, serve
-from .transport import Channel, hide_root, server_handshake, tune_socket
+from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
 
 __all__ = ["Server"]
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_TIMEOUT = 30.0
 _JOIN_TIMEOUT = 30.0
 _SOURCE_MAX = 1 << 36
 _SOURCE_BLOCK = 4 * 1024 * 1024
-
+#: accept() errors that mean "out of descriptors or memory": wait, do not spin.
+_ACCEPT_BACKOFF_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKOFF_MIN = 0.05
+_BACKOFF_MAX = 1.0
 
 class _Ping:
     """Handler for the link test's round trips."""
@@ -84,7 +91,7 @@ class _Session:
 
 
 class Server:
-    """Serve ``root`` over TCP.
+    """Serve ``root`` over TCP (optionally TLS).
 
     Parameters
     ----------
@@ -103,11 +110,46 @@ class Server:
     store : str or path or None
         An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
         (``tb5sync store push/pull``); None: such sessions are refused.
+    no_auth : bool
+        Allow ``token=None`` on an address that is not loopback. Without it, :meth:`bind`
+        refuses: a daemon reachable from a network serves only those who hold the token.
+    max_connections : int
+        Connections open at once (handshaking or in a session, every stream counted);
+        more are refused at once with :class:`~tb5sync.errors.BusyError`. Each holds
+        one thread and, after authentication, at most one frame of
+        :data:`tb5sync.protocol.MAX_PAYLOAD` bytes (64 MiB) in memory; before it, at most
+        :data:`tb5sync.protocol.MAX_HANDSHAKE` (512) bytes.
+    max_sessions : int
+        Sessions (OPENs other than ``join``) at once; more get ``BusyError``.
+    handshake_timeout : float
+        Seconds from accept to a complete handshake and OPEN (TLS's included); a whole
+        deadline, not per read.
+    io_timeout : float or None
+        Progress timeout of a started frame, seconds, both directions; also the longest sent
+        data may stay unacknowledged (``TCP_USER_TIMEOUT``). None: none.
+    idle_timeout : float or None
+        Seconds a session may wait for the peer's next frame (a request, or a reply it owes);
+        then it is ended and its resources released. None: no limit (keepalive still ends
+        sessions whose peer died).
+    keepalive : float or None
+        TCP keepalive idle time, seconds (see :func:`tb5sync.transport.set_keepalive`); a dead
+        peer is found in about twice this. None: off.
+    auth_limit : int
+        Failed authentications allowed per peer (an IPv4 address or an IPv6 /64) within
+        ``auth_window`` seconds; past it the peer is refused before its MAC is checked until
+        the oldest failure is older than the window. 0: no limit. Each failure is logged
+        (WARNING) with the peer's address.
+    auth_window : float
+        The window of ``auth_limit``, seconds.
+    tls_cert, tls_key : str or None
+        PEM certificate chain and private key: serve over TLS (``ssl`` module, TLS >= 1.2).
+        Clients connect with ``tb5s://`` URLs. The token is still required as configured.
 
     Raises
     ------
     UsageError
-        ``root`` is not a directory, or a CIDR is malformed.
+        ``root`` is not a directory, a CIDR is malformed, a cap is not positive, or the TLS
+        files cannot be loaded.
     """
 
     def __init__(
@@ -119,6 +161,18 @@ class Server:
         allow: Sequence[str] = (),
         read_only: bool = False,
         store: str | os.PathLike[str] | None = None,
+        *,
+        no_auth: bool = False,
+        max_connections: int = 256,
+        max_sessions: int = 64,
+        handshake_timeout: float = 10.0,
+        io_timeout: float | None = IO_TIMEOUT,
+        idle_timeout: float | None = 3600.0,
+        keepalive: float | None = KEEPALIVE,
+        auth_limit: int = 10,
+        auth_window: float = 60.0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -127,36 +181,87 @@ class Server:
         self.host = host
         self._port = port
         self.token = token.encode() if isinstance(token, str) else token
+        if self.token == b"":
+            raise UsageError("the token is empty")
         try:
             self.allow = [ipaddress.ip_network(c, strict=False) for c in allow]
         except ValueError as exc:
             raise UsageError(f"bad --allow network: {exc}") from exc
+        for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions)):
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, not {value!r}")
+        for name, secs in (("handshake_timeout", handshake_timeout), ("io_timeout", io_timeout),
+                           ("idle_timeout", idle_timeout), ("keepalive", keepalive), ("auth_window", auth_window)):
+            if secs is not None and not secs > 0:
+                raise UsageError(f"{name} must be positive seconds, not {secs!r}")
         self.read_only = read_only
+        self.no_auth = no_auth
+        self.max_connections = max_connections
+        self.max_sessions = max_sessions
+        self.handshake_timeout = handshake_timeout
+        self.io_timeout = io_timeout
+        self.idle_timeout = idle_timeout
+        self.keepalive = keepalive
+        self._auth = AuthLimiter(auth_limit, auth_window)
+        self.tls: ssl.SSLContext | None = None
+        if (tls_cert is None) != (tls_key is None):
+            raise UsageError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if tls_cert is not None and tls_key is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                ctx.load_cert_chain(os.fspath(tls_cert), os.fspath(tls_key))
+            except (OSError, ssl.SSLError) as exc:
+                raise UsageError(f"cannot load the TLS certificate {os.fspath(tls_cert)} and key: {getattr(exc, 'strerror', None) or exc}") from exc
+            self.tls = ctx
         # a read-only server writes nothing under its root, not even its own scan cache
         self.state = TreeState(root, writable=not read_only and os.access(root, os.W_OK))
         self._sessions: dict[str, _Session] = {}
+        self._open_sessions = 0
         self._pages = Pages()
         self._lock = threading.Lock()
         self._conns: set[Channel] = set()
+        self._handlers: set[threading.Thread] = set()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.store_path = os.path.abspath(os.fspath(store)) if store is not None else None
         self._store: Any = None
+        self._janitor: Janitor | None = None
+        self._logged: dict[str, float] = {}
 
     @property
     def port(self) -> int:
         """The bound port (the real one when constructed with port 0)."""
         return self._port
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (handshaking or in a session)."""
+        with self._lock:
+            return len(self._conns)
+
+    @property
+    def threads(self) -> int:
+        """Connection threads alive now."""
+        with self._lock:
+            return len(self._handlers)
+
     def bind(self) -> None:
         """Create the listening socket.
 
         Raises
         ------
+        UsageError
+            No token, an address that is not loopback, and ``no_auth`` not given.
         ConnectError
             The address cannot be bound (in use, not local).
         """
+        if self.token is None and not self.no_auth and not is_loopback(self.host):
+            raise UsageError(
+                f"refusing to serve {self.host} without a token: anyone who can reach it could read and write "
+                f"the tree; give a token (--token-file or TB5SYNC_TOKEN), or --no-auth to allow it"
+            )
         try:
             infos = socket.getaddrinfo(self.host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             family, _, _, _, addr = infos[0]
@@ -178,22 +283,96 @@ class Server:
         return self
 
     def serve_forever(self) -> None:
-        """Accept connections until :meth:`stop`; each connection gets its own thread."""
+        """Accept connections until :meth:`stop`; each connection gets its own thread.
+
+        Never ends on a peer's doing: at the connection cap, or when a thread cannot be
+        started, the connection is refused with ``BusyError``; when ``accept`` runs out of
+        descriptors or memory (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) it waits,
+        50 ms doubling up to 1 s, instead of spinning.
+        """
         if self._sock is None:
             self.bind()
         assert self._sock is not None
-        log.info("serving %s on %s:%d", self.root, self.host, self.port)
+        if self._janitor is None:
+            self._janitor = Janitor()
+        log.info("serving %s on %s:%d%s", self.root, self.host, self.port, " (TLS)" if self.tls else "")
+        backoff = 0.0
         while not self._stopping.is_set():
             try:
                 conn, addr = self._sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stopping.is_set():
                     break
+                if exc.errno in _ACCEPT_BACKOFF_ERRNOS:
+                    backoff = min(_BACKOFF_MAX, max(_BACKOFF_MIN, backoff * 2))
+                    if backoff == _BACKOFF_MIN:
+                        log.warning("cannot accept connections: %s; backing off (lower --max-connections "
+                                    "or raise the descriptor limit)", exc.strerror or exc)
+                    self._stopping.wait(backoff)
                 continue
-            threading.Thread(target=self._handle, args=(conn, addr), name=f"tb5-conn-{addr[1]}", daemon=True).start()
+            backoff = 0.0
+            self._accepted(conn, addr)
 
-    def stop(self) -> None:
-        """Stop accepting, close every connection, wait for the accept thread."""
+    def _refuse(self, conn: socket.socket, exc: Tb5syncError) -> None:
+        assert self._janitor is not None
+        self._janitor.refuse(conn, P.error_frame(0, exc))
+
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        """Log a refusal at most once per 10 s per kind (a flood of refused connections is not a flood of log lines)."""
+        now = time.monotonic()
+        if now - self._logged.get(what, -1e9) > 10:
+            self._logged[what] = now
+            log.warning(msg, *args)
+
+    def _accepted(self, conn: socket.socket, addr: Any) -> None:
+        ip = str(addr[0])
+        if not self._allowed(ip):  # refused before a thread exists
+            self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
+            self._refuse(conn, AuthError(f"client address {ip} is not allowed"))
+            return
+        wait = self._auth.blocked_for(ip)
+        if wait:
+            if self._auth.first_refusal(ip):  # once per lockout: an attacker cannot flood the log
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
+            self._refuse(conn, AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s"))
+            return
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                try:
+                    ch = Channel(conn, io_timeout=self.handshake_timeout)
+                except OSError:
+                    conn.close()
+                    return
+                self._conns.add(ch)
+        if busy:
+            self._log_once("busy", "refusing connections: %d open (--max-connections)", self.max_connections)
+            self._refuse(conn, BusyError(f"server busy: {self.max_connections} connections open (its --max-connections); try again later"))
+            return
+        t = threading.Thread(target=self._handle, args=(ch, addr), name=f"tb5-conn-{addr[1]}", daemon=True)
+        with self._lock:
+            self._handlers.add(t)
+        try:
+            t.start()
+        except RuntimeError as exc:  # the process is out of threads
+            with self._lock:
+                self._handlers.discard(t)
+                self._conns.discard(ch)
+            log.warning("refusing a connection from %s: cannot start a thread: %s", ip, exc)
+            self._refuse(conn, BusyError("server busy: cannot start a thread for the connection; try again later"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, close every connection, wait for every connection thread.
+
+        Sessions in progress end as a broken connection would end them (a push's partial
+        file stays in the resumable partial store; nothing half-written reaches a final path).
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds to wait for connection threads to finish; one still running after it is
+            logged (its daemon thread ends with the process).
+        """
         self._stopping.set()
         if self._sock is not None:
             try:
@@ -207,6 +386,21 @@ class Server:
             ch.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = list(self._handlers)
+                conns = list(self._conns)
+            for ch in conns:  # channels a session took over meanwhile
+                ch.close()
+            if not left:
+                break
+            if time.monotonic() >= deadline:
+                log.warning("stop: %d connection threads still running after %.0f s", len(left), timeout)
+                break
+            left[0].join(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        if self._janitor is not None:
+            self._janitor.close()
         self.state.close()
         if self._store is not None:
             self._store.close()
@@ -229,20 +423,27 @@ class Server:
             addr = addr.ipv4_mapped
         return any(addr in net for net in self.allow)
 
-    def _handle(self, conn: socket.socket, addr: Any) -> None:
-        tune_socket(conn)
-        ch = Channel(conn)
-        ch.hide_root = self.root
-        with self._lock:
-            self._conns.add(ch)
+    def _handle(self, ch: Channel, addr: Any) -> None:
         keep = False
+        assert self._janitor is not None
+        current = [ch]  # the channel the deadline closes (the TLS one once it is wrapped)
+        deadline = self._janitor.deadline(self.handshake_timeout, lambda: current[-1].close())
+        counted = False
         try:
-            if not self._allowed(addr[0]):
-                log.warning("refused %s: not in --allow", addr[0])
-                ch.send_error(0, AuthError(f"client address {addr[0]} is not allowed"))
-                return
-            conn.settimeout(_HANDSHAKE_TIMEOUT)
-            server_handshake(ch, self.token)
+            tune_socket(ch.sock)
+            set_keepalive(ch.sock, self.keepalive, self.io_timeout)
+            ch.hide_root = self.root
+            if self.tls is not None:
+                ch = self._wrap_tls(ch)
+                current.append(ch)
+            try:
+                server_handshake(ch, self.token)
+            except AuthError as exc:
+                n = self._auth.failed(addr[0])
+                log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
+                            addr[0], addr[1], n, self._auth.window, exc)
+                raise
+            ch.max_payload = P.MAX_PAYLOAD
             got = ch.recv_frame()
             if got is None:
                 return
@@ -250,20 +451,53 @@ class Server:
             if header.type is not FrameType.OPEN:
                 raise UsageError(f"expected OPEN, got {header.type.name}")
             msg = P.decode_control(payload)
-            conn.settimeout(None)
+            self._janitor.cancel(deadline)
+            if ch.closed:  # the deadline passed just now
+                return
+            ch.set_io_timeout(self.io_timeout)
+            ch.idle_timeout = self.idle_timeout
+            if msg.get("op") != "join":
+                with self._lock:
+                    if self._open_sessions >= self.max_sessions:
+                        raise BusyError(f"server busy: {self.max_sessions} sessions open (its --max-sessions); try again later")
+                    self._open_sessions += 1
+                    counted = True
             keep = self._open(ch, msg)
         except (Tb5syncError, OSError) as exc:
-            log.info("connection from %s ended: %s", addr[0], exc)
+            if ch.closed and not self._stopping.is_set() and not isinstance(exc, Tb5syncError):
+                log.info("connection from %s ended: handshake not done within %g s", addr[0], self.handshake_timeout)
+            else:
+                log.info("connection from %s ended: %s", addr[0], exc)
             if not isinstance(exc, OSError) or isinstance(exc, Tb5syncError):
                 ch.send_error(0, exc)
         except Exception as exc:  # a bug must not take the server down
             log.exception("internal error serving %s", addr[0])
             ch.send_error(0, exc)
         finally:
-            if not keep:
-                with self._lock:
+            self._janitor.cancel(deadline)
+            with self._lock:
+                if counted:
+                    self._open_sessions -= 1
+                if not keep:
                     self._conns.discard(ch)
+                self._handlers.discard(threading.current_thread())
+            if not keep:
                 ch.close()
+
+    def _wrap_tls(self, ch: Channel) -> Channel:
+        """``ch``'s socket wrapped in TLS (handshake within the connection's deadline)."""
+        assert self.tls is not None
+        try:
+            tls_sock = self.tls.wrap_socket(ch.sock, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConnectError(f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}") from exc
+        new = Channel(tls_sock)
+        new.hide_root = ch.hide_root
+        with self._lock:
+            self._conns.discard(ch)
+            self._conns.add(new)
+        ch.closed = True  # the TLS channel owns the socket now
+        return new
 
     def _open(self, ch: Channel, msg: dict[str, Any]) -> bool:
         """Run the session ``msg`` asks for. Returns True when ``ch`` now belongs to someone else."""

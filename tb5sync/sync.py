@@ -35,13 +35,15 @@ def sync(
     progress: ProgressFn | None = None,
     token: bytes | str | None = None,
     fsync: bool = False,
+    timeout: float | None = 60.0,
+    tls_ca: str | os.PathLike[str] | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
     Parameters
     ----------
     src, dst : str or path
-        Local paths or ``tb5://HOST[:PORT]/PATH`` URLs (at most one remote). A
+        Local paths or ``tb5://[TOKEN@]HOST[:PORT]/PATH`` URLs (``tb5s://`` for TLS; at most one remote). A
         trailing slash on ``src`` means "the contents of src"; without it,
         ``src`` itself is created inside ``dst``.
     delete : bool
@@ -59,10 +61,16 @@ def sync(
     progress : callable(bytes_done, bytes_total), optional
         Called as data is committed (push: as data is sent).
     token : bytes or str, optional
-        Shared secret; defaults to the environment variable ``TB5SYNC_TOKEN``.
+        Shared secret; defaults to the URL's, then to the environment variable ``TB5SYNC_TOKEN``.
     fsync : bool
         Make every commit durable before the run reports success (rsync ``--fsync``; see
         :class:`SyncOptions`).
+    timeout : float or None
+        I/O timeout, seconds (rsync's ``--timeout``): a frame that makes no progress this long,
+        or a link found dead by keepalive (in about half of it), ends the sync with
+        :class:`~tb5sync.errors.LinkTimeoutError`. None: wait forever.
+    tls_ca : str or path, optional
+        CA certificates to check a ``tb5s://`` server against (default: the system's).
 
     Returns
     -------
@@ -97,9 +105,9 @@ def sync(
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
     if rsrc is not None:
-        return pull(rsrc, dst_s, options, token=token, progress=progress)
+        return pull(rsrc, dst_s, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
     if rdst is not None:
-        return push(src_s, rdst, options, token=token, progress=progress)
+        return push(src_s, rdst, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
     return _local(src_s, dst_s, options, progress)
 
 

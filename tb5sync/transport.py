@@ -7,10 +7,13 @@ channels (pipelining, the serving loop) are :mod:`tb5sync.rpc`'s.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import select
 import socket
+import ssl
 import threading
 from typing import Any
 
@@ -19,17 +22,31 @@ from ._buffers import BufferPool
 from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
+    LinkTimeoutError,
     RemoteProtocolError,
     Tb5syncError,
 )
 
-__all__ = ["BufferPool", "FileRange", "SharedFd", "Channel", "client_handshake", "server_handshake", "connect", "close_parts", "hide_root", "tune_socket", "SOCK_BUF"]
+__all__ = [
+    "BufferPool", "FileRange", "SharedFd", "Channel", "client_handshake", "server_handshake", "connect",
+    "close_parts", "hide_root", "tune_socket", "set_keepalive", "client_tls", "dial", "SOCK_BUF", "IO_TIMEOUT",
+    "KEEPALIVE",
+]
 
 log = logging.getLogger(__name__)
 
 #: Socket send/receive buffer asked for, bytes.
 SOCK_BUF = 4 * 1024 * 1024
 _IOV_MAX = 512
+#: Default progress timeout, seconds: the longest a started frame may go without a byte moving
+#: (either direction), and the longest sent data may stay unacknowledged (``TCP_USER_TIMEOUT``).
+IO_TIMEOUT = 60.0
+#: Default TCP keepalive idle time, seconds: an idle connection is probed after this long, then
+#: every third of it; three unanswered probes end it (a dead peer is found in about 2x this).
+KEEPALIVE = 15.0
+#: errno values that mean "the link timed out" (keepalive probes or TCP_USER_TIMEOUT expired).
+_TIMEOUT_ERRNOS = frozenset({errno.ETIMEDOUT})
+_TLS_SEND_BLOCK = 1 << 20
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -40,6 +57,82 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         except OSError:
             pass
+
+
+def set_keepalive(sock: socket.socket, idle: float | None, user_timeout: float | None = None) -> list[str]:
+    """Turn on TCP keepalive on ``sock`` and bound how long sent data may stay unacknowledged.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A TCP socket.
+    idle : float or None
+        Seconds of silence before the first probe (then one every ``idle / 3`` s, 3 probes);
+        None leaves keepalive off.
+    user_timeout : float or None
+        Seconds sent data may stay unacknowledged before the kernel drops the connection
+        (``TCP_USER_TIMEOUT``, RFC 5482; Linux only, skipped elsewhere).
+
+    Returns
+    -------
+    list of str
+        The socket options set, for logs and tests.
+
+    Notes
+    -----
+    Portable: the option names are looked up at run time. Linux has ``TCP_KEEPIDLE``;
+    macOS names the same option ``TCP_KEEPALIVE``; where neither exists only
+    ``SO_KEEPALIVE`` is set (the system's default timings then apply).
+    """
+    done: list[str] = []
+    if idle is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        done.append("SO_KEEPALIVE")
+        secs = max(1, int(idle))
+        for names, value in ((("TCP_KEEPIDLE", "TCP_KEEPALIVE"), secs), (("TCP_KEEPINTVL",), max(1, secs // 3)), (("TCP_KEEPCNT",), 3)):
+            for name in names:
+                opt = getattr(socket, name, None)
+                if opt is None:
+                    continue
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+                    done.append(name)
+                except OSError:
+                    pass
+                break
+    opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if user_timeout is not None and opt is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, int(user_timeout * 1000)))
+            done.append("TCP_USER_TIMEOUT")
+        except OSError:
+            pass
+    return done
+
+
+def _wait_fd(fd: int, write: bool, timeout: float | None) -> bool:
+    """Wait until ``fd`` is readable (or writable); False when ``timeout`` seconds passed first.
+
+    ``poll(2)`` where the platform has it, ``select(2)`` otherwise. A hang-up or error counts as
+    ready: the next call on the socket reports it.
+    """
+    if hasattr(select, "poll"):
+        p = select.poll()
+        p.register(fd, (select.POLLOUT if write else select.POLLIN | select.POLLPRI))
+        return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000))))
+    r, w, _ = select.select([] if write else [fd], [fd] if write else [], [], timeout)
+    return bool(r or w)
+
+
+def _timeout_error(exc: OSError, what: str, timeout: float | None) -> OSError:
+    """``exc`` as a :class:`LinkTimeoutError` when it is a timeout; otherwise ``exc`` itself."""
+    if isinstance(exc, LinkTimeoutError):
+        return exc
+    if exc.errno in _TIMEOUT_ERRNOS:  # from the kernel (an OSError with ETIMEDOUT is a TimeoutError too)
+        return LinkTimeoutError(f"the link is dead: keepalive probes or sent data went unanswered while {what}")
+    if isinstance(exc, TimeoutError) and not isinstance(exc, Tb5syncError):  # the socket timeout
+        return LinkTimeoutError(f"no progress for {timeout:g} s while {what}: the peer stalled or the link is down")
+    return exc
 
 
 def hide_root(message: str, root: str) -> str:
@@ -56,15 +149,30 @@ def hide_root(message: str, root: str) -> str:
 
 
 class Channel:
-    """One framed TCP stream. Sends are serialized by a lock; receives belong to one thread.
+    """One framed TCP (or TLS) stream. Sends are serialized by a lock; receives belong to one thread.
+
+    Parameters
+    ----------
+    sock : socket.socket or ssl.SSLSocket
+        A connected socket; its timeout is set to ``io_timeout``.
+    io_timeout : float or None
+        Progress timeout, seconds: once a frame has started (sending or receiving), each
+        socket call must move bytes within this time, else :class:`LinkTimeoutError`.
+        None waits forever; by default the socket's own timeout is kept.
+    idle_timeout : float or None
+        Seconds :meth:`recv_frame` waits for the first byte of the next frame; None waits
+        forever (a dead peer is then found by TCP keepalive, see :func:`set_keepalive`).
 
     Attributes
     ----------
     bytes_sent, bytes_received : int
         Wire bytes including frame headers.
+    max_payload : int
+        Largest payload :meth:`recv_frame` accepts, bytes (checked before allocating); a server
+        keeps it at :data:`tb5sync.protocol.MAX_HANDSHAKE` until the peer is authenticated.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, io_timeout: float | None | str = "keep", idle_timeout: float | None = None) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
         self.bytes_sent = 0
@@ -77,25 +185,48 @@ class Channel:
         #: A server's root directory: error messages sent on this channel name paths under it
         #: relative to it (a client never learns where the server's tree lives).
         self.hide_root: str | None = None
+        self.max_payload = P.MAX_PAYLOAD
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.idle_timeout = idle_timeout
+        if io_timeout == "keep":
+            self.io_timeout: float | None = sock.gettimeout()
+        else:
+            assert not isinstance(io_timeout, str)
+            self.set_io_timeout(io_timeout)
+
+    def set_io_timeout(self, seconds: float | None) -> None:
+        """Change the progress timeout (see the class docstring)."""
+        self.io_timeout = seconds
+        self.sock.settimeout(seconds)
 
     # ---- sending ----------------------------------------------------------------------
     def _sendall_parts(self, parts: list[Any]) -> None:
         total = sum(len(p) for p in parts)
         with self._send_lock:
-            views: list[memoryview] = []
-            for p in parts:
-                if isinstance(p, FileRange):
-                    if views:
-                        self._send_views(views, socket.MSG_MORE)
-                        views = []
-                    self._send_file(p)
-                elif len(p):
-                    views.append(memoryview(p).cast("B"))
-            if views:
-                self._send_views(views, 0)
+            try:
+                views: list[memoryview] = []
+                for p in parts:
+                    if isinstance(p, FileRange):
+                        if views:
+                            self._send_views(views, socket.MSG_MORE)
+                            views = []
+                        self._send_file(p)
+                    elif len(p):
+                        views.append(memoryview(p).cast("B"))
+                if views:
+                    self._send_views(views, 0)
+            except OSError as exc:
+                raise _timeout_error(exc, "sending", self.io_timeout) from exc
             self.bytes_sent += total
 
     def _send_views(self, views: list[memoryview], flags: int) -> None:
+        if self.tls:  # an SSLSocket has no sendmsg: one record stream, block by block
+            for v in views:
+                for off in range(0, len(v), _TLS_SEND_BLOCK):
+                    block = v[off : off + _TLS_SEND_BLOCK]
+                    while block:
+                        block = block[self.sock.send(block) :]
+            return
         while views:
             sent = self.sock.sendmsg(views[:_IOV_MAX], (), flags if len(views) <= _IOV_MAX else socket.MSG_MORE)
             while sent and views:
@@ -108,14 +239,26 @@ class Channel:
                     sent = 0
 
     def _send_file(self, part: FileRange) -> None:
-        """Send ``part`` with sendfile; if the file shrank meanwhile, pad the frame with zeros.
+        """Send ``part`` with sendfile (read and send over TLS); if the file shrank meanwhile, pad
+        the frame with zeros.
 
         The frame's length was announced before, so it must be completed; the zeros fail the
         receiver's digest check, whose re-request then finds the file changed.
         """
         off, left = part.offset, part.length
         while left:
-            k = os.sendfile(self.sock.fileno(), part.fd.fd, off, left)
+            if self.tls:  # sendfile would bypass the TLS record layer
+                data = os.pread(part.fd.fd, min(left, _TLS_SEND_BLOCK), off)
+                k = len(data)
+                if k:
+                    self._send_views([memoryview(data)], 0)
+            else:
+                try:
+                    k = os.sendfile(self.sock.fileno(), part.fd.fd, off, left)
+                except BlockingIOError:  # the socket has a timeout, so it is non-blocking
+                    if not _wait_fd(self.sock.fileno(), True, self.io_timeout):
+                        raise TimeoutError("sendfile made no progress") from None
+                    continue
             if k <= 0:
                 log.info("file ended %d bytes early while being sent; padding the frame", left)
                 self._send_views([memoryview(bytes(min(left, 1 << 20)))], 0)
@@ -152,15 +295,31 @@ class Channel:
         view = memoryview(buf)
         got = 0
         n = len(view)
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                if got == 0:
-                    return False
-                raise RemoteProtocolError("connection closed inside a frame")
-            got += k
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    if got == 0:
+                        return False
+                    raise RemoteProtocolError("connection closed inside a frame")
+                got += k
+        except OSError as exc:
+            raise _timeout_error(exc, "receiving a frame", self.io_timeout) from exc
         self.bytes_received += n
         return True
+
+    def _wait_first_byte(self) -> None:
+        """Wait up to :attr:`idle_timeout` for the next frame to start."""
+        if self.idle_timeout == self.io_timeout:
+            return  # the socket's own timeout (or none) applies to the header's first recv
+        if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+            return
+        try:
+            ready = _wait_fd(self.sock.fileno(), False, self.idle_timeout)
+        except (OSError, ValueError):  # closed meanwhile: recv reports it
+            return
+        if not ready:
+            raise LinkTimeoutError(f"the peer sent nothing for {self.idle_timeout:g} s (idle timeout)")
 
     def recv_frame(self) -> tuple[P.Header, bytearray | memoryview] | None:
         """Receive one frame; None at a clean end of stream.
@@ -171,13 +330,18 @@ class Channel:
         Raises
         ------
         RemoteProtocolError, VersionMismatchError
-            Malformed frame (checked before the payload is allocated).
+            Malformed frame, or longer than :attr:`max_payload` (checked before the payload
+            is allocated).
+        LinkTimeoutError
+            Nothing arrived within :attr:`idle_timeout`, a started frame stalled for
+            :attr:`io_timeout`, or keepalive found the link dead.
         OSError
-            Socket errors.
+            Other socket errors.
         """
+        self._wait_first_byte()
         if not self._recv_exact(self._hdr):
             return None
-        header = P.parse_header(bytes(self._hdr))
+        header = P.parse_header(bytes(self._hdr), max_payload=self.max_payload)
         pool = self.pool
         payload: bytearray | memoryview
         if pool is not None and header.length >= pool.min_size:
@@ -187,6 +351,32 @@ class Channel:
         if header.length and not self._recv_exact(payload):
             raise RemoteProtocolError("connection closed inside a frame")
         return header, payload
+
+    def peer_closed(self) -> bool:
+        """True when the peer has closed the stream or sent something unasked (checked without
+        blocking): the channel then cannot carry a new request safely."""
+        if self.closed:
+            return True
+        try:
+            if not _wait_fd(self.sock.fileno(), False, 0):
+                return False
+        except (OSError, ValueError):
+            return True
+        if not self.tls:
+            return True  # readable between requests: an end of stream, a BYE or an ERROR
+        # TLS: the readable bytes may be a record that carries no data (a session ticket, a key
+        # update); read without blocking to tell. Data or an end of stream means the channel is done.
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.settimeout(0)
+            self.sock.recv(1)
+            return True
+        except ssl.SSLWantReadError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
 
     def close(self) -> None:
         """Shut down and close the socket. Safe to call twice."""
@@ -208,6 +398,7 @@ def client_handshake(ch: Channel, token: bytes | None) -> None:
     AuthError, VersionMismatchError, RemoteProtocolError, ConnectError
     """
     hs = P.ClientHandshake(token, os.urandom(P.NONCE_SIZE))
+    limit, ch.max_payload = ch.max_payload, P.MAX_HANDSHAKE  # nor does an unproven server pin our memory
     ch._sendall_parts([hs.start()])
     while not hs.done:
         got = ch.recv_frame()
@@ -216,18 +407,22 @@ def client_handshake(ch: Channel, token: bytes | None) -> None:
         out = hs.on_frame(P.Frame(*got))
         if out:
             ch._sendall_parts([out])
+    ch.max_payload = limit
 
 
 def server_handshake(ch: Channel, token: bytes | None) -> None:
     """Run the server side of the handshake on ``ch``.
 
-    On failure an ERROR frame is sent to the client before the error is re-raised.
+    Until the client is authenticated, frames longer than :data:`tb5sync.protocol.MAX_HANDSHAKE`
+    are refused before anything is allocated; the caller sets :attr:`Channel.max_payload` for
+    what follows. On failure an ERROR frame is sent to the client before the error is re-raised.
 
     Raises
     ------
     AuthError, VersionMismatchError, RemoteProtocolError, ConnectError
     """
     hs = P.ServerHandshake(token, os.urandom(P.NONCE_SIZE))
+    ch.max_payload = P.MAX_HANDSHAKE
     try:
         while not hs.done:
             got = ch.recv_frame()
@@ -242,8 +437,17 @@ def server_handshake(ch: Channel, token: bytes | None) -> None:
         raise
 
 
-def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) -> Channel:
-    """Open a TCP connection to a tb5sync server and authenticate.
+def connect(
+    host: str,
+    port: int,
+    token: bytes | None,
+    timeout: float = 10.0,
+    *,
+    io_timeout: float | None = IO_TIMEOUT,
+    keepalive: float | None = KEEPALIVE,
+    tls: ssl.SSLContext | None = None,
+) -> Channel:
+    """Open a TCP connection to a tb5sync server (TLS when ``tls`` is given) and authenticate.
 
     Parameters
     ----------
@@ -252,12 +456,21 @@ def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) ->
     token : bytes or None
         Shared secret.
     timeout : float
-        Seconds allowed for connecting and for the handshake.
+        Seconds allowed for connecting and for the handshake (TLS's included).
+    io_timeout : float or None
+        Progress timeout of the returned channel, seconds (see :class:`Channel`); also
+        ``TCP_USER_TIMEOUT``. None: no timeout.
+    keepalive : float or None
+        TCP keepalive idle time, seconds (see :func:`set_keepalive`); None: off.
+    tls : ssl.SSLContext or None
+        Wrap the connection in TLS with this client context (its CA and hostname checks).
 
     Raises
     ------
     ConnectError
-        Unreachable host or refused connection (naming the address).
+        Unreachable host, refused connection, or a failed TLS handshake (naming the address).
+    BusyError
+        The server is at its connection or session cap.
     AuthError, VersionMismatchError, RemoteProtocolError
         From the handshake.
     """
@@ -266,6 +479,15 @@ def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) ->
     except OSError as exc:
         raise ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
     tune_socket(sock)
+    set_keepalive(sock, keepalive, io_timeout)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
+            sock.close()
+            why = getattr(exc, "reason", None) or str(exc)
+            detail = getattr(exc, "verify_message", None)
+            raise ConnectError(f"TLS handshake with {host}:{port} failed: {why}{f' ({detail})' if detail else ''}") from exc
     ch = Channel(sock)
     try:
         client_handshake(ch, token)
@@ -278,5 +500,47 @@ def connect(host: str, port: int, token: bytes | None, timeout: float = 10.0) ->
     except BaseException:
         ch.close()
         raise
-    sock.settimeout(None)
+    ch.set_io_timeout(io_timeout)
     return ch
+
+
+def client_tls(cafile: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """A TLS client context: the system's CAs, or only ``cafile``'s; hostname checked; TLS >= 1.2.
+
+    Raises
+    ------
+    UsageError
+        ``cafile`` cannot be read or holds no certificate.
+    """
+    from .errors import UsageError
+
+    try:
+        ctx = ssl.create_default_context(cafile=None if cafile is None else os.fspath(cafile))
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"cannot load TLS CA file {os.fspath(cafile or '')}: {getattr(exc, 'strerror', None) or exc}") from exc
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def dial(
+    host: str,
+    port: int,
+    token: bytes | None,
+    *,
+    tls: bool = False,
+    tls_ca: str | os.PathLike[str] | None = None,
+    io_timeout: float | None = IO_TIMEOUT,
+    timeout: float = 10.0,
+) -> Channel:
+    """:func:`connect` with the client's defaults: TLS when ``tls`` (CAs from ``tls_ca`` or the
+    system), keepalive a quarter of ``io_timeout`` (at most :data:`KEEPALIVE`; a dead link is then
+    found within about ``io_timeout / 2``).
+
+    Raises
+    ------
+    ConnectError, BusyError, AuthError, VersionMismatchError, RemoteProtocolError, UsageError
+        As :func:`connect`; ``UsageError`` for an unreadable ``tls_ca``.
+    """
+    keepalive = KEEPALIVE if io_timeout is None else max(1.0, min(KEEPALIVE, io_timeout / 4))
+    ctx = client_tls(tls_ca) if tls or tls_ca is not None else None
+    return connect(host, port, token, timeout, io_timeout=io_timeout, keepalive=keepalive, tls=ctx)

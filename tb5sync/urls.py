@@ -1,28 +1,49 @@
-"""``tb5://HOST[:PORT]/PATH`` URLs and the token that goes with them.
+"""``tb5://[TOKEN@]HOST[:PORT]/PATH`` URLs and the token that goes with them.
 
 Below both faces of the client: :mod:`tb5sync.client` (push, pull, ls) and
-:mod:`tb5sync.fs` (the fsspec filesystem) parse URLs and find the token here.
+:mod:`tb5sync.fs` (the fsspec filesystem) parse URLs and find the token here, so the
+CLI, the API and fsspec accept the same forms:
+
+``tb5://HOST[:PORT]/PATH``
+    Plain TCP; the token comes from the caller or ``$TB5SYNC_TOKEN``.
+``tb5s://HOST[:PORT]/PATH``
+    The same over TLS (the server runs with ``--tls-cert``/``--tls-key``).
+``tb5://TOKEN@HOST/...``, ``tb5://USER:TOKEN@HOST/...``
+    The token in the URL (percent-encoded where needed; the user name is ignored).
+    Visible in process lists and shell history: prefer a token file or the environment.
+
+A token never appears in an error message: URLs are quoted with the user part as ``***``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+import re
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
 
 from .errors import UsageError
 from .messages import DEFAULT_PORT
 
-__all__ = ["Remote", "parse_url", "token_of"]
+__all__ = ["Remote", "parse_url", "token_of", "redact_url", "SCHEMES"]
+
+#: URL schemes: plain TCP and TLS.
+SCHEMES = ("tb5", "tb5s")
 
 
 @dataclass(frozen=True)
 class Remote:
-    """A parsed ``tb5://HOST[:PORT]/PATH`` URL. ``path`` is relative to the server's root."""
+    """A parsed ``tb5://HOST[:PORT]/PATH`` URL. ``path`` is relative to the server's root.
+
+    ``token`` is the one written in the URL (never shown by ``repr``), ``tls`` is True for
+    ``tb5s://``.
+    """
 
     host: str
     port: int
     path: str
+    token: bytes | None = field(default=None, repr=False, compare=False)
+    tls: bool = False
 
     @property
     def slash(self) -> bool:
@@ -30,8 +51,16 @@ class Remote:
         return self.path.endswith("/") or self.path == ""
 
 
+_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*:/*)(?P<user>[^/@]*)@")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any user part (``TOKEN@``, ``USER:TOKEN@``) replaced by ``***@``."""
+    return _USERINFO.sub(lambda m: m.group("head") + "***@", url, count=1)
+
+
 def parse_url(url: str) -> Remote | None:
-    """Parse ``tb5://HOST[:PORT]/PATH``; None for a local path.
+    """Parse ``tb5[s]://[TOKEN@]HOST[:PORT]/PATH``; None for a local path.
 
     ``[v6addr]:port`` is accepted. The port defaults to 8873.
 
@@ -40,41 +69,62 @@ def parse_url(url: str) -> Remote | None:
     UsageError
         A ``tb5://`` URL without a host, with a bad port, or another scheme; or a local path
         that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``): write
-        ``./tb5:...`` for a local name that really starts so.
+        ``./tb5:...`` for a local name that really starts so. The message quotes the URL
+        without its token.
     """
+    shown = redact_url(url)
     if "://" not in url:
-        if url.lower().startswith("tb5:"):
-            raise UsageError(f"{url!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
-                             f"write ./{url} for a local path)")
+        if url.lower().startswith(("tb5:", "tb5s:")):
+            raise UsageError(f"{shown!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
+                             f"write ./{shown} for a local path)")
         return None
     parts = urlsplit(url)
-    if parts.scheme != "tb5":
-        raise UsageError(f"unsupported URL scheme {parts.scheme!r} in {url!r} (expected tb5://)")
+    if parts.scheme not in SCHEMES:
+        raise UsageError(f"unsupported URL scheme {parts.scheme!r} in {shown!r} (expected tb5:// or tb5s://)")
     if not parts.hostname:
-        raise UsageError(f"no host in {url!r}")
+        raise UsageError(f"no host in {shown!r}")
     try:
         port = parts.port or DEFAULT_PORT
-    except ValueError as exc:
-        raise UsageError(f"bad port in {url!r}: {exc}") from exc
+    except ValueError:
+        raise UsageError(f"bad port in {shown!r} (expected 1..65535)") from None
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
-    return Remote(parts.hostname, port, path)
+    secret = parts.password if parts.password is not None else parts.username
+    token = unquote(secret).encode() if secret else None
+    return Remote(parts.hostname, port, path, token, parts.scheme == "tb5s")
 
 
-def token_of(token: bytes | str | None) -> bytes | None:
-    """The shared secret to authenticate with: ``token`` as bytes, or ``$TB5SYNC_TOKEN`` when None.
+def token_of(token: bytes | str | None, remote: Remote | None = None) -> bytes | None:
+    """The shared secret to authenticate with.
+
+    The caller's ``token`` first, then the one in the URL (``remote.token``), then
+    ``$TB5SYNC_TOKEN``.
 
     Parameters
     ----------
     token : bytes or str or None
-        The caller's token (a ``str`` is UTF-8 encoded); None reads the environment.
+        The caller's token (a ``str`` is UTF-8 encoded).
+    remote : Remote or None
+        The URL the token is for.
 
     Returns
     -------
     bytes or None
-        None when neither is set (or the variable is empty): no authentication.
+        None when none is set (or the variable is empty): no authentication.
+
+    Raises
+    ------
+    UsageError
+        The caller's token and the URL's differ (as fsspec refuses a storage option that
+        contradicts the URL); neither is shown.
     """
-    if token is None:
-        token = os.environ.get("TB5SYNC_TOKEN") or None
     if isinstance(token, str):
         token = token.encode()
+    url_token = remote.token if remote is not None else None
+    if token is not None and url_token is not None and token != url_token:
+        raise UsageError("two different tokens given: one in the URL and one as an option (or --token-file)")
+    if token is None:
+        token = url_token
+    if token is None:
+        env = os.environ.get("TB5SYNC_TOKEN") or None
+        token = env.encode() if env else None
     return token

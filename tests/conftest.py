@@ -189,3 +189,26 @@ def slurp(path: str) -> bytes:
 def tmp_files(root: str) -> list[str]:
     """Temporary files of writes in progress (``*.tb5tmp``) anywhere under ``root``."""
     return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".tb5tmp")]
+
+
+# --- threads (every test that joins a thread checks that it finished) ---------------------------
+
+import threading as _threading
+
+
+def joined(thread: _threading.Thread, timeout: float = 10.0) -> None:
+    """Join ``thread`` and fail the test if it is still running after ``timeout`` seconds (a hang)."""
+    thread.join(timeout)
+    assert not thread.is_alive(), f"thread {thread.name} still running after {timeout} s"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``cond`` every 20 ms until true; returns the seconds it took, fails after ``timeout``."""
+    import time as _time
+
+    t0 = _time.monotonic()
+    while not cond():
+        if _time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        _time.sleep(0.02)
+    return _time.monotonic() - t0

@@ -28,7 +28,7 @@ from fsspec.tests.abstract import (
     AbstractPutTests,
 )
 
-from conftest import make_tree, slurp, start_server, tmp_files
+from conftest import joined, make_tree, slurp, start_server, tmp_files
 from conftest import tb5fs as tb5
 from tb5sync import errors
 from tb5sync.fs import TB5File, TB5FileSystem
@@ -799,8 +799,7 @@ def test_many_concurrent_small_ops_share_connections(served: Any) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a worker thread hung"
+        joined(t, 60)
     assert errors_seen == []
     assert len(fs._holder.link.requester.channels) == fs.streams
 

@@ -194,7 +194,7 @@ def test_read_ranges_from_many_threads_at_once(data_file: tuple[str, bytes]) -> 
         t.start()
     for t in threads:
         t.join(60)
-        assert not t.is_alive(), "a reader thread hung"
+        assert not t.is_alive(), f"{t.name} hung"
     sender.close()
     assert errors == []
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import tb5sync
-from conftest import LiveServer
+from conftest import LiveServer, joined
 from tb5sync import protocol as P
 from tb5sync.options import SyncOptions
 from tb5sync.messages import CODEC_LZ4, CODEC_RAW
@@ -38,8 +38,7 @@ def _send_and_receive(parts: list[object], meta: dict[str, object]) -> tuple[dic
         t = threading.Thread(target=tx.send_data, args=(7, meta, parts))
         t.start()
         got = rx.recv_frame()
-        t.join(30)
-        assert not t.is_alive(), "send_data hung"
+        joined(t, 60)
         assert got is not None
         header, payload = got
         assert header.type is P.FrameType.DATA and header.rid == 7
