@@ -19,6 +19,7 @@ from .errors import (
     ConnectError,
     DestinationError,
     IntegrityError,
+    PartialTransferError,
     PathError,
     ProtocolError,
     ReadOnlyError,
@@ -26,12 +27,14 @@ from .errors import (
     RemoteNotFoundError,
     RemoteProtocolError,
     SourceChangedError,
+    SourceError,
     Tb5syncError,
     UsageError,
+    VanishedSourceError,
     VersionMismatchError,
 )
 
-from .options import SyncOptions, SyncStats
+from .options import Failure, SyncOptions, SyncStats
 from .sync import sync  # binds the function over the submodule of the same name
 
 if TYPE_CHECKING:
@@ -43,6 +46,7 @@ __all__ = [
     "sync",
     "SyncStats",
     "SyncOptions",
+    "Failure",
     "Server",
     "Tb5syncError",
     "UsageError",
@@ -57,6 +61,9 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "SourceError",
+    "PartialTransferError",
+    "VanishedSourceError",
     "RemoteError",
     "__version__",
 ]

@@ -2,8 +2,11 @@
 
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
-11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found,
-24 source changed, 130 interrupted).
+11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found or partial
+transfer, 24 source files vanished, 130 interrupted). A partial transfer (rsync's
+23/24) first names each entry that was not synced on its own line
+(``tb5sync: source 'a/b': Permission denied (13)``), and ``--json`` then still prints
+the statistics, their ``failures`` included.
 """
 
 from __future__ import annotations
@@ -154,6 +157,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
                 bar.total = total
             bar.update(done - bar.n)
 
+    from .errors import PartialTransferError
+
+    partial: PartialTransferError | None = None
     try:
         stats = sync(
             a.src,
@@ -167,9 +173,13 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             progress=progress,
             token=_read_token(a.token_file),
         )
+    except PartialTransferError as exc:
+        partial, stats = exc, exc.stats
     finally:
         if bar is not None:
             bar.close()
+    for f in stats.failures:  # one line per entry not synced, as rsync names them
+        print(f"tb5sync: {f.line()}", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run else None
     if a.json:
         out = stats.as_dict()
@@ -190,6 +200,11 @@ def _cmd_sync(a: argparse.Namespace) -> int:
         print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent} "
               f"({_fmt_bytes(stats.bytes_matched)} of them matched in the basis), reused {stats.chunks_reused}")
         print(f"time: {stats.seconds:.3f} s, {stats.bytes_transferred / secs / 1e9:.2f} GB/s")
+    if partial is not None:
+        what = ("some files vanished before they could be transferred" if partial.exit_code == 24
+                else "some files/attrs were not transferred (see previous errors)")  # rsync's words
+        print(f"tb5sync: error: {what} (code {partial.exit_code})", file=sys.stderr)
+        return partial.exit_code
     return 0
 
 

@@ -6,15 +6,16 @@ Blocking calls (threads do the parallel work); an async caller wraps them with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError
+from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
 from .entry import DIR, FILE, LINK, Entry, kind_of, source_name
-from .options import SyncOptions, SyncStats
+from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
 from .messages import PUSH_CLIENT_METHODS
@@ -110,7 +111,8 @@ def pull(
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run)
-        return Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        return _on_server(stats, "source")
     finally:
         requester.close(bye=True)
         if state is not None:
@@ -237,10 +239,25 @@ def push(
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
-    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k != "extra"}
+    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures")}
+    failures = stats.get("failures", [])
+    if not isinstance(failures, list):
+        raise RemoteProtocolError("the server's failures are not a list")
+    try:
+        fails = tuple(Failure.from_wire(f) for f in failures)
+    except UsageError as exc:
+        raise RemoteProtocolError(f"malformed failure from the server: {exc}") from exc
     changes = res.get("changes")
     extra = {"changes": changes} if isinstance(changes, dict) else {}
-    return SyncStats(**fields, extra=extra)
+    return _on_server(SyncStats(**fields, failures=fails, extra=extra), "destination")
+
+
+def _on_server(stats: SyncStats, side: str) -> SyncStats:
+    """``stats`` with its failures of ``side`` (the server's side of the session) marked ``server=True``."""
+    if not any(f.side == side for f in stats.failures):
+        return stats
+    marked = tuple(dataclasses.replace(f, server=True) if f.side == side else f for f in stats.failures)
+    return dataclasses.replace(stats, failures=marked)
 
 
 def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:

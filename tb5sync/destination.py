@@ -8,11 +8,21 @@ destination's paths, state and statistics.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import stat
 from collections.abc import Callable, Sequence
 
 from ._paths import temp_name
+from .errors import DestinationError
+from .options import Failure
 from .state import TreeState
+
+log = logging.getLogger(__name__)
+
+#: errno values after which no other entry can be written either: the run stops (rsync's exit 11).
+FATAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 __all__ = ["Destination", "ProgressFn", "STAT_COUNTERS"]
 
@@ -47,7 +57,11 @@ class Destination:
         Bytes committed so far, and bytes the plan will write (set once the plan is made).
     changed : list of str
         Relative paths of files that vanished or kept changing at the source (not synced);
-        the receiver raises :class:`~tb5sync.errors.SourceChangedError` naming them at the end.
+        they end in :attr:`failures` (``vanished=True``).
+    failures : list of Failure
+        Entries that could not be synced, in the order met (see :meth:`fail`).
+    failed_dirs : set of str
+        Directories that could not be made: nothing is written below them.
 
     Notes
     -----
@@ -69,6 +83,8 @@ class Destination:
         self.done_bytes = 0
         self.total_bytes = 0
         self.changed: list[str] = []
+        self.failures: list[Failure] = []
+        self.failed_dirs: set[str] = set()
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
 
     # ---- paths ------------------------------------------------------------------------
@@ -85,6 +101,72 @@ class Destination:
         """A temporary name beside the absolute path ``final``: ``.NAME.XXXXXXXX.tb5tmp`` in the same directory."""
         d, name = os.path.split(final)
         return os.path.join(d, temp_name(name))
+
+    def skipped(self, rel: str) -> bool:
+        """Whether ``rel`` lies below a directory that could not be made (:attr:`failed_dirs`)."""
+        if not self.failed_dirs:
+            return False
+        parts = rel.split("/")
+        return any("/".join(parts[:k]) in self.failed_dirs for k in range(1, len(parts)))
+
+    def fail(self, rel: str, side: str, exc: BaseException | str) -> None:
+        """Name the entry ``rel`` as not synced, and why; the run goes on without it.
+
+        Parameters
+        ----------
+        rel : str
+            Path relative to :attr:`base`.
+        side : str
+            ``"source"`` or ``"destination"``.
+        exc : exception or str
+            The error (its ``strerror``, else its message) or the reason itself.
+
+        Raises
+        ------
+        DestinationError
+            ``exc`` is a destination error after which nothing else can be written either
+            (:data:`FATAL_ERRNOS`: disk full, quota, read-only file system, I/O error).
+        """
+        if isinstance(exc, OSError) and side == "destination" and exc.errno in FATAL_ERRNOS:
+            raise DestinationError(f"cannot write destination {exc.filename or self.path(rel)}: {exc.strerror}") from exc
+        if isinstance(exc, OSError) and exc.strerror:
+            reason = f"{exc.strerror} ({exc.errno})" if exc.errno else exc.strerror
+        else:
+            reason = str(exc)
+            if reason.startswith("remote: "):
+                reason = reason[len("remote: "):]
+            if rel and reason.startswith(f"{rel}: "):
+                reason = reason[len(rel) + 2:]
+        log.info("not synced: %s %r: %s", side, rel, reason)
+        self.failures.append(Failure(rel, side, reason.splitlines()[0] if reason else "failed"))
+
+    def vanished(self) -> list[Failure]:
+        """:attr:`changed` as failures (``vanished=True``, side ``"source"``)."""
+        return [Failure(p, "source", "vanished or kept changing while it was read", vanished=True) for p in self.changed]
+
+    @staticmethod
+    def rename_into_place(tmp: str, final: str) -> None:
+        """Rename ``tmp`` to ``final``; an empty directory at ``final`` (an entry of another type
+        being replaced) is removed first, only now that its replacement exists.
+
+        Raises
+        ------
+        OSError
+            The rename failed (``ENOTEMPTY``/``EISDIR`` for a directory that is not empty).
+        """
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            try:
+                st = os.lstat(final)
+            except OSError:
+                raise exc from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise
+            os.rmdir(final)
+            os.rename(tmp, final)
 
     # ---- progress ---------------------------------------------------------------------
     def tick(self, n: int) -> None:

@@ -13,6 +13,7 @@ was the model: distinct codes for usage, protocol, file I/O and timeouts).
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 __all__ = [
     "Tb5syncError",
@@ -29,6 +30,9 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "SourceError",
+    "PartialTransferError",
+    "VanishedSourceError",
     "RemoteError",
     "RemoteOSError",
     "RemoteExistsError",
@@ -36,6 +40,7 @@ __all__ = [
     "RemoteNotADirectoryError",
     "RemotePermissionError",
     "remote_os_error",
+    "partial_error",
 ]
 
 
@@ -148,6 +153,52 @@ class DestinationError(Tb5syncError, OSError):
     exit_code = 11
 
 
+class SourceError(Tb5syncError, OSError):
+    """One source entry could not be read (e.g. a file the sender may not open).
+
+    The sync goes on without it and names it in :attr:`tb5sync.options.SyncStats.failures`.
+    The message is ``"PATH: reason"``.
+    """
+
+    exit_code = 23
+
+
+class PartialTransferError(Tb5syncError):
+    """Some entries could not be synced; everything else was (rsync's exit 23, "partial transfer").
+
+    Attributes
+    ----------
+    stats : tb5sync.options.SyncStats
+        The run's statistics; ``stats.failures`` names each entry that failed.
+    failures : tuple of tb5sync.options.Failure
+        The same as ``stats.failures``.
+    """
+
+    exit_code = 23
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.failures = tuple(stats.failures)
+        n = len(self.failures)
+        first = self.failures[0].line() if n else ""
+        super().__init__(f"some files could not be transferred ({n} failed{'; first: ' + first if n else ''})")
+
+
+class VanishedSourceError(PartialTransferError, SourceChangedError):
+    """Only source files that vanished (or kept changing) were not synced (rsync's exit 24).
+
+    ``path`` is the first of them; see :class:`PartialTransferError` for ``stats`` and ``failures``.
+    """
+
+    exit_code = 24
+
+    def __init__(self, stats: Any) -> None:
+        PartialTransferError.__init__(self, stats)
+        self.path = self.failures[0].path if self.failures else ""
+        names = ", ".join(f.path for f in self.failures[:10]) + (" ..." if len(self.failures) > 10 else "")
+        self.args = (f"source files vanished or kept changing during transfer: {names}",)
+
+
 class RemoteError(Tb5syncError):
     """The peer reported an error; ``kind`` names the peer's error class.
 
@@ -225,6 +276,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemoteNotFoundError,
         IntegrityError,
         DestinationError,
+        SourceError,
         RemoteProtocolError,
         RemoteOSError,
         RemoteExistsError,
@@ -260,3 +312,11 @@ def error_from_remote(kind: str, message: str, errno_: int | None = None) -> Tb5
     if isinstance(err, OSError) and isinstance(errno_, int):
         err.errno = errno_
     return err
+
+
+def partial_error(stats: Any) -> PartialTransferError:
+    """The error for statistics with failures: :class:`VanishedSourceError` (exit 24) when only
+    source files vanished, else :class:`PartialTransferError` (exit 23), as rsync chooses."""
+    if stats.failures and all(f.vanished for f in stats.failures):
+        return VanishedSourceError(stats)
+    return PartialTransferError(stats)

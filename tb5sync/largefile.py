@@ -221,13 +221,13 @@ class LargeFileJob:
         os.close(fd)
         self.fd = -1
         try:
-            os.rename(self.work, final)
+            self.destination.rename_into_place(self.work, final)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             tmp = self.destination.temp_path(final)
             shutil.copy2(self.work, tmp)
-            os.rename(tmp, final)
+            self.destination.rename_into_place(tmp, final)
             os.unlink(self.work)
             st = os.stat(final)
         return st

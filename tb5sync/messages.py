@@ -11,7 +11,8 @@ Methods
 Answered by a :class:`~tb5sync.sender.Sender` (pull: the server's; push: the client's):
 
 ``tree(start)``
-    RESPONSE ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": int}``.
+    RESPONSE ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": int,
+    "failed": [[path, reason], ...]}`` (``failed``: directories the sender could not list; optional).
 ``entries(dirs, skip)``
     RESPONSE ``{"entries": [entry, ...], "more": bool}``.
 ``chunk_list(path, start, size, mtime_ns)``
@@ -21,7 +22,9 @@ Answered by a :class:`~tb5sync.sender.Sender` (pull: the server's; push: the cli
 ``read_ranges(path, ranges, size, mtime_ns)``
     DATA, meta ``{"parts": [[rawlen, wirelen, codec], ...], "wire": [wirelen, ...]}``.
 ``read_files(paths)``
-    DATA, meta ``{"files": [[size, mtime_ns, mode, refs, wirelen, codec] | None, ...], "wire": [...]}``.
+    DATA, meta ``{"files": [[size, mtime_ns, mode, refs, wirelen, codec] | None, ...], "wire": [...],
+    "failed": [[index, reason], ...]}`` (``failed``, optional: files the sender could not read; the
+    others that are None vanished or kept changing).
 ``sub_chunks(path, ranges, size, mtime_ns, params)``
     RESPONSE ``{"subs": [...]}`` (see :mod:`tb5sync.refine`).
 
@@ -33,7 +36,7 @@ Answered by the fs session (:class:`~tb5sync.fsops.FsOps`): :data:`FS_METHODS`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 from .entry import Entry, check_relpath
@@ -197,14 +200,22 @@ class TreePage:
         Directories from ``start`` on, parents before children.
     total : int
         Directories in the whole tree (the receiver asks again until it has them all).
+    failed : list of (str, str)
+        ``(path, reason)`` of the source directories that could not be listed (their
+        listing is empty); sent on the first page only (wire key ``failed``, left out when
+        empty).
     """
 
     root: Entry
     dirs: list[DirSummary]
     total: int
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"root": list(self.root), "dirs": [list(d) for d in self.dirs], "total": self.total}
+        out: dict[str, Any] = {"root": list(self.root), "dirs": [list(d) for d in self.dirs], "total": self.total}
+        if self.failed:
+            out["failed"] = [list(f) for f in self.failed]
+        return out
 
     @classmethod
     def from_wire(cls, msg: object) -> TreePage:
@@ -229,7 +240,7 @@ class TreePage:
             except (UsageError, TypeError) as exc:
                 raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
             dirs.append(DirSummary(path, digest, files, nbytes))
-        return cls(entry, dirs, total)
+        return cls(entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +332,24 @@ class FileDigests:
         return cls(digests)
 
 
+def _check_failed(value: object, what: str) -> list[tuple[str, str]]:
+    """A wire list of ``[path, reason]`` (entries a sender could not read), checked."""
+    if not isinstance(value, list):
+        raise _bad(f"{what}: failed entries")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise _bad(f"{what}: failed entry")
+        path, reason = item
+        if path:
+            try:
+                check_relpath(path)
+            except (UsageError, TypeError) as exc:
+                raise RemoteProtocolError(f"bad path of a failed entry: {path!r:.200}") from exc
+        out.append((path, reason[:4096]))
+    return out
+
+
 def _check_wire(meta: dict[str, Any], count: int, what: str) -> list[int]:
     wire = meta.get("wire")
     if not isinstance(wire, list) or len(wire) != count or not all(_is_uint(n) for n in wire):
@@ -374,16 +403,22 @@ class FileInfo(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class FilesMeta:
-    """DATA meta of a ``read_files`` reply: a :class:`FileInfo` per asked path, None for a file that vanished or kept changing.
+    """DATA meta of a ``read_files`` reply: a :class:`FileInfo` per asked path, None for a file that is not sent.
 
-    The parts of the reply are the files that are not None, in order.
+    The parts of the reply are the files that are not None, in order. ``failed`` maps the
+    index of a None file the sender could not read to why (wire key ``failed``, left out
+    when empty); the other None files vanished or kept changing.
     """
 
     files: list[FileInfo | None]
+    failed: dict[int, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         files = [None if f is None else [f.size, f.mtime_ns, f.mode, [list(r) for r in f.chunks], f.wirelen, f.codec] for f in self.files]
-        return {"files": files, "wire": [f.wirelen for f in self.files if f is not None]}
+        out: dict[str, Any] = {"files": files, "wire": [f.wirelen for f in self.files if f is not None]}
+        if self.failed:
+            out["failed"] = [[i, r] for i, r in sorted(self.failed.items())]
+        return out
 
     @classmethod
     def from_wire(cls, meta: object, paths: Sequence[str]) -> FilesMeta:
@@ -406,7 +441,13 @@ class FilesMeta:
         wire = _check_wire(meta, sum(f is not None for f in out), "read_files")
         if wire != [f.wirelen for f in out if f is not None]:
             raise _bad("read_files part lengths")
-        return cls(out)
+        failed = meta.get("failed", [])
+        if not isinstance(failed, list) or not all(
+            isinstance(x, list) and len(x) == 2 and _is_uint(x[0]) and x[0] < len(out) and out[x[0]] is None and isinstance(x[1], str)
+            for x in failed
+        ):
+            raise _bad("read_files failed entries")
+        return cls(out, {i: r[:4096] for i, r in failed})
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,11 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
-__all__ = ["SyncOptions", "SyncStats", "COMPRESS_MODES"]
+__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
+#: The sides a :class:`Failure` can name.
+SIDES = ("source", "destination")
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,68 @@ class SyncOptions:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """One entry a sync could not handle (rsync names each on its own line and exits 23, or 24).
+
+    Attributes
+    ----------
+    path : str
+        The entry, relative to the transfer's base (``""`` for the base itself).
+    side : str
+        ``"source"`` (it could not be read) or ``"destination"`` (it could not be written,
+        replaced or deleted).
+    reason : str
+        Why, one line (e.g. ``"Permission denied"``).
+    vanished : bool
+        The source file vanished (or kept changing) while the sync ran: rsync's exit 24
+        rather than 23.
+    server : bool
+        The side that failed was the server's (a pull's source, a push's destination).
+    """
+
+    path: str
+    side: str
+    reason: str
+    vanished: bool = False
+    server: bool = False
+
+    def __post_init__(self) -> None:
+        if self.side not in SIDES:
+            raise UsageError(f"failure side must be one of {SIDES}, not {self.side!r}")
+
+    def line(self) -> str:
+        """The one line the CLI prints: the side (and the server when it was the server's), the path, the reason."""
+        where = f"{self.side} (server)" if self.server else self.side
+        shown = self.path.encode("utf-8", "backslashreplace").decode("utf-8") if self.path else "."
+        if self.vanished:
+            return f"{where} file vanished: {shown!r}: {self.reason}"
+        return f"{where} {shown!r}: {self.reason}"
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-friendly dict (the same as ``dataclasses.asdict``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: object) -> Failure:
+        """A failure from a peer's dict (unknown keys ignored).
+
+        Raises
+        ------
+        UsageError
+            Not a dict, or fields of the wrong type.
+        """
+        if not isinstance(d, dict):
+            raise UsageError("a failure must be a map")
+        path, side, reason = d.get("path"), d.get("side"), d.get("reason")
+        vanished, server = d.get("vanished", False), d.get("server", False)
+        if not (isinstance(path, str) and isinstance(side, str) and isinstance(reason, str)):
+            raise UsageError("a failure needs path, side and reason strings")
+        if not (isinstance(vanished, bool) and isinstance(server, bool)):
+            raise UsageError("a failure's vanished and server must be booleans")
+        return cls(path, side, reason[:4096], vanished, server)
+
+
+@dataclass(frozen=True)
 class SyncStats:
     """What one sync did. All fields are ints except ``seconds``.
 
@@ -109,6 +173,10 @@ class SyncStats:
         Entries removed by ``delete``.
     seconds : float
         Wall time, seconds.
+    failures : tuple of Failure
+        Entries that could not be synced (everything else was); empty on a complete sync.
+        :func:`tb5sync.sync` raises :class:`~tb5sync.errors.PartialTransferError` carrying
+        these statistics when it is not empty.
     """
 
     files_total: int = 0
@@ -121,10 +189,19 @@ class SyncStats:
     bytes_matched: int = 0
     files_deleted: int = 0
     seconds: float = 0.0
+    failures: tuple[Failure, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (without ``extra``)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        d["failures"] = [f.to_wire() for f in self.failures]
         return d
+
+    @property
+    def exit_code(self) -> int:
+        """rsync's exit status for this result: 0, 24 (only vanished source files) or 23 (some entries failed)."""
+        if not self.failures:
+            return 0
+        return 24 if all(f.vanished for f in self.failures) else 23

@@ -49,7 +49,7 @@ from ._io import unlink_quiet, write_all
 from ._replies import decode_part
 from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
-from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, Tb5syncError
+from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
 from .excludes import ExcludeRules
 from .generator import Generator, Planned
 from .messages import FilesMeta
@@ -140,16 +140,20 @@ class Receiver:
     def run(self) -> SyncStats:
         """Run the whole sync and return its statistics.
 
+        Entries that cannot be synced (a source file that cannot be read or vanished, a
+        destination entry that cannot be written, replaced or deleted) are left out, each
+        named in the result's ``failures``, and everything else is synced (rsync's model:
+        the caller exits 23, or 24 when source files only vanished).
+
         Raises
         ------
         RemoteNotFoundError
             The source does not exist.
         DestinationError
-            The destination cannot be written.
+            The destination's base cannot be made, or nothing more can be written (disk full,
+            read-only file system).
         IntegrityError
             A chunk failed verification (nothing was committed for that file).
-        SourceChangedError
-            Some source files kept changing; everything else was synced.
         ConnectError, ProtocolError
             The link failed.
         """
@@ -172,14 +176,12 @@ class Receiver:
             raise
         finally:
             self.destination.flush_records()
-        changed = self.destination.changed
-        if changed:
-            raise SourceChangedError(", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""))
         return SyncStats(
             files_total=planned.files_total,
             bytes_total=planned.bytes_total,
             wire_bytes=self.link.wire_bytes,
             seconds=time.perf_counter() - t0,
+            failures=(*self.destination.failures, *self.destination.vanished()),
             **self.destination.stats,
         )
 
@@ -191,8 +193,10 @@ class Receiver:
         """
         plan = planned.plan
         generator.prepare(plan, planned.src)
-        small = [e for e in plan.files if e.size < SMALL_FILE]
-        large = [e for e in plan.files if e.size >= SMALL_FILE]
+        dest = self.destination
+        files = [e for e in plan.files if not dest.skipped(e.path)] if dest.failed_dirs else plan.files
+        small = [e for e in files if e.size < SMALL_FILE]
+        large = [e for e in files if e.size >= SMALL_FILE]
         self._fetch_small(small)
         for e in large:
             self._fetch_large_retrying(e)
@@ -228,13 +232,17 @@ class Receiver:
         is kernel time that contends on the same locks (rwsem spinning in the profile).
         """
         meta, parts = fut.result()
-        files = FilesMeta.from_wire(meta, [e.path for e in batch]).files
+        fm = FilesMeta.from_wire(meta, [e.path for e in batch])
+        files = fm.files
         pi = 0
         todo: list[tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]] = []
-        for e, info in zip(batch, files):
+        for i, (e, info) in enumerate(zip(batch, files)):
             if info is None:
-                log.warning("source file vanished or kept changing: %s", e.path)
-                self.destination.changed.append(e.path)
+                if i in fm.failed:
+                    self.destination.fail(e.path, "source", fm.failed[i])
+                else:
+                    log.warning("source file vanished or kept changing: %s", e.path)
+                    self.destination.changed.append(e.path)
                 continue
             if pi >= len(parts):
                 raise RemoteProtocolError("read_files reply has fewer parts than files")
@@ -242,7 +250,15 @@ class Receiver:
             data = decode_part(parts[pi], size, codec)
             pi += 1
             todo.append((e, data, size, mtime_ns, mode, refs))
-        for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
+        for item in todo:
+            e, _data, size, _mtime_ns, _mode, refs = item
+            try:
+                st = self._write_small(item)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                self.destination.fail(e.path, "destination", exc)
+                continue
             self.destination.record(e.path, st, refs)
             self.destination.stats["files_transferred"] += 1
             self.destination.stats["bytes_transferred"] += size
@@ -280,7 +296,7 @@ class Receiver:
                 st = os.fstat(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
+            self.destination.rename_into_place(tmp, final)
         except BaseException:
             unlink_quiet(tmp)
             raise
@@ -291,8 +307,8 @@ class Receiver:
         """Fetch the large file ``e`` with a new :class:`~tb5sync.largefile.LargeFileJob`, up to ``tries`` times.
 
         A source that changes during a fetch is fetched again; one that vanished, or kept
-        changing, is added to the destination's ``changed`` (the run ends with
-        :class:`SourceChangedError` naming it, after syncing everything else).
+        changing, is added to the destination's ``changed``; one that cannot be read, or
+        written here, is named in the destination's failures (everything else is synced).
         """
         for attempt in range(tries):
             try:
@@ -303,6 +319,14 @@ class Receiver:
             except RemoteNotFoundError:
                 log.warning("source file vanished: %s", e.path)
                 self.destination.changed.append(e.path)
+                return
+            except SourceError as exc:
+                self.destination.fail(e.path, "source", exc)
+                return
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                self.destination.fail(e.path, "destination", exc)
                 return
         log.warning("source file kept changing: %s", e.path)
         self.destination.changed.append(e.path)

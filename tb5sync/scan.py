@@ -50,10 +50,14 @@ class Tree:
         For every directory that was listed, its path -> its direct children in name
         order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
         parents before children. Empty when the base is not a directory.
+    errors : list of (str, str)
+        ``(path, reason)`` of each directory that could not be listed (its listing in
+        :attr:`children` is empty): the scan went on without its contents.
     """
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
+    errors: list[tuple[str, str]] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -109,15 +113,18 @@ def scan_tree(
     Tree
         ``entries`` exactly as :func:`scan` would return them; ``children`` for the base
         (when a directory) and every directory below it that was listed. A missing base
-        with ``missing_ok`` gives an empty tree.
+        with ``missing_ok`` gives an empty tree. A directory that cannot be listed
+        (``PermissionError`` and other ``OSError`` s but a vanished one) is kept with an
+        empty listing and named in ``errors``, as rsync goes on after "opendir failed".
 
     Raises
     ------
-    RemoteNotFoundError, PermissionError
+    RemoteNotFoundError
         As :func:`scan`.
     """
     children: dict[str, list[Entry]] = {}
-    return Tree(_scan(base, excludes, missing_ok, True, children), children)
+    errors: list[tuple[str, str]] = []
+    return Tree(_scan(base, excludes, missing_ok, True, children, errors), children, errors)
 
 
 def scan(
@@ -164,6 +171,7 @@ def _scan(
     missing_ok: bool,
     recursive: bool,
     children: dict[str, list[Entry]] | None,
+    errors: list[tuple[str, str]] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -177,7 +185,7 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive)
+        _walk(base, "", excludes, out, children, recursive, errors)
     return out
 
 
@@ -236,15 +244,34 @@ else:
 
 
 def _walk(
-    full: str, rel: str, excludes: ExcludeRules, out: list[Entry], children: dict[str, list[Entry]] | None, recursive: bool
+    full: str,
+    rel: str,
+    excludes: ExcludeRules,
+    out: list[Entry],
+    children: dict[str, list[Entry]] | None,
+    recursive: bool,
+    errors: list[tuple[str, str]] | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
     The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
-    itself raises; names that vanish meanwhile are skipped.
+    itself raises (with ``errors`` given, only ``FileNotFoundError``: other errors are
+    appended to it as ``(rel, reason)`` and the directory's listing is empty); names that
+    vanish meanwhile are skipped.
     """
-    items = listdir_stat(full)
+    try:
+        items = listdir_stat(full)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if errors is None:
+            raise
+        log.warning("cannot list %s: %s", full, exc.strerror or exc)
+        errors.append((rel, f"cannot list directory: {exc.strerror or exc} ({exc.errno})"))
+        if children is not None:
+            children[rel] = []
+        return
     items.sort()  # by name: names are unique within a directory
     kids: list[Entry] = []
     if children is not None:
@@ -275,6 +302,6 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True)
+                _walk(dpre + name, r, excludes, out, children, True, errors)
             except FileNotFoundError:
                 continue

@@ -30,7 +30,7 @@ import lz4.block
 
 from . import chunking, refine
 from ._paths import Jail
-from .errors import RemoteNotFoundError, SourceChangedError, UsageError
+from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath
 from .scan import Tree, scan_tree
@@ -205,14 +205,34 @@ class Sender:
 
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
+        """Open the source file ``path`` for reading.
+
+        Raises
+        ------
+        FileNotFoundError
+            It vanished.
+        SourceError
+            It cannot be opened for another reason (``"PATH: reason"``, e.g. permission denied).
+        """
         check_relpath(path)
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
-            return self._jail.open_cached(self._name)
-        if not path:
+            name = self._name
+        elif not path:
             raise UsageError("the source base is a directory, not a file")
-        return self._jail.open_cached(path)
+        else:
+            name = path
+        try:
+            return self._jail.open_cached(name)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            err = SourceError(f"{path}: {exc.strerror or exc}" + (f" ({exc.errno})" if exc.errno else ""))
+            err.errno = exc.errno
+            raise err from exc
 
     def _state_path(self, path: str) -> str:
         return "/".join(p for p in (self.state_prefix, path) if p)
@@ -290,7 +310,7 @@ class Sender:
                 break
             page.append(DirSummary(*row))
             nbytes += len(row[0])
-        return TreePage(t.entries[0], page, len(t.children)).to_wire()
+        return TreePage(t.entries[0], page, len(t.children), t.errors if start == 0 else []).to_wire()
 
     def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
         """The children of the named directories, concatenated in the order asked, one page at a time.
@@ -638,10 +658,18 @@ class Sender:
             More than :data:`MAX_READ` bytes in total.
         """
         files: list[FileInfo | None] = []
+        failed: dict[int, str] = {}
         parts: list[Any] = []
         total = 0
         for path in paths:
-            item = self._read_one(path)
+            try:
+                item = self._read_one(path)
+            except SourceError as exc:
+                failed[len(files)] = str(exc).removeprefix(f"{path}: ")
+                item = None
+            except OSError as exc:  # a read error (EIO, ...): this file only
+                failed[len(files)] = f"{exc.strerror or exc} ({exc.errno})"
+                item = None
             if item is None:
                 files.append(None)
                 continue
@@ -652,7 +680,7 @@ class Sender:
             wire, codec = encode_part(data, self.options.compress)
             files.append(FileInfo(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), refs, len(wire), codec))
             parts.append(wire)
-        return FilesMeta(files).to_wire(), parts
+        return FilesMeta(files, failed).to_wire(), parts
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from typing import TYPE_CHECKING
 
-from .errors import RemoteNotFoundError, UsageError
+from .errors import RemoteNotFoundError, UsageError, partial_error
 from .options import SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -72,7 +72,15 @@ def sync(
         The source does not exist.
     ConnectError, AuthError, VersionMismatchError, PathError, ReadOnlyError
         From the server.
-    DestinationError, IntegrityError, SourceChangedError
+    PartialTransferError
+        Some entries could not be synced (everything else was): its ``stats`` is the run's
+        :class:`SyncStats`, ``failures`` names each entry, the side (source or destination,
+        and whether it was the server's) and why; ``exit_code`` 23 as rsync's. Raised by a
+        dry run too, for what the real run could not do.
+    VanishedSourceError
+        (A ``PartialTransferError`` and a ``SourceChangedError``, exit code 24.) The only
+        failures were source files that vanished or kept changing while they were read.
+    DestinationError, IntegrityError
         From the receiver; nothing half-written is left at a final path.
     """
     src_s, dst_s = os.fspath(src), os.fspath(dst)
@@ -92,10 +100,14 @@ def sync(
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
     if rsrc is not None:
-        return pull(rsrc, dst_s, options, token=token, progress=progress)
-    if rdst is not None:
-        return push(src_s, rdst, options, token=token, progress=progress)
-    return _local(src_s, dst_s, options, progress)
+        stats = pull(rsrc, dst_s, options, token=token, progress=progress)
+    elif rdst is not None:
+        stats = push(src_s, rdst, options, token=token, progress=progress)
+    else:
+        stats = _local(src_s, dst_s, options, progress)
+    if stats.failures:
+        raise partial_error(stats)
+    return stats
 
 
 def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
