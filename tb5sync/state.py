@@ -52,6 +52,33 @@ CREATE INDEX IF NOT EXISTS chunks_path ON chunks(path);
 """
 
 
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _db_int(v: int) -> int | bytes:
+    """``v`` as SQLite stores it: an INTEGER when it fits in 64 signed bits, else a BLOB of its
+    16-byte two's complement (mtimes after 2262-04-11 or before 1677-09-21 in ns, inodes past
+    2^63): one value, one representation, so equality lookups keep working."""
+    if _I64_MIN <= v <= _I64_MAX:
+        return v
+    return v.to_bytes(16, "big", signed=True)
+
+
+def _db_path(path: str) -> str | bytes:
+    """``path`` as SQLite stores it: TEXT when it is valid UTF-8, else (a name that is not, held
+    by Python as surrogate escapes) the BLOB of its bytes (``os.fsencode``)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+    return path
+
+
+def _path_of(value: str | bytes) -> str:
+    """A path read back from SQLite (see :func:`_db_path`)."""
+    return os.fsdecode(value) if isinstance(value, bytes) else value
+
+
 class TreeState:
     """Scan cache and chunk index of one root.
 
@@ -67,6 +94,9 @@ class TreeState:
     Notes
     -----
     Thread-safe: one connection guarded by a lock. Paths are POSIX, relative to ``root``.
+    A path that is not valid UTF-8 is stored as a BLOB of its bytes, an integer (mtime in ns,
+    inode) beyond 64 signed bits as a 16-byte BLOB: the schema is unchanged, and older
+    databases hold only the TEXT and INTEGER forms.
     """
 
     def __init__(self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True) -> None:
@@ -124,7 +154,7 @@ class TreeState:
         with self._lock:
             row = self._db.execute(
                 "SELECT digest, chunks FROM files WHERE path=? AND size=? AND mtime_ns=? AND ino=? AND params=?",
-                (path, size, mtime_ns, ino, self.params.version),
+                (_db_path(path), size, _db_int(mtime_ns), _db_int(ino), self.params.version),
             ).fetchone()
         if row is None:
             return None
@@ -142,13 +172,14 @@ class TreeState:
         digests = []
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for path, size, mtime_ns, ino, refs in items:
+            for rel, size, mtime_ns, ino, refs in items:
                 digest = file_digest(d for d, _ in refs)
                 digests.append(digest)
+                path = _db_path(rel)
                 self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
                 self._db.execute(
                     "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
-                    (path, size, mtime_ns, ino, self.params.version, digest, refs_to_blob(refs)),
+                    (path, size, _db_int(mtime_ns), _db_int(ino), self.params.version, digest, refs_to_blob(refs)),
                 )
                 rows = []
                 off = 0
@@ -162,8 +193,13 @@ class TreeState:
         """Drop cache and index rows of ``paths`` (deleted or replaced files) and everything below them."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for p in paths:
-                like = p.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+            for rel in paths:
+                p = _db_path(rel)
+                like: str | bytes
+                if isinstance(p, bytes):
+                    like = p.replace(b"\\", b"\\\\").replace(b"%", b"\\%").replace(b"_", b"\\_") + b"/%"
+                else:
+                    like = p.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
                 self._db.execute("DELETE FROM files WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
                 self._db.execute("DELETE FROM chunks WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
 
@@ -179,7 +215,8 @@ class TreeState:
         if exclude:
             sql += f" AND path NOT IN ({marks})"
         with self._lock:
-            return list(self._db.execute(sql + " LIMIT ?", (digest, *exclude, limit)))
+            rows = self._db.execute(sql + " LIMIT ?", (digest, *map(_db_path, exclude), limit)).fetchall()
+        return [(_path_of(p), off, n) for p, off, n in rows]
 
     def chunks_of(self, fd: int, path: str, st: os.stat_result, *, fresh: bool = False) -> tuple[bytes, list[ChunkRef]]:
         """Chunk list and file digest of the open file ``fd`` (whose ``fstat`` is ``st``), from cache or computed.
