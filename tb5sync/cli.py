@@ -181,6 +181,10 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     for f in stats.failures:  # one line per entry not synced, as rsync names them
         print(f"tb5sync: {f.line()}", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run else None
+    from .entry import show_path
+
+    if changes is not None:  # names that are not valid UTF-8 printed with \xNN escapes
+        changes = {k: [show_path(p) for p in v] for k, v in changes.items()}
     if a.json:
         out = stats.as_dict()
         if changes is not None:
@@ -210,6 +214,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
 
 def _cmd_ls(a: argparse.Namespace) -> int:
     from .client import ls, parse_url
+    from .entry import show_path
     from .errors import UsageError
 
     r = parse_url(a.url)
@@ -221,8 +226,8 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     for e in entries[1:] if entries and entries[0].kind == "d" else entries:
         kind = {"d": _stat.S_IFDIR, "l": _stat.S_IFLNK}.get(e.kind, _stat.S_IFREG)
         when = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(e.mtime_ns / 1e9))
-        name = e.path or os.path.basename(r.path.rstrip("/"))
-        tail = f" -> {e.target}" if e.kind == "l" else ""
+        name = show_path(e.path or os.path.basename(r.path.rstrip("/")))
+        tail = f" -> {show_path(e.target)}" if e.kind == "l" else ""
         print(f"{_stat.filemode(kind | e.mode)} {e.size:>14,} {when} {name}{tail}")
     return 0
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
-from .entry import DIR, FILE, LINK, Entry, kind_of, source_name
+from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
 from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
@@ -101,7 +101,7 @@ def pull(
     from .links import RemoteLink
     from .receiver import Receiver, dest_base
 
-    chans, resp = _open_streams(src, token_of(token), {"op": "pull", "path": src.path, "options": options.to_wire()}, options.streams)
+    chans, resp = _open_streams(src, token_of(token), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()}, options.streams)
     requester = Requester(chans)
     state = None
     try:
@@ -198,8 +198,8 @@ def push(
         handler.total = sum(row[3] for row in tree.summary()) + (tree.entries[0].size if kind == FILE else 0)
     msg = {
         "op": "push",
-        "path": dst.path,
-        "name": source_name(src) if name is None else name,
+        "path": path_to_wire(dst.path),
+        "name": None if (n := source_name(src) if name is None else name) is None else path_to_wire(n),
         "src_kind": kind,
         "dst_slash": dst.slash,
         "options": options.to_wire(),
@@ -248,7 +248,12 @@ def push(
     except UsageError as exc:
         raise RemoteProtocolError(f"malformed failure from the server: {exc}") from exc
     changes = res.get("changes")
-    extra = {"changes": changes} if isinstance(changes, dict) else {}
+    extra: dict[str, Any] = {}
+    if isinstance(changes, dict):
+        try:
+            extra["changes"] = {str(k): [path_from_wire(p) for p in v] for k, v in changes.items()}
+        except (UsageError, TypeError) as exc:
+            raise RemoteProtocolError("malformed changes from the server") from exc
     return _on_server(SyncStats(**fields, failures=fails, extra=extra), "destination")
 
 
@@ -269,7 +274,7 @@ def ls(url: Remote, *, token: bytes | str | None = None) -> list[Entry]:
     """
     ch = connect(url.host, url.port, token_of(token))
     try:
-        resp = open_session(ch, {"op": "ls", "path": url.path})
+        resp = open_session(ch, {"op": "ls", "path": path_to_wire(url.path)})
     finally:
         ch.close()
     return [Entry.from_wire(e) for e in resp.get("entries", [])]

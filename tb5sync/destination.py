@@ -15,6 +15,7 @@ import stat
 from collections.abc import Callable, Sequence
 
 from ._paths import temp_name
+from .entry import show_path
 from .errors import DestinationError
 from .options import Failure
 from .state import TreeState
@@ -135,8 +136,9 @@ class Destination:
             reason = str(exc)
             if reason.startswith("remote: "):
                 reason = reason[len("remote: "):]
-            if rel and reason.startswith(f"{rel}: "):
-                reason = reason[len(rel) + 2:]
+            shown = show_path(rel)
+            if rel and reason.startswith(f"{shown}: "):
+                reason = reason[len(shown) + 2:]
         log.info("not synced: %s %r: %s", side, rel, reason)
         self.failures.append(Failure(rel, side, reason.splitlines()[0] if reason else "failed"))
 

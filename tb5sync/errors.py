@@ -80,7 +80,10 @@ class VersionMismatchError(ProtocolError):
     """
 
     def __init__(self, ours: int, theirs: int) -> None:
-        super().__init__(f"protocol version mismatch: we speak {ours}, peer speaks {theirs}")
+        older = "the peer's" if theirs < ours else "this"
+        super().__init__(
+            f"protocol version mismatch: we speak {ours}, peer speaks {theirs} (upgrade tb5sync on {older} side)"
+        )
         self.ours = ours
         self.theirs = theirs
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from .entry import Entry, check_relpath
+from .entry import Entry, check_relpath, path_from_wire, path_to_wire
 from .errors import RemoteProtocolError, UsageError
 from .protocol import MAX_PAYLOAD
 
@@ -69,6 +69,9 @@ __all__ = [
     "FilesMeta",
     "SubChunksReply",
     "check_chunks",
+    "PATH_ARGS",
+    "args_to_wire",
+    "paths_from_wire",
 ]
 
 #: TCP port a server listens on and a ``tb5://`` URL names when none is given.
@@ -135,6 +138,33 @@ DIGEST_SIZE: Final = 32
 # form the sender sends, ``from_wire(...)`` checks a peer's reply (types, bounds, lengths adding up,
 # paths safe) and raises :class:`~tb5sync.errors.RemoteProtocolError` naming what was wrong. Nothing
 # above this module re-checks the shape of a reply.
+
+
+#: Request arguments that hold a path (``path``) or a list of them (``paths``, ``dirs``): sent
+#: as :func:`~tb5sync.entry.path_to_wire` gives them (bytes for a name that is not valid UTF-8).
+PATH_ARGS: Final = frozenset({"path", "paths", "dirs"})
+
+
+def args_to_wire(args: dict[str, Any]) -> dict[str, Any]:
+    """A sender request's arguments with their paths (:data:`PATH_ARGS`) in wire form."""
+    out = dict(args)
+    for k in PATH_ARGS.intersection(args):
+        v = args[k]
+        out[k] = path_to_wire(v) if isinstance(v, str) else [path_to_wire(p) if isinstance(p, str) else p for p in v]
+    return out
+
+
+def paths_from_wire(value: object, what: str) -> list[str]:
+    """A request's list of paths (str or bytes each) as Python holds them.
+
+    Raises
+    ------
+    UsageError
+        Not a list of str or bytes.
+    """
+    if not isinstance(value, list):
+        raise UsageError(f"{what} must be a list of paths")
+    return [path_from_wire(p) for p in value]
 
 
 def _bad(what: str) -> RemoteProtocolError:
@@ -212,9 +242,10 @@ class TreePage:
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"root": list(self.root), "dirs": [list(d) for d in self.dirs], "total": self.total}
+        dirs = [[path_to_wire(d.path), d.digest, d.files, d.bytes] for d in self.dirs]
+        out: dict[str, Any] = {"root": self.root.to_wire(), "dirs": dirs, "total": self.total}
         if self.failed:
-            out["failed"] = [list(f) for f in self.failed]
+            out["failed"] = [[path_to_wire(p), r] for p, r in self.failed]
         return out
 
     @classmethod
@@ -233,6 +264,8 @@ class TreePage:
             if not (isinstance(row, list) and len(row) == 4):
                 raise _bad("directory summary")
             path, digest, files, nbytes = row
+            if isinstance(path, bytes):
+                path = path_from_wire(path)
             if not (isinstance(path, str) and isinstance(digest, bytes) and _is_uint(files) and _is_uint(nbytes)):
                 raise _bad("directory summary")
             try:
@@ -255,7 +288,7 @@ class EntriesPage:
     more: bool
 
     def to_wire(self) -> dict[str, Any]:
-        return {"entries": [list(e) for e in self.entries], "more": self.more}
+        return {"entries": [e.to_wire() for e in self.entries], "more": self.more}
 
     @classmethod
     def from_wire(cls, msg: object) -> EntriesPage:
@@ -338,9 +371,9 @@ def _check_failed(value: object, what: str) -> list[tuple[str, str]]:
         raise _bad(f"{what}: failed entries")
     out = []
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, bytes)) and isinstance(item[1], str)):
             raise _bad(f"{what}: failed entry")
-        path, reason = item
+        path, reason = path_from_wire(item[0]), item[1]
         if path:
             try:
                 check_relpath(path)

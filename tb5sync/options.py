@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .entry import path_from_wire, path_to_wire, show_path
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -120,14 +121,14 @@ class Failure:
     def line(self) -> str:
         """The one line the CLI prints: the side (and the server when it was the server's), the path, the reason."""
         where = f"{self.side} (server)" if self.server else self.side
-        shown = self.path.encode("utf-8", "backslashreplace").decode("utf-8") if self.path else "."
+        shown = show_path(self.path) if self.path else "."
         if self.vanished:
             return f"{where} file vanished: {shown!r}: {self.reason}"
         return f"{where} {shown!r}: {self.reason}"
 
     def to_wire(self) -> dict[str, Any]:
-        """A msgpack-friendly dict (the same as ``dataclasses.asdict``)."""
-        return dataclasses.asdict(self)
+        """A msgpack-friendly dict: the fields, ``path`` as :func:`~tb5sync.entry.path_to_wire` gives it."""
+        return {**dataclasses.asdict(self), "path": path_to_wire(self.path)}
 
     @classmethod
     def from_wire(cls, d: object) -> Failure:
@@ -141,6 +142,8 @@ class Failure:
         if not isinstance(d, dict):
             raise UsageError("a failure must be a map")
         path, side, reason = d.get("path"), d.get("side"), d.get("reason")
+        if isinstance(path, bytes):
+            path = path_from_wire(path)
         vanished, server = d.get("vanished", False), d.get("server", False)
         if not (isinstance(path, str) and isinstance(side, str) and isinstance(reason, str)):
             raise UsageError("a failure needs path, side and reason strings")
@@ -196,7 +199,8 @@ class SyncStats:
         """The fields as a JSON-ready dict (without ``extra``)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
-        d["failures"] = [f.to_wire() for f in self.failures]
+        # JSON-ready: a path that is not valid UTF-8 is shown with \xNN escapes
+        d["failures"] = [{**dataclasses.asdict(f), "path": show_path(f.path)} for f in self.failures]
         return d
 
     @property

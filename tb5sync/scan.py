@@ -97,7 +97,8 @@ def listing_digest(children: Sequence[Entry]) -> bytes:
     import blake3
     import msgpack
 
-    return blake3.blake3(msgpack.packb(children)).digest()
+    # surrogateescape: a name that is not valid UTF-8 is hashed as its bytes (never decoded)
+    return blake3.blake3(msgpack.packb(children, unicode_errors="surrogateescape")).digest()
 
 
 def scan_tree(

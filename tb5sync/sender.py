@@ -32,7 +32,7 @@ from . import chunking, refine
 from ._paths import Jail
 from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .entry import Entry, check_relpath
+from .entry import Entry, check_relpath, path_from_wire, show_path
 from .scan import Tree, scan_tree
 from .messages import (
     CODEC_LZ4,
@@ -46,6 +46,7 @@ from .messages import (
     RangesMeta,
     SubChunksReply,
     TreePage,
+    paths_from_wire,
 )
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
@@ -230,7 +231,7 @@ class Sender:
         except OSError as exc:
             if isinstance(exc, Tb5syncError):
                 raise
-            err = SourceError(f"{path}: {exc.strerror or exc}" + (f" ({exc.errno})" if exc.errno else ""))
+            err = SourceError(f"{show_path(path)}: {exc.strerror or exc}" + (f" ({exc.errno})" if exc.errno else ""))
             err.errno = exc.errno
             raise err from exc
 
@@ -334,7 +335,8 @@ class Sender:
         UsageError
             A path that is not a directory of the scanned source, or a bad ``skip``.
         """
-        if not isinstance(dirs, list) or not isinstance(skip, int) or skip < 0:
+        dirs = paths_from_wire(dirs, "dirs")
+        if not isinstance(skip, int) or skip < 0:
             raise UsageError("entries needs a list of directories and a non-negative skip")
         kids = self.scanned().children
         out: list[Entry] = []
@@ -388,6 +390,7 @@ class Sender:
         UsageError
             Not a regular file, or ``start``/``limit`` out of range.
         """
+        path = path_from_wire(path)
         if not (isinstance(start, int) and isinstance(limit, int)) or start < 0 or limit < 0:
             raise UsageError("start and limit must be non-negative ints")
         try:
@@ -464,11 +467,12 @@ class Sender:
 
     def file_digests(self, paths: list[str]) -> dict[str, Any]:
         """File digests (BLAKE3 over the chunk list) of ``paths``, re-read from disk; None for a file that is gone."""
+        paths = paths_from_wire(paths, "paths")
         out: list[bytes | None] = []
         for p in paths:
             try:
                 out.append(self.chunk_list(p, fresh=True)["digest"])
-            except (RemoteNotFoundError, SourceChangedError, UsageError):
+            except (RemoteNotFoundError, SourceChangedError, SourceError, UsageError):
                 out.append(None)
         return FileDigests(out).to_wire()
 
@@ -496,6 +500,7 @@ class Sender:
         UsageError
             Ranges out of bounds or too large in total.
         """
+        path = path_from_wire(path)
         if self.zero_copy and self.options.compress != "lz4":
             return self._read_ranges_sendfile(path, ranges, size, mtime_ns)
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
@@ -570,6 +575,7 @@ class Sender:
         UsageError
             Bad ranges or parameters.
         """
+        path = path_from_wire(path)
         prm = refine.params_from_wire(params)
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
         try:
@@ -657,6 +663,7 @@ class Sender:
         UsageError
             More than :data:`MAX_READ` bytes in total.
         """
+        paths = paths_from_wire(paths, "paths")
         files: list[FileInfo | None] = []
         failed: dict[int, str] = {}
         parts: list[Any] = []
@@ -665,7 +672,7 @@ class Sender:
             try:
                 item = self._read_one(path)
             except SourceError as exc:
-                failed[len(files)] = str(exc).removeprefix(f"{path}: ")
+                failed[len(files)] = str(exc).removeprefix(f"{show_path(path)}: ")
                 item = None
             except OSError as exc:  # a read error (EIO, ...): this file only
                 failed[len(files)] = f"{exc.strerror or exc} ({exc.errno})"

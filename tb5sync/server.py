@@ -43,7 +43,7 @@ from .errors import (
 )
 from .fsops import FsOps, Pages
 from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
-from .entry import DIR, FILE, LINK, kind_of
+from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .scan import scan
 from .options import SyncOptions
 from .protocol import FrameType
@@ -263,6 +263,8 @@ class Server:
         if op == "join":
             return self._join(ch, msg)
         path = msg.get("path", "")
+        if isinstance(path, bytes):  # a path that is not valid UTF-8 (entry.path_to_wire)
+            path = path_from_wire(path)
         if not isinstance(path, str):
             raise UsageError("path must be a string")
         if op == "ls":
@@ -339,7 +341,7 @@ class Server:
     def _ls(self, ch: Channel, path: str) -> None:
         base = resolve_in_root(self.root, path)
         entries = scan(base, recursive=False)
-        ch.send_control(FrameType.RESPONSE, 0, {"entries": [list(e) for e in entries]})
+        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
 
     def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
         base = resolve_in_root(self.root, path)
@@ -381,6 +383,8 @@ class Server:
         if self.read_only:
             raise ReadOnlyError(f"server is read-only; cannot write {path!r}")
         name = msg.get("name")
+        if isinstance(name, bytes):
+            name = path_from_wire(name)
         src_kind = msg.get("src_kind")
         if name is not None and (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name):
             raise PathError(str(name), "bad source name")
@@ -409,8 +413,8 @@ class Server:
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}
-                if "changes" in stats.extra:
-                    result["changes"] = stats.extra["changes"]
+                if "changes" in stats.extra:  # paths as they travel (bytes when not valid UTF-8)
+                    result["changes"] = {k: [path_to_wire(p) for p in v] for k, v in stats.extra["changes"].items()}
             except Tb5syncError as exc:
                 log.info("push to %s failed: %s", path, exc)
                 result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}
