@@ -13,6 +13,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ._paths import temp_name
 from .entry import show_path
@@ -21,6 +22,8 @@ from .options import Failure
 from .state import TreeState
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: errno values after which no other entry can be written either: the run stops (rsync's exit 11).
 FATAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
@@ -63,6 +66,9 @@ class Destination:
         Entries that could not be synced, in the order met (see :meth:`fail`).
     failed_dirs : set of str
         Directories that could not be made: nothing is written below them.
+    unlocked : dict of str to int
+        Absolute paths of directories given ``u+w`` to write in them (see :meth:`writable`),
+        to their mode before (restored by :meth:`relock`).
 
     Notes
     -----
@@ -86,6 +92,7 @@ class Destination:
         self.changed: list[str] = []
         self.failures: list[Failure] = []
         self.failed_dirs: set[str] = set()
+        self.unlocked: dict[str, int] = {}
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
 
     # ---- paths ------------------------------------------------------------------------
@@ -145,6 +152,46 @@ class Destination:
     def vanished(self) -> list[Failure]:
         """:attr:`changed` as failures (``vanished=True``, side ``"source"``)."""
         return [Failure(p, "source", "vanished or kept changing while it was read", vanished=True) for p in self.changed]
+
+    def writable(self, path: str, op: Callable[[], T]) -> T:
+        """Run ``op`` (which creates, renames or removes ``path``); if it is refused because
+        ``path``'s directory lacks ``u+w``, give the directory ``u+w`` and run ``op`` again.
+
+        rsync does the same for a non-root user: a directory of mode 0555 is made writable
+        while entries in it are written, and gets its mode back at the end (:meth:`relock`;
+        the generator's last pass sets the source's modes anyway). Only a directory this
+        process owns is changed; root needs none of it.
+
+        Raises
+        ------
+        OSError
+            What ``op`` raises otherwise (or again).
+        """
+        try:
+            return op()
+        except PermissionError:
+            d = os.path.dirname(path)
+            try:
+                st = os.stat(d)
+            except OSError:
+                raise
+            if st.st_mode & stat.S_IWUSR or st.st_uid != os.geteuid():
+                raise
+            mode = stat.S_IMODE(st.st_mode)
+            os.chmod(d, mode | stat.S_IWUSR | stat.S_IXUSR)
+            self.unlocked.setdefault(d, mode)
+            return op()
+
+    def relock(self) -> None:
+        """Give each directory :meth:`writable` unlocked its mode back, unless its mode was set
+        since (by the generator's metadata pass, to the source's)."""
+        for d, mode in self.unlocked.items():
+            try:
+                if stat.S_IMODE(os.stat(d).st_mode) == mode | stat.S_IWUSR | stat.S_IXUSR:
+                    os.chmod(d, mode)
+            except OSError as exc:
+                log.info("cannot restore the mode of %s: %s", d, exc)
+        self.unlocked.clear()
 
     @staticmethod
     def rename_into_place(tmp: str, final: str) -> None:

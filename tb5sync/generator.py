@@ -331,7 +331,7 @@ class Generator:
             if dest.skipped(d.path):
                 continue
             try:
-                if self._remove(d) and kind is None:
+                if dest.writable(dest.path(d.path), lambda d=d: self._remove(d)) and kind is None:
                     dest.stats["files_deleted"] += 1
             except OSError as exc:
                 dest.fail(d.path, "destination", exc)
@@ -348,8 +348,9 @@ class Generator:
         for e in plan.mkdirs:
             if e.path == "" or e.path in dest.failed_dirs or dest.skipped(e.path):
                 continue
+            p = dest.path(e.path)
             try:
-                os.mkdir(dest.path(e.path), 0o700)
+                dest.writable(p, lambda p=p: os.mkdir(p, 0o700))
             except OSError as exc:
                 dest.fail(e.path, "destination", exc)
                 dest.failed_dirs.add(e.path)
@@ -369,7 +370,7 @@ class Generator:
             if dest.skipped(e.path):
                 continue
             try:
-                self._make_link(e)
+                dest.writable(dest.path(e.path), lambda e=e: self._make_link(e))
             except OSError as exc:
                 dest.fail(e.path, "destination", exc)
         for e in plan.meta:

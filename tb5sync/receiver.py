@@ -175,6 +175,7 @@ class Receiver:
                 raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
             raise
         finally:
+            self.destination.relock()
             self.destination.flush_records()
         return SyncStats(
             files_total=planned.files_total,
@@ -253,7 +254,7 @@ class Receiver:
         for item in todo:
             e, _data, size, _mtime_ns, _mode, refs = item
             try:
-                st = self._write_small(item)
+                st = self.destination.writable(self.destination.path(e.path), lambda item=item: self._write_small(item))
             except OSError as exc:
                 if isinstance(exc, Tb5syncError):
                     raise
@@ -312,7 +313,9 @@ class Receiver:
         """
         for attempt in range(tries):
             try:
-                LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
+                self.destination.writable(
+                    self.destination.path(e.path), LargeFileJob(self.destination, self.link, e, self.params, self.options).run
+                )
                 return
             except SourceChangedError:
                 log.info("source changed during transfer, retrying: %s (attempt %d)", e.path, attempt + 1)
