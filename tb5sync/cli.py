@@ -178,11 +178,13 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    from .entry import show_path
+
+    for path, what in stats.skipped:  # rsync without -D: 'skipping non-regular file "p"'
+        print(f"tb5sync: skipping non-regular file {show_path(path) or '.'!r} ({what})", file=sys.stderr)
     for f in stats.failures:  # one line per entry not synced, as rsync names them
         print(f"tb5sync: {f.line()}", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run else None
-    from .entry import show_path
-
     if changes is not None:  # names that are not valid UTF-8 printed with \xNN escapes
         changes = {k: [show_path(p) for p in v] for k, v in changes.items()}
     if a.json:

@@ -239,7 +239,10 @@ def push(
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
-    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures")}
+    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped")}
+    skipped = stats.get("skipped", [])
+    if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
+        raise RemoteProtocolError("the server's skipped entries are malformed")
     failures = stats.get("failures", [])
     if not isinstance(failures, list):
         raise RemoteProtocolError("the server's failures are not a list")
@@ -254,7 +257,8 @@ def push(
             extra["changes"] = {str(k): [path_from_wire(p) for p in v] for k, v in changes.items()}
         except (UsageError, TypeError) as exc:
             raise RemoteProtocolError("malformed changes from the server") from exc
-    return _on_server(SyncStats(**fields, failures=fails, extra=extra), "destination")
+    skips = tuple((x["path"], x["what"]) for x in skipped)
+    return _on_server(SyncStats(**fields, failures=fails, skipped=skips, extra=extra), "destination")
 
 
 def _on_server(stats: SyncStats, side: str) -> SyncStats:

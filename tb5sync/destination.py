@@ -66,6 +66,8 @@ class Destination:
         Entries that could not be synced, in the order met (see :meth:`fail`).
     failed_dirs : set of str
         Directories that could not be made: nothing is written below them.
+    specials : list of (str, str)
+        ``(path, what)`` of the source's special files, left out (the sender names them).
     unlocked : dict of str to int
         Absolute paths of directories given ``u+w`` to write in them (see :meth:`writable`),
         to their mode before (restored by :meth:`relock`).
@@ -93,6 +95,7 @@ class Destination:
         self.failures: list[Failure] = []
         self.failed_dirs: set[str] = set()
         self.unlocked: dict[str, int] = {}
+        self.specials: list[tuple[str, str]] = []
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
 
     # ---- paths ------------------------------------------------------------------------

@@ -136,6 +136,7 @@ class Generator:
             files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
             seconds=time.perf_counter() - t0,
             failures=tuple(self.destination.failures),
+            skipped=tuple(self.destination.specials),
             extra={"plan": plan, "changes": dry_run_changes(plan, src)},
         )
 
@@ -158,6 +159,7 @@ class Generator:
             if root is None:
                 root = page.root
                 failed = page.failed
+                self.destination.specials += page.skipped
             dirs += page.dirs
             if len(dirs) >= page.total or not page.dirs:
                 return root, dirs, failed

@@ -12,7 +12,8 @@ Answered by a :class:`~tb5sync.sender.Sender` (pull: the server's; push: the cli
 
 ``tree(start)``
     RESPONSE ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": int,
-    "failed": [[path, reason], ...]}`` (``failed``: directories the sender could not list; optional).
+    "failed": [[path, reason], ...], "skipped": [[path, what], ...]}`` (optional, first page only:
+    ``failed`` the directories the sender could not list, ``skipped`` its special files).
 ``entries(dirs, skip)``
     RESPONSE ``{"entries": [entry, ...], "more": bool}``.
 ``chunk_list(path, start, size, mtime_ns)``
@@ -234,18 +235,24 @@ class TreePage:
         ``(path, reason)`` of the source directories that could not be listed (their
         listing is empty); sent on the first page only (wire key ``failed``, left out when
         empty).
+    skipped : list of (str, str)
+        ``(path, what)`` of the special files (FIFOs, sockets, devices) the sender leaves out;
+        first page only (wire key ``skipped``, left out when empty).
     """
 
     root: Entry
     dirs: list[DirSummary]
     total: int
     failed: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         dirs = [[path_to_wire(d.path), d.digest, d.files, d.bytes] for d in self.dirs]
         out: dict[str, Any] = {"root": self.root.to_wire(), "dirs": dirs, "total": self.total}
         if self.failed:
             out["failed"] = [[path_to_wire(p), r] for p, r in self.failed]
+        if self.skipped:
+            out["skipped"] = [[path_to_wire(p), w] for p, w in self.skipped]
         return out
 
     @classmethod
@@ -273,7 +280,9 @@ class TreePage:
             except (UsageError, TypeError) as exc:
                 raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
             dirs.append(DirSummary(path, digest, files, nbytes))
-        return cls(entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"))
+        return cls(
+            entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"), _check_failed(msg.get("skipped", []), "tree page")
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,6 +180,10 @@ class SyncStats:
         Entries that could not be synced (everything else was); empty on a complete sync.
         :func:`tb5sync.sync` raises :class:`~tb5sync.errors.PartialTransferError` carrying
         these statistics when it is not empty.
+    skipped : tuple of (str, str)
+        ``(path, what)`` of the source's special files (``what``: ``"fifo"``, ``"socket"``,
+        ``"character device"``, ``"block device"``): not synced, as rsync without ``-D``
+        skips them, and named on every route (not failures).
     """
 
     files_total: int = 0
@@ -193,6 +197,7 @@ class SyncStats:
     files_deleted: int = 0
     seconds: float = 0.0
     failures: tuple[Failure, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -201,6 +206,7 @@ class SyncStats:
         d.pop("extra")
         # JSON-ready: a path that is not valid UTF-8 is shown with \xNN escapes
         d["failures"] = [{**dataclasses.asdict(f), "path": show_path(f.path)} for f in self.failures]
+        d["skipped"] = [{"path": show_path(p), "what": w} for p, w in self.skipped]
         return d
 
     @property

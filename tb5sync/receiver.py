@@ -183,6 +183,7 @@ class Receiver:
             wire_bytes=self.link.wire_bytes,
             seconds=time.perf_counter() - t0,
             failures=(*self.destination.failures, *self.destination.vanished()),
+            skipped=tuple(self.destination.specials),
             **self.destination.stats,
         )
 

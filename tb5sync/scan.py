@@ -18,7 +18,7 @@ from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["scan", "scan_tree", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
+__all__ = ["scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,20 @@ def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
     if stat.S_ISLNK(m):
         target = os.readlink(full)
         return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
-    log.warning("skipping %s: not a regular file, directory or symlink", full)
+    log.info("skipping %s: not a regular file, directory or symlink", full)
     return None
+
+
+def special_kind(mode: int) -> str:
+    """What a special file is, from its ``st_mode``: ``"fifo"``, ``"socket"``, ``"character
+    device"``, ``"block device"`` (else ``"special file"``)."""
+    fmt = stat.S_IFMT(mode)
+    return {
+        stat.S_IFIFO: "fifo",
+        stat.S_IFSOCK: "socket",
+        stat.S_IFCHR: "character device",
+        stat.S_IFBLK: "block device",
+    }.get(fmt, "special file")
 
 
 @dataclass
@@ -53,11 +65,15 @@ class Tree:
     errors : list of (str, str)
         ``(path, reason)`` of each directory that could not be listed (its listing in
         :attr:`children` is empty): the scan went on without its contents.
+    skipped : list of (str, str)
+        ``(path, what)`` of each special file left out (``what``: ``"fifo"``, ``"socket"``,
+        ``"character device"``, ``"block device"``), in scan order.
     """
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
     errors: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -125,7 +141,9 @@ def scan_tree(
     """
     children: dict[str, list[Entry]] = {}
     errors: list[tuple[str, str]] = []
-    return Tree(_scan(base, excludes, missing_ok, True, children, errors), children, errors)
+    skipped: list[tuple[str, str]] = []
+    entries = _scan(base, excludes, missing_ok, True, children, errors, skipped)
+    return Tree(entries, children, errors, skipped)
 
 
 def scan(
@@ -173,6 +191,7 @@ def _scan(
     recursive: bool,
     children: dict[str, list[Entry]] | None,
     errors: list[tuple[str, str]] | None = None,
+    skipped: list[tuple[str, str]] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -183,10 +202,12 @@ def _scan(
         raise RemoteNotFoundError(f"no such file or directory: {base}") from None
     top = _entry_from_stat("", st, base)
     if top is None:
+        if skipped is not None:
+            skipped.append(("", special_kind(st.st_mode)))
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive, errors)
+        _walk(base, "", excludes, out, children, recursive, errors, skipped)
     return out
 
 
@@ -252,6 +273,7 @@ def _walk(
     children: dict[str, list[Entry]] | None,
     recursive: bool,
     errors: list[tuple[str, str]] | None = None,
+    skipped: list[tuple[str, str]] | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
@@ -297,12 +319,14 @@ def _walk(
                 continue
             e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
         else:
-            log.warning("skipping %s: not a regular file, directory or symlink", dpre + name)
+            log.info("skipping %s: not a regular file, directory or symlink", dpre + name)
+            if skipped is not None:
+                skipped.append((r, special_kind(m)))
             continue
         out.append(e)
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True, errors)
+                _walk(dpre + name, r, excludes, out, children, True, errors, skipped)
             except FileNotFoundError:
                 continue

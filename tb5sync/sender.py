@@ -311,7 +311,8 @@ class Sender:
                 break
             page.append(DirSummary(*row))
             nbytes += len(row[0])
-        return TreePage(t.entries[0], page, len(t.children), t.errors if start == 0 else []).to_wire()
+        first = start == 0
+        return TreePage(t.entries[0], page, len(t.children), t.errors if first else [], t.skipped if first else []).to_wire()
 
     def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
         """The children of the named directories, concatenated in the order asked, one page at a time.
