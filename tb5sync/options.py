@@ -38,6 +38,10 @@ class SyncOptions:
         ``"lz4"`` (lz4 where it makes the chunk smaller) or ``"none"``.
     streams : int
         TCP streams per session, 1 to 64.
+    exclude_root : str
+        The source's name when it was given without a trailing slash (rsync's transfer root is
+        then its parent, and patterns see paths as ``NAME/...``), else ``""``; set by
+        :func:`tb5sync.sync`.
     """
 
     delete: bool = False
@@ -46,8 +50,11 @@ class SyncOptions:
     dry_run: bool = False
     compress: str = "auto"
     streams: int = 4
+    exclude_root: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
+            raise UsageError(f"exclude_root must be a single name, not {self.exclude_root!r}")
         if self.compress not in COMPRESS_MODES:
             raise UsageError(f"compress must be one of {COMPRESS_MODES}, not {self.compress!r}")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
@@ -60,11 +67,11 @@ class SyncOptions:
         """The compiled exclude rules."""
         from .excludes import ExcludeRules
 
-        return ExcludeRules(self.excludes)
+        return ExcludeRules(self.excludes, self.exclude_root)
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly dict of these options."""
-        return {**dataclasses.asdict(self), "excludes": list(self.excludes)}
+        return {**dataclasses.asdict(self), "excludes": list(self.excludes), "exclude_root": path_to_wire(self.exclude_root)}
 
     @classmethod
     def from_wire(cls, d: object) -> SyncOptions:
@@ -82,6 +89,8 @@ class SyncOptions:
         ex = kw.get("excludes", ())
         if not isinstance(ex, (list, tuple)) or not all(isinstance(p, str) for p in ex):
             raise UsageError("excludes must be a list of strings")
+        if isinstance(kw.get("exclude_root"), bytes):
+            kw["exclude_root"] = path_from_wire(kw["exclude_root"])
         for k in ("delete", "checksum", "dry_run"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -95,8 +96,11 @@ def sync(
         streams=DEFAULT_STREAMS if streams is None else streams,
     )
     from .client import parse_url, pull, push
+    from .entry import source_name
 
     rsrc, rdst = parse_url(src_s), parse_url(dst_s)
+    # rsync's transfer root: the source's parent when it has no trailing slash (exclude anchoring)
+    options = dataclasses.replace(options, exclude_root=source_name(rsrc.path if rsrc is not None else src_s) or "")
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
     if rsrc is not None:
