@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
     s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
+    s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
                    help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
     y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
+    y.add_argument("--state-dir", metavar="DIR",
+                   help="scan cache, chunk index and partial files of a local or pulled destination "
+                        "(default: in the user's cache directory, keyed by the destination's device and inode)")
 
     l_ = sub.add_parser("ls", help="list a remote directory")
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
@@ -116,7 +120,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
 
     host, port = _parse_bind(a.bind)
-    srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only)
+    srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
+                 state_dir=a.state_dir)
     srv.bind()
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
 
@@ -172,6 +177,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             compress=a.compress,
             progress=progress,
             token=_read_token(a.token_file),
+            state_dir=a.state_dir,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats

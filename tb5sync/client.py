@@ -55,11 +55,26 @@ def _open_streams(
     return chans, resp
 
 
-def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tuple[TreeState, str]:
-    """The destination's state root for a sync into ``dst`` landing at ``dest``; returns ``(state, prefix)``.
+def default_state_dir(root: str) -> str | None:
+    """The state directory of the local tree ``root`` in the user's cache directory
+    (``platformdirs.user_cache_dir("tb5sync")/trees/DEV-INO``, keyed by ``root``'s device and
+    inode), or None when ``root`` does not exist."""
+    import platformdirs
 
-    The state root is the destination directory the user named (or its parent
-    when a single file lands on a file path).
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return os.path.join(platformdirs.user_cache_dir("tb5sync"), "trees", f"{st.st_dev:x}-{st.st_ino:x}")
+
+
+def local_state(dest: str, dst: str, src_kind: str, writable: bool = True, state_dir: str | None = None) -> tuple[TreeState, str]:
+    """The destination's state for a sync into ``dst`` landing at ``dest``; returns ``(state, prefix)``.
+
+    The state root is the destination directory the user named (or its parent when a single
+    file lands on a file path). Its state lives in ``state_dir`` when given, else in the user's
+    cache directory (:func:`default_state_dir`): a local or pulled destination receives no
+    ``.tb5sync`` directory, as rsync leaves nothing of its own there. Losing it costs speed only.
     """
     from .state import TreeState
 
@@ -69,7 +84,8 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
             os.makedirs(root, exist_ok=True)
         except OSError:
             writable = False
-    state = TreeState(root, writable=writable and os.access(root, os.W_OK))
+    where = state_dir if state_dir is not None else default_state_dir(root)
+    state = TreeState(root, writable=writable and where is not None, state_dir=where)
     rel = os.path.relpath(dest, root)
     return state, "" if rel == "." else rel
 
@@ -82,12 +98,13 @@ def pull(
     token: bytes | str | None = None,
     progress: ProgressFn | None = None,
     keep_state: bool = True,
+    state_dir: str | None = None,
 ) -> SyncStats:
     """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
 
     ``keep_state=False`` keeps the destination's scan cache and chunk index in
-    memory (no ``.tb5sync`` directory is created locally; an interrupted large
-    file is not resumable).
+    memory (an interrupted large file is not resumable); otherwise they live in
+    ``state_dir``, by default in the user's cache directory (see :func:`local_state`).
 
     Raises
     ------
@@ -110,7 +127,7 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
-        state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run)
+        state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
         stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
         return _on_server(stats, "source")
     finally:

@@ -96,6 +96,9 @@ class Destination:
         self.failed_dirs: set[str] = set()
         self.unlocked: dict[str, int] = {}
         self.specials: list[tuple[str, str]] = []
+        #: large files are assembled in the state's partial/ directory (resumable); else under a
+        #: temporary name beside their final path (the state is in memory or on another file system)
+        self.partials = state is not None and state.partials_for(base)
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
 
     # ---- paths ------------------------------------------------------------------------

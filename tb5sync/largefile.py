@@ -166,7 +166,7 @@ class LargeFileJob:
         self.size, self.mtime_ns = size, mtime_ns
         dest = self.destination
         final = dest.path(self.rel)
-        if dest.state is not None and dest.state.persistent:
+        if dest.state is not None and dest.partials:
             key = chunk_digest(f"{dest.spath(self.rel)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
             self.work = dest.state.partial_path(key)
             keep_partial = True

@@ -100,6 +100,9 @@ class Server:
         CIDR networks clients may connect from; empty allows all.
     read_only : bool
         Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
+    state_dir : str or path, optional
+        Where the root's scan cache, chunk index and partial files live; ``ROOT/.tb5sync``
+        by default.
 
     Raises
     ------
@@ -115,6 +118,7 @@ class Server:
         token: bytes | str | None = None,
         allow: Sequence[str] = (),
         read_only: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -129,7 +133,9 @@ class Server:
             raise UsageError(f"bad --allow network: {exc}") from exc
         self.read_only = read_only
         # a read-only server writes nothing under its root, not even its own scan cache
-        self.state = TreeState(root, writable=not read_only and os.access(root, os.W_OK))
+        sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
+        writable = not read_only and (os.access(root, os.W_OK) if sdir is None else True)
+        self.state = TreeState(root, writable=writable, state_dir=sdir)
         self._sessions: dict[str, _Session] = {}
         self._pages = Pages()
         self._lock = threading.Lock()

@@ -85,11 +85,15 @@ class TreeState:
     Parameters
     ----------
     root : str
-        The root directory (absolute). State lives in ``root/.tb5sync``.
+        The root directory (absolute) whose files the state describes.
     params : ChunkParams
         Chunk parameter set; cache rows made with another version are ignored.
     writable : bool
         False keeps the state in memory only (for read-only roots).
+    state_dir : str, optional
+        Where ``state.sqlite`` and ``partial/`` live; ``root/.tb5sync`` by default (a
+        server's root). Local and pull destinations keep theirs in the user's cache
+        directory instead (:func:`tb5sync.client.local_state`).
 
     Notes
     -----
@@ -99,10 +103,12 @@ class TreeState:
     databases hold only the TEXT and INTEGER forms.
     """
 
-    def __init__(self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True) -> None:
+    def __init__(
+        self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True, state_dir: str | None = None
+    ) -> None:
         self.root = root
         self.params = params
-        self.state_dir = os.path.join(root, STATE_DIR)
+        self.state_dir = os.path.join(root, STATE_DIR) if state_dir is None else state_dir
         self._lock = threading.Lock()
         db = ":memory:"
         if writable:
@@ -236,6 +242,27 @@ class TreeState:
         refs = chunk_fd(fd, st.st_size, self.params)
         digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
         return digest, refs
+
+    def partials_for(self, base: str) -> bool:
+        """Whether partial files can live in :attr:`state_dir` for a destination at ``base``: the
+        state is on disk and on the same file system as ``base`` (or its nearest existing
+        parent), so that the finished file is renamed into place, not copied."""
+        if not self.persistent:
+            return False
+        probe = base
+        while True:
+            try:
+                dev = os.stat(probe).st_dev
+                break
+            except OSError:
+                parent = os.path.dirname(probe)
+                if parent == probe:
+                    return False
+                probe = parent
+        try:
+            return os.stat(os.path.join(self.state_dir, "partial")).st_dev == dev
+        except OSError:
+            return False
 
     def partial_path(self, key: bytes) -> str:
         """Where a large file is assembled before it is renamed into place; ``key`` names it (hex).

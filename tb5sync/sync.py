@@ -35,6 +35,7 @@ def sync(
     compress: str = "auto",
     progress: ProgressFn | None = None,
     token: bytes | str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -60,6 +61,11 @@ def sync(
         Called as data is committed (push: as data is sent).
     token : bytes or str, optional
         Shared secret; defaults to the environment variable ``TB5SYNC_TOKEN``.
+    state_dir : str or path, optional
+        Where a local or pulled destination's scan cache, chunk index and partial large files
+        live. By default in the user's cache directory (``platformdirs``), keyed by the
+        destination directory's device and inode: the destination itself receives nothing
+        but the synced entries. A push keeps the server's (its ROOT/.tb5sync or ``--state-dir``).
 
     Returns
     -------
@@ -103,18 +109,19 @@ def sync(
     options = dataclasses.replace(options, exclude_root=source_name(rsrc.path if rsrc is not None else src_s) or "")
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
+    sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
     if rsrc is not None:
-        stats = pull(rsrc, dst_s, options, token=token, progress=progress)
+        stats = pull(rsrc, dst_s, options, token=token, progress=progress, state_dir=sdir)
     elif rdst is not None:
         stats = push(src_s, rdst, options, token=token, progress=progress)
     else:
-        stats = _local(src_s, dst_s, options, progress)
+        stats = _local(src_s, dst_s, options, progress, sdir)
     if stats.failures:
         raise partial_error(stats)
     return stats
 
 
-def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
+def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None, state_dir: str | None = None) -> SyncStats:
     from .client import local_state
     from .entry import DIR, kind_of, source_name
     from .links import LocalLink
@@ -129,7 +136,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
-    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run)
+    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
     sender = Sender(src_abs, options)
     sender.prepare()
     link = LocalLink(sender)
