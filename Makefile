@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 CORPUS  ?= .corpus
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-pure bench bench-short corpus clean
+.PHONY: demo test test-pure bench bench-short corpus clean dist-check
 
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py
+
+## dist-check: build the sdist and the wheel (python -m build), install each into a fresh venv, run it
+dist-check: $(STAMP)
+	scripts/dist_check.sh $(BIN)/python
 
 ## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
 ## SHARED is the team's shared/ folder, a sibling of the clone by default

@@ -59,9 +59,20 @@ def _parse_bind(text: str) -> tuple[str, int]:
     return host, p
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version, then which chunker runs (the Cython one, or the pure-Python twin)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        from . import __version__
+        from .chunking import implementation_note
+
+        print(f"tb5sync {__version__}")
+        print(implementation_note())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    from . import __version__
 
     def threads(q: argparse.ArgumentParser, default: Any) -> None:
         q.add_argument("--hash-threads", type=int, default=default, metavar="N",
@@ -71,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "$TB5SYNC_CHUNK_THREADS, else 1 below 8 CPUs, else min(4, CPUs/4))")
 
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="show the version and the chunker in use, and exit")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     threads(p, 0)
     # The same options are accepted after the command too (there they override).
@@ -259,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench}
     try:
+        from .hashing import check_environment
+
+        check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported now, not at the first large file
         if a.hash_threads:
             from .hashing import set_hash_threads
 

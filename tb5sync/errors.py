@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "Tb5syncError",
     "UsageError",
+    "ArgumentTypeError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -54,6 +55,10 @@ class UsageError(Tb5syncError, ValueError):
     """Bad argument from the caller: a malformed URL, an unknown option value, a bad path."""
 
     exit_code = 2
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """An API argument of the wrong type (e.g. ``sync(..., exclude="*.log")``); the message names it."""
 
 
 class ProtocolError(Tb5syncError):

@@ -107,7 +107,8 @@ class Server:
     Raises
     ------
     UsageError
-        ``root`` is not a directory, or a CIDR is malformed.
+        ``root`` is not a directory, a CIDR is malformed, or ``$TB5SYNC_HASH_THREADS`` /
+        ``$TB5SYNC_CHUNK_THREADS`` is not a valid thread count.
     """
 
     def __init__(
@@ -120,6 +121,11 @@ class Server:
         read_only: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        from .chunking import warn_if_pure_python
+        from .hashing import check_environment
+
+        check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
+        warn_if_pure_python()
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
             raise UsageError(f"server root is not a directory: {root}")

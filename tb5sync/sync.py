@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from typing import TYPE_CHECKING
 
-from .errors import RemoteNotFoundError, UsageError, partial_error
+from .errors import ArgumentTypeError, RemoteNotFoundError, UsageError, partial_error
 from .options import SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -73,6 +73,9 @@ def sync(
 
     Raises
     ------
+    TypeError
+        An argument of the wrong type (e.g. ``exclude="*.log"``: a str is not a list of
+        patterns); the message names the argument. (Also a ``UsageError``.)
     UsageError
         Bad arguments (both sides remote, bad URL, bad option values).
     RemoteNotFoundError
@@ -90,6 +93,10 @@ def sync(
     DestinationError, IntegrityError
         From the receiver; nothing half-written is left at a final path.
     """
+    _check_arguments(src, dst, delete, exclude, checksum, dry_run, streams, compress, progress, token, state_dir)
+    from .chunking import warn_if_pure_python
+
+    warn_if_pure_python()
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if not src_s or not dst_s:
         raise UsageError("source and destination must not be empty")
@@ -119,6 +126,41 @@ def sync(
     if stats.failures:
         raise partial_error(stats)
     return stats
+
+
+def _check_arguments(
+    src: object, dst: object, delete: object, exclude: object, checksum: object, dry_run: object,
+    streams: object, compress: object, progress: object, token: object, state_dir: object,
+) -> None:
+    """Check the types of :func:`sync`'s arguments at the API boundary, naming the first wrong one.
+
+    Raises
+    ------
+    TypeError
+        (a :class:`UsageError` too) An argument of the wrong type.
+    """
+
+    def bad(name: str, want: str, got: object) -> ArgumentTypeError:
+        return ArgumentTypeError(f"sync(): {name} must be {want}, not {type(got).__name__} {got!r:.80}")
+
+    for name, v in (("src", src), ("dst", dst)):
+        if not isinstance(v, (str, os.PathLike)):
+            raise bad(name, "a str or os.PathLike", v)
+    for name, v in (("delete", delete), ("checksum", checksum), ("dry_run", dry_run)):
+        if not isinstance(v, bool):
+            raise bad(name, "a bool", v)
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence) or not all(isinstance(p, str) for p in exclude):
+        raise bad("exclude", "a list or tuple of str patterns (exclude=['*.log'], not exclude='*.log')", exclude)
+    if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int)):
+        raise bad("streams", "an int or None", streams)
+    if not isinstance(compress, str):
+        raise bad("compress", "a str", compress)
+    if progress is not None and not callable(progress):
+        raise bad("progress", "a callable(bytes_done, bytes_total) or None", progress)
+    if token is not None and not isinstance(token, (str, bytes)):
+        raise bad("token", "bytes, str or None", token)
+    if state_dir is not None and not isinstance(state_dir, (str, os.PathLike)):
+        raise bad("state_dir", "a str, os.PathLike or None", state_dir)
 
 
 def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None, state_dir: str | None = None) -> SyncStats:
