@@ -743,10 +743,14 @@ class TB5FileSystem(AsyncFileSystem):
                 raise err from None
             raise
 
-    async def _expand_path(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> list[str]:
+    async def _expand_path(
+        self, path: Any, recursive: bool = False, maxdepth: int | None = None, assume_literal: bool = False
+    ) -> list[str]:
         """fsspec's expansion of ``path`` (a str or a list), except that a path holding glob
         characters (``*``, ``?``, ``[``) that exists is taken literally, with what is below it
         when ``recursive``; only a path that does not exist is a pattern."""
+        if assume_literal:
+            return await super()._expand_path(path, recursive=recursive, maxdepth=maxdepth, assume_literal=True)
         paths = [path] if isinstance(path, str) else list(path)
         literal: list[str] = []
         patterns: list[Any] = []
@@ -758,14 +762,9 @@ class TB5FileSystem(AsyncFileSystem):
                 patterns.append(p)
         if not literal:
             return await super()._expand_path(path, recursive=recursive, maxdepth=maxdepth)
-        out: set[str] = set()
+        out: set[str] = set(await super()._expand_path(literal, recursive=recursive, maxdepth=maxdepth, assume_literal=True))
         if patterns:
             out.update(await super()._expand_path(patterns, recursive=recursive, maxdepth=maxdepth))
-        for sp in literal:
-            out.add(sp)
-            if recursive and await self._isdir(sp):
-                depth = None if maxdepth is None else maxdepth
-                out.update(await self._find(sp, maxdepth=depth, withdirs=True))
         return sorted(out)
 
     async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None, maxdepth: int | None = None, **kwargs: Any) -> None:
