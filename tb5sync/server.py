@@ -28,11 +28,12 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ._paths import resolve_in_root
 from .errors import (
+    ArgumentTypeError,
     AuthError,
     ConnectError,
     PathError,
@@ -83,6 +84,37 @@ class _Session:
         self.lock = threading.Lock()
 
 
+def _check_server_arguments(
+    root: object, host: object, port: object, token: object, allow: object, read_only: object, state_dir: object
+) -> None:
+    """Check the types of :class:`Server`'s arguments, naming the first wrong one.
+
+    Raises
+    ------
+    ArgumentTypeError
+        (a ``TypeError`` and a ``UsageError``) e.g. ``allow="10.0.0.0/8"`` (a str, not a list
+        of networks), ``port="8873"``.
+    """
+
+    def bad(name: str, want: str, got: object) -> ArgumentTypeError:
+        return ArgumentTypeError(f"Server(): {name} must be {want}, not {type(got).__name__} {got!r:.80}")
+
+    if not isinstance(root, (str, os.PathLike)):
+        raise bad("root", "a str or os.PathLike", root)
+    if not isinstance(host, str):
+        raise bad("host", "a str", host)
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise bad("port", "an int", port)
+    if token is not None and not isinstance(token, (str, bytes)):
+        raise bad("token", "bytes, str or None", token)
+    if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable) or not all(isinstance(c, str) for c in allow):
+        raise bad("allow", "a list of CIDR strings (allow=['10.0.0.0/8'])", allow)
+    if not isinstance(read_only, bool):
+        raise bad("read_only", "a bool", read_only)
+    if state_dir is not None and not isinstance(state_dir, (str, os.PathLike)):
+        raise bad("state_dir", "a str, os.PathLike or None", state_dir)
+
+
 class Server:
     """Serve ``root`` over TCP.
 
@@ -126,6 +158,7 @@ class Server:
 
         check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
         warn_if_pure_python()
+        _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
             raise UsageError(f"server root is not a directory: {root}")

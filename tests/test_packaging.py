@@ -126,3 +126,22 @@ def test_bad_thread_count_refused_by_server(tmp_path: Any, monkeypatch: pytest.M
     monkeypatch.setenv("TB5SYNC_HASH_THREADS", "many")
     with pytest.raises(tb5sync.UsageError, match="TB5SYNC_HASH_THREADS"):
         Server(str(tmp_path), host="127.0.0.1", port=0)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        ({"allow": "10.0.0.0/8"}, "allow"),  # a str used to be iterated as one-character networks
+        ({"allow": 5}, "allow"),
+        ({"port": "8873"}, "port"),
+        ({"host": None}, "host"),
+        ({"token": 1}, "token"),
+        ({"read_only": "no"}, "read_only"),
+        ({"state_dir": 1}, "state_dir"),
+    ],
+)
+def test_server_checks_argument_types(tmp_path: Any, kw: dict[str, Any], name: str) -> None:
+    args: dict[str, Any] = {"host": "127.0.0.1", "port": 0, **kw}
+    with pytest.raises(TypeError, match=rf"Server\(\): {name} must be"):
+        Server(str(tmp_path), **args)
+    assert os.listdir(tmp_path) == []  # not even a state directory
