@@ -177,10 +177,7 @@ class Destination:
             return op()
         except PermissionError:
             d = os.path.dirname(path)
-            try:
-                st = os.stat(d)
-            except OSError:
-                raise
+            st = os.stat(d)
             if st.st_mode & stat.S_IWUSR or st.st_uid != os.geteuid():
                 raise
             mode = stat.S_IMODE(st.st_mode)

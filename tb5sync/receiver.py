@@ -314,8 +314,9 @@ class Receiver:
         """
         for attempt in range(tries):
             try:
+                # a new job for the retry after making the directory writable: one job, one attempt
                 self.destination.writable(
-                    self.destination.path(e.path), LargeFileJob(self.destination, self.link, e, self.params, self.options).run
+                    self.destination.path(e.path), lambda: LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
                 )
                 return
             except SourceChangedError:
