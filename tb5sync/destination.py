@@ -68,9 +68,10 @@ class Destination:
         Directories that could not be made: nothing is written below them.
     specials : list of (str, str)
         ``(path, what)`` of the source's special files, left out (the sender names them).
-    unlocked : dict of str to int
-        Absolute paths of directories given ``u+w`` to write in them (see :meth:`writable`),
-        to their mode before (restored by :meth:`relock`).
+    unlocked : dict of str to (int, int)
+        Absolute paths of directories given ``u+w`` to write in them (see :meth:`writable`) or
+        ``u+rx`` to list them (the destination's scan), to ``(mode before, mode given)``; the
+        mode before is restored by :meth:`relock` unless the mode was set since.
 
     Notes
     -----
@@ -94,7 +95,7 @@ class Destination:
         self.changed: list[str] = []
         self.failures: list[Failure] = []
         self.failed_dirs: set[str] = set()
-        self.unlocked: dict[str, int] = {}
+        self.unlocked: dict[str, tuple[int, int]] = {}
         self.specials: list[tuple[str, str]] = []
         #: large files are assembled in the state's partial/ directory (resumable); else under a
         #: temporary name beside their final path (the state is in memory or on another file system)
@@ -182,15 +183,15 @@ class Destination:
                 raise
             mode = stat.S_IMODE(st.st_mode)
             os.chmod(d, mode | stat.S_IWUSR | stat.S_IXUSR)
-            self.unlocked.setdefault(d, mode)
+            self.unlocked.setdefault(d, (mode, mode | stat.S_IWUSR | stat.S_IXUSR))
             return op()
 
     def relock(self) -> None:
-        """Give each directory :meth:`writable` unlocked its mode back, unless its mode was set
-        since (by the generator's metadata pass, to the source's)."""
-        for d, mode in self.unlocked.items():
+        """Give each directory :meth:`writable` (or the destination's scan) unlocked its mode
+        back, unless its mode was set since (by the generator's metadata pass, to the source's)."""
+        for d, (mode, given) in self.unlocked.items():
             try:
-                if stat.S_IMODE(os.stat(d).st_mode) == mode | stat.S_IWUSR | stat.S_IXUSR:
+                if stat.S_IMODE(os.stat(d).st_mode) == given:
                     os.chmod(d, mode)
             except OSError as exc:
                 log.info("cannot restore the mode of %s: %s", d, exc)

@@ -100,6 +100,9 @@ class Generator:
                 dst_tree = dst_scan.result()
             except PermissionError as exc:
                 raise DestinationError(f"cannot read destination {self.destination.base}: {exc.strerror}") from exc
+            dst_errors = dst_tree.errors
+            for d, mode in dst_tree.unlocked.items():  # listed after u+rx; relock gives the mode back
+                self.destination.unlocked.setdefault(d, (mode, mode | 0o500))
             src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
             wait([dst_scan])  # the scan never outlives the run
@@ -109,7 +112,10 @@ class Generator:
         # rsync's rule: after an I/O error on the sending side (a directory it could not list)
         # nothing is deleted, since what is missing from the listing may only be unreadable.
         delete = self.options.delete
-        if delete and src_failed:
+        if delete:  # a destination directory that cannot be listed (nor unlocked): rsync's opendir failure
+            for path, reason in dst_errors:
+                self.destination.fail(path, "destination", reason)
+        if delete and (src_failed or dst_errors):
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
         plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same)

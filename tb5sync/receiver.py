@@ -159,7 +159,10 @@ class Receiver:
         """
         t0 = time.perf_counter()
         # Scan the destination while the sender scans the source (they overlap on two cores).
-        dst_fut = self._dst_scan if self._dst_scan is not None else scan_in_background(self.dest, self.options.rules)
+        dst_fut = (
+            self._dst_scan if self._dst_scan is not None
+            else scan_in_background(self.dest, self.options.rules, unlock=not self.options.dry_run)
+        )
         generator = Generator(self.link, self.destination, self.options, self.params)
         planned = generator.make_plan(dst_fut)
         if self.options.dry_run:
@@ -337,22 +340,24 @@ class Receiver:
         self.destination.changed.append(e.path)
 
 
-def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:
+def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> Future[Tree]:
     """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
 
     Returns
     -------
     Future of Tree
         Settles with the tree (empty when ``dest`` does not exist) or with the scan's
-        exception (e.g. ``PermissionError``). Pass it to :class:`Receiver` as ``dst_scan``
-        when the scan should start before the receiver can run (the server starts it as a
+        exception (e.g. ``PermissionError``). With ``unlock`` (not for a dry run: it changes
+        modes) a directory this process owns but may not list is given ``u+rx`` first
+        (:func:`tb5sync.scan.scan_tree`); the receiver gives the mode back at the end.
+        Pass it to :class:`Receiver` as ``dst_scan`` when the scan should start before the receiver can run (the server starts it as a
         push session opens, while the client's other streams join).
     """
     fut: Future[Tree] = Future()
 
     def scan_into() -> None:
         try:
-            tree = scan_tree(dest, rules, missing_ok=True)
+            tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
             tree.digests()
             fut.set_result(tree)
         except BaseException as exc:  # delivered to the caller through the future

@@ -38,6 +38,20 @@ def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
     return None
 
 
+def _unlock_dir(path: str, unlocked: dict[str, int]) -> bool:
+    """Give the directory ``path`` ``u+rx`` if this process owns it and it lacks them; record
+    its mode before in ``unlocked``. False when it was not changed."""
+    try:
+        st = os.stat(path)
+        if st.st_uid != os.geteuid() or (st.st_mode & 0o500) == 0o500:
+            return False
+        os.chmod(path, stat.S_IMODE(st.st_mode) | 0o500)
+    except OSError:
+        return False
+    unlocked.setdefault(path, stat.S_IMODE(st.st_mode))
+    return True
+
+
 def special_kind(mode: int) -> str:
     """What a special file is, from its ``st_mode``: ``"fifo"``, ``"socket"``, ``"character
     device"``, ``"block device"`` (else ``"special file"``)."""
@@ -68,12 +82,16 @@ class Tree:
     skipped : list of (str, str)
         ``(path, what)`` of each special file left out (``what``: ``"fifo"``, ``"socket"``,
         ``"character device"``, ``"block device"``), in scan order.
+    unlocked : dict of str to int
+        Absolute paths of the directories :func:`scan_tree` gave ``u+rx`` to list them
+        (``unlock``), to their mode before.
     """
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
     errors: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    unlocked: dict[str, int] = field(default_factory=dict)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -122,8 +140,13 @@ def scan_tree(
     excludes: ExcludeRules = NO_RULES,
     *,
     missing_ok: bool = False,
+    unlock: bool = False,
 ) -> Tree:
     """Scan like :func:`scan` (recursively) and keep each directory's listing.
+
+    ``unlock`` (a destination's scan): a directory this process owns but may not list (no
+    ``u+r``/``u+x``, a non-root user's) is given ``u+rx`` and listed, as rsync makes its way
+    into a destination directory; ``Tree.unlocked`` maps its path to its mode before.
 
     Returns
     -------
@@ -142,8 +165,9 @@ def scan_tree(
     children: dict[str, list[Entry]] = {}
     errors: list[tuple[str, str]] = []
     skipped: list[tuple[str, str]] = []
-    entries = _scan(base, excludes, missing_ok, True, children, errors, skipped)
-    return Tree(entries, children, errors, skipped)
+    unlocked: dict[str, int] | None = {} if unlock else None
+    entries = _scan(base, excludes, missing_ok, True, children, errors, skipped, unlocked)
+    return Tree(entries, children, errors, skipped, unlocked or {})
 
 
 def scan(
@@ -192,6 +216,7 @@ def _scan(
     children: dict[str, list[Entry]] | None,
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
+    unlocked: dict[str, int] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -207,7 +232,7 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive, errors, skipped)
+        _walk(base, "", excludes, out, children, recursive, errors, skipped, unlocked)
     return out
 
 
@@ -274,6 +299,7 @@ def _walk(
     recursive: bool,
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
+    unlocked: dict[str, int] | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
@@ -284,13 +310,18 @@ def _walk(
     vanish meanwhile are skipped.
     """
     try:
-        items = listdir_stat(full)
+        try:
+            items = listdir_stat(full)
+        except PermissionError:
+            if unlocked is None or not _unlock_dir(full, unlocked):
+                raise
+            items = listdir_stat(full)
     except FileNotFoundError:
         raise
     except OSError as exc:
         if errors is None:
             raise
-        log.warning("cannot list %s: %s", full, exc.strerror or exc)
+        log.info("cannot list %s: %s", full, exc.strerror or exc)  # reported through errors
         errors.append((rel, f"cannot list directory: {exc.strerror or exc} ({exc.errno})"))
         if children is not None:
             children[rel] = []
@@ -327,6 +358,6 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True, errors, skipped)
+                _walk(dpre + name, r, excludes, out, children, True, errors, skipped, unlocked)
             except FileNotFoundError:
                 continue

@@ -444,7 +444,7 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.rules)
+        dst_scan = scan_in_background(dest, options.rules, unlock=not options.dry_run)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
         requester: Requester | None = None
         try:

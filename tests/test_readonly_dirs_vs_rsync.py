@@ -96,3 +96,52 @@ def test_update_inside_mode_0555_directories_like_rsync(shared_tmp: str) -> None
         live.server.stop()
         for d in (shared_tmp,):
             _unlock(d)
+
+
+def test_unlistable_destination_directories_like_rsync(shared_tmp: str) -> None:
+    """A non-root user's destination directory without ``u+r`` (mode 0300) still gets its
+    contents synced and, with ``--delete``, its extra entries deleted, as rsync makes its way in.
+    (Such a directory that the source lacks altogether is another matter: rsync cannot list
+    it to delete it, says "opendir failed" and deletes nothing more; not compared here.)"""
+    user = _unprivileged()
+    src = os.path.join(shared_tmp, "sp", "src")
+    write(os.path.join(src, "d", "a.txt"), b"new a", 0o644, T0)
+    write(os.path.join(src, "d", "sub", "b.txt"), b"b", 0o644, T0)
+    freeze_dirs(src, T0)
+    tpl = os.path.join(shared_tmp, "tpl", "dst")
+    write(os.path.join(tpl, "d", "a.txt"), b"old a, longer", 0o644, T0 - S)
+    write(os.path.join(tpl, "d", "extra.txt"), b"only at the destination", 0o644, T0)
+    write(os.path.join(tpl, "d", "sub", "extra2.txt"), b"deeper", 0o644, T0)
+    freeze_dirs(tpl, T0)
+    for p in ("d/sub", "d"):
+        os.chmod(os.path.join(tpl, p), 0o300)
+    srv_root = os.path.join(shared_tmp, "server")
+    os.makedirs(srv_root)
+    dps = {r: os.path.join(shared_tmp, f"dp-{r}") for r in ("rsync", "local", "pull")}
+    for r, d in dps.items():
+        os.makedirs(d)
+        cp_a(tpl, os.path.join(d, "dst"))
+    cp_a(tpl, os.path.join(srv_root, "dst"))
+    _chown_tree(shared_tmp, user)
+    live = start_server(os.path.join(shared_tmp, "rootsrv"))
+    cp_a(src, os.path.join(live.root, "src"))
+    nobody_srv = NobodyServer(srv_root, user)
+    try:
+        proc = rsync_rc(["--delete", src + "/", os.path.join(dps["rsync"], "dst")], user)
+        assert proc.returncode == 0, proc.stderr
+        runs = {
+            "local": cli(["sync", "--delete", src + "/", os.path.join(dps["local"], "dst")], user),
+            "push": cli(["sync", "--delete", src + "/", nobody_srv.url("dst")], user),
+            "pull": cli(["sync", "--delete", live.url("src/"), os.path.join(dps["pull"], "dst")], user),
+        }
+        finals = {"local": os.path.join(dps["local"], "dst"), "push": os.path.join(srv_root, "dst"),
+                  "pull": os.path.join(dps["pull"], "dst")}
+        ref = digest_snapshot(os.path.join(dps["rsync"], "dst"), ())
+        assert "d/extra.txt" not in ref and "d/sub/extra2.txt" not in ref and ref["d"][1] == 0o755
+        for r, p in runs.items():
+            assert p.returncode == 0, f"{r}: {p.returncode} {p.stderr}"
+            assert_same(ref, digest_snapshot(finals[r], ()), r)
+    finally:
+        nobody_srv.stop()
+        live.server.stop()
+        _unlock(shared_tmp)
