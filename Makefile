@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(BIN)/python -c "import tb5sync.scan as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
 	touch $(STAMP)
 
-## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify
+## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify;
+## then the artifact store: put both (and an edited second model version), dedup, push to a served store, get back
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/store_demo.py
 
 ## test: the whole suite with the Cython chunker, then the chunker and engine tests with pure Python forced;
 ## the layering contracts (import-linter, pyproject.toml) are checked first;
@@ -48,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
 	$(BIN)/python benches/bench_fs.py
 	$(BIN)/python benches/bench_scaling.py
+	$(BIN)/python benches/bench_store.py
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

@@ -25,6 +25,8 @@ cdef extern from *:
 
 cdef extern from "<fcntl.h>" nogil:
     int open(const char *path, int flags)
+    int fcntl(int fd, int cmd, ...)
+    int F_DUPFD_CLOEXEC
     int O_RDONLY
     int O_DIRECTORY
     int O_CLOEXEC
@@ -47,6 +49,7 @@ cdef extern from "<dirent.h>" nogil:
     cdef struct dirent:
         char *d_name
     DIR *fdopendir(int fd)
+    void rewinddir(DIR *dirp)
     dirent *readdir(DIR *dirp)
     int closedir(DIR *dirp)
 
@@ -65,10 +68,15 @@ __all__ = ["listdir_stat"]
 def listdir_stat(path):
     """``[(name, st_mode, st_size, st_mtime_ns), ...]`` of the directory ``path``, in directory order.
 
-    See ``tb5sync.scan.py_listdir_stat``.
+    ``path`` may be a descriptor of the directory (duplicated, so left open). See
+    ``tb5sync.scan.py_listdir_stat``.
     """
     import os
 
+    cdef int given = -1
+    if isinstance(path, int):
+        given = path
+        path = f"<descriptor {given}>"
     cdef bytes bpath = os.fsencode(path)
     cdef const char *cpath = bpath
     cdef int fd
@@ -83,7 +91,10 @@ def listdir_stat(path):
     cdef char *bad_name = NULL
 
     with nogil:
-        fd = open(cpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+        if given >= 0:
+            fd = fcntl(given, F_DUPFD_CLOEXEC, 0)
+        else:
+            fd = open(cpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         if fd < 0:
             err = tb5_errno()
         else:
@@ -91,6 +102,8 @@ def listdir_stat(path):
             if d == NULL:
                 err = tb5_errno()
                 c_close(fd)
+            elif given >= 0:
+                rewinddir(d)  # the duplicate shares the offset: list from the start
     if err:
         raise OSError(err, os.strerror(err), path)
     try:
@@ -152,6 +165,8 @@ def listdir_stat(path):
                         items[i].mtime_ns if not items[i].big else (<object>items[i].mtime_s) * 1000000000 + items[i].mtime_ns))
         return out
     finally:
+        if given >= 0:
+            rewinddir(d)  # leave the caller's descriptor as it was (as os.scandir(fd) does)
         closedir(d)  # closes fd too
         for i in range(n):
             free(items[i].name)

@@ -7,7 +7,10 @@ streams. Public API::
                          dry_run=False, streams=None, compress="auto",
                          progress=None, token=None)
 
-Importing the package has no side effects; the server is loaded on first use.
+    with tb5sync.Store(path) as st:      # the artifact store (tb5sync.store)
+        st.put("models/m/v1", "out/")
+
+Importing the package has no side effects; the server and the store are loaded on first use.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .sync import sync  # binds the function over the submodule of the same name
 
 if TYPE_CHECKING:
     from .server import Server
+    from .store import Store
 
 __version__ = "0.1.0"
 
@@ -48,6 +52,7 @@ __all__ = [
     "SyncOptions",
     "Failure",
     "Server",
+    "Store",
     "Tb5syncError",
     "UsageError",
     "ProtocolError",
@@ -68,7 +73,7 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY = {"Server": "server"}
+_LAZY = {"Server": "server", "Store": "store"}
 
 
 def __getattr__(name: str) -> Any:

@@ -41,6 +41,9 @@ __all__ = [
     "check_in_root",
     "temp_name",
     "is_temp_name",
+    "claim_temp",
+    "release_temp",
+    "temp_is_claimed",
     "openat2_available",
     "Jail",
 ]
@@ -165,6 +168,31 @@ def temp_name(name: str) -> str:
 def is_temp_name(name: str) -> bool:
     """True for a base name made by :func:`temp_name`."""
     return _TEMP.match(name) is not None
+
+
+#: Temporary names of writes in progress that hold no open descriptor between requests (the fs
+#: session's streamed writes): a run of this process that removes stale temporary files
+#: leaves them alone.
+_claimed: set[str] = set()
+_claimed_lock = threading.Lock()
+
+
+def claim_temp(name: str) -> None:
+    """Mark the temporary name ``name`` (a base name from :func:`temp_name`) as in use by this process."""
+    with _claimed_lock:
+        _claimed.add(name)
+
+
+def release_temp(name: str) -> None:
+    """Undo :func:`claim_temp` (the write was committed or removed); an unclaimed name is ignored."""
+    with _claimed_lock:
+        _claimed.discard(name)
+
+
+def temp_is_claimed(name: str) -> bool:
+    """True while ``name`` is claimed by a write of this process (:func:`claim_temp`)."""
+    with _claimed_lock:
+        return name in _claimed
 
 
 # ---- openat2 (Linux >= 5.6), through ctypes --------------------------------------------------

@@ -8,5 +8,5 @@ import os
 
 __all__ = ["listdir_stat"]
 
-def listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+def listdir_stat(path: str | os.PathLike[str] | int) -> list[tuple[str, int, int, int]]:
     """``[(name, st_mode, st_size, st_mtime_ns), ...]``; see ``tb5sync.scan.py_listdir_stat``."""

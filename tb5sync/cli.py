@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
     s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
+    s.add_argument("--store", metavar="DIR", nargs="?", const="",
+                   help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
     y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
                    help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
+    y.add_argument("--fsync", action="store_true",
+                   help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
     y.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN)")
     y.add_argument("--state-dir", metavar="DIR",
                    help="scan cache, chunk index and partial files of a local or pulled destination "
@@ -124,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("host", help="HOST[:PORT] of a tb5sync server")
     b.add_argument("--seconds", type=float, default=2.0, help="seconds per throughput measurement")
     b.add_argument("--token-file")
+
+    from .storecli import add_store_parser
+
+    add_store_parser(sub, common)
     return p
 
 
@@ -132,7 +140,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
     host, port = _parse_bind(a.bind)
     srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
-                 state_dir=a.state_dir)
+                 state_dir=a.state_dir,
+                 store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store)
     srv.bind()
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
 
@@ -189,6 +198,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             progress=progress,
             token=_read_token(a.token_file),
             state_dir=a.state_dir,
+            fsync=a.fsync,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -268,7 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
     from .errors import Tb5syncError
 
-    handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench}
+    def _cmd_store(a: argparse.Namespace) -> int:
+        from .storecli import run_store
+
+        return run_store(a, _read_token)
+
+    handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store}
     try:
         from .hashing import check_environment
 

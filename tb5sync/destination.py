@@ -4,22 +4,42 @@ One :class:`Destination` per :class:`~tb5sync.receiver.Receiver`. The generator
 (:mod:`tb5sync.generator`), the small-file path (:mod:`tb5sync.receiver`) and each large-file
 job (:mod:`tb5sync.largefile`) share it instead of each keeping its own copy of the
 destination's paths, state and statistics.
+
+Every change the receiving side makes to the destination goes through this class, and every
+one of them is made relative to a directory descriptor of a :class:`~tb5sync._paths.Jail`
+rooted at the destination's root (the server's ROOT, or the directory the user named): create,
+open, rename, chmod, utime, unlink, mkdir, rmdir and symlink. No path is looked up from ``/``,
+so neither a crafted listing nor a directory swapped for a symlink during the run can lead
+outside the root: a symlink where a directory is expected is a
+:class:`~tb5sync.errors.PathError`.
+
+Temporary files (``.NAME.XXXXXXXX.tb5tmp``) and private work files are created ``O_EXCL``
+and held under an exclusive ``flock`` while they are written, so the next run can tell a
+stale one (its writer is gone: the lock is free) from a live one, and removes only the
+stale ones (:meth:`Destination.remove_stale`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import functools
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
-from ._paths import temp_name
+from ._io import write_all
+from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .entry import show_path
-from .errors import DestinationError
+from .errors import DestinationError, PathError, Tb5syncError
 from .options import Failure
 from .state import TreeState
+
+__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE", "FATAL_ERRNOS"]
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +48,97 @@ T = TypeVar("T")
 #: errno values after which no other entry can be written either: the run stops (rsync's exit 11).
 FATAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
-__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS"]
-
 #: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
 ProgressFn = Callable[[int, int], None]
 
 #: The :class:`~tb5sync.options.SyncStats` fields a :class:`Destination` counts.
 STAT_COUNTERS = ("files_transferred", "bytes_transferred", "chunks_sent", "chunks_reused", "bytes_matched", "files_deleted")
+
+#: Seconds a temporary file's status must have been unchanged (``st_ctime``) before a later run
+#: may remove it as stale. A sync's own temporary files are locked from the instant after their
+#: creation (this covers that instant with a wide margin); a streamed fs write of another
+#: process (no descriptor, no lock between its requests) changes it with every piece, so it
+#: is only at risk when idle that long.
+STALE_GRACE = 10.0
+
+#: Directory descriptors kept open per destination (the directories files are written into).
+_DIR_CACHE = 64
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NEW_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+
+
+def lock_file(fd: int, wait: bool = False) -> bool:
+    """Take an exclusive ``flock`` on ``fd``; False when another open file holds it (and not ``wait``).
+
+    The lock goes with the open file description: the kernel drops it when the last
+    descriptor of it is closed, so a killed writer's lock is free at once.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _names_path(fn: _F) -> _F:
+    """Make an ``OSError`` of the method ``fn(self, rel, ...)`` name the entry's path (not the bare name it used relative to a descriptor)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Destination, rel: str, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(self, rel, *args, **kw)
+        except OSError as exc:
+            if not isinstance(exc, Tb5syncError):
+                exc.filename = self.path(rel)
+                exc.filename2 = None
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _unlink_at(dfd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
+
+def _chmod_at(dfd: int, name: str, mode: int, shown: str) -> None:
+    """``chmod`` the entry ``name`` of ``dfd`` to ``mode`` without following a symlink.
+
+    Through a descriptor opened ``O_NOFOLLOW`` (``fchmod``); when it cannot be opened (no
+    read permission for a non-root user), ``fchmodat(AT_SYMLINK_NOFOLLOW)``; where the C
+    library has no such call, a check that it is not a symlink, then ``fchmodat``.
+
+    Raises
+    ------
+    PathError
+        ``name`` is a symlink.
+    OSError
+        The chmod failed.
+    """
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENXIO, errno.EMLINK):
+            raise
+    else:
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        return
+    if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+        raise PathError(shown, "is a symlink; not followed")
+    try:
+        os.chmod(name, mode, dir_fd=dfd, follow_symlinks=False)
+    except (NotImplementedError, ValueError):
+        os.chmod(name, mode, dir_fd=dfd)  # checked above; the parent is held by its descriptor
 
 
 class Destination:
@@ -46,11 +150,15 @@ class Destination:
         Absolute destination base path (where the source's ``""`` entry lands), without a
         trailing slash (``"/"`` for the root).
     state : TreeState or None
-        Destination scan cache and chunk index.
+        Destination scan cache and chunk index. Its ``root`` is the jail's root; without a
+        state the jail's root is ``base``'s parent directory.
     state_prefix : str
         ``base`` relative to the state's root (``""`` when they are the same).
     progress : ProgressFn, optional
         Told ``(bytes_done, bytes_total)`` after each :meth:`tick`.
+    fsync : bool
+        Make each commit durable: the file's data is ``fsync``-ed before its rename, and its
+        directory after it (see :meth:`sync_dirs`).
 
     Attributes
     ----------
@@ -84,11 +192,14 @@ class Destination:
     :class:`~tb5sync.state.TreeState`) locks on its own.
     """
 
-    def __init__(self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None, *, fsync: bool = False
+    ) -> None:
         self.base = base
         self.state = state
         self.state_prefix = state_prefix
         self.progress = progress
+        self.fsync = fsync
         self.stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
         self.done_bytes = 0
         self.total_bytes = 0
@@ -101,10 +212,122 @@ class Destination:
         #: temporary name beside their final path (the state is in memory or on another file system)
         self.partials = state is not None and state.partials_for(base)
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
+        if state is not None:
+            self.root, self._prefix = state.root, state_prefix
+        else:
+            self.root, self._prefix = os.path.dirname(base) or "/", os.path.basename(base)
+        self._jail: Jail | None = None
+        self._base: list[str] = []
+        self._dirs: OrderedDict[str, int] = OrderedDict()
+        self._partial_fd = -1
+        self._dirty: set[str] = set()
+
+    # ---- the jail -----------------------------------------------------------------------
+    @property
+    def jail(self) -> Jail:
+        """The :class:`~tb5sync._paths.Jail` of the destination's root (opened on first use).
+
+        The root is created when missing (the directory the user named, as rsync creates
+        its destination) and resolved once (``realpath``); the base's place under it is
+        resolved once too (symlinks in its parents, inside the root only). Below the base
+        nothing is followed.
+
+        Raises
+        ------
+        PathError
+            The base's parents lead outside the root.
+        OSError
+            The root cannot be created or opened.
+        """
+        if self._jail is None:
+            os.makedirs(self.root, exist_ok=True)
+            jail = Jail(os.path.realpath(self.root))
+            try:
+                self._base = jail.resolve(self._prefix)
+            except BaseException:
+                jail.close()
+                raise
+            self._jail = jail
+        return self._jail
+
+    def parts(self, rel: str) -> list[str]:
+        """Jail components of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base)."""
+        self.jail  # opened (and the base resolved) on first use
+        return self._base + rel.split("/") if rel else list(self._base)
+
+    def dir_fd(self, rel: str) -> int:
+        """Descriptor of the destination directory ``rel`` (``""``: the base), kept open and owned here.
+
+        Looked up through the jail (no symlink on the way); kept until a directory is removed
+        or renamed by this destination (:meth:`remove`) or :meth:`close`. A directory swapped
+        for a symlink after it was opened is still reached through its descriptor, inside the
+        root.
+
+        Raises
+        ------
+        PathError
+            A component is a symlink.
+        OSError
+            ``FileNotFoundError``, ``NotADirectoryError``, ...
+        """
+        fd = self._dirs.get(rel)
+        if fd is not None:
+            self._dirs.move_to_end(rel)
+            return fd
+        fd = self.jail.open_dir(self.parts(rel))
+        self._dirs[rel] = fd
+        if len(self._dirs) > _DIR_CACHE:
+            os.close(self._dirs.popitem(last=False)[1])
+        return fd
+
+    def parent(self, rel: str) -> tuple[int, str]:
+        """``(dir_fd, name)`` of the entry ``rel``: its directory's descriptor (owned here) and its name.
+
+        The base's own parent is the one directory above the base (``rel == ""``).
+
+        Raises
+        ------
+        PathError
+            ``rel`` is the jail's root itself, or a directory on the way is a symlink.
+        OSError
+            The directory cannot be opened.
+        """
+        if rel:
+            head, _, name = rel.rpartition("/")
+            return self.dir_fd(head), name
+        parts = self.parts("")
+        if not parts:
+            raise PathError(self.base, "the destination root itself cannot be replaced")
+        key = "\0.."  # not a path: the base's parent
+        fd = self._dirs.get(key)
+        if fd is None:
+            fd = self._dirs[key] = self.jail.open_dir(parts[:-1], create=True)
+        return fd, parts[-1]
+
+    def _forget_dirs(self, rel: str) -> None:
+        """Close the kept descriptors of ``rel`` and everything below it (removed or replaced)."""
+        if not rel:
+            keys = [k for k in self._dirs if k != "\0.."]
+        else:
+            keys = [k for k in self._dirs if k == rel or k.startswith(rel + "/")]
+        for k in keys:
+            os.close(self._dirs.pop(k))
+
+    def close(self) -> None:
+        """Close every descriptor this destination holds. Safe to call twice."""
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+        if self._partial_fd >= 0:
+            os.close(self._partial_fd)
+            self._partial_fd = -1
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None
 
     # ---- paths ------------------------------------------------------------------------
     def path(self, rel: str) -> str:
-        """The absolute path of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base)."""
+        """The absolute path of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base), for messages."""
         return os.path.join(self.base, rel) if rel else self.base
 
     def spath(self, rel: str) -> str:
@@ -141,7 +364,11 @@ class Destination:
         DestinationError
             ``exc`` is a destination error after which nothing else can be written either
             (:data:`FATAL_ERRNOS`: disk full, quota, read-only file system, I/O error).
+        PathError
+            ``exc`` itself: a directory on the way is a symlink (see :attr:`jail`).
         """
+        if isinstance(exc, PathError):
+            raise exc  # a symlink where the jail expects a directory: the run stops, nothing is written through it
         if isinstance(exc, OSError) and side == "destination" and exc.errno in FATAL_ERRNOS:
             raise DestinationError(f"cannot write destination {exc.filename or self.path(rel)}: {exc.strerror}") from exc
         if isinstance(exc, OSError) and exc.strerror:
@@ -160,14 +387,15 @@ class Destination:
         """:attr:`changed` as failures (``vanished=True``, side ``"source"``)."""
         return [Failure(p, "source", "vanished or kept changing while it was read", vanished=True) for p in self.changed]
 
-    def writable(self, path: str, op: Callable[[], T]) -> T:
-        """Run ``op`` (which creates, renames or removes ``path``); if it is refused because
-        ``path``'s directory lacks ``u+w``, give the directory ``u+w`` and run ``op`` again.
+    def writable(self, rel: str, op: Callable[[], T]) -> T:
+        """Run ``op`` (which creates, renames or removes the entry ``rel``); if it is refused
+        because ``rel``'s directory lacks ``u+w``, give the directory ``u+w`` and run ``op`` again.
 
         rsync does the same for a non-root user: a directory of mode 0555 is made writable
         while entries in it are written, and gets its mode back at the end (:meth:`relock`;
         the generator's last pass sets the source's modes anyway). Only a directory this
-        process owns is changed; root needs none of it.
+        process owns is changed; root needs none of it. The directory is changed through its
+        descriptor (:meth:`parent`), never by path.
 
         Raises
         ------
@@ -176,31 +404,47 @@ class Destination:
         """
         try:
             return op()
-        except PermissionError:
-            d = os.path.dirname(path)
-            st = os.stat(d)
+        except PermissionError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            dfd, _name = self.parent(rel)
+            st = os.fstat(dfd)
             if st.st_mode & stat.S_IWUSR or st.st_uid != os.geteuid():
                 raise
             mode = stat.S_IMODE(st.st_mode)
-            os.chmod(d, mode | stat.S_IWUSR | stat.S_IXUSR)
-            self.unlocked.setdefault(d, (mode, mode | stat.S_IWUSR | stat.S_IXUSR))
+            given = mode | stat.S_IWUSR | stat.S_IXUSR
+            os.fchmod(dfd, given)
+            key = self.path(rel.rpartition("/")[0]) if rel else os.path.dirname(self.base)
+            self.unlocked.setdefault(key, (mode, given))
             return op()
+
+    def _unlocked_dir(self, path: str) -> int:
+        """The descriptor (owned here) of the directory ``path`` (absolute: the base, below it, or the base's parent)."""
+        if path == self.base:
+            return self.dir_fd("")
+        if path.startswith(self.base.rstrip("/") + "/"):
+            return self.dir_fd(path[len(self.base.rstrip("/")) + 1 :])
+        if path == os.path.dirname(self.base):
+            return self.parent("")[0]
+        raise PathError(path, "is not under the destination")
 
     def relock(self) -> None:
         """Give each directory :meth:`writable` (or the destination's scan) unlocked its mode
-        back, unless its mode was set since (by the generator's metadata pass, to the source's)."""
+        back, unless its mode was set since (by the generator's metadata pass, to the source's).
+        Through the directories' descriptors of the jail."""
         for d, (mode, given) in self.unlocked.items():
             try:
-                if stat.S_IMODE(os.stat(d).st_mode) == given:
-                    os.chmod(d, mode)
+                fd = self._unlocked_dir(d)
+                if stat.S_IMODE(os.fstat(fd).st_mode) == given:
+                    os.fchmod(fd, mode)
             except OSError as exc:
                 log.info("cannot restore the mode of %s: %s", d, exc)
         self.unlocked.clear()
 
-    @staticmethod
-    def rename_into_place(tmp: str, final: str) -> None:
-        """Rename ``tmp`` to ``final``; an empty directory at ``final`` (an entry of another type
-        being replaced) is removed first, only now that its replacement exists.
+    def _rename_over(self, rel: str, src_dfd: int, src_name: str, dfd: int, name: str) -> None:
+        """Rename ``src_name`` of ``src_dfd`` to ``name`` of ``dfd`` (the entry ``rel``); an empty
+        directory at ``rel`` (an entry of another type being replaced) is removed first, only
+        now that its replacement exists.
 
         Raises
         ------
@@ -208,18 +452,312 @@ class Destination:
             The rename failed (``ENOTEMPTY``/``EISDIR`` for a directory that is not empty).
         """
         try:
-            os.rename(tmp, final)
+            os.rename(src_name, name, src_dir_fd=src_dfd, dst_dir_fd=dfd)
         except OSError as exc:
             if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                 raise
             try:
-                st = os.lstat(final)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except OSError:
                 raise exc from None
             if not stat.S_ISDIR(st.st_mode):
                 raise
-            os.rmdir(final)
-            os.rename(tmp, final)
+            self._forget_dirs(rel)
+            os.rmdir(name, dir_fd=dfd)
+            os.rename(src_name, name, src_dir_fd=src_dfd, dst_dir_fd=dfd)
+
+    # ---- the tree's shape ---------------------------------------------------------------
+    def make_base_parent(self) -> None:
+        """Create the directories above the base when missing (rsync creates its destination's parent)."""
+        self.parent("")
+
+    @_names_path
+    def mkdir(self, rel: str, mode: int = 0o700) -> None:
+        """Create the directory ``rel``; one that another run made meanwhile is taken as it is.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        FileExistsError
+            Something that is not a directory is there.
+        """
+        if not self.parts(rel):
+            return  # the jail's root: it exists
+        dfd, name = self.parent(rel)
+        try:
+            os.mkdir(name, mode, dir_fd=dfd)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                raise
+        self._dirty.add(rel.rpartition("/")[0] if rel else "\0..")
+
+    @_names_path
+    def remove(self, rel: str, is_dir: bool) -> None:
+        """Remove the entry ``rel`` (``rmdir`` when ``is_dir`` and it still is one, else ``unlink``); never follows a symlink.
+
+        Raises
+        ------
+        FileNotFoundError
+            It is not there.
+        OSError
+            ``ENOTEMPTY`` for a directory with entries left, ...
+        """
+        dfd, name = self.parent(rel)
+        self._forget_dirs(rel)
+        if is_dir:
+            try:
+                os.rmdir(name, dir_fd=dfd)
+                return
+            except NotADirectoryError:
+                pass  # replaced by a symlink or a file meanwhile: remove that
+        os.unlink(name, dir_fd=dfd)
+
+    @_names_path
+    def chmod(self, rel: str, mode: int) -> None:
+        """Set the permission bits of ``rel`` (a file or directory; a symlink is refused, not followed)."""
+        if not self.parts(rel):
+            os.fchmod(self.jail.fd, mode)
+            return
+        dfd, name = self.parent(rel)
+        _chmod_at(dfd, name, mode, self.path(rel))
+
+    @_names_path
+    def utime(self, rel: str, mtime_ns: int) -> None:
+        """Set the access and modification times of ``rel`` to ``mtime_ns`` (a symlink's own, not its target's)."""
+        if not self.parts(rel):
+            os.utime(self.jail.fd, ns=(mtime_ns, mtime_ns))
+            return
+        dfd, name = self.parent(rel)
+        os.utime(name, ns=(mtime_ns, mtime_ns), dir_fd=dfd, follow_symlinks=False)
+
+    def open_read(self, rel: str) -> int:
+        """A new read-only descriptor of the file ``rel``, not through a symlink (``O_NONBLOCK``: a FIFO does not block).
+
+        Raises
+        ------
+        OSError
+            Missing, a symlink (``ELOOP``), ...
+        """
+        dfd, name = self.parent(rel)
+        return os.open(name, _READ_FLAGS, dir_fd=dfd)
+
+    def open_in_root(self, spath: str) -> int:
+        """A new read-only descriptor of ``spath`` (a scan-cache path, relative to the root), no symlink on the way."""
+        return self.jail.open_file(spath, _READ_FLAGS)
+
+    # ---- new files ----------------------------------------------------------------------
+    @_names_path
+    def write_file(self, rel: str, data: bytes | bytearray | memoryview, mode: int, mtime_ns: int) -> os.stat_result:
+        """Write ``data`` to a temporary file beside ``rel``, give it ``mode`` and ``mtime_ns``, rename it over ``rel``.
+
+        Returns
+        -------
+        os.stat_result
+            Of the file as committed.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            The file cannot be written or renamed (the temporary file is removed).
+        """
+        dfd, name = self.parent(rel)
+        tmp = temp_name(name)
+        try:
+            fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=dfd)
+            try:
+                lock_file(fd)
+                write_all(fd, data)
+                os.fchmod(fd, mode & 0o7777)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                if self.fsync:
+                    os.fsync(fd)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            self._rename_over(rel, dfd, tmp, dfd, name)
+        except FileExistsError:
+            raise  # O_EXCL: not ours
+        except BaseException:
+            _unlink_at(dfd, tmp)
+            raise
+        self._dirty.add(rel.rpartition("/")[0])
+        return st
+
+    @_names_path
+    def make_link(self, rel: str, target: str, mtime_ns: int) -> None:
+        """Make the symlink ``rel -> target`` under a temporary name, give it its mtime, rename it into place."""
+        dfd, name = self.parent(rel)
+        tmp = temp_name(name)
+        try:
+            os.symlink(target, tmp, dir_fd=dfd)
+            os.utime(tmp, ns=(mtime_ns, mtime_ns), dir_fd=dfd, follow_symlinks=False)
+            self._rename_over(rel, dfd, tmp, dfd, name)
+        except FileExistsError:
+            raise
+        except BaseException:
+            _unlink_at(dfd, tmp)
+            raise
+        self._dirty.add(rel.rpartition("/")[0])
+
+    # ---- large files' work files --------------------------------------------------------
+    def _partial_dir(self) -> int:
+        """Descriptor of the state's ``partial/`` directory: through the jail when the state lives
+        in the root (``ROOT/.tb5sync``), else (the user's cache directory, ``--state-dir``) the
+        state's own private directory, opened without following a symlink."""
+        if self._partial_fd < 0:
+            sd = self.state.state_dir if self.state is not None else None
+            if sd is None or os.path.realpath(sd) == os.path.join(os.path.realpath(self.root), STATE_DIR):
+                self._partial_fd = self.jail.open_dir([STATE_DIR, "partial"], create=True)
+            else:
+                self._partial_fd = os.open(os.path.join(sd, "partial"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC)
+        return self._partial_fd
+
+    @_names_path
+    def open_work(self, rel: str, key: bytes | None) -> tuple[int, int, str, bool]:
+        """Open the work file of the large file ``rel``: ``(fd, dir_fd, name, kept)``, locked for this run.
+
+        With ``key`` (a persistent state), the work file is the partial file
+        ``.tb5sync/partial/<key hex>`` (``kept``: it survives a failed run and the next one
+        resumes from it) unless another live run holds it locked (two runs writing the same
+        version of the same path), or it lies on another file system than ``rel``'s directory;
+        otherwise, and without ``key``, it is a new temporary file beside ``rel`` (not kept).
+        ``dir_fd`` is owned by the destination; close ``fd`` and commit with
+        :meth:`commit_work`, or give up with :meth:`drop_work`.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            The file cannot be created.
+        """
+        dfd, name = self.parent(rel)
+        if key is not None:
+            pfd = self._partial_dir()
+            if os.fstat(pfd).st_dev == os.fstat(dfd).st_dev:
+                fd = os.open(key.hex(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=pfd)
+                if lock_file(fd):
+                    return fd, pfd, key.hex(), True
+                os.close(fd)
+                log.info("%s: another run is writing the same version; using a work file of our own", rel)
+        tmp = temp_name(name)
+        try:
+            fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=dfd)
+            lock_file(fd)
+        except FileExistsError:
+            raise
+        except BaseException:
+            _unlink_at(dfd, tmp)
+            raise
+        return fd, dfd, tmp, False
+
+    @staticmethod
+    def drop_work(wdir: int, wname: str) -> None:
+        """Remove a work file that is not kept (a failed attempt's temporary file)."""
+        _unlink_at(wdir, wname)
+
+    @_names_path
+    def commit_work(self, rel: str, fd: int, wdir: int, wname: str) -> None:
+        """Rename the work file ``wname`` of ``wdir`` (still open as ``fd``) over ``rel``; errors name ``rel``'s path.
+
+        ``fd`` is ``fsync``-ed first when :attr:`fsync`. Across file systems (a bind mount
+        the rename cannot cross) the bytes are copied to a temporary file beside ``rel``,
+        which is renamed into place (and removed if the copy fails), then the work file is
+        removed.
+
+        Raises
+        ------
+        OSError
+            The rename or the copy failed (``ENOSPC``, ...); nothing is left at ``rel``'s
+            temporary name.
+        """
+        dfd, name = self.parent(rel)
+        if self.fsync:
+            os.fsync(fd)
+        try:
+            self._rename_over(rel, wdir, wname, dfd, name)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            st = os.fstat(fd)
+            tmp = temp_name(name)
+            try:
+                out = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=dfd)
+                try:
+                    lock_file(out)
+                    _copy_fd(fd, out, st.st_size)
+                    os.fchmod(out, stat.S_IMODE(st.st_mode))
+                    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    if self.fsync:
+                        os.fsync(out)
+                finally:
+                    os.close(out)
+                self._rename_over(rel, dfd, tmp, dfd, name)
+            except FileExistsError:
+                raise
+            except BaseException:
+                _unlink_at(dfd, tmp)
+                raise
+            _unlink_at(wdir, wname)
+        self._dirty.add(rel.rpartition("/")[0])
+
+    # ---- durability and leftovers --------------------------------------------------------
+    def sync_dirs(self) -> None:
+        """``fsync`` every directory this run created entries in (when :attr:`fsync`), so the renames survive a power cut."""
+        dirty, self._dirty = self._dirty, set()
+        if not self.fsync:
+            return
+        for rel in sorted(dirty):
+            try:
+                fd = self.parent("")[0] if rel == "\0.." else self.dir_fd(rel)
+                os.fsync(fd)
+            except OSError as exc:
+                log.info("fsync of directory %s: %s", rel, exc)
+
+    def remove_stale(self, temps: Iterable[str]) -> int:
+        """Remove the temporary files ``temps`` (paths relative to the base) left by runs that are gone.
+
+        Only names made by :func:`~tb5sync._paths.temp_name`, and only when no live run owns
+        them: not claimed by a write of this process that holds no descriptor between requests
+        (:func:`~tb5sync._paths.claim_temp`, the fs session's streamed writes), a regular file
+        whose ``flock`` can be taken (its writer's lock died with it) and whose status has not
+        changed for :data:`STALE_GRACE` seconds (a streamed write of another process changes
+        it with every piece); a symlink (made and renamed at once) older than that. Returns
+        how many were removed.
+        """
+        removed = 0
+        now = time.time()
+        for rel in temps:
+            head, _, name = rel.rpartition("/")
+            if not is_temp_name(name) or temp_is_claimed(name):
+                continue
+            try:
+                dfd = self.dir_fd(head)
+                try:
+                    fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.EMLINK):
+                        raise
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISLNK(st.st_mode) and now - st.st_ctime >= STALE_GRACE:
+                        os.unlink(name, dir_fd=dfd)
+                        removed += 1
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode) and now - st.st_ctime >= STALE_GRACE and lock_file(fd):
+                        os.unlink(name, dir_fd=dfd)
+                        removed += 1
+                finally:
+                    os.close(fd)
+            except (OSError, PathError) as exc:
+                log.debug("stale temporary file %s left: %s", rel, exc)
+        if removed:
+            log.info("removed %d temporary file(s) left by interrupted runs under %s", removed, self.base)
+        return removed
 
     # ---- progress ---------------------------------------------------------------------
     def tick(self, n: int) -> None:
@@ -253,3 +791,24 @@ class Destination:
         if self.state is not None and self._records:
             self.state.record_many(self._records)
         self._records = []
+
+
+def _copy_fd(src: int, dst: int, n: int) -> None:
+    """Copy the first ``n`` bytes of ``src`` to ``dst`` (both at offset 0), in 8 MiB reads.
+
+    Raises
+    ------
+    OSError
+        A read or write failed, or ``src`` is shorter than ``n``.
+    """
+    buf = bytearray(min(n, 8 * 1024 * 1024) or 1)
+    mv = memoryview(buf)
+    off = 0
+    while off < n:
+        k = os.preadv(src, [mv[: min(len(buf), n - off)]], off)
+        if k <= 0:
+            raise OSError(errno.EIO, f"work file shorter than {n} bytes")
+        pos = 0
+        while pos < k:
+            pos += os.pwrite(dst, mv[pos:k], off + pos)
+        off += k

@@ -42,6 +42,8 @@ __all__ = [
     "RemotePermissionError",
     "remote_os_error",
     "partial_error",
+    "RefNotFoundError",
+    "RefExistsError",
 ]
 
 
@@ -250,6 +252,16 @@ class RemotePermissionError(RemoteOSError, PermissionError):
     """The server's operating system refused access (``EACCES``/``EPERM``)."""
 
 
+class RefNotFoundError(RemoteNotFoundError):
+    """An artifact store has no ref of that name (or a ref has no such path)."""
+
+
+class RefExistsError(Tb5syncError, FileExistsError):
+    """An artifact store already has a ref of that name (and replacing it was not asked for)."""
+
+    exit_code = 2
+
+
 _BY_ERRNO: dict[int, type[Tb5syncError]] = {
     errno.ENOENT: RemoteNotFoundError,
     errno.EEXIST: RemoteExistsError,
@@ -291,6 +303,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemoteIsADirectoryError,
         RemoteNotADirectoryError,
         RemotePermissionError,
+        RefNotFoundError,
+        RefExistsError,
     )
 }
 

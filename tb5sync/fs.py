@@ -40,6 +40,7 @@ import asyncio
 import datetime
 import errno
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -71,6 +72,8 @@ from .transport import connect
 from .urls import Remote, parse_url, token_of
 
 __all__ = ["TB5FileSystem", "TB5File"]  # TB5File is fsfile's, re-exported
+
+log = logging.getLogger(__name__)
 
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
@@ -643,11 +646,14 @@ class TB5FileSystem(AsyncFileSystem):
         await asyncio.gather(*[self._call("wwrite", {"handle": handle, "data": bytes(p)}, channel=chan) for p in pieces])
 
     async def _wclose(self, handle: int, chan: int, commit: bool) -> None:
+        """Commit or discard a server-side write; a discard never raises (it runs while another error is on its way)."""
         try:
             await self._call("wclose", {"handle": handle, "commit": commit}, channel=chan)
-        except ConnectError:
+        except (Tb5syncError, OSError) as exc:
             if commit:
-                raise  # the server removes the temporary file of a lost connection
+                raise
+            # the server removes the temporary file of a lost connection or a failed write itself
+            log.debug("discarding write %d: %s", handle, exc)
 
     async def _pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         await self._write_bytes(self._strip_protocol(path), value, mode)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._io import write_all
-from ._paths import STATE_DIR, Jail, is_temp_name, split_request_path, temp_name
+from ._paths import STATE_DIR, Jail, claim_temp, is_temp_name, release_temp, split_request_path, temp_name
 from .errors import (
     PathError,
     ReadOnlyError,
@@ -556,6 +556,7 @@ class FsOps:
                     raise RemoteExistsError(f"File exists: {path!r}")
             tmp = temp_name(name)
             fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+            claim_temp(tmp)  # no descriptor stays open: a sync's stale-file cleanup must know it is live
             self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
             try:
                 if append:
@@ -608,12 +609,18 @@ class FsOps:
         return {}
 
     def wclose(self, handle: int, commit: bool = True) -> dict[str, Any]:
-        """Finish the write ``handle``: rename it into place (``commit``) or remove it."""
-        w = self._handle(handle)
+        """Finish the write ``handle``: rename it into place (``commit``) or remove it.
+
+        Removing a write that is not open (already removed after a failed ``wwrite``) is not
+        an error, so a client's cleanup never hides the error that made it clean up.
+        """
         if not commit:
-            self._abort(handle)
+            if isinstance(handle, int) and handle in self._writes:
+                self._abort(handle)
             return {}
+        w = self._handle(handle)
         del self._writes[handle]
+        release_temp(w.tmp)
         try:
             dfd = self.jail.open_dir(w.dir_parts)
             try:
@@ -628,6 +635,7 @@ class FsOps:
 
     def _abort(self, handle: int) -> None:
         w = self._writes.pop(handle)
+        release_temp(w.tmp)
         try:
             dfd = self.jail.open_dir(w.dir_parts)
         except (OSError, Tb5syncError):

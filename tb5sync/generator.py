@@ -18,10 +18,9 @@ from concurrent.futures import Future, wait
 from typing import Any, NamedTuple
 
 from . import chunking
-from ._io import unlink_quiet
 from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
-from .errors import DestinationError, RemoteProtocolError
+from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
@@ -43,12 +42,16 @@ class Planned(NamedTuple):
         The part of the source's listing that was planned (see :meth:`Generator._changed_parts`).
     files_total, bytes_total : int
         Regular files at the source and their bytes, all of them (planned or not).
+    temps : tuple of str
+        Temporary files (``.NAME.XXXXXXXX.tb5tmp``) the destination's scan passed over,
+        relative to the base: candidates for :meth:`Destination.remove_stale`.
     """
 
     plan: Plan
     src: list[Entry]
     files_total: int
     bytes_total: int
+    temps: tuple[str, ...] = ()
 
 
 class Generator:
@@ -124,7 +127,7 @@ class Generator:
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
         bytes_total = sum(d[3] for d in src_dirs) + (root.size if root.kind == FILE else 0)
         self.destination.total_bytes = sum(e.size for e in plan.files)
-        return Planned(plan, src, files_total, bytes_total)
+        return Planned(plan, src, files_total, bytes_total, tuple(dst_tree.temps))
 
     def dry_run(self, planned: Planned, t0: float) -> SyncStats:
         """The statistics of a dry run of ``planned`` (nothing is changed), begun at ``t0`` (``time.perf_counter``).
@@ -238,6 +241,12 @@ class Generator:
         (src, dst) : lists of Entry
             Parents before children; ``src`` the source's part (fetched where it differs),
             ``dst`` the destination's.
+
+        Raises
+        ------
+        RemoteProtocolError
+            The source's listing names an entry twice, or under a parent that is not one of
+            its directories (a file below a symlink or a file).
         """
         dst_dg = dst_tree.digests() if not self.options.checksum else {}
         same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
@@ -261,6 +270,7 @@ class Generator:
             if d and d.rpartition("/")[0] in same:
                 src.append(own_entry(d))
             src += fetched[d]
+        _check_parents(src, same)
         dst = dst_tree.entries[:1]
         for d, kids in dst_tree.children.items():
             if d in same:
@@ -296,14 +306,16 @@ class Generator:
     def _local_digest(self, rel: str) -> bytes | None:
         """The file digest of the destination's ``rel``, read and hashed anew (and recorded in the scan cache if any); None if it cannot be opened."""
         try:
-            fd = os.open(self.destination.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self.destination.open_read(rel)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
             if self.destination.state is None:
-                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params))
+                return file_digest(d for d, _ in chunk_fd(fd, st.st_size, self.params, where=rel))
             return self.destination.state.chunks_of(fd, self.destination.spath(rel), st, fresh=True)[0]
+        except SourceChangedError:
+            return None  # it shrank while read: it differs, and is written anew
         finally:
             os.close(fd)
 
@@ -316,7 +328,7 @@ class Generator:
         replacement can be made: one replaced by a directory is removed right before the
         ``mkdir``; one replaced by a file or symlink is not removed here at all (the new one
         is renamed over it, and an empty directory in its way is removed only then, see
-        :meth:`Destination.rename_into_place`). The destination's parent is created (mode
+        :meth:`Destination._rename_over`). The destination's parent is created (mode
         0755) when missing, as rsync does; new directories get mode 0700 until
         :meth:`finish` gives them theirs.
 
@@ -339,27 +351,31 @@ class Generator:
             if dest.skipped(d.path):
                 continue
             try:
-                if dest.writable(dest.path(d.path), lambda d=d: self._remove(d)) and kind is None:
+                if dest.writable(d.path, lambda d=d: self._remove(d)) and kind is None:
                     dest.stats["files_deleted"] += 1
             except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
                 dest.fail(d.path, "destination", exc)
                 if kind is not None:  # the directory that should replace it cannot be made
                     dest.failed_dirs.add(d.path)
-        parent = os.path.dirname(dest.base)
         try:
-            if parent and not os.path.isdir(parent):
-                os.makedirs(parent, 0o755, exist_ok=True)  # rsync creates the destination directory
+            if dest.parts(""):
+                dest.make_base_parent()  # rsync creates the destination directory
             if plan.mkdirs and plan.mkdirs[0].path == "":
-                os.makedirs(dest.base, 0o700, exist_ok=True)
+                dest.mkdir("", 0o700)
         except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
             raise DestinationError(f"cannot make destination {exc.filename or dest.base}: {exc.strerror}") from exc
         for e in plan.mkdirs:
             if e.path == "" or e.path in dest.failed_dirs or dest.skipped(e.path):
                 continue
-            p = dest.path(e.path)
             try:
-                dest.writable(p, lambda p=p: os.mkdir(p, 0o700))
+                dest.writable(e.path, lambda e=e: dest.mkdir(e.path, 0o700))
             except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
                 dest.fail(e.path, "destination", exc)
                 dest.failed_dirs.add(e.path)
 
@@ -378,29 +394,33 @@ class Generator:
             if dest.skipped(e.path):
                 continue
             try:
-                dest.writable(dest.path(e.path), lambda e=e: self._make_link(e))
+                dest.writable(e.path, lambda e=e: dest.make_link(e.path, e.target, e.mtime_ns))
             except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
                 dest.fail(e.path, "destination", exc)
         for e in plan.meta:
             if dest.skipped(e.path):
                 continue
-            p = dest.path(e.path)
             try:
                 if e.kind == FILE:
-                    os.chmod(p, e.mode)
-                    os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+                    dest.chmod(e.path, e.mode)
+                    dest.utime(e.path, e.mtime_ns)
                 elif e.kind == LINK:
-                    os.utime(p, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+                    dest.utime(e.path, e.mtime_ns)
             except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
                 dest.fail(e.path, "destination", exc)
         for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
             if e.path in dest.failed_dirs or dest.skipped(e.path):
                 continue
-            p = dest.path(e.path)
             try:
-                os.chmod(p, e.mode)
-                os.utime(p, ns=(e.mtime_ns, e.mtime_ns))
+                dest.chmod(e.path, e.mode)
+                dest.utime(e.path, e.mtime_ns)
             except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
                 dest.fail(e.path, "destination", exc)
 
     def _remove(self, d: Entry) -> bool:
@@ -417,10 +437,7 @@ class Generator:
         """
         p = self.destination.path(d.path)
         try:
-            if d.kind == DIR and not os.path.islink(p):
-                os.rmdir(p)
-            else:
-                os.unlink(p)
+            self.destination.remove(d.path, d.kind == DIR)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -431,14 +448,30 @@ class Generator:
             self.destination.state.forget([self.destination.spath(d.path)])
         return True
 
-    def _make_link(self, e: Entry) -> None:
-        """Make the symlink ``e`` under a temporary name, give it its mtime, and rename it into place."""
-        p = self.destination.path(e.path)
-        tmp = self.destination.temp_path(p)
-        os.symlink(e.target, tmp)
-        try:
-            os.utime(tmp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
-            self.destination.rename_into_place(tmp, p)
-        except BaseException:
-            unlink_quiet(tmp)
-            raise
+
+def _check_parents(src: list[Entry], same: set[str]) -> None:
+    """Refuse a listing in which an entry's parent is not a directory of the listing.
+
+    Every entry but the root must have a parent that is a directory entry of ``src``, or a
+    directory whose listing is the same on both sides (``same``: a directory of the
+    destination, not fetched). A sender that lists ``d`` as a symlink and ``d/x`` as a file
+    would otherwise have the receiver write through ``d``.
+
+    Raises
+    ------
+    RemoteProtocolError
+        An entry is listed twice, or its parent is missing or not a directory; the message
+        names the entry.
+    """
+    kinds: dict[str, str] = {}
+    for e in src:
+        if e.path in kinds:
+            raise RemoteProtocolError(f"entry {e.path!r:.200} is listed twice")
+        kinds[e.path] = e.kind
+        if not e.path:
+            continue
+        parent = e.path.rpartition("/")[0]
+        kind = kinds.get(parent)
+        if kind != DIR and not (kind is None and parent in same):
+            what = "missing from the listing" if kind is None else f"not a directory (kind {kind!r})"
+            raise RemoteProtocolError(f"entry {e.path!r:.200}: its parent {parent!r:.200} is {what}")

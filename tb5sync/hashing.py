@@ -13,18 +13,16 @@ a thread pool in parallel with I/O.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import blake3 as _blake3
 import xxhash
 
 from . import chunking
-from .errors import IntegrityError, UsageError
+from .errors import IntegrityError, SourceChangedError, UsageError
 
 __all__ = [
     "check_environment",
@@ -39,6 +37,7 @@ __all__ = [
     "chunk_fd",
     "iter_chunk_fd",
     "WINDOW",
+    "read_exact",
     "hash_pool",
     "set_hash_threads",
     "set_chunk_threads",
@@ -274,7 +273,7 @@ def verify_chunks(
 
 
 def chunk_buffer(
-    view: bytes | bytearray | memoryview | mmap.mmap,
+    view: bytes | bytearray | memoryview,
     params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
 ) -> list[ChunkRef]:
     """Cut ``view`` into FastCDC chunks and hash each one.
@@ -305,8 +304,86 @@ def chunk_buffer(
     return [(d, e - s) for d, (s, e) in zip(digests, spans)]
 
 
-#: Bytes of a file mapped at a time by :func:`iter_chunk_fd` (at least the largest chunk).
+#: Bytes of a file read at a time by :func:`iter_chunk_fd` (at least the largest chunk).
 WINDOW = 32 * 1024 * 1024
+#: Ranges up to this many bytes at the start of a file are read into a new ``bytes`` (no pooled buffer).
+_SMALL_READ = 1024 * 1024
+
+
+class _BufferPool:
+    """Window buffers (``bytearray``) reused across calls of :func:`iter_chunk_fd`; thread-safe.
+
+    Reading a window into a buffer that is already mapped costs one copy from the page
+    cache and no page faults; a new 32 MiB ``bytearray`` per window would fault in every
+    page again. One iteration holds two buffers (the window being cut, the one being
+    hashed); at most ``keep`` idle buffers are kept (96 MiB of windows at most when idle).
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+        self.keep = keep
+
+    def get(self, n: int) -> bytearray:
+        """A buffer of at least ``n`` bytes (its contents are garbage)."""
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if len(b) >= n:
+                    return self._free.pop(i)
+        return bytearray(n)
+
+    def put(self, buf: bytearray) -> None:
+        """Give ``buf`` back (no view of it may be used afterwards)."""
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+_buffers = _BufferPool()
+
+
+def _buffer_size(n: int, window: int) -> int:
+    """Bytes of the pooled buffer for a read of ``n``: a power of two of at least 1 MiB, at most ``window`` (so few sizes recur)."""
+    if n >= window:
+        return n
+    return min(window, max(_SMALL_READ, 1 << (n - 1).bit_length()))
+
+
+def _preadv_into(fd: int, view: memoryview, off: int) -> int:
+    return os.preadv(fd, [view], off)
+
+
+def _pread_copy_into(fd: int, view: memoryview, off: int) -> int:
+    data = os.pread(fd, len(view), off)
+    view[: len(data)] = data
+    return len(data)
+
+
+#: ``read_into(fd, view, offset) -> bytes read``: ``preadv`` (one copy, Linux, macOS >= 11, the
+#: BSDs), else ``pread`` and a copy. Chosen at import; tests force the portable one.
+read_into: Callable[[int, memoryview, int], int] = _preadv_into if hasattr(os, "preadv") else _pread_copy_into
+
+
+def read_exact(fd: int, view: memoryview, off: int, where: str = "") -> None:
+    """Fill ``view`` with the bytes of ``fd`` at offset ``off`` (``EINTR`` and short reads retried).
+
+    Reads with ``pread``-like calls, never a memory map: a file truncated meanwhile gives
+    an error here, not a ``SIGBUS``.
+
+    Raises
+    ------
+    SourceChangedError
+        The file ends before ``off + len(view)`` (it shrank while being read); names ``where``.
+    OSError
+        A read failed.
+    """
+    pos = 0
+    n = len(view)
+    while pos < n:
+        k = read_into(fd, view[pos:], off + pos)
+        if k <= 0:
+            raise SourceChangedError(where or f"descriptor {fd}")
+        pos += k
 
 
 def iter_chunk_fd(
@@ -316,14 +393,16 @@ def iter_chunk_fd(
     start: int = 0,
     window: int = WINDOW,
     stop: int | None = None,
+    where: str = "",
 ) -> Iterator[list[ChunkRef]]:
     """Chunk and hash bytes ``[start, size)`` of the open file ``fd``, one window at a time.
 
-    The file is memory-mapped ``window`` bytes at a time (so at most about two windows are
-    resident, whatever the file size), cut with :func:`cut_buffer` and ``final=False``
-    except at the end, and the next window is cut while the pool hashes the chunks of the
-    previous one. Each chunk starts where the previous one ended, so the cut points are the
-    same as chunking the whole range in one buffer.
+    The file is read ``window`` bytes at a time into pooled buffers (so at most about two
+    windows are held, whatever the file size), cut with :func:`cut_buffer` and ``final=False``
+    except at the end, and the next window is read and cut while the pool hashes the chunks of
+    the previous one. Each chunk starts where the previous one ended, so the cut points are the
+    same as chunking the whole range in one buffer. The file is never memory-mapped: a
+    concurrent truncation is an error, never a ``SIGBUS``.
 
     Parameters
     ----------
@@ -337,10 +416,12 @@ def iter_chunk_fd(
         First byte (inclusive); the chunking restarts here, so it should be a cut point of
         the file (0, or an offset an earlier call returned) to give the file's own chunks.
     window : int
-        Bytes mapped at a time; raised to ``params.max_size`` when smaller.
+        Bytes read at a time; raised to ``params.max_size`` when smaller.
     stop : int or None
         No window is started at or past this offset: the chunks end at the first window's
         last cut at or after ``stop`` (or at ``size``). None: go on to ``size``.
+    where : str
+        The file's name in errors.
 
     Yields
     ------
@@ -350,44 +431,57 @@ def iter_chunk_fd(
 
     Raises
     ------
+    SourceChangedError
+        The file shrank below ``size`` while it was read.
     OSError
-        The file cannot be read or mapped (e.g. it shrank below ``size``).
+        The file cannot be read.
     """
     window = max(int(window), params.max_size)
     pool = hash_pool()
-    pending: list[tuple[list[int], list[Future[bytes]]]] = []
+    pending: list[tuple[list[int], list[Future[bytes]], bytearray | None]] = []
     pos = start
     limit = size if stop is None else min(size, stop)
-    while pos < size and (pos < limit or pos == start):
-        end = min(size, pos + window)
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        if end - base <= 4 * 1024 * 1024 and base == 0:
-            data: Any = os.pread(fd, end, 0)
-            if len(data) != end:
-                raise OSError(f"short read: expected {end} bytes, got {len(data)}")
-        else:
-            data = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
-            try:
-                data.madvise(mmap.MADV_SEQUENTIAL)
-            except (AttributeError, OSError):
-                pass
-        mv = memoryview(data)[pos - base :]
-        cuts = cut_buffer(mv, params, end == size)
-        lengths = []
-        futs = []
-        prev = 0
-        for c in cuts:
-            piece = mv[prev:c]
-            futs.append(pool.submit(chunk_digest, piece) if c - prev >= _POOL_MIN else _done(chunk_digest(piece)))
-            lengths.append(c - prev)
-            prev = c
-        del piece, mv, data  # the pool's tasks keep their slices (and the mapping) alive until hashed
+    try:
+        while pos < size and (pos < limit or pos == start):
+            end = min(size, pos + window)
+            buf: bytearray | None = None
+            if pos == 0 and end <= _SMALL_READ:
+                data = os.pread(fd, end, 0)
+                if len(data) != end:
+                    raise SourceChangedError(where or f"descriptor {fd}")
+                mv = memoryview(data)
+            else:
+                buf = _buffers.get(_buffer_size(end - pos, window))
+                mv = memoryview(buf)[: end - pos]
+                read_exact(fd, mv, pos, where)
+            cuts = cut_buffer(mv, params, end == size)
+            lengths = []
+            futs = []
+            prev = 0
+            for c in cuts:
+                piece = mv[prev:c]
+                futs.append(pool.submit(chunk_digest, piece) if c - prev >= _POOL_MIN else _done(chunk_digest(piece)))
+                lengths.append(c - prev)
+                prev = c
+            del mv
+            if pending:
+                yield _collect(*pending.pop())
+            pending.append((lengths, futs, buf))
+            pos += prev
         if pending:
             yield _collect(*pending.pop())
-        pending.append((lengths, futs))
-        pos += prev
-    if pending:
-        yield _collect(*pending.pop())
+    finally:
+        for _lengths, futs, buf in pending:  # abandoned: let the hashing of the buffer end first
+            for f in futs:
+                f.cancel()
+            for f in futs:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except BaseException:
+                        pass
+            if buf is not None:
+                _buffers.put(buf)
 
 
 def _done(value: bytes) -> Future[bytes]:
@@ -396,22 +490,37 @@ def _done(value: bytes) -> Future[bytes]:
     return fut
 
 
-def _collect(lengths: list[int], futs: list[Future[bytes]]) -> list[ChunkRef]:
-    return [(f.result(), n) for f, n in zip(futs, lengths)]
+def _collect(lengths: list[int], futs: list[Future[bytes]], buf: bytearray | None) -> list[ChunkRef]:
+    """The window's chunks once hashed; its buffer goes back to the pool."""
+    try:
+        return [(f.result(), n) for f, n in zip(futs, lengths)]
+    finally:
+        if buf is not None:
+            for f in futs:  # on an error, wait for the others before the buffer is reused
+                if not f.done():
+                    f.cancel()
+                    if not f.cancelled():
+                        try:
+                            f.result()
+                        except BaseException:
+                            pass
+            _buffers.put(buf)
 
 
-def chunk_fd(fd: int, size: int, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS) -> list[ChunkRef]:
+def chunk_fd(fd: int, size: int, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, where: str = "") -> list[ChunkRef]:
     """Chunk and hash the first ``size`` bytes of the open file ``fd`` (see :func:`iter_chunk_fd`).
 
     Memory stays bounded by two windows of :data:`WINDOW` bytes whatever the file size.
 
     Raises
     ------
+    SourceChangedError
+        The file shrank below ``size`` while it was read (``where`` names it).
     OSError
-        The file cannot be read or mapped (e.g. it shrank below ``size``).
+        The file cannot be read.
     """
     out: list[ChunkRef] = []
-    for refs in iter_chunk_fd(fd, size, params):
+    for refs in iter_chunk_fd(fd, size, params, where=where):
         out += refs
     return out
 

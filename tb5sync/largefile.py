@@ -10,15 +10,17 @@ verified against its BLAKE3 digest before it is written. The work file is rename
 only when verified bytes cover the whole file. It is ``ROOT/.tb5sync/partial/<key>`` when
 the destination's state is persistent (the key a BLAKE3 of the file's state path, size and
 mtime at the source: the next run reuses an interrupted run's chunks), else a temporary name.
+The work file is held under an exclusive ``flock`` for the whole job: a second run writing
+the same version of the same path at the same time gets a temporary work file of its own
+(:meth:`~tb5sync.destination.Destination.open_work`), so two runs never write one file. Every
+open, rename and unlink goes through the destination's jail (no symlink followed).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import queue
-import shutil
 import stat
 import threading
 from collections import deque
@@ -28,11 +30,11 @@ from typing import Any
 
 from . import chunking, refine
 from ._basis import BasisFinder, check_copy, start_writeback
-from ._io import close_later, pwrite_all, unlink_quiet
+from ._io import close_later, pwrite_all
 from ._replies import decode_ranges
 from .destination import Destination
 from .entry import Entry
-from .errors import IntegrityError, RemoteProtocolError, SourceChangedError
+from .errors import IntegrityError, PathError, RemoteProtocolError, SourceChangedError
 from .messages import ChunkListPiece, SubChunksReply
 from .hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from .options import SyncOptions
@@ -165,17 +167,13 @@ class LargeFileJob:
         size, mtime_ns = piece.size, piece.mtime_ns
         self.size, self.mtime_ns = size, mtime_ns
         dest = self.destination
-        final = dest.path(self.rel)
+        key = None
         if dest.state is not None and dest.partials:
             key = chunk_digest(f"{dest.spath(self.rel)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
-            self.work = dest.state.partial_path(key)
-            keep_partial = True
-        else:
-            self.work = dest.temp_path(final)
-            keep_partial = False
-        self.fd = os.open(self.work, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         committed = False
+        wdir, keep_partial = -1, True
         try:
+            self.fd, wdir, self.work, keep_partial = dest.open_work(self.rel, key)
             partial_size = os.fstat(self.fd).st_size
             self.verified = 0
             groups = self._missing_groups(first, partial_size)
@@ -183,26 +181,29 @@ class LargeFileJob:
                 self._fetch_ranges(self.fd, self.rel, groups, size, mtime_ns)
             finally:
                 groups.close()  # no copy task may still write into fd once it is closed
-            st = self._commit(final)
+            st = self._commit(wdir)
             committed = True
             dest.record(self.rel, st, self.all_refs)
             dest.flush_records()
             dest.stats["files_transferred"] += 1
             dest.stats["bytes_transferred"] += size
         finally:
+            if not committed and not keep_partial and wdir >= 0:
+                dest.drop_work(wdir, self.work)
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-            if not committed and not keep_partial:
-                unlink_quiet(self.work)
 
-    def _commit(self, final: str) -> os.stat_result:
-        """Give the work file its size, mode and mtime, close it and rename it to ``final``.
+    def _commit(self, wdir: int) -> os.stat_result:
+        """Give the work file its size, mode and mtime and rename it over the file's final path.
+
+        ``wdir`` is the work file's directory descriptor (see
+        :meth:`~tb5sync.destination.Destination.open_work`).
 
         Returns
         -------
         os.stat_result
-            Of the file now at ``final``.
+            Of the file now at its final path.
 
         Raises
         ------
@@ -217,20 +218,8 @@ class LargeFileJob:
         os.ftruncate(fd, self.size)
         os.fchmod(fd, self.entry.mode)
         os.utime(fd, ns=(self.mtime_ns, self.mtime_ns))
-        st = os.fstat(fd)
-        os.close(fd)
-        self.fd = -1
-        try:
-            self.destination.rename_into_place(self.work, final)
-        except OSError as exc:
-            if exc.errno != errno.EXDEV:
-                raise
-            tmp = self.destination.temp_path(final)
-            shutil.copy2(self.work, tmp)
-            self.destination.rename_into_place(tmp, final)
-            os.unlink(self.work)
-            st = os.stat(final)
-        return st
+        self.destination.commit_work(self.rel, fd, wdir, self.work)
+        return os.fstat(fd)
 
     def _pieces(self, first: dict[str, Any]) -> Iterator[tuple[int, list[tuple[bytes, int]]]]:
         """Yield ``(start offset, refs)`` per chunk-list piece, in order.
@@ -302,7 +291,7 @@ class LargeFileJob:
         """
         dest = self.destination
         try:
-            bfd = os.open(dest.path(self.rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            bfd = dest.open_read(self.rel)
         except OSError:
             return None
         try:
@@ -446,11 +435,11 @@ class LargeFileJob:
                     lfd = opened.get(spath)
                     if lfd is None:
                         try:
-                            lfd = os.open(os.path.join(state.root, spath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                            lfd = self.destination.open_in_root(spath)
                         except FileNotFoundError:
                             stale.append(spath)  # deleted behind our back
                             continue
-                        except OSError:
+                        except (OSError, PathError):
                             continue
                         opened[spath] = lfd
                     if check_copy(lfd, soff, n, d, fd, off, buf):

@@ -53,6 +53,10 @@ __all__ = [
     "FS_METHODS",
     "FS_IDEMPOTENT",
     "PING_METHODS",
+    "STORE_METHODS",
+    "STORE_WRITE_METHODS",
+    "STORE_MAX_BATCH",
+    "STORE_MAX_DIGESTS",
     "CODEC_RAW",
     "CODEC_LZ4",
     "SENDER_MAX_READ",
@@ -114,6 +118,19 @@ FS_METHODS: Final = frozenset(
 #: fs requests that change nothing: safe to send again on a new connection after a broken one.
 FS_IDEMPOTENT: Final = frozenset({"info", "ls", "find", "cat", "cat_many", "digest"})
 
+#: Requests the store session answers (OPEN ``{"op": "store"}``, :class:`tb5sync.store.ops.StoreOps`):
+#: ``refs(prefix)``, ``ref(name)``, ``have(digests, lease)``, ``chunks(digests)`` (DATA),
+#: ``put_chunks(lease, chunks)``, ``flush(lease)``, ``commit(lease, name, manifest, mchunks, ...)``,
+#: ``list(name)``, ``read(name, path, offset, length)`` (DATA). Chunks are named by digest only,
+#: so any node holding them can answer ``have``/``chunks``.
+STORE_METHODS: Final = frozenset({"refs", "ref", "have", "chunks", "put_chunks", "flush", "commit", "list", "read"})
+#: Store requests that write (refused by a ``--read-only`` server).
+STORE_WRITE_METHODS: Final = frozenset({"put_chunks", "flush", "commit"})
+#: Most chunk bytes one ``chunks`` reply or ``put_chunks`` request carries (and one ``read`` reply).
+STORE_MAX_BATCH: Final = 16 * 1024 * 1024
+#: Most digests one ``have`` or ``chunks`` request names.
+STORE_MAX_DIGESTS: Final = 65536
+
 #: Part codecs in DATA replies: the raw bytes, or one lz4 block.
 CODEC_RAW: Final = 0
 CODEC_LZ4: Final = 1
@@ -127,7 +144,7 @@ FS_MAX_WRITE: Final = 16 * 1024 * 1024
 #: Most bytes of file data one ``cat_many`` reply carries.
 CAT_MANY_BUDGET: Final = 32 * 1024 * 1024
 
-assert SENDER_MAX_READ < MAX_PAYLOAD and FS_MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
+assert STORE_MAX_BATCH + 64 * 1024 < MAX_PAYLOAD // 2 and SENDER_MAX_READ < MAX_PAYLOAD and FS_MAX_READ < MAX_PAYLOAD and CAT_MANY_BUDGET < MAX_PAYLOAD
 
 #: Bytes of a chunk digest (BLAKE3-256) on the wire.
 DIGEST_SIZE: Final = 32

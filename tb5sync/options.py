@@ -42,6 +42,12 @@ class SyncOptions:
         The source's name when it was given without a trailing slash (rsync's transfer root is
         then its parent, and patterns see paths as ``NAME/...``), else ``""``; set by
         :func:`tb5sync.sync`.
+    fsync : bool
+        Durable commits (rsync ``--fsync``): each file's data is flushed to disk
+        (``fsync``) before it is renamed into place, and each directory that received
+        entries is flushed after its renames, before the run reports success; so a file
+        reported as synced survives a power cut. Off by default (as in rsync): a crash
+        can then lose recent files, but never leaves a partial file at a final path.
     """
 
     delete: bool = False
@@ -51,6 +57,7 @@ class SyncOptions:
     compress: str = "auto"
     streams: int = 4
     exclude_root: str = ""
+    fsync: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
@@ -91,7 +98,7 @@ class SyncOptions:
             raise UsageError("excludes must be a list of strings")
         if isinstance(kw.get("exclude_root"), bytes):
             kw["exclude_root"] = path_from_wire(kw["exclude_root"])
-        for k in ("delete", "checksum", "dry_run"):
+        for k in ("delete", "checksum", "dry_run", "fsync"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)

@@ -26,9 +26,13 @@ Invariants kept here (see docs/ARCHITECTURE.md):
   is renamed into place only when verified chunks cover all of its bytes
   (:meth:`tb5sync.largefile.LargeFileJob._commit`);
 * a file is written to a temporary name (small files: ``.NAME.XXXX.tb5tmp`` in
-  the same directory, :meth:`tb5sync.destination.Destination.temp_path`; large files:
+  the same directory, :meth:`tb5sync.destination.Destination.write_file`; large files:
   ``ROOT/.tb5sync/partial/<key>``, the key a BLAKE3 of the file's state path, size and
   mtime at the source), then renamed into place, so no reader sees a half-written file;
+* every change at the destination goes through :class:`~tb5sync.destination.Destination`,
+  relative to directory descriptors of the destination root's jail: no listing (checked
+  first: every entry's parent is one of its directories) and no directory swapped for a
+  symlink during the run leads a write outside the root;
 * partial large files survive an interruption and their verified chunks are
   reused by the next run (resume, :mod:`tb5sync.largefile`).
 """
@@ -45,7 +49,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import chunking
-from ._io import unlink_quiet, write_all
 from ._replies import decode_part
 from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
@@ -134,7 +137,7 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self.destination = Destination(self.dest, state, state_prefix, progress)
+        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync)
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -164,22 +167,31 @@ class Receiver:
             else scan_in_background(self.dest, self.options.rules, unlock=not self.options.dry_run)
         )
         generator = Generator(self.link, self.destination, self.options, self.params)
-        planned = generator.make_plan(dst_fut)
-        if self.options.dry_run:
-            return generator.dry_run(planned, t0)
         try:
-            self._apply(generator, planned)
-        except PermissionError as exc:
-            raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
-        except OSError as exc:
-            if isinstance(exc, Tb5syncError):
-                raise
-            if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+            planned = generator.make_plan(dst_fut)
+            if self.options.dry_run:
+                return generator.dry_run(planned, t0)
+            try:
+                self.destination.remove_stale(planned.temps)
+                if self.state is not None:
+                    self.state.prune_partials()
+                self._apply(generator, planned)
+                self.destination.sync_dirs()
+            except PermissionError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
                 raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
-            raise
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+                    raise DestinationError(f"cannot write destination {exc.filename or self.dest}: {exc.strerror}") from exc
+                raise
+            finally:
+                self.destination.flush_records()
         finally:
             self.destination.relock()
-            self.destination.flush_records()
+            self.destination.close()
         return SyncStats(
             files_total=planned.files_total,
             bytes_total=planned.bytes_total,
@@ -258,7 +270,7 @@ class Receiver:
         for item in todo:
             e, _data, size, _mtime_ns, _mode, refs = item
             try:
-                st = self.destination.writable(self.destination.path(e.path), lambda item=item: self._write_small(item))
+                st = self.destination.writable(e.path, lambda item=item: self._write_small(item))
             except OSError as exc:
                 if isinstance(exc, Tb5syncError):
                     raise
@@ -290,22 +302,7 @@ class Receiver:
             pieces.append((mv[off : off + n], d))
             off += n
         verify_chunks(pieces, e.path, parallel=False)
-        final = self.destination.path(e.path)
-        tmp = self.destination.temp_path(final)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                write_all(fd, mv)
-                os.fchmod(fd, mode & 0o7777)
-                os.utime(fd, ns=(mtime_ns, mtime_ns))
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            self.destination.rename_into_place(tmp, final)
-        except BaseException:
-            unlink_quiet(tmp)
-            raise
-        return st
+        return self.destination.write_file(e.path, mv, mode, mtime_ns)
 
     # ---- large files ------------------------------------------------------------------
     def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:
@@ -319,7 +316,7 @@ class Receiver:
             try:
                 # a new job for the retry after making the directory writable: one job, one attempt
                 self.destination.writable(
-                    self.destination.path(e.path), lambda: LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
+                    e.path, lambda: LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
                 )
                 return
             except SourceChangedError:

@@ -7,13 +7,14 @@ No networking here. The one import site that picks the directory lister: the Cyt
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._paths import STATE_DIR  # the per-root state directory: never listed, never transferred
+from ._paths import STATE_DIR, is_temp_name  # state directory, files being written: never listed, never transferred
 from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
@@ -38,18 +39,58 @@ def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
     return None
 
 
-def _unlock_dir(path: str, unlocked: dict[str, int]) -> bool:
-    """Give the directory ``path`` ``u+rx`` if this process owns it and it lacks them; record
-    its mode before in ``unlocked``. False when it was not changed."""
+def _unlock_fd(fd: int, path: str, unlocked: dict[str, int]) -> bool:
+    """Give the directory open as ``fd`` (at ``path``) ``u+rx`` if this process owns it and it
+    lacks them; record its mode before in ``unlocked`` under ``path``. False when it was not changed."""
     try:
-        st = os.stat(path)
+        st = os.fstat(fd)
         if st.st_uid != os.geteuid() or (st.st_mode & 0o500) == 0o500:
             return False
-        os.chmod(path, stat.S_IMODE(st.st_mode) | 0o500)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o500)
     except OSError:
         return False
     unlocked.setdefault(path, stat.S_IMODE(st.st_mode))
     return True
+
+
+def _unlock_at(dfd: int | None, name: str, path: str, unlocked: dict[str, int]) -> bool:
+    """:func:`_unlock_fd` for a directory that cannot be opened (no ``u+r``): the entry ``name``
+    of the directory ``dfd`` (None: ``name`` is a path) is checked to be a directory of this
+    process's (not following a symlink) and changed relative to ``dfd``."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or (st.st_mode & 0o500) == 0o500:
+            return False
+        os.chmod(name, stat.S_IMODE(st.st_mode) | 0o500, dir_fd=dfd)  # a directory, checked just above
+    except OSError:
+        return False
+    unlocked.setdefault(path, stat.S_IMODE(st.st_mode))
+    return True
+
+
+def _open_dir(name: str, dfd: int | None, path: str, unlocked: dict[str, int] | None) -> int:
+    """Open the directory ``name`` of ``dfd`` (None: ``name`` is a path) with ``O_NOFOLLOW``;
+    one that may not be read is given ``u+rx`` first when ``unlocked`` is given (see :func:`_unlock_at`).
+
+    Raises
+    ------
+    OSError
+        It cannot be opened (``ELOOP``/``ENOTDIR`` for a symlink or a file, ``PermissionError``, ...).
+    """
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    except PermissionError:
+        if unlocked is None or not _unlock_at(dfd, name, path, unlocked):
+            raise
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+
+
+def _cannot_list(full: str, rel: str, exc: OSError, errors: list[tuple[str, str]], children: dict[str, list[Entry]] | None) -> None:
+    """Name the directory ``rel`` that could not be listed in ``errors``; its listing is empty (rsync's "opendir failed")."""
+    log.info("cannot list %s: %s", full, exc.strerror or exc)  # reported through errors
+    errors.append((rel, f"cannot list directory: {exc.strerror or exc} ({exc.errno})"))
+    if children is not None:
+        children[rel] = []
 
 
 def special_kind(mode: int) -> str:
@@ -85,6 +126,9 @@ class Tree:
     unlocked : dict of str to int
         Absolute paths of the directories :func:`scan_tree` gave ``u+rx`` to list them
         (``unlock``), to their mode before.
+    temps : list of str
+        Paths of the temporary files (``.NAME.XXXXXXXX.tb5tmp``, files being written by a
+        sync or left by an interrupted one) the scan passed over, relative to the base.
     """
 
     entries: list[Entry]
@@ -92,6 +136,7 @@ class Tree:
     errors: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unlocked: dict[str, int] = field(default_factory=dict)
+    temps: list[str] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -166,8 +211,9 @@ def scan_tree(
     errors: list[tuple[str, str]] = []
     skipped: list[tuple[str, str]] = []
     unlocked: dict[str, int] | None = {} if unlock else None
-    entries = _scan(base, excludes, missing_ok, True, children, errors, skipped, unlocked)
-    return Tree(entries, children, errors, skipped, unlocked or {})
+    temps: list[str] = []
+    entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked)
+    return Tree(entries, children, errors=errors, skipped=skipped, unlocked=unlocked or {}, temps=temps)
 
 
 def scan(
@@ -195,8 +241,8 @@ def scan(
     list of Entry
         ``base`` itself first (path ``""``), then its contents in depth-first
         order, parents before children, names sorted. ``.tb5sync`` state
-        directories and special files (sockets, FIFOs, devices; logged as a
-        warning) are left out.
+        directories, files being written (``.NAME.XXXXXXXX.tb5tmp``) and special
+        files (sockets, FIFOs, devices; logged as a warning) are left out.
 
     Raises
     ------
@@ -214,6 +260,7 @@ def _scan(
     missing_ok: bool,
     recursive: bool,
     children: dict[str, list[Entry]] | None,
+    temps: list[str] | None = None,
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
     unlocked: dict[str, int] | None = None,
@@ -232,17 +279,31 @@ def _scan(
         return []
     out = [top]
     if top.kind == DIR:
-        _walk(base, "", excludes, out, children, recursive, errors, skipped, unlocked)
+        try:
+            fd = _open_dir(base, None, base, unlocked)
+        except OSError as exc:
+            if exc.errno in _NOT_A_DIR:
+                log.warning("skipping %s: replaced while scanning", base)
+                return out
+            if isinstance(exc, FileNotFoundError) or errors is None:
+                raise
+            _cannot_list(base, "", exc, errors, children)
+            return out
+        try:
+            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked)
+        finally:
+            os.close(fd)
     return out
 
 
-def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
+def py_listdir_stat(path: str | os.PathLike[str] | int) -> list[tuple[str, int, int, int]]:
     """One directory's names with the ``lstat`` fields a manifest needs (pure-Python twin).
 
     Parameters
     ----------
-    path : str or path
-        A directory (a symlink to one is followed, as ``os.scandir`` does).
+    path : str, path or int
+        A directory (a symlink to one is followed, as ``os.scandir`` does), or a
+        descriptor of one (left open).
 
     Returns
     -------
@@ -277,17 +338,26 @@ def py_listdir_stat(path: str | os.PathLike[str]) -> list[tuple[str, int, int, i
 
 
 # The one import site that picks the directory lister (TB5SYNC_PUREPYTHON=1 forces Python).
-cy_listdir_stat: Callable[[str], list[tuple[str, int, int, int]]] | None
+cy_listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]] | None
 try:
     from ._scan import listdir_stat as cy_listdir_stat
 except ImportError:
     cy_listdir_stat = None
-listdir_stat: Callable[[str], list[tuple[str, int, int, int]]]
+listdir_stat: Callable[[str | int], list[tuple[str, int, int, int]]]
 SCAN_IMPLEMENTATION: str
 if cy_listdir_stat is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
     listdir_stat, SCAN_IMPLEMENTATION = cy_listdir_stat, "cython"
 else:
     listdir_stat, SCAN_IMPLEMENTATION = py_listdir_stat, "python"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+#: What opening a directory with O_NOFOLLOW fails with when a symlink or a file was swapped in.
+_NOT_A_DIR = frozenset(e for e in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK, getattr(errno, "EFTYPE", None)) if e is not None)
+
+
+def _list_fd(fd: int) -> list[tuple[str, int, int, int]]:
+    """:func:`listdir_stat` of the directory open as ``fd``: the directory the scan opened, wherever it now is."""
+    return listdir_stat(fd)
 
 
 def _walk(
@@ -297,6 +367,8 @@ def _walk(
     out: list[Entry],
     children: dict[str, list[Entry]] | None,
     recursive: bool,
+    temps: list[str] | None,
+    fd: int,
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
     unlocked: dict[str, int] | None = None,
@@ -307,24 +379,28 @@ def _walk(
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
     itself raises (with ``errors`` given, only ``FileNotFoundError``: other errors are
     appended to it as ``(rel, reason)`` and the directory's listing is empty); names that
-    vanish meanwhile are skipped.
+    vanish meanwhile are skipped. Temporary files (:func:`~tb5sync._paths.is_temp_name`)
+    are left out, their paths appended to ``temps``. With ``unlocked`` (a destination's
+    scan), a directory of this process's that it may not list is given ``u+rx`` first.
+
+    ``fd`` is a descriptor of ``full`` (the caller's); every directory below is opened
+    relative to its parent's descriptor with ``O_NOFOLLOW`` and listed through its own
+    descriptor, so a directory swapped for a symlink during the scan is not followed (it is
+    skipped, as a vanished one is): no name outside the tree is listed.
     """
     try:
         try:
-            items = listdir_stat(full)
+            items = _list_fd(fd)
         except PermissionError:
-            if unlocked is None or not _unlock_dir(full, unlocked):
+            if unlocked is None or not _unlock_fd(fd, full, unlocked):
                 raise
-            items = listdir_stat(full)
+            items = _list_fd(fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
         if errors is None:
             raise
-        log.info("cannot list %s: %s", full, exc.strerror or exc)  # reported through errors
-        errors.append((rel, f"cannot list directory: {exc.strerror or exc} ({exc.errno})"))
-        if children is not None:
-            children[rel] = []
+        _cannot_list(full, rel, exc, errors, children)
         return
     items.sort()  # by name: names are unique within a directory
     kids: list[Entry] = []
@@ -334,6 +410,10 @@ def _walk(
     dpre = full if full.endswith("/") else f"{full}/"
     for name, m, size, mtime_ns in items:
         if name == STATE_DIR:
+            continue
+        if name.endswith(".tb5tmp") and is_temp_name(name):
+            if temps is not None:
+                temps.append(prefix + name)
             continue
         r = prefix + name
         fmt = m & 0o170000  # stat.S_IFMT
@@ -345,8 +425,10 @@ def _walk(
             e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
         elif fmt == stat.S_IFLNK:
             try:
-                target = os.readlink(dpre + name)
-            except FileNotFoundError:  # vanished while scanning
+                target = os.readlink(name, dir_fd=fd)
+            except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
+                if not isinstance(exc, FileNotFoundError) and exc.errno != errno.EINVAL:
+                    raise
                 continue
             e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
         else:
@@ -358,6 +440,21 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                _walk(dpre + name, r, excludes, out, children, True, errors, skipped, unlocked)
+                cfd = _open_dir(name, fd, dpre + name, unlocked)
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                if exc.errno in _NOT_A_DIR:
+                    log.warning("skipping %s: replaced while scanning", dpre + name)
+                    continue
+                exc.filename = dpre + name  # the path, not the name relative to fd
+                if errors is None:
+                    raise
+                _cannot_list(dpre + name, r, exc, errors, children)
+                continue
+            try:
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked)
+            except FileNotFoundError:
+                continue
+            finally:
+                os.close(cfd)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import Jail
+from ._paths import STATE_DIR, Jail, is_temp_name
 from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath, path_from_wire, show_path
@@ -50,6 +50,7 @@ from .messages import (
 )
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
+from ._buffers import ReadBuffers
 from ._parts import FileRange, SharedFd, close_parts
 
 if TYPE_CHECKING:
@@ -66,7 +67,6 @@ MAX_PAGE = 16384
 #: whatever the path lengths.
 PAGE_PATH_BYTES = 4 * 1024 * 1024
 _SAMPLE = 4 * 1024
-_UNIT = 4 * 1024 * 1024
 
 
 def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview, int]:
@@ -93,56 +93,6 @@ def encode_part(data: bytes | memoryview, mode: str) -> tuple[bytes | memoryview
 def _compressible(sample: bytes) -> bool:
     """Whether lz4 shrinks ``sample`` (the first 4 KiB of a range) below 1/8: ``--compress auto``'s test."""
     return len(lz4.block.compress(sample, store_size=False)) * 8 <= len(sample)
-
-
-class ReadBuffers:
-    """Reusable buffers for :meth:`Sender.read_ranges`, handed out only when nothing views them.
-
-    Reading each range into a fresh ``bytes`` costs page faults that take longer than the
-    copy itself; these buffers are reused instead. A buffer is free again once every
-    memoryview of it is gone (sent, or consumed by an in-process receiver): CPython refuses
-    to resize a ``bytearray`` with live exports, which is the test used here.
-
-    Parameters
-    ----------
-    max_buffers : int
-        Most buffers kept; when all are in use a new one is made and dropped after use.
-    """
-
-    def __init__(self, max_buffers: int = 16) -> None:
-        self.max_buffers = max_buffers
-        self._bufs: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _free(buf: bytearray) -> bool:
-        try:
-            buf.append(buf.pop())
-        except BufferError:
-            return False
-        return True
-
-    def get(self, n: int) -> memoryview:
-        """A view of ``n`` bytes of a buffer nothing else refers to; contents undefined.
-
-        The view is made under the lock, so the buffer counts as busy before another
-        thread can look at it; it is free again once this view and all views cut from
-        it are released.
-        """
-        with self._lock:
-            for buf in self._bufs:
-                if n <= len(buf) <= 2 * n + MAX_READ // 4 and self._free(buf):
-                    return memoryview(buf)[:n]
-            # whole 4 MiB units, so that one buffer serves the next requests of similar size
-            buf = bytearray(-(-n // _UNIT) * _UNIT if n > _UNIT else max(n, 1))
-            if len(self._bufs) < self.max_buffers:
-                self._bufs.append(buf)
-            else:  # replace a free buffer of the wrong size, if any
-                for i, old in enumerate(self._bufs):
-                    if self._free(old):
-                        self._bufs[i] = buf
-                        break
-            return memoryview(buf)[:n]
 
 
 class Sender:
@@ -216,6 +166,10 @@ class Sender:
             It cannot be opened for another reason (``"PATH: reason"``, e.g. permission denied).
         """
         check_relpath(path)
+        if ".tb5" in path and any(c == STATE_DIR or is_temp_name(c) for c in path.split("/")):
+            # never listed (see scan), so never asked for by an honest receiver: files being
+            # written, partial files and the state are not served
+            raise RemoteNotFoundError(f"not a source file: {path}")
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
@@ -241,7 +195,7 @@ class Sender:
     def _chunks(self, fd: int, path: str, st: os.stat_result, fresh: bool = False) -> tuple[bytes, list[tuple[bytes, int]]]:
         if self.state is not None:
             return self.state.chunks_of(fd, self._state_path(path), st, fresh=fresh)
-        refs = chunk_fd(fd, st.st_size, self.params)
+        refs = chunk_fd(fd, st.st_size, self.params, where=path)
         return file_digest(d for d, _ in refs), refs
 
     # ---- requests ---------------------------------------------------------------------
@@ -403,7 +357,8 @@ class Sender:
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {path}")
             if start > st.st_size:
-                raise UsageError(f"start {start} is beyond the end of {path} ({st.st_size} bytes)")
+                # an earlier piece's end: the file was replaced or shrank since
+                raise SourceChangedError(path)
             digest: bytes | None = None
             if start == 0 and limit == 0:
                 digest, refs = self._chunks(fd, path, st, fresh)
@@ -439,10 +394,12 @@ class Sender:
                         out.append((d, n))
                     off += n
                 if not (aligned or start == off):
-                    raise UsageError(f"start {start} is not a chunk boundary of {path}")
+                    # ``start`` is an earlier piece's end, so the file the cache row lists is
+                    # another version than the one those pieces came from
+                    raise SourceChangedError(path)
                 return out
         refs: list[tuple[bytes, int]] = []
-        for window in iter_chunk_fd(fd, st.st_size, self.params, start, stop=stop):
+        for window in iter_chunk_fd(fd, st.st_size, self.params, start, stop=stop, where=path):
             refs += window
         if self.state is not None:
             self._remember(path, key, start, refs)

@@ -135,6 +135,9 @@ class Server:
     state_dir : str or path, optional
         Where the root's scan cache, chunk index and partial files live; ``ROOT/.tb5sync``
         by default.
+    store : str or path or None
+        An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
+        (``tb5sync store push/pull``); None: such sessions are refused.
 
     Raises
     ------
@@ -152,6 +155,7 @@ class Server:
         allow: Sequence[str] = (),
         read_only: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
+        store: str | os.PathLike[str] | None = None,
     ) -> None:
         from .chunking import warn_if_pure_python
         from .hashing import check_environment
@@ -182,6 +186,8 @@ class Server:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.store_path = os.path.abspath(os.fspath(store)) if store is not None else None
+        self._store: Any = None
 
     @property
     def port(self) -> int:
@@ -247,6 +253,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.state.close()
+        if self._store is not None:
+            self._store.close()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -323,6 +331,9 @@ class Server:
             finally:
                 ops.close()
             return False
+        if op == "store":
+            self._serve_store(ch)
+            return False
         if op == "ping":
             ch.send_control(FrameType.RESPONSE, 0, {})
             serve(ch, _Ping(), PING_METHODS)
@@ -341,6 +352,24 @@ class Server:
             self._push(ch, msg, path, options, streams)
             return False
         raise UsageError(f"unknown session op {op!r}")
+
+    def _serve_store(self, ch: Channel) -> None:
+        """A store session: :data:`~tb5sync.messages.STORE_METHODS` answered from ``--store``."""
+        from .messages import STORE_METHODS
+        from .store import Store
+        from .store.ops import StoreOps
+
+        if self.store_path is None:
+            raise UsageError("this server has no artifact store (start it with --store DIR)")
+        with self._lock:
+            if self._store is None:
+                self._store = Store(self.store_path)
+        ops = StoreOps(self._store, self.read_only)
+        try:
+            ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+            serve(ch, ops, STORE_METHODS)
+        finally:
+            ops.close()
 
     def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
         sid = secrets.token_hex(16)

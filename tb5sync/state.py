@@ -7,7 +7,10 @@ Layout under ``ROOT/.tb5sync/``::
     partial/         large files being received, named by a key of the source file (BLAKE3 of
                      its path, size and mtime_ns, see largefile); kept
                      across interruptions so that a re-run sends only what is missing;
-                     pruned after 7 days untouched
+                     locked (flock) by the run writing them; pruned after 7 days
+                     untouched, and beyond PARTIAL_CAP bytes of idle ones (oldest first)
+
+``.tb5sync`` and ``partial`` are 0700, ``state.sqlite`` 0600.
 
 Blocking functions only: no sockets, no event loop. Async callers use
 ``asyncio.to_thread``. When ``ROOT`` cannot be written (a read-only source),
@@ -16,9 +19,11 @@ the state lives in memory for the life of the object.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -27,9 +32,49 @@ from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
 from ._paths import STATE_DIR
 from . import chunking
 
-__all__ = ["TreeState"]
+__all__ = ["TreeState", "PARTIAL_CAP", "PARTIAL_MAX_AGE"]
 
 log = logging.getLogger(__name__)
+
+#: Bytes idle partial files may hold under one root (the oldest beyond it are removed).
+PARTIAL_CAP = 16 * 1024**3
+#: Seconds after which an untouched partial file is removed.
+PARTIAL_MAX_AGE = 7 * 86400.0
+
+
+def _make_private_dir(path: str) -> None:
+    """Create directory ``path`` with mode 0700 (and make an existing one 0700); not through a symlink."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _make_private_file(path: str, create: bool) -> None:
+    """Create file ``path`` with mode 0600 when ``create`` and missing, and make an existing one 0600."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(name: str, dfd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -94,6 +139,9 @@ class TreeState:
         Where ``state.sqlite`` and ``partial/`` live; ``root/.tb5sync`` by default (a
         server's root). Local and pull destinations keep theirs in the user's cache
         directory instead (:func:`tb5sync.client.local_state`).
+    partial_cap : int
+        Bytes that idle partial files (kept to resume interrupted transfers) may hold;
+        the oldest beyond it are removed (:meth:`prune_partials`).
 
     Notes
     -----
@@ -101,10 +149,18 @@ class TreeState:
     A path that is not valid UTF-8 is stored as a BLOB of its bytes, an integer (mtime in ns,
     inode) beyond 64 signed bits as a 16-byte BLOB: the schema is unchanged, and older
     databases hold only the TEXT and INTEGER forms.
+    ``.tb5sync`` and ``partial`` are made 0700 and ``state.sqlite`` 0600 whatever the umask.
+    A database that cannot be read (corrupt, truncated) is moved aside and rebuilt empty.
     """
 
     def __init__(
-        self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True, state_dir: str | None = None
+        self,
+        root: str,
+        params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+        *,
+        writable: bool = True,
+        state_dir: str | None = None,
+        partial_cap: int = PARTIAL_CAP,
     ) -> None:
         self.root = root
         self.params = params
@@ -113,33 +169,99 @@ class TreeState:
         db = ":memory:"
         if writable:
             try:
-                os.makedirs(os.path.join(self.state_dir, "partial"), exist_ok=True)
+                os.makedirs(root, exist_ok=True)
+                if state_dir is not None:  # e.g. in the user's cache directory: its parents may be missing
+                    os.makedirs(os.path.dirname(os.path.abspath(self.state_dir)), exist_ok=True)
+                _make_private_dir(self.state_dir)
+                _make_private_dir(os.path.join(self.state_dir, "partial"))
                 db = os.path.join(self.state_dir, "state.sqlite")
+                # created 0600 before SQLite opens it (SQLite gives its -wal and -shm files the
+                # database's permission bits): the names of files in private directories stay private
+                for name in (db, db + "-wal", db + "-shm"):
+                    _make_private_file(name, create=name == db)
             except OSError as exc:
                 log.info("state for %s kept in memory: %s", root, exc)
+                db = ":memory:"
         try:
             self._db = self._open(db)
-        except sqlite3.Error as exc:
+        except sqlite3.OperationalError as exc:  # locked, read-only, ...: someone else's, leave it
             log.info("state for %s kept in memory: %s", root, exc)
             self._db = self._open(":memory:")
+            db = ":memory:"
+        except sqlite3.DatabaseError as exc:  # not a database, malformed
+            if db == ":memory:":
+                raise
+            self._db = self._rebuild(db, exc)
         self.persistent = db != ":memory:"
+        self.partial_cap = partial_cap
         if self.persistent:
-            self._prune_partials()
+            self.prune_partials()
 
-    def _prune_partials(self, max_age: float = 7 * 86400.0) -> None:
-        """Remove partial files untouched for ``max_age`` seconds (abandoned transfers)."""
+    def _rebuild(self, db: str, exc: Exception) -> sqlite3.Connection:
+        """A new, empty database in place of the unreadable one at ``db`` (in memory if that fails too).
+
+        The state is a cache (losing it costs speed, never correctness), so a corrupt or
+        truncated file is moved aside as ``state.sqlite.corrupt`` and built again.
+        """
+        log.warning("state database %s is unreadable (%s); rebuilding it", db, exc)
+        try:
+            for suffix in ("-wal", "-shm"):
+                try:
+                    os.unlink(db + suffix)
+                except FileNotFoundError:
+                    pass
+            os.replace(db, db + ".corrupt")
+            os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            return self._open(db)
+        except (OSError, sqlite3.Error) as exc2:
+            log.info("state for %s kept in memory: %s", self.root, exc2)
+            return self._open(":memory:")
+
+    def prune_partials(self, max_age: float = PARTIAL_MAX_AGE) -> int:
+        """Remove abandoned partial files; return the bytes the kept ones hold.
+
+        A partial file in use (its run holds its ``flock``) is never removed. Of the others,
+        those untouched for ``max_age`` seconds are removed, then the oldest ones until the
+        kept ones hold at most :attr:`partial_cap` bytes.
+        """
         pdir = os.path.join(self.state_dir, "partial")
         now = time.time()
+        idle: list[tuple[float, int, str]] = []
+        total = 0
         try:
-            with os.scandir(pdir) as it:
-                for de in it:
-                    try:
-                        if now - de.stat(follow_symlinks=False).st_mtime > max_age:
-                            os.unlink(de.path)
-                    except OSError:
-                        pass
+            dfd = os.open(pdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            pass
+            return 0
+        try:
+            for name in os.listdir(dfd):
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                except OSError:
+                    continue
+                try:
+                    st = os.fstat(fd)
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        total += st.st_blocks * 512  # in use by a live run
+                        continue
+                    if now - st.st_mtime > max_age:
+                        _unlink_quiet(name, dfd)
+                        continue
+                    idle.append((st.st_mtime, st.st_blocks * 512, name))
+                    total += st.st_blocks * 512
+                finally:
+                    os.close(fd)
+            idle.sort()
+            for _mtime, nbytes, name in idle:
+                if total <= self.partial_cap:
+                    break
+                log.info("partial file %s removed: partial files over %d bytes", name, self.partial_cap)
+                _unlink_quiet(name, dfd)
+                total -= nbytes
+        finally:
+            os.close(dfd)
+        return total
 
     @staticmethod
     def _open(db: str) -> sqlite3.Connection:
@@ -233,13 +355,15 @@ class TreeState:
 
         Raises
         ------
+        SourceChangedError
+            The file shrank while it was read.
         OSError
             The file cannot be read.
         """
         hit = None if fresh else self.lookup(path, st.st_size, st.st_mtime_ns, st.st_ino)
         if hit is not None:
             return hit
-        refs = chunk_fd(fd, st.st_size, self.params)
+        refs = chunk_fd(fd, st.st_size, self.params, where=path)
         digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
         return digest, refs
 

@@ -36,6 +36,7 @@ def sync(
     progress: ProgressFn | None = None,
     token: bytes | str | None = None,
     state_dir: str | os.PathLike[str] | None = None,
+    fsync: bool = False,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -66,6 +67,9 @@ def sync(
         live. By default in the user's cache directory (``platformdirs``), keyed by the
         destination directory's device and inode: the destination itself receives nothing
         but the synced entries. A push keeps the server's (its ROOT/.tb5sync or ``--state-dir``).
+    fsync : bool
+        Make every commit durable before the run reports success (rsync ``--fsync``; see
+        :class:`SyncOptions`).
 
     Returns
     -------
@@ -107,6 +111,7 @@ def sync(
         dry_run=dry_run,
         compress=compress,
         streams=DEFAULT_STREAMS if streams is None else streams,
+        fsync=fsync,
     )
     from .client import parse_url, pull, push
     from .entry import source_name

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from . import protocol as P
+from ._buffers import BufferPool
 from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
@@ -39,44 +40,6 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         except OSError:
             pass
-
-
-class BufferPool:
-    """Reusable receive buffers for large frames, so that each frame does not allocate and zero
-    a fresh buffer (page faults and memset cost about as much as the copy from the socket).
-
-    Parameters
-    ----------
-    max_buffers : int
-        Most buffers kept for reuse; more are left to the garbage collector.
-    min_size : int
-        Frames with smaller payloads (bytes) are not pooled: allocating them is cheap.
-
-    Notes
-    -----
-    Thread-safe. A buffer handed out by :meth:`get` must be given back with :meth:`put`
-    only once nothing reads it any more; one that is never given back is simply freed.
-    """
-
-    def __init__(self, max_buffers: int = 16, min_size: int = 1024 * 1024) -> None:
-        self.max_buffers = max_buffers
-        self.min_size = min_size
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes (rounded up to whole MiB when new); contents undefined."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if n <= len(buf) <= 2 * n:
-                    return self._free.pop(i)
-        return bytearray(-(-n // 1048576) * 1048576)
-
-    def put(self, buf: bytearray) -> None:
-        """Give ``buf`` back for reuse; the caller must hold no views into it that are still read."""
-        with self._lock:
-            if len(self._free) < self.max_buffers:
-                self._free.append(buf)
 
 
 def hide_root(message: str, root: str) -> str:

@@ -799,7 +799,8 @@ def test_many_concurrent_small_ops_share_connections(served: Any) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(60)
+        assert not t.is_alive(), "a worker thread hung"
     assert errors_seen == []
     assert len(fs._holder.link.requester.channels) == fs.streams
 

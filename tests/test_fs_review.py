@@ -266,6 +266,7 @@ def test_fifo_in_tree_does_not_hang_the_connection(srv: Any) -> None:
     if hung:  # release the server thread blocked in open()
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         t.join(3)
+        assert not t.is_alive(), "the ls thread is still blocked after the FIFO was opened"
     assert not hung, "ls of a directory holding a symlink to a FIFO hung"
     assert result == [["x/l"]]
 

@@ -7,15 +7,17 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from tb5sync import hashing
 from tb5sync.chunking import ChunkParams
-from tb5sync.errors import UsageError
+from tb5sync.errors import SourceChangedError, UsageError
 from tb5sync.options import SyncOptions
-from tb5sync.sender import ReadBuffers, Sender
+from tb5sync._buffers import ReadBuffers
+from tb5sync.sender import Sender
 from tb5sync.state import TreeState
-from tb5sync.transport import BufferPool
+from tb5sync._buffers import BufferPool
 
 SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
 
@@ -27,6 +29,15 @@ def data_file(tmp_path: Path) -> tuple[str, bytes]:
     p.parent.mkdir()
     p.write_bytes(data)
     return str(p), data
+
+
+def _blake3_refs(data: bytes, refs: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    """``refs`` with each digest recomputed here, by the blake3 package over the same byte range."""
+    out, off = [], 0
+    for _, n in refs:
+        out.append((blake3.blake3(data[off : off + n]).digest(), n))
+        off += n
+    return out
 
 
 def _offsets(refs: list[tuple[bytes, int]]) -> list[int]:
@@ -48,6 +59,7 @@ def test_windowed_chunking_matches_whole_buffer(data_file: tuple[str, bytes], wi
         os.close(fd)
     assert [r for w in windows for r in w] == whole
     assert sum(n for _, n in whole) == len(data)
+    assert whole == _blake3_refs(data, whole)  # digests checked independently of the product's helpers
     if window < len(data) // 2:
         assert len(windows) > 1
 
@@ -91,7 +103,10 @@ def test_chunk_list_pieces_join_into_the_whole_list(data_file: tuple[str, bytes]
                 break
             assert "digest" not in piece
         assert pieces == whole["chunks"]
-        assert [(bytes(d), n) for d, n in pieces] == hashing.chunk_buffer(data, SMALL)
+        refs = [(bytes(d), n) for d, n in pieces]
+        assert refs == hashing.chunk_buffer(data, SMALL)
+        assert refs == _blake3_refs(data, refs)
+        assert bytes(whole["digest"]) == blake3.blake3(b"".join(d for d, _ in refs)).digest()
     finally:
         sender.close()
         if state is not None:
@@ -111,12 +126,13 @@ def test_pieces_listed_in_order_fill_the_scan_cache(data_file: tuple[str, bytes]
             pos = sender.chunk_list("f.bin", start=pos, limit=20_000)["end"]
         hit = state.lookup("f.bin", st.st_size, st.st_mtime_ns, st.st_ino)
         assert hit is not None and hit[1] == hashing.chunk_buffer(data, SMALL)
-        # a cached list is sliced; a start that is not a cut point of it is refused
+        # a cached list is sliced; a start that is not a cut point of it, or past the end, is
+        # an earlier piece's end of another version: the source changed (exit 24, the receiver retries)
         second = sender.chunk_list("f.bin", start=0, limit=5000)
         assert [(bytes(d), n) for d, n in second["chunks"]] == hit[1][: len(second["chunks"])]
-        with pytest.raises(UsageError, match="boundary"):
+        with pytest.raises(SourceChangedError):
             sender.chunk_list("f.bin", start=hit[1][0][1] + 1, limit=5000)
-        with pytest.raises(UsageError):
+        with pytest.raises(SourceChangedError):
             sender.chunk_list("f.bin", start=len(data) + 1, limit=5000)
     finally:
         sender.close()
@@ -178,6 +194,7 @@ def test_read_ranges_from_many_threads_at_once(data_file: tuple[str, bytes]) -> 
         t.start()
     for t in threads:
         t.join(60)
+        assert not t.is_alive(), "a reader thread hung"
     sender.close()
     assert errors == []
 

@@ -94,3 +94,23 @@ def test_scan_order_is_by_name(odd_tree: str) -> None:
     for d, kids in tree.children.items():
         names = [e.path.rpartition("/")[2] for e in kids]
         assert names == sorted(names), d
+
+
+def test_listers_take_a_descriptor(tmp_path: Path) -> None:
+    """Both twins list a directory given by descriptor the same as by path, and leave the descriptor open."""
+    from tb5sync import scan as scan_mod
+
+    (tmp_path / "a").write_bytes(b"abc")
+    (tmp_path / "sub").mkdir()
+    os.symlink("a", tmp_path / "l")
+    listers = [scan_mod.py_listdir_stat] + ([scan_mod.cy_listdir_stat] if scan_mod.cy_listdir_stat is not None else [])
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for lister in listers:
+            by_fd = sorted(lister(fd))
+            assert by_fd == sorted(lister(str(tmp_path)))
+            assert [n for n, *_ in by_fd] == ["a", "l", "sub"]
+            assert sorted(lister(fd)) == by_fd  # listed again from the start: the descriptor is left as it was
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)

@@ -38,7 +38,8 @@ def _send_and_receive(parts: list[object], meta: dict[str, object]) -> tuple[dic
         t = threading.Thread(target=tx.send_data, args=(7, meta, parts))
         t.start()
         got = rx.recv_frame()
-        t.join()
+        t.join(30)
+        assert not t.is_alive(), "send_data hung"
         assert got is not None
         header, payload = got
         assert header.type is P.FrameType.DATA and header.rid == 7

@@ -170,6 +170,7 @@ def fake_server(reply: Callable[[P.Header, bytes], bytes]) -> Iterator[int]:
             lsock.shutdown(socket.SHUT_RDWR)
         lsock.close()
         t.join(5)
+        assert not t.is_alive(), "the fake server's thread did not end"
 
 
 def with_version(frame: bytes, version: int) -> bytes:

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Benchmark the artifact store (``tb5sync store``) against cp -a, tar, rsync and the sync engine, in one run.
+
+What it measures (every tool through its command line, wall time of the whole command, median
+of ``--repeat`` runs, tools alternating; page cache not dropped):
+
+1. **put** (a snapshot into storage): ``tb5sync store put`` into a fresh store, against
+   ``cp -a SRC DST``, ``tar cf DST.tar -C SRC .`` and the sync engine's ``tb5sync sync SRC/ DST``
+   (local, fresh destination). GB/s and files/s.
+2. **get** (the snapshot back out): ``tb5sync store get`` into a fresh directory, against
+   ``cp -a`` from the copy, ``tar xf`` of the tar, and ``tb5sync sync`` from the copy.
+3. **N versions**: the models tree and N-1 edited versions of it (each rewrites 1% of the largest
+   file at a new place and adds a file). Disk bytes after storing all N: the store's packs,
+   N ``cp -a`` copies, N tars, and ``rsync -a --link-dest=<previous>`` snapshots (unchanged files
+   hard-linked: the usual rsync snapshot scheme; ``du`` counts a hard link once).
+4. **between nodes**: ``tb5sync store push`` of version 1 to ``tb5sync serve --store`` on 127.0.0.1
+   (cold), then of version 2 (only its new chunks), and ``store pull`` of both into a fresh store;
+   against ``rsync -a`` to an ``rsync --daemon`` on 127.0.0.1 (cold, then version 2 over version 1:
+   rsync's delta), and the sync engine's ``tb5sync sync`` push to ``tb5sync serve``.
+
+Data: the stdlib tree (site-packages left out) and ``$TB5SYNC_CORPUS/models`` (or ``.corpus/models``,
+``make corpus``); without the corpus a generated 256 MiB "model" directory stands in.
+Output: a table on stdout and JSON in ``benches/results/bench-store-<timestamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+TB5 = [PY, "-m", "tb5sync.cli"]
+
+
+def run(cmd: list[str], **kw: Any) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+    return time.perf_counter() - t0, out.stdout
+
+
+def du(path: str) -> int:
+    """Disk bytes under ``path`` (hard links once), as ``du -sb`` (apparent sizes)."""
+    out = subprocess.run(["du", "-sb", path], check=True, capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def tree_size(path: str) -> tuple[int, int]:
+    files = size = 0
+    for d, _, ns in os.walk(path):
+        for n in ns:
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                files += 1
+                size += os.path.getsize(p)
+    return files, size
+
+
+def fresh(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def make_versions(models: str, work: str, n: int) -> list[str]:
+    """``models`` and ``n - 1`` edited versions (hard links except the edited file)."""
+    out = [models]
+    files = [os.path.join(d, f) for d, _, fs in os.walk(models) for f in fs]
+    big = max(files, key=os.path.getsize)
+    rnd = random.Random(7)
+    prev = models
+    for k in range(1, n):
+        v = os.path.join(work, f"models-v{k + 1}")
+        if not os.path.isdir(v):
+            for d, _, fs in os.walk(prev):
+                for f in fs:
+                    src = os.path.join(d, f)
+                    dst = os.path.join(v, os.path.relpath(src, prev))
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    if os.path.relpath(src, prev) == os.path.relpath(big, models):
+                        shutil.copy2(src, dst)
+                        size = os.path.getsize(dst)
+                        with open(dst, "r+b") as fh:
+                            fh.seek(rnd.randrange(0, size - size // 100))
+                            fh.write(rnd.randbytes(size // 100))
+                    else:
+                        os.link(src, dst)
+            with open(os.path.join(v, f"CHANGES-{k + 1}"), "w") as fh:
+                fh.write(f"version {k + 1}\n")
+        out.append(v)
+        prev = v
+    return out
+
+
+def start(cmd: list[str], pattern: str) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert p.stderr is not None
+    m = re.search(pattern, p.stderr.readline())
+    if not m:
+        p.kill()
+        raise SystemExit(f"{cmd[0]} did not start")
+    return p, int(m.group(1))
+
+
+def stop(p: subprocess.Popen[str]) -> None:
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    if p.stderr is not None:
+        p.stderr.close()
+
+
+def rsync_daemon(work: str, root: str) -> tuple[subprocess.Popen[bytes], int]:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    conf = os.path.join(work, "rsyncd.conf")
+    with open(conf, "w") as f:
+        f.write(f"use chroot = no\nport = {port}\naddress = 127.0.0.1\npid file = {work}/rsyncd.pid\n"
+                f"[root]\npath = {root}\nread only = no\nuid = {os.getuid()}\ngid = {os.getgid()}\n")
+    p = subprocess.Popen(["rsync", "--daemon", "--no-detach", f"--config={conf}"])
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return p, port
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument("--workdir", default="/tmp/tb5sync-bench-store")
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    work = a.workdir
+    os.makedirs(work, exist_ok=True)
+    corpus = os.environ.get("TB5SYNC_CORPUS") or os.path.join(HERE, "..", ".corpus")
+    models = os.path.abspath(os.path.join(corpus, "models"))
+    if not os.path.isdir(models):
+        models = os.path.join(work, "gen-models")
+        if not os.path.isdir(models):
+            os.makedirs(models)
+            with open(os.path.join(models, "weights.bin"), "wb") as f:
+                f.write(random.Random(1).randbytes(256 * 1024 * 1024))
+    stdlib_src = sysconfig.get_paths()["stdlib"]
+    stdlib = os.path.join(work, "stdlib")  # a copy without site-packages, so every tool sees the same tree
+    if not os.path.isdir(stdlib):
+        subprocess.run(["rsync", "-a", "--exclude=site-packages/", "--exclude=dist-packages/", stdlib_src + "/", stdlib + "/"],
+                       check=True)
+    datasets = {"stdlib": stdlib, "models": models}
+    res: dict[str, Any] = {"repeat": a.repeat, "datasets": {}, "put": {}, "get": {}, "versions": {}, "nodes": {}}
+    for name, path in datasets.items():
+        res["datasets"][name] = dict(zip(("files", "bytes"), tree_size(path)))
+
+    # 1 and 2: put and get
+    for name, path in datasets.items():
+        files, size = tree_size(path)
+        t: dict[str, list[float]] = {k: [] for k in ("store put", "cp -a", "tar c", "tb5sync sync")}
+        g: dict[str, list[float]] = {k: [] for k in ("store get", "cp -a", "tar x", "tb5sync sync")}
+        for _ in range(a.repeat):
+            st = fresh(os.path.join(work, "st"))
+            t["store put"].append(run([*TB5, "store", "--store", st, "put", "x/1", path])[0])
+            t["cp -a"].append(run(["cp", "-a", path, fresh(os.path.join(work, "cp"))])[0])
+            tar = os.path.join(work, "t.tar")
+            t["tar c"].append(run(["tar", "cf", tar, "-C", path, "."])[0])
+            t["tb5sync sync"].append(run([*TB5, "sync", path + "/", fresh(os.path.join(work, "sy"))])[0])
+            g["store get"].append(run([*TB5, "store", "--store", st, "get", "x/1", fresh(os.path.join(work, "out"))])[0])
+            g["cp -a"].append(run(["cp", "-a", os.path.join(work, "cp"), fresh(os.path.join(work, "cp2"))])[0])
+            os.makedirs(fresh(os.path.join(work, "tx")))
+            g["tar x"].append(run(["tar", "xf", tar, "-C", os.path.join(work, "tx")])[0])
+            g["tb5sync sync"].append(run([*TB5, "sync", os.path.join(work, "cp") + "/", fresh(os.path.join(work, "sy2"))])[0])
+        for key, src in (("put", t), ("get", g)):
+            res[key][name] = {tool: {"seconds": med(v), "GB/s": size / med(v) / 1e9, "files/s": files / med(v)}
+                              for tool, v in src.items()}
+    for p in ("st", "cp", "cp2", "t.tar", "sy", "sy2", "out", "tx"):
+        q = os.path.join(work, p)
+        shutil.rmtree(q, ignore_errors=True) if os.path.isdir(q) else (os.path.exists(q) and os.unlink(q))
+
+    # 3: N versions
+    versions = make_versions(models, work, a.versions)
+    logical = sum(tree_size(v)[1] for v in versions)
+    st = fresh(os.path.join(work, "stN"))
+    for k, v in enumerate(versions):
+        run([*TB5, "store", "--store", st, "put", f"models/v{k + 1}", v])
+    stats = json.loads(run([*TB5, "store", "--store", st, "stats", "--json"])[1])
+    tars = 0
+    for v in versions:
+        tar = os.path.join(work, "v.tar")
+        run(["tar", "cf", tar, "-C", v, "."])
+        tars += os.path.getsize(tar)
+        os.unlink(tar)
+    snaps = fresh(os.path.join(work, "snaps"))
+    os.makedirs(snaps)
+    for k, v in enumerate(versions):
+        cmd = ["rsync", "-a", v + "/", os.path.join(snaps, f"v{k + 1}") + "/"]
+        if k:
+            cmd.insert(2, f"--link-dest={os.path.join(snaps, f'v{k}')}")
+        run(cmd)
+    res["versions"] = {"n": len(versions), "logical bytes": logical, "store packs": du(os.path.join(st, "packs")),
+                       "store total (index too)": du(st), "cp -a copies": logical, "tar files": tars,
+                       "rsync --link-dest snapshots": du(snaps), "store dedup ratio": stats["dedup_ratio"]}
+    shutil.rmtree(snaps, ignore_errors=True)
+
+    # 4: between nodes, versions 1 and 2
+    v1, v2 = versions[0], versions[1]
+    size1 = tree_size(v1)[1]
+    nodes: dict[str, list[float]] = {k: [] for k in ("store push v1", "store push v2", "store pull v1", "store pull v2",
+                                                     "rsync v1", "rsync v2 over v1", "tb5sync sync v1", "tb5sync sync v2 over v1")}
+    moved: dict[str, int] = {}
+    for _ in range(a.repeat):
+        rb = fresh(os.path.join(work, "remote-store"))
+        root = fresh(os.path.join(work, "remote-root"))
+        os.makedirs(root)
+        srv, port = start([*TB5, "serve", root, "--bind", "127.0.0.1:0", "--store", rb], r":(\d+)\s*$")
+        try:
+            url = f"tb5://127.0.0.1:{port}"
+            for k, v in ((1, v1), (2, v2)):
+                dt, out = run([*TB5, "store", "--store", st, "push", f"models/v{k}", url, "--json"])
+                nodes[f"store push v{k}"].append(dt)
+                moved[f"store push v{k}"] = json.loads(out)["bytes_sent"]
+            sc = fresh(os.path.join(work, "store-c"))
+            for k in (1, 2):
+                dt, out = run([*TB5, "store", "--store", sc, "pull", f"models/v{k}", url, "--json"])
+                nodes[f"store pull v{k}"].append(dt)
+                moved[f"store pull v{k}"] = json.loads(out)["bytes_fetched"]
+            nodes["tb5sync sync v1"].append(run([*TB5, "sync", v1 + "/", f"{url}/m/"])[0])
+            nodes["tb5sync sync v2 over v1"].append(run([*TB5, "sync", v2 + "/", f"{url}/m/"])[0])
+        finally:
+            stop(srv)
+        rroot = fresh(os.path.join(work, "rsync-root"))
+        os.makedirs(rroot)
+        rp, rport = rsync_daemon(work, rroot)
+        try:
+            dst = f"rsync://127.0.0.1:{rport}/root/m/"
+            dt, out = run(["rsync", "-a", "--stats", v1 + "/", dst])
+            nodes["rsync v1"].append(dt)
+            dt, out = run(["rsync", "-a", "--stats", v2 + "/", dst])
+            nodes["rsync v2 over v1"].append(dt)
+            m = re.search(r"Total bytes sent: ([\d,]+)", out)
+            moved["rsync v2 over v1"] = int(m.group(1).replace(",", "")) if m else -1
+        finally:
+            rp.send_signal(signal.SIGTERM)
+            rp.wait(timeout=10)
+        for p in (rb, root, rroot, os.path.join(work, "store-c")):
+            shutil.rmtree(p, ignore_errors=True)
+    res["nodes"] = {k: {"seconds": med(v), "GB/s": size1 / med(v) / 1e9, "bytes moved": moved.get(k)} for k, v in nodes.items()}
+    shutil.rmtree(st, ignore_errors=True)
+
+    # the table
+    print(f"datasets: " + ", ".join(f"{k} {v['files']} files {v['bytes'] / 1e6:.0f} MB" for k, v in res["datasets"].items()))
+    for key in ("put", "get"):
+        print(f"\n{key:<6} {'tool':<16} {'seconds':>8} {'GB/s':>7} {'files/s':>9}")
+        for name, tools in res[key].items():
+            for tool, r in tools.items():
+                print(f"{name:<6} {tool:<16} {r['seconds']:>8.3f} {r['GB/s']:>7.2f} {r['files/s']:>9.0f}")
+    v = res["versions"]
+    print(f"\n{v['n']} versions of the models tree ({v['logical bytes'] / 1e6:.0f} MB logical): bytes on disk")
+    for k in ("store packs", "store total (index too)", "cp -a copies", "tar files", "rsync --link-dest snapshots"):
+        print(f"  {k:<28} {v[k] / 1e6:>9.1f} MB")
+    print(f"  store dedup ratio {v['store dedup ratio']}")
+    print(f"\nbetween nodes (loopback), models v1 = {size1 / 1e6:.0f} MB; v2 rewrites 1% of its largest file")
+    print(f"  {'step':<26} {'seconds':>8} {'GB/s (v1 size)':>15} {'MB moved':>9}")
+    for k, r in res["nodes"].items():
+        mb = f"{r['bytes moved'] / 1e6:>9.1f}" if r["bytes moved"] is not None else f"{'':>9}"
+        print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}")
+    out = a.json_out or os.path.join(HERE, "results", f"bench-store-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Garbage collection, repacking, verification and quota eviction of an artifact store.
+
+gc (one at a time per store: ``flock`` on ``STORE/gc.lock``; writers never wait for it):
+
+1. Mark, outside any transaction: every chunk reachable from the refs of the moment
+   (manifest chunks and file chunks).
+2. Sweep (the pack files on disk listed first), in one ``BEGIN IMMEDIATE`` transaction: mark what refs created since step 1 reach and
+   every chunk held by a live lease (a writer that found it indexed, or wrote it, records it in the
+   same transaction, so a writer either sees the chunk gone and writes it again, or holds it
+   before the sweep looks); delete the index rows of unmarked chunks, and the rows of packs left
+   without any chunk. Only after the commit are those pack files deleted.
+3. Orphans: pack files on disk that no pack row and no live lease names (a writer killed between
+   putting its pack in place and indexing it), and temporary files of processes that are gone.
+4. Repack: packs whose live bytes are below ``repack_below`` of their size (and small packs, when
+   there are several) have their live chunks copied, each re-checked, into new packs; the index
+   rows move to the new pack in one transaction, then the old pack is deleted. A reader that
+   looked a chunk up before the move and finds the old pack gone looks it up again.
+
+A crash at any step leaves either the old state or the new one, plus at most files that the
+next gc removes: nothing a ref reaches is deleted before its replacement is indexed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import IntegrityError
+from ..hashing import chunk_digest
+from .packs import FRAME_HEADER, iter_frames
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["gc", "verify", "reindex", "enforce_quota", "gc_lock"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def gc_lock(store: Store) -> Iterator[None]:
+    """Hold the store's gc lock (``flock(LOCK_EX)`` on ``STORE/gc.lock``; released when the process dies)."""
+    fd = os.open(os.path.join(store.path, "gc.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set[bytes]],
+           parallel: bool = True) -> set[bytes]:
+    from ..hashing import blob_to_refs
+
+    got = cache.get(manifest)
+    if got is None:
+        refs = blob_to_refs(mchunks)
+        items = store.read_manifest(manifest, refs, f"manifest {manifest.hex()}", parallel)
+        got = {d for d, _ in refs}
+        for it in items:
+            got.update(d for d, _ in it.chunks)
+        cache[manifest] = got
+    return got
+
+
+def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
+    """Collect what no ref and no live writer needs; repack sparse packs. See the module docstring.
+
+    Parameters
+    ----------
+    repack_below : float
+        A pack whose live bytes are less than this fraction of its data is repacked
+        (0 never, 1.0 any pack holding dead bytes).
+
+    Returns
+    -------
+    dict
+        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``.
+
+    Raises
+    ------
+    IntegrityError
+        A ref's manifest cannot be read (nothing is deleted then: a damaged store is not swept).
+    """
+    from .store import PackWriter
+
+    with gc_lock(store):
+        cache: dict[bytes, set[bytes]] = {}
+        marked: set[bytes] = set()
+        for manifest, mchunks in store._q("SELECT manifest, mchunks FROM refs"):
+            marked |= _reach(store, bytes(manifest), bytes(mchunks), cache)
+        dead_packs: list[str] = []
+        # Listed before the sweep: a pack on disk now either is indexed, or is named by a lease
+        # (written before its rename, so visible to the transaction below), or is an orphan.
+        on_disk = store.packs.list()
+        with store._tx(durable=True) as db:
+            # the dead leases go first: what they held is free now
+            live = set(store.live_leases(db))
+            for (lid,) in list(db.execute("SELECT id FROM leases")):
+                if lid not in live:
+                    for t in ("lease_chunks", "lease_packs"):
+                        db.execute(f"DELETE FROM {t} WHERE lease=?", (lid,))
+                    db.execute("DELETE FROM leases WHERE id=?", (lid,))
+            for manifest, mchunks in list(db.execute("SELECT manifest, mchunks FROM refs")):
+                # refs made since the mark: read in this thread, which holds the index lock
+                marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
+            marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
+            dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
+            db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])
+            for (pack,) in list(db.execute("SELECT id FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM chunks)")):
+                db.execute("DELETE FROM packs WHERE id=?", (pack,))
+                dead_packs.append(pack)
+            known = {p for (p,) in db.execute("SELECT id FROM packs")}
+            known.update(p for (p,) in db.execute("SELECT pack FROM lease_packs"))
+            alive_pids = {int(pid) for (pid,) in db.execute("SELECT pid FROM leases WHERE host=?", (store.host,))}
+        freed = 0
+        for pack in dead_packs:
+            freed += on_disk.get(pack, (0, 0.0))[0]
+            store.packs.delete(pack)
+        orphans = 0
+        for pack, (size, mtime) in on_disk.items():
+            if pack not in known and pack not in dead_packs:
+                store.packs.delete(pack)
+                freed += size
+                orphans += 1
+        for name in os.listdir(store.tmp_dir):
+            pid = name.split("-", 1)[0]
+            if pid.isdigit() and int(pid) not in alive_pids and (int(pid) != os.getpid()):
+                from .writer import _pid_alive
+
+                if not _pid_alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(store.tmp_dir, name))
+        # repack
+        rows = store._q("SELECT p.id, p.size, COALESCE(SUM(c.length + ?), 0), COUNT(c.digest) FROM packs p "
+                        "LEFT JOIN chunks c ON c.pack = p.id GROUP BY p.id", (FRAME_HEADER,))
+        sparse = [r for r in rows if r[1] > 8 and r[2] < repack_below * (r[1] - 8)]
+        small = [r for r in rows if r[1] < store.pack_target // 4 and r not in sparse]
+        victims = [r[0] for r in sparse] + ([r[0] for r in small] if len(small) >= 4 else [])
+        repacked = 0
+        if victims:
+            lease = store.lease()
+            writer = PackWriter(store, lease)
+            try:
+                moved: list[tuple[str, bytes]] = []
+                for pack in victims:
+                    for digest, _off, _len in store._q("SELECT digest, offset, length FROM chunks WHERE pack=?", (pack,)):
+                        try:
+                            data = store.read_chunk(bytes(digest))
+                        except IntegrityError as exc:
+                            log.warning("gc: not moving a damaged chunk: %s", exc)
+                            continue
+                        writer.known.discard(bytes(digest))
+                        writer.add(bytes(digest), data)
+                        moved.append((pack, bytes(digest)))
+                writer.flush()
+                where = {d: (p, off) for d, p, off, _ in writer.placed}
+                gone = []
+                with store._tx(durable=True) as db:
+                    for old, d in moved:
+                        new, off = where[d]
+                        db.execute("UPDATE chunks SET pack=?, offset=? WHERE digest=? AND pack=?", (new, off, d, old))
+                    for pack in victims:
+                        if db.execute("SELECT 1 FROM chunks WHERE pack=? LIMIT 1", (pack,)).fetchone() is None:
+                            db.execute("DELETE FROM packs WHERE id=?", (pack,))
+                            gone.append(pack)
+                    for p in {p for _, p, _, _ in writer.placed}:
+                        if db.execute("SELECT 1 FROM chunks WHERE pack=? LIMIT 1", (p,)).fetchone() is None:
+                            db.execute("DELETE FROM packs WHERE id=?", (p,))
+                            gone.append(p)
+                for pack in gone:
+                    freed += on_disk.get(pack, (0, 0.0))[0]
+                    store.packs.delete(pack)
+                    repacked += 1
+            finally:
+                writer.abort()
+                lease.release()
+        return {"chunks_deleted": len(dead), "packs_deleted": len(dead_packs), "packs_repacked": repacked,
+                "bytes_freed": freed, "orphans": orphans}
+
+
+def verify(store: Store) -> dict[str, Any]:
+    """Re-hash every chunk of every pack; check the index against the packs; report per ref.
+
+    Holds the gc lock (a concurrent gc would make packs vanish under the check).
+
+    Returns
+    -------
+    dict
+        ``{"ok": bool, "chunks": n checked, "bytes": n read, "damaged_chunks": [hex...],
+        "missing_chunks": [hex...], "bad_packs": {pack: reason}, "refs": {name: {"ok", "missing", "damaged"}}}``.
+        A ref is whole when its manifest and every chunk it reaches are present and intact.
+    """
+    with gc_lock(store):
+        return _verify(store)
+
+
+def _verify(store: Store) -> dict[str, Any]:
+    index: dict[bytes, tuple[str, int, int]] = {
+        bytes(d): (p, off, n) for d, p, off, n in store._q("SELECT digest, pack, offset, length FROM chunks")}
+    good: set[bytes] = set()
+    damaged: set[bytes] = set()
+    bad_packs: dict[str, str] = {}
+    checked = nbytes = 0
+    packs = [p for (p,) in store._q("SELECT id FROM packs")]
+    for pack in packs:
+        try:
+            data = _read_pack(store, pack)
+        except (OSError, IntegrityError) as exc:
+            bad_packs[pack] = str(exc)
+            continue
+        nbytes += len(data)
+        try:
+            for digest, off, n in iter_frames(data, f"pack {pack}"):
+                checked += 1
+                ok = chunk_digest(memoryview(data)[off : off + n]) == digest
+                loc = index.get(digest)
+                if loc is not None and loc[0] == pack and loc[1] == off:
+                    (good if ok else damaged).add(digest)
+        except IntegrityError as exc:
+            bad_packs[pack] = str(exc)
+    missing = {d for d in index if d not in good and d not in damaged}
+    refs: dict[str, dict[str, Any]] = {}
+    for info in store.refs():
+        entry: dict[str, Any] = {"ok": True, "missing": 0, "damaged": 0}
+        try:
+            need = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), {})
+        except IntegrityError as exc:
+            entry.update(ok=False, error=str(exc))
+            refs[info.name] = entry
+            continue
+        for d in need:
+            if d in damaged:
+                entry["damaged"] += 1
+            elif d not in good:
+                entry["missing"] += 1
+        entry["ok"] = not (entry["missing"] or entry["damaged"])
+        refs[info.name] = entry
+    ok = not damaged and not missing and not bad_packs and all(r["ok"] for r in refs.values())
+    return {"ok": ok, "chunks": checked, "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
+            "missing_chunks": sorted(d.hex() for d in missing), "bad_packs": bad_packs, "refs": refs}
+
+
+def reindex(store: Store) -> dict[str, int]:
+    """Rebuild the chunk index from the packs themselves (each frame names its digest and length).
+
+    Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
+    rows pointing at packs that are gone are dropped. Refs are not in the packs: they stay as
+    they are. Holds the gc lock.
+
+    Returns
+    -------
+    dict
+        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match).
+    """
+    added = dropped = damaged = 0
+    with gc_lock(store):
+        on_disk = store.packs.list()
+        for pack, (size, _) in sorted(on_disk.items()):
+            try:
+                data = store.packs.get_range(pack, 0, size)
+                frames = list(iter_frames(data, f"pack {pack}"))
+            except (OSError, IntegrityError) as exc:
+                log.warning("reindex: skipping %s: %s", pack, exc)
+                continue
+            rows = []
+            for digest, off, n in frames:
+                if chunk_digest(memoryview(data)[off : off + n]) == digest:
+                    rows.append((digest, pack, off, n))
+                else:
+                    damaged += 1
+            with store._tx(durable=True) as db:
+                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+                for r in rows:
+                    added += db.execute("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", r).rowcount
+        with store._tx(durable=True) as db:
+            for (pack,) in list(db.execute("SELECT DISTINCT pack FROM chunks")):
+                if pack not in on_disk:
+                    dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
+                    db.execute("DELETE FROM packs WHERE id=?", (pack,))
+    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged}
+
+
+def _read_pack(store: Store, pack: str) -> bytes:
+    rows = store._q("SELECT size FROM packs WHERE id=?", (pack,))
+    return store.packs.get_range(pack, 0, rows[0][0] if rows else 0)
+
+
+def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
+    """Evict unpinned refs, least recently used first, until the live data fits ``store.quota``.
+
+    The live size of a set of refs is the bytes of the distinct chunks they reach, framed as in a
+    pack. Pinned refs, and ``keep`` (the ref whose put triggered this), are never evicted. Refs
+    are removed first, then :func:`gc` with ``repack_below=1.0`` deletes and repacks, so a ref
+    left in the store never points at a missing chunk. A quota that pinned refs alone exceed is
+    logged and left exceeded.
+
+    Returns
+    -------
+    list of str
+        The evicted ref names.
+    """
+    quota = store.quota
+    if quota is None:
+        return []
+    stored = store.stats()["stored_bytes"]
+    if stored <= quota:
+        return []
+    refs = store.refs()
+    sizes = {bytes(d): n + FRAME_HEADER for d, n in store._q("SELECT digest, length FROM chunks")}
+    cache: dict[bytes, set[bytes]] = {}
+    reach = {}
+    for info in refs:
+        try:
+            reach[info.name] = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), cache)
+        except IntegrityError:
+            reach[info.name] = set()
+    remaining = {info.name for info in refs}
+
+    def live() -> int:
+        ds: set[bytes] = set()
+        for n in remaining:
+            ds |= reach[n]
+        return sum(sizes.get(d, 0) for d in ds) + 8
+
+    evicted = []
+    for info in sorted(refs, key=lambda i: i.last_used):
+        if live() <= quota:
+            break
+        if info.pinned or info.name == keep:
+            continue
+        remaining.discard(info.name)
+        evicted.append(info.name)
+    for name in evicted:
+        with contextlib.suppress(Exception):
+            store.rm(name)
+    if evicted or stored > quota:
+        store.gc(repack_below=1.0)
+    if live() > quota:
+        log.warning("store %s: pinned refs (and the newest) take %d bytes, more than the quota of %d",
+                    store.path, live(), quota)
+    return evicted

@@ -1,0 +1,802 @@
+"""The artifact store: immutable snapshots held once, deduplicated by chunk, named by refs.
+
+Layout (store format v1, see docs/ARCHITECTURE.md)::
+
+    STORE/config           JSON: {"format": "tb5sync-store", "version": 1, "chunk_params": 1,
+                           "pack_target": bytes, "quota": bytes or null}
+    STORE/index.sqlite     WAL; chunks, packs, refs, leases (schema below)
+    STORE/packs/XX/<id>    immutable pack files (:mod:`tb5sync.store.packs`)
+    STORE/tmp/             packs being written (<pid>-<id>.tmp), removed by gc when their process is gone
+    STORE/gc.lock          flock: one gc (or quota eviction) at a time
+
+Chunks are the sync engine's chunks (FastCDC format v1, BLAKE3-256 addresses), so a file synced
+earlier and the same file in the store have the same chunks.
+
+Concurrency (threads and processes): every index change is one SQLite ``BEGIN IMMEDIATE``
+transaction. A writer holds a *lease*: a row naming its host and pid; each chunk it will
+reference is either already indexed, and then recorded under the lease in the same transaction
+that found it, or written by it into a new pack, whose name is recorded under the lease before
+the pack is put in place. The garbage collector marks from every ref and every live lease in
+one transaction and deletes only what is unmarked, so there is no moment at which a chunk that a
+ref or an unfinished put needs is gone (the failure restic's ``prune`` lock and borg's exclusive
+lock avoid by stopping writers; here writers go on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
+from ..excludes import ExcludeRules
+from ..errors import IntegrityError, RefExistsError, RefNotFoundError, SourceChangedError, UsageError
+from ..hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
+from .manifest import Item, decode_manifest, encode_manifest, walk
+from .packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
+from .writer import Lease, PackWriter, _drop_lease, _pid_alive
+
+__all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "default_store_path", "check_ref_name"]
+
+
+log = logging.getLogger(__name__)
+
+#: Store format version written to ``STORE/config``.
+STORE_VERSION = 1
+#: Default target size of a pack, bytes.
+PACK_TARGET = 32 * 1024 * 1024
+#: A lease not touched for this long is dead even if its process seems alive (pid reuse, other hosts).
+LEASE_TTL = 24 * 3600.0
+#: Files up to this size are read whole and stored in batches (one index transaction per batch).
+SMALL_FILE = 4 * 1024 * 1024
+#: Bytes of small files gathered before a batch is stored.
+SMALL_BATCH = 32 * 1024 * 1024
+#: Bytes read from a file at a time by put (plus the undecided tail of at most one chunk).
+READ_WINDOW = 16 * 1024 * 1024
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+    digest BLOB PRIMARY KEY, pack TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunks_pack ON chunks(pack);
+CREATE TABLE IF NOT EXISTS packs (id TEXT PRIMARY KEY, size INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS refs (
+    name TEXT PRIMARY KEY, manifest BLOB NOT NULL, mchunks BLOB NOT NULL, created REAL NOT NULL,
+    size INTEGER NOT NULL, files INTEGER NOT NULL, description TEXT, pinned INTEGER NOT NULL DEFAULT 0,
+    last_used REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, started REAL NOT NULL, touched REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lease_chunks (lease TEXT NOT NULL, digest BLOB NOT NULL, PRIMARY KEY (lease, digest)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS lease_packs (lease TEXT NOT NULL, pack TEXT NOT NULL, PRIMARY KEY (lease, pack)) WITHOUT ROWID;
+"""
+
+_REF_RE = re.compile(r"[A-Za-z0-9._+=@,-]+")
+
+
+def check_ref_name(name: object) -> str:
+    """Check a ref name: ``/``-separated segments of ``A-Z a-z 0-9 . _ + = @ , -``, not ``.``/``..``, at most 255 bytes.
+
+    Raises
+    ------
+    UsageError
+        Anything else, naming the ref.
+    """
+    if not isinstance(name, str) or not 0 < len(name) <= 255:
+        raise UsageError(f"bad ref name {name!r}: 1 to 255 characters")
+    for seg in name.split("/"):
+        if seg in ("", ".", "..") or not _REF_RE.fullmatch(seg):
+            raise UsageError(f"bad ref name {name!r}: segments of A-Z a-z 0-9 . _ + = @ , - separated by /")
+    return name
+
+
+def default_store_path() -> str:
+    """``$TB5SYNC_STORE``, else ``tb5sync/store`` in the user's data directory.
+
+    The data directory is ``$XDG_DATA_HOME`` (default ``~/.local/share``) on Linux and
+    ``~/Library/Application Support`` on macOS, as platformdirs' ``user_data_dir`` gives.
+    """
+    env = os.environ.get("TB5SYNC_STORE")
+    if env:
+        return env
+    try:
+        from platformdirs import user_data_dir
+
+        return os.path.join(user_data_dir("tb5sync", appauthor=False), "store")
+    except ImportError:
+        pass
+    import sys
+
+    if sys.platform == "darwin":
+        base = os.path.expanduser("~/Library/Application Support")
+    else:
+        base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "tb5sync", "store")
+
+
+@dataclass(frozen=True)
+class RefInfo:
+    """A ref: ``name`` -> manifest, with its creation time (s since epoch), logical size (bytes),
+    file count, description, pin flag and last use (s since epoch)."""
+
+    name: str
+    manifest: bytes
+    mchunks: tuple[ChunkRef, ...]
+    created: float
+    size: int
+    files: int
+    description: str | None
+    pinned: bool
+    last_used: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (digest as hex)."""
+        return {"name": self.name, "manifest": self.manifest.hex(), "created": self.created, "size": self.size,
+                "files": self.files, "description": self.description, "pinned": self.pinned,
+                "last_used": self.last_used}
+
+
+class Store:
+    """An artifact store in directory ``path`` (created when missing).
+
+    Parameters
+    ----------
+    path : str or path, optional
+        The store directory; default :func:`default_store_path`.
+    pack_target : int, optional
+        Target pack size in bytes for new packs (default 32 MiB, at least 1 MiB); recorded in
+        ``config`` when the store is created, overridable per process.
+    quota : int, optional
+        Most bytes the packs may take; refs beyond it are evicted least recently used first,
+        pinned refs never (see :meth:`enforce_quota`). Overrides the quota in ``config``.
+    packs : PackStorage, optional
+        Where packs live; default a :class:`LocalPackStorage` in ``path/packs``.
+
+    Raises
+    ------
+    UsageError
+        ``path`` holds a store of an unknown format or chunk parameter version.
+
+    Notes
+    -----
+    Thread-safe (one SQLite connection behind a lock) and safe with other processes using the
+    same directory (SQLite transactions, ``flock`` for gc). The layout is documented in
+    docs/ARCHITECTURE.md ("Store format v1").
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, pack_target: int | None = None,
+                 quota: int | None = None, packs: PackStorage | None = None) -> None:
+        self.path = os.path.abspath(os.fspath(path) if path is not None else default_store_path())
+        os.makedirs(self.path, exist_ok=True)
+        self.tmp_dir = os.path.join(self.path, "tmp")
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        self.config = self._load_config(pack_target)
+        self.params: ChunkParams = PARAMS_BY_VERSION[self.config["chunk_params"]]
+        self.pack_target = int(pack_target or self.config["pack_target"])
+        if self.pack_target < 1024 * 1024 and pack_target is None:
+            raise UsageError(f"{self.path}/config: pack_target below 1 MiB")
+        self.quota = quota if quota is not None else self.config.get("quota")
+        self.packs = packs or LocalPackStorage(os.path.join(self.path, "packs"))
+        self.host = os.uname().nodename
+        self._lock = threading.RLock()
+        # decoded manifests by digest (immutable objects, checked when read): the last few, with a path index
+        self._manifests: OrderedDict[bytes, tuple[list[Item], dict[bytes, Item]]] = OrderedDict()
+        self._db = sqlite3.connect(os.path.join(self.path, "index.sqlite"), check_same_thread=False,
+                                   isolation_level=None, timeout=60)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _load_config(self, pack_target: int | None) -> dict[str, Any]:
+        cfg_path = os.path.join(self.path, "config")
+        try:
+            with open(cfg_path, "rb") as f:
+                cfg = json.loads(f.read())
+        except FileNotFoundError:
+            cfg = {"format": "tb5sync-store", "version": STORE_VERSION, "chunk_params": PARAMS_V1.version,
+                   "pack_target": int(pack_target or PACK_TARGET), "quota": None}
+            tmp = os.path.join(self.tmp_dir, f"config.{secrets.token_hex(8)}")
+            with open(tmp, "w") as f:
+                json.dump(cfg, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, cfg_path)  # first creator wins; a concurrent one reads the winner's
+            except FileExistsError:
+                pass
+            os.unlink(tmp)
+            with open(cfg_path, "rb") as f:
+                cfg = json.loads(f.read())
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"{cfg_path}: unreadable store config: {exc}") from exc
+        if not isinstance(cfg, dict) or cfg.get("format") != "tb5sync-store" or cfg.get("version") != STORE_VERSION:
+            raise UsageError(f"{cfg_path}: not a tb5sync store of format version {STORE_VERSION}")
+        if cfg.get("chunk_params") not in PARAMS_BY_VERSION:
+            raise UsageError(f"{cfg_path}: unknown chunk parameter version {cfg.get('chunk_params')!r}")
+        return cfg
+
+    def set_quota(self, quota: int | None) -> None:
+        """Record ``quota`` (bytes, None for none) in ``config`` (atomically replaced) and use it."""
+        if quota is not None and (not isinstance(quota, int) or quota < 0):
+            raise UsageError(f"quota must be a byte count >= 0, got {quota!r}")
+        cfg = dict(self.config, quota=quota)
+        tmp = os.path.join(self.tmp_dir, f"config.{secrets.token_hex(8)}")
+        with open(tmp, "w") as f:
+            json.dump(cfg, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.path, "config"))
+        self.config, self.quota = cfg, quota
+
+    @contextlib.contextmanager
+    def _tx(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction (the write lock across processes), committed on success.
+
+        The index runs with ``synchronous=NORMAL`` (WAL: a commit survives a crash of the process,
+        the last ones may be lost with the power); ``durable`` commits with ``synchronous=FULL``,
+        which also makes every earlier commit durable. Ref commits and gc's sweeps are durable, so
+        that no pack is deleted on the strength of an index change the disk has not kept.
+        """
+        with self._lock:
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def _q(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        with self._lock:
+            return list(self._db.execute(sql, args))
+
+    def close(self) -> None:
+        """Close the index and the pack handles. Safe to call twice."""
+        with self._lock:
+            self._db.close()
+        self.packs.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lease(self, lease_id: str | None = None) -> Lease:
+        """A new (or re-joined, by id) lease for a writer; release it when done."""
+        return Lease(self, lease_id)
+
+    # ---- reading chunks ----------------------------------------------------------------------
+    def has(self, digest: bytes) -> bool:
+        """Whether the index holds chunk ``digest``."""
+        return bool(self._q("SELECT 1 FROM chunks WHERE digest=?", (digest,)))
+
+    def read_chunk(self, digest: bytes) -> bytes:
+        """The bytes of chunk ``digest``, checked against it.
+
+        Raises
+        ------
+        IntegrityError
+            The chunk is missing, or its frame or bytes do not match (a damaged pack).
+        """
+        for attempt in range(3):
+            rows = self._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (digest,))
+            if not rows:
+                raise IntegrityError(f"chunk {digest.hex()} is missing from the store")
+            pack, offset, length = rows[0]
+            try:
+                raw = self.packs.get_range(pack, offset - FRAME_HEADER, length + FRAME_HEADER)
+            except FileNotFoundError:
+                if attempt < 2:
+                    continue  # moved by a concurrent repack: look it up again
+                raise IntegrityError(f"chunk {digest.hex()}: pack {pack} is missing") from None
+            head_digest, head_len = parse_frame_header(raw[:FRAME_HEADER])
+            data = raw[FRAME_HEADER:]
+            if head_digest != digest or head_len != length or chunk_digest(data) != digest:
+                raise IntegrityError(f"chunk {digest.hex()} in pack {pack} at {offset} is damaged")
+            return data
+        raise AssertionError("unreachable")
+
+    def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]:
+        """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones left out), 500 per query."""
+        ds = list(dict.fromkeys(digests))
+        out: dict[bytes, tuple[str, int, int]] = {}
+        for k in range(0, len(ds), 500):
+            part = ds[k : k + 500]
+            rows = self._q(f"SELECT digest, pack, offset, length FROM chunks WHERE digest IN ({','.join('?' * len(part))})", part)
+            out.update((bytes(d), (p, o, n)) for d, p, o, n in rows)
+        return out
+
+    def read_at(self, digest: bytes, where: tuple[str, int, int] | None) -> bytes:
+        """Chunk ``digest`` read from ``where`` (from :meth:`locate`), checked; looked up again if it moved.
+
+        Raises
+        ------
+        IntegrityError
+            As :meth:`read_chunk`.
+        """
+        if where is not None:
+            pack, offset, length = where
+            try:
+                raw = self.packs.get_range(pack, offset - FRAME_HEADER, length + FRAME_HEADER)
+            except (FileNotFoundError, IntegrityError):
+                return self.read_chunk(digest)  # moved by a repack since it was located
+            head_digest, head_len = parse_frame_header(raw[:FRAME_HEADER])
+            data = raw[FRAME_HEADER:]
+            if head_digest == digest and head_len == length and chunk_digest(data) == digest:
+                return data
+        return self.read_chunk(digest)
+
+    def iter_chunks(self, digests: Sequence[bytes], ahead: int = 4) -> Iterator[bytes]:
+        """The bytes of each of ``digests`` in order, read and checked ``ahead`` at a time in the hash pool."""
+        pool = hash_pool()
+        futs: list[Any] = []
+        i = 0
+        while i < len(digests) or futs:
+            while i < len(digests) and len(futs) < ahead:
+                futs.append(pool.submit(self.read_chunk, digests[i]))
+                i += 1
+            yield futs.pop(0).result()
+
+    # ---- refs --------------------------------------------------------------------------------
+    def _ref_row(self, name: str) -> RefInfo | None:
+        rows = self._q("SELECT name, manifest, mchunks, created, size, files, description, pinned, last_used "
+                       "FROM refs WHERE name=?", (name,))
+        return _ref_of(rows[0]) if rows else None
+
+    def ref(self, name: str) -> RefInfo:
+        """The ref ``name``.
+
+        Raises
+        ------
+        RefNotFoundError
+            No such ref.
+        """
+        info = self._ref_row(check_ref_name(name))
+        if info is None:
+            raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+        return info
+
+    def refs(self, prefix: str = "") -> list[RefInfo]:
+        """Refs whose name starts with ``prefix`` (plain string prefix), sorted by name."""
+        rows = self._q("SELECT name, manifest, mchunks, created, size, files, description, pinned, last_used "
+                       "FROM refs ORDER BY name")
+        return [_ref_of(r) for r in rows if r[0].startswith(prefix)]
+
+    def manifest(self, name_or_info: str | RefInfo, touch: bool = True) -> list[Item]:
+        """The checked manifest of a ref (each chunk verified, the object digest too)."""
+        info = name_or_info if isinstance(name_or_info, RefInfo) else self.ref(name_or_info)
+        items = self.read_manifest(info.manifest, list(info.mchunks), f"manifest of ref {info.name!r}")
+        if touch:
+            self.touch(info.name)
+        return items
+
+    def read_manifest(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str = "manifest",
+                      parallel: bool = True) -> list[Item]:
+        """Read a manifest object (chunks ``mchunks``, object digest ``digest``) and check it.
+
+        ``parallel=False`` reads in the calling thread (required while holding a transaction).
+
+        Raises
+        ------
+        IntegrityError
+            A chunk is missing or damaged, the object digest differs, or the manifest is malformed.
+        """
+        return self._manifest_entry(digest, mchunks, where, parallel)[0]
+
+    def _manifest_entry(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str,
+                        parallel: bool = True) -> tuple[list[Item], dict[bytes, Item]]:
+        with self._lock:
+            hit = self._manifests.get(digest)
+            if hit is not None:
+                self._manifests.move_to_end(digest)
+                return hit
+        if file_digest(d for d, _ in mchunks) != digest:
+            raise IntegrityError(f"{where}: chunk list does not match the manifest digest")
+        if parallel:
+            data = b"".join(self.iter_chunks([d for d, _ in mchunks]))
+        else:  # in this thread: the caller may hold the index lock, which the pool's threads would wait for
+            data = b"".join(self.read_chunk(d) for d, _ in mchunks)
+        items = decode_manifest(data, where)
+        entry = (items, {it.path: it for it in items})
+        with self._lock:
+            self._manifests[digest] = entry
+            while len(self._manifests) > 8:
+                self._manifests.popitem(last=False)
+        return entry
+
+    def touch(self, name: str) -> None:
+        """Mark ref ``name`` used now (the LRU order of quota eviction; a use within the last 0.1 s is not rewritten)."""
+        now = time.time()
+        if any(now - t < 0.1 for (t,) in self._q("SELECT last_used FROM refs WHERE name=?", (name,))):
+            return
+        with self._tx() as db:
+            db.execute("UPDATE refs SET last_used=? WHERE name=?", (time.time(), name))
+
+    def rm(self, name: str) -> None:
+        """Remove ref ``name``; its chunks go at the next :meth:`gc` unless another ref holds them.
+
+        Raises
+        ------
+        RefNotFoundError
+        """
+        check_ref_name(name)
+        with self._tx() as db:
+            if db.execute("DELETE FROM refs WHERE name=?", (name,)).rowcount == 0:
+                raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """Pin (or unpin) ref ``name``: a pinned ref and all it reaches are never evicted.
+
+        Raises
+        ------
+        RefNotFoundError
+        """
+        check_ref_name(name)
+        with self._tx() as db:
+            if db.execute("UPDATE refs SET pinned=? WHERE name=?", (int(pinned), name)).rowcount == 0:
+                raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+
+    def commit_ref(self, lease: Lease, name: str, manifest: bytes, mchunks: Sequence[ChunkRef], items: Sequence[Item],
+                   description: str | None = None, replace: bool = False, created: float | None = None) -> RefInfo:
+        """Point ``name`` at a manifest whose chunks are all in the store, and release ``lease``.
+
+        Raises
+        ------
+        RefExistsError
+            ``name`` exists and ``replace`` is False.
+        IntegrityError
+            Some chunk of the manifest or of its files is not in the store.
+        """
+        check_ref_name(name)
+        size = sum(it.size for it in items if it.kind == "f")
+        files = sum(1 for it in items if it.kind == "f")
+        needed = {d for d, _ in mchunks}
+        for it in items:
+            needed.update(d for d, _ in it.chunks)
+        now = time.time()
+        with self._tx(durable=True) as db:
+            old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
+            if old is not None and not replace:
+                raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
+            for d in needed:
+                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+                    raise IntegrityError(f"ref {name!r}: chunk {d.hex()} is not in the store")
+            db.execute("INSERT OR REPLACE INTO refs VALUES (?,?,?,?,?,?,?,?,?)",
+                       (name, manifest, refs_to_blob(mchunks), created or now, size, files, description,
+                        old[0] if old else 0, now))
+            _drop_lease(db, lease.id)
+        return self.ref(name)
+
+    # ---- put ---------------------------------------------------------------------------------
+    def put(self, name: str, src: str | os.PathLike[str], description: str | None = None,
+            replace: bool = False, exclude: Sequence[str] = ()) -> RefInfo:
+        """Store the directory, file or symlink ``src`` as ref ``name``, reading each file once.
+
+        Each file is read in windows, cut into FastCDC v1 chunks, hashed (BLAKE3) and only the
+        chunks the store lacks are appended to packs. The ref appears only once every chunk is
+        in place; an interrupted put leaves no ref (its packs are collected by :meth:`gc`).
+
+        Raises
+        ------
+        UsageError
+            Bad ref name, or ``src`` missing.
+        RefExistsError
+            ``name`` exists and ``replace`` is False.
+        SourceChangedError
+            A file changed while it was read.
+
+        ``exclude`` takes rsync's exclude patterns (:class:`tb5sync.excludes.ExcludeRules`).
+        """
+        check_ref_name(name)
+        rules = ExcludeRules(tuple(exclude))
+        if not replace and self._ref_row(name) is not None:
+            raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
+        lease = self.lease()
+        writer = PackWriter(self, lease)
+        small: list[tuple[Item, bytes]] = []  # small files read, waiting to be chunked and stored together
+        small_bytes = 0
+        try:
+            items = []
+            for rel, st, full in walk(os.fspath(src), rules):
+                mode, mtime = stat.S_IMODE(st.st_mode), st.st_mtime_ns
+                if stat.S_ISDIR(st.st_mode):
+                    items.append(Item(rel, "d", mode, 0, mtime))
+                elif stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(os.fsencode(full))
+                    items.append(Item(rel, "l", mode, len(target), mtime, target=target))
+                elif st.st_size <= SMALL_FILE:
+                    it = Item(rel, "f", mode, st.st_size, mtime)
+                    items.append(it)
+                    small.append((it, _read_small(full, st)))
+                    small_bytes += st.st_size
+                    if small_bytes >= SMALL_BATCH or len(small) >= 4096:
+                        self._store_small(small, lease, writer)
+                        small, small_bytes = [], 0
+                else:
+                    refs = self._put_file(full, st, lease, writer)
+                    items.append(Item(rel, "f", mode, st.st_size, mtime, digest=file_digest(d for d, _ in refs),
+                                      chunks=refs))
+            self._store_small(small, lease, writer)
+            mdigest, mrefs = self.put_bytes(encode_manifest(items), lease, writer)
+            writer.flush()
+            info = self.commit_ref(lease, name, mdigest, mrefs, items, description, replace)
+        except BaseException:
+            writer.abort()
+            with contextlib.suppress(Exception):
+                lease.release()
+            raise
+        self.enforce_quota(keep=name)
+        return info
+
+    def put_bytes(self, data: bytes, lease: Lease, writer: PackWriter) -> tuple[bytes, list[ChunkRef]]:
+        """Store ``data`` as chunks under ``lease``; returns ``(object digest, chunk list)``."""
+        mv = memoryview(data)
+        refs = self._store_window(mv, cut_buffer(mv, self.params, True), lease, writer)
+        return file_digest(d for d, _ in refs), refs
+
+    def _store_small(self, files: list[tuple[Item, bytes]], lease: Lease, writer: PackWriter) -> None:
+        """Chunk, hash and store many small files with one lease transaction (sets their chunks and digests)."""
+        if not files:
+            return
+        spans: list[tuple[int, int, int]] = []  # (file index, start, end)
+        for k, (_, data) in enumerate(files):
+            prev = 0
+            for c in cut_buffer(memoryview(data), self.params, True):
+                spans.append((k, prev, c))
+                prev = c
+        views = [memoryview(data) for _, data in files]
+        pool = hash_pool()
+        digests = list(pool.map(lambda sp: chunk_digest(views[sp[0]][sp[1] : sp[2]]), spans, chunksize=64))
+        fresh = list(dict.fromkeys(d for d in digests if d not in writer.known))
+        have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
+        for it, _ in files:
+            it.chunks = []
+        for d, (k, a, b) in zip(digests, spans):
+            if not have.get(d, True):
+                writer.add(d, views[k][a:b])
+                have[d] = True
+            files[k][0].chunks.append((d, b - a))
+        for it, _ in files:
+            it.digest = file_digest(d for d, _ in it.chunks)
+
+    def _store_window(self, mv: memoryview, cuts: list[int], lease: Lease, writer: PackWriter) -> list[ChunkRef]:
+        spans = []
+        prev = 0
+        for c in cuts:
+            spans.append((prev, c))
+            prev = c
+        digests = list(hash_pool().map(lambda se: chunk_digest(mv[se[0] : se[1]]), spans))
+        fresh = [d for d in digests if d not in writer.known]
+        have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
+        for d, (s, e) in zip(digests, spans):
+            if not have.get(d, True):
+                writer.add(d, mv[s:e])
+                have[d] = True
+        return [(d, e - s) for d, (s, e) in zip(digests, spans)]
+
+    def _put_file(self, full: str, st: os.stat_result, lease: Lease, writer: PackWriter) -> list[ChunkRef]:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(full, flags)
+        refs: list[ChunkRef] = []
+        try:
+            fst = os.fstat(fd)
+            if (fst.st_ino, fst.st_size, fst.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+                raise SourceChangedError(full)
+            buf = bytearray(READ_WINDOW + self.params.max_size)
+            have = 0
+            total = 0
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                while True:
+                    view = memoryview(buf)
+                    while have < len(buf):
+                        n = f.readinto(view[have:])
+                        if not n:
+                            break
+                        have += n
+                        total += n
+                    final = have < len(buf)
+                    cuts = cut_buffer(view[:have], self.params, final)
+                    refs += self._store_window(view, cuts, lease, writer)
+                    last = cuts[-1] if cuts else 0
+                    del view
+                    buf[: have - last] = buf[last:have]
+                    have -= last
+                    if final:
+                        break
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if total != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            raise SourceChangedError(full)
+        return refs
+
+    # ---- reading files -----------------------------------------------------------------------
+    def item(self, name: str, path: str | bytes, touch: bool = True) -> Item:
+        """The manifest entry of ``path`` (``""`` for the root) in ref ``name``.
+
+        Raises
+        ------
+        RefNotFoundError
+            No such ref, or no such path in it.
+        """
+        bpath = os.fsencode(path).strip(b"/") if path else b""
+        info = self.ref(name)
+        if touch:
+            self.touch(info.name)
+        it = self._manifest_entry(info.manifest, info.mchunks, f"manifest of ref {name!r}")[1].get(bpath)
+        if it is not None:
+            return it
+        raise RefNotFoundError(f"no path {os.fsdecode(bpath)!r} in ref {name!r}")
+
+    def read_range(self, item: Item, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes ``[offset, offset+length)`` of a file entry (to its end when ``length`` is None), chunks checked.
+
+        Raises
+        ------
+        UsageError
+            Negative offset or length, or not a file.
+        IntegrityError
+            A chunk is missing or damaged.
+        """
+        if item.kind != "f":
+            raise UsageError(f"{os.fsdecode(item.path)!r} is not a file")
+        if offset < 0 or (length is not None and length < 0):
+            raise UsageError("offset and length must be >= 0")
+        end = item.size if length is None else min(item.size, offset + length)
+        out = bytearray()
+        pos = 0
+        want = []
+        for d, n in item.chunks:
+            if pos + n > offset and pos < end:
+                want.append((d, pos))
+            pos += n
+        for (d, start), data in zip(want, self.iter_chunks([d for d, _ in want])):
+            lo = max(offset, start) - start
+            hi = min(end, start + len(data)) - start
+            out += data[lo:hi]
+        return bytes(out)
+
+    def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None,
+            touch: bool = True) -> bytes:
+        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`); ``touch`` records the use."""
+        return self.read_range(self.item(name, path, touch), offset, length)
+
+    def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
+        """Materialise ref ``name`` at ``dest`` atomically (see :func:`tb5sync.store.materialise.materialise`)."""
+        from .materialise import materialise
+
+        info = self.ref(name)
+        materialise(self, self.manifest(info), os.fspath(dest), replace=replace, hardlink=hardlink)
+        return info
+
+    def diff(self, a: str, b: str) -> list[tuple[str, str]]:
+        """Paths that differ between refs ``a`` and ``b``: ``("+", path)`` only in b, ``("-", path)`` only
+        in a, ``("M", path)`` content, kind or target differs, ``("m", path)`` mode or mtime only."""
+        ma = {it.path: it for it in self.manifest(a, touch=False)}
+        mb = {it.path: it for it in self.manifest(b, touch=False)}
+        out = []
+        for p in sorted(set(ma) | set(mb)):
+            x, y = ma.get(p), mb.get(p)
+            s = os.fsdecode(p) or "."
+            if x is None:
+                out.append(("+", s))
+            elif y is None:
+                out.append(("-", s))
+            elif (x.kind, x.digest, x.target) != (y.kind, y.digest, y.target):
+                out.append(("M", s))
+            elif (x.mode, x.mtime_ns) != (y.mode, y.mtime_ns) and x.kind != "d":
+                out.append(("m", s))
+        return out
+
+    # ---- housekeeping (gc.py) ----------------------------------------------------------------
+    def gc(self, repack_below: float = 0.5) -> dict[str, int]:
+        """Sweep chunks no ref or live writer needs and repack sparse packs; see :func:`tb5sync.store.gc.gc`."""
+        from .gc import gc
+
+        return gc(self, repack_below)
+
+    def verify(self) -> dict[str, Any]:
+        """Re-hash every chunk of every pack and report damage per ref; see :func:`tb5sync.store.gc.verify`."""
+        from .gc import verify
+
+        return verify(self)
+
+    def reindex(self) -> dict[str, int]:
+        """Rebuild the chunk index from the packs; see :func:`tb5sync.store.gc.reindex`."""
+        from .gc import reindex
+
+        return reindex(self)
+
+    def enforce_quota(self, keep: str | None = None) -> list[str]:
+        """Evict unpinned refs, least recently used first, until the packs fit the quota; see :func:`tb5sync.store.gc.enforce_quota`."""
+        from .gc import enforce_quota
+
+        return enforce_quota(self, keep)
+
+    def stats(self) -> dict[str, Any]:
+        """Logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts."""
+        with self._lock:
+            logical, files = self._db.execute("SELECT COALESCE(SUM(size),0), COALESCE(SUM(files),0) FROM refs").fetchone()
+            unique, nchunks = self._db.execute("SELECT COALESCE(SUM(length),0), COUNT(*) FROM chunks").fetchone()
+            stored, npacks = self._db.execute("SELECT COALESCE(SUM(size),0), COUNT(*) FROM packs").fetchone()
+            nrefs = self._db.execute("SELECT COUNT(*) FROM refs").fetchone()[0]
+        return {"refs": nrefs, "files": files, "logical_bytes": logical, "unique_bytes": unique,
+                "stored_bytes": stored, "chunks": nchunks, "packs": npacks,
+                "dedup_ratio": round(logical / unique, 3) if unique else 1.0, "quota": self.quota}
+
+    def live_leases(self, db: sqlite3.Connection) -> list[str]:
+        """Ids of leases whose writer may still run (same host: pid alive; any host: touched within LEASE_TTL)."""
+        now = time.time()
+        out = []
+        for lid, host, pid, touched in db.execute("SELECT id, host, pid, touched FROM leases"):
+            if now - touched > LEASE_TTL:
+                continue
+            if host == self.host and not _pid_alive(pid):
+                continue
+            out.append(lid)
+        return out
+
+
+def _read_small(full: str, st: os.stat_result) -> bytes:
+    """The whole content of a small file that ``lstat`` saw as ``st``.
+
+    Raises
+    ------
+    SourceChangedError
+        It is another file now, or its size or mtime changed while it was read.
+    """
+    fd = os.open(full, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_ino, fst.st_size, fst.st_mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+            raise SourceChangedError(full)
+        parts = []
+        got = 0
+        while True:
+            b = os.read(fd, st.st_size + 1 - got if got <= st.st_size else 1)
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+            if got > st.st_size:
+                break
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise SourceChangedError(full)
+    return b"".join(parts)
+
+
+def _ref_of(row: Sequence[Any]) -> RefInfo:
+    return RefInfo(row[0], bytes(row[1]), tuple(blob_to_refs(bytes(row[2]))), row[3], row[4], row[5], row[6],
+                   bool(row[7]), row[8])
+
+
+def all_digests(items: Iterable[Item]) -> set[bytes]:
+    """Every chunk digest the file entries of ``items`` reference."""
+    out: set[bytes] = set()
+    for it in items:
+        out.update(d for d, _ in it.chunks)
+    return out

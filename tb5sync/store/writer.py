@@ -1,0 +1,144 @@
+"""Writers' side of the store: leases (what an unfinished write holds) and the pack writer.
+
+See :mod:`tb5sync.store.store` for the rules these implement: a chunk a writer will reference is
+recorded under its lease in the same transaction that found it indexed, or written by it to a
+pack whose name is recorded under the lease before the pack is put in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, BinaryIO
+
+from .packs import FRAME_HEADER, PACK_MAGIC, frame_header
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Lease", "PackWriter"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """A writer's claim on chunks it will reference; see the module docstring. Thread-safe."""
+
+    def __init__(self, store: Store, lease_id: str | None = None) -> None:
+        self.store = store
+        self.id = lease_id or secrets.token_hex(16)
+        now = time.time()
+        with store._tx() as db:
+            db.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?)", (self.id, store.host, os.getpid(), now, now))
+
+    def protect(self, digests: Sequence[bytes]) -> list[bool]:
+        """Which of ``digests`` the store holds; those it holds are recorded under this lease (one transaction)."""
+        out = []
+        with self.store._tx() as db:
+            for d in digests:
+                hit = db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is not None
+                if hit:
+                    db.execute("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", (self.id, d))
+                out.append(hit)
+            db.execute("UPDATE leases SET touched=? WHERE id=?", (time.time(), self.id))
+        return out
+
+    def release(self) -> None:
+        """Drop the lease and what it protects."""
+        with self.store._tx() as db:
+            _drop_lease(db, self.id)
+
+
+def _drop_lease(db: sqlite3.Connection, lease: str) -> None:
+    db.execute("DELETE FROM lease_chunks WHERE lease=?", (lease,))
+    db.execute("DELETE FROM lease_packs WHERE lease=?", (lease,))
+    db.execute("DELETE FROM leases WHERE id=?", (lease,))
+
+
+class PackWriter:
+    """Appends chunks to a new pack under a lease; a full pack is put in place and indexed.
+
+    ``add`` skips a digest this writer already holds. ``placed`` lists, per finished pack,
+    ``(digest, pack, offset, length)`` of what it wrote.
+    """
+
+    def __init__(self, store: Store, lease: Lease) -> None:
+        self.store = store
+        self.lease = lease
+        self.known: set[bytes] = set()
+        self.placed: list[tuple[bytes, str, int, int]] = []
+        self._f: BinaryIO | None = None
+        self._tmp = ""
+        self._id = ""
+        self._pos = 0
+        self._rows: list[tuple[bytes, str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, digest: bytes, data: bytes | memoryview) -> None:
+        """Append one chunk (its digest already computed from these very bytes)."""
+        with self._lock:
+            if digest in self.known:
+                return
+            if self._f is None:
+                self._id = secrets.token_hex(16)
+                self._tmp = os.path.join(self.store.tmp_dir, f"{os.getpid()}-{self._id}.tmp")
+                self._f = open(self._tmp, "xb", buffering=1024 * 1024)  # noqa: SIM115 - closed in _flush
+                self._f.write(PACK_MAGIC)
+                self._pos = len(PACK_MAGIC)
+            self._f.write(frame_header(digest, len(data)))
+            self._f.write(data)
+            self._rows.append((digest, self._id, self._pos + FRAME_HEADER, len(data)))
+            self._pos += FRAME_HEADER + len(data)
+            self.known.add(digest)
+            full = self._pos >= self.store.pack_target
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Finish the open pack (fsync, put in place, index its chunks under the lease)."""
+        with self._lock:
+            f, self._f = self._f, None
+            if f is None:
+                return
+            rows, self._rows = self._rows, []
+            pack, tmp = self._id, self._tmp
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        st = self.store
+        with st._tx() as db:
+            db.execute("INSERT OR IGNORE INTO lease_packs VALUES (?,?)", (self.lease.id, pack))
+        size = st.packs.put_file(pack, tmp)
+        with st._tx() as db:
+            db.execute("INSERT INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+            db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", rows)
+            db.executemany("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", [(self.lease.id, r[0]) for r in rows])
+            db.execute("DELETE FROM lease_packs WHERE lease=? AND pack=?", (self.lease.id, pack))
+            db.execute("UPDATE leases SET touched=? WHERE id=?", (time.time(), self.lease.id))
+        self.placed += rows
+
+    def abort(self) -> None:
+        """Drop an unfinished pack."""
+        with self._lock:
+            f, self._f = self._f, None
+        if f is not None:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+
+

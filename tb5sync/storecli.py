@@ -1,0 +1,225 @@
+"""``tb5sync store ...``: the artifact store's commands (see :mod:`tb5sync.store`).
+
+``tb5sync store [--store DIR] put REF DIR|FILE``, ``get REF DEST``, ``cat REF PATH``, ``ls [PREFIX]``,
+``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
+``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``.
+The store is ``--store DIR``, else ``$TB5SYNC_STORE``, else ``tb5sync/store`` in the user's data
+directory. ``--json`` prints data as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_store_parser", "run_store", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"500M"``, ``"2G"``, ``"1.5T"``, ``"1000"`` -> bytes (binary units, an optional ``iB``/``B``).
+
+    Raises
+    ------
+    UsageError
+        Not a size.
+    """
+    from .errors import UsageError
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise UsageError(f"bad size {text!r} (expected e.g. 500M, 20G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``store`` command and its subcommands to ``sub`` (the CLI's subparsers)."""
+    s = sub.add_parser("store", help="the artifact store: put, get, push and pull named snapshots", parents=[common])
+    s.add_argument("--store", metavar="DIR", help="store directory (default: $TB5SYNC_STORE, else the user's data directory)")
+    ss = s.add_subparsers(dest="store_command", required=True)
+
+    def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
+        q = ss.add_parser(name, help=help_)
+        if json_:
+            q.add_argument("--json", action="store_true", help="print the result as JSON")
+        return q
+
+    q = cmd("put", "store a directory or file as REF", True)
+    q.add_argument("ref")
+    q.add_argument("src")
+    q.add_argument("-m", "--description", help="a description kept with the ref")
+    q.add_argument("--force", action="store_true", help="replace REF if it exists")
+    q.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
+    q = cmd("get", "materialise REF at DEST (atomically, rsync -a metadata)")
+    q.add_argument("ref")
+    q.add_argument("dest")
+    q.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    q.add_argument("--hardlink", action="store_true", help="hard-link files with equal content, mode and mtime")
+    q = cmd("cat", "write a file of REF to stdout")
+    q.add_argument("ref")
+    q.add_argument("path", nargs="?", default="")
+    q.add_argument("--offset", type=int, default=0, help="first byte")
+    q.add_argument("--length", type=int, default=None, help="bytes to write (default: to the end)")
+    q = cmd("ls", "list refs (name prefix match)", True)
+    q.add_argument("prefix", nargs="?", default="")
+    q.add_argument("--url", metavar="tb5://HOST[:PORT]", help="list a server's store instead")
+    q.add_argument("--token-file")
+    q = cmd("rm", "remove refs (their chunks go at the next gc)")
+    q.add_argument("refs", nargs="+")
+    q = cmd("diff", "paths that differ between two refs (+ added, - removed, M content, m metadata)", True)
+    q.add_argument("ref1")
+    q.add_argument("ref2")
+    for name, what in (("pin", "never evict REF"), ("unpin", "let REF be evicted again")):
+        q = cmd(name, what)
+        q.add_argument("refs", nargs="+")
+    cmd("verify", "re-hash every chunk; report damage per ref (exit 13 on damage)", True)
+    q = cmd("gc", "delete unreferenced chunks, repack sparse packs", True)
+    q.add_argument("--repack-below", type=float, default=0.5, metavar="F",
+                   help="repack packs whose live bytes are below this fraction (default 0.5)")
+    cmd("stats", "logical and stored bytes, dedup ratio, packs", True)
+    cmd("reindex", "rebuild the chunk index from the packs (after a lost or damaged index)", True)
+    q = cmd("quota", "show or set the size quota (LRU eviction of unpinned refs)")
+    q.add_argument("size", nargs="?", help="e.g. 200G, or none")
+    for name, what in (("push", "send REF to a server's store"), ("pull", "fetch REF from a server's store")):
+        q = cmd(name, what, True)
+        q.add_argument("ref")
+        q.add_argument("url", help="tb5://HOST[:PORT]")
+        q.add_argument("--as", dest="as_name", metavar="NAME", help="name the ref gets on the other side")
+        q.add_argument("--force", action="store_true", help="replace the ref on the other side if it exists")
+        q.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams (default 4)")
+        q.add_argument("--token-file")
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _remote(url: str) -> Any:
+    from .errors import UsageError
+    from .urls import parse_url
+
+    r = parse_url(url)
+    if r is None:
+        raise UsageError(f"expected a tb5://HOST[:PORT] URL, not {url!r}")
+    return r
+
+
+def run_store(a: argparse.Namespace, read_token: Any) -> int:
+    """Run one ``tb5sync store`` subcommand; returns the exit status."""
+    from .store import Store
+
+    c = a.store_command
+    out = sys.stdout
+    if c == "ls" and a.url:
+        from .storeclient import remote_refs
+
+        _print_refs(remote_refs(_remote(a.url), a.prefix, token=read_token(a.token_file)), a.json)
+        return 0
+    with Store(a.store) as st:
+        if c == "put":
+            t0 = time.perf_counter()
+            before = st.stats()
+            info = st.put(a.ref, a.src, a.description, replace=a.force, exclude=a.exclude)
+            dt = time.perf_counter() - t0
+            after = st.stats()
+            res = {**info.as_dict(), "seconds": dt, "new_bytes": after["unique_bytes"] - before["unique_bytes"]}
+            if a.json:
+                print(json.dumps(res))
+            else:
+                print(f"{info.name}: {info.files} files, {_fmt(info.size)}, {_fmt(max(0, res['new_bytes']))} new, "
+                      f"{dt:.2f} s ({info.size / max(dt, 1e-9) / 1e9:.2f} GB/s)")
+        elif c == "get":
+            st.get(a.ref, a.dest, replace=a.force, hardlink=a.hardlink)
+        elif c == "cat":
+            data = st.cat(a.ref, a.path, a.offset, a.length)
+            out.buffer.write(data)
+            out.buffer.flush()
+        elif c == "ls":
+            _print_refs(st.refs(a.prefix), a.json)
+        elif c == "rm":
+            for r in a.refs:
+                st.rm(r)
+        elif c == "diff":
+            d = st.diff(a.ref1, a.ref2)
+            if a.json:
+                print(json.dumps([{"status": k, "path": p} for k, p in d]))
+            else:
+                for k, p in d:
+                    print(f"{k} {p}")
+        elif c in ("pin", "unpin"):
+            for r in a.refs:
+                st.pin(r, c == "pin")
+        elif c == "verify":
+            rep = st.verify()
+            if a.json:
+                print(json.dumps(rep))
+            else:
+                for name, r in rep["refs"].items():
+                    state = "ok" if r["ok"] else f"DAMAGED ({r['missing']} missing, {r['damaged']} damaged chunks)"
+                    print(f"{name}: {state}")
+                for p, why in rep["bad_packs"].items():
+                    print(f"pack {p}: {why}")
+                print(f"checked {rep['chunks']} chunks, {_fmt(rep['bytes'])}: {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
+            if not rep["ok"]:
+                return 13
+        elif c == "gc":
+            res = st.gc(a.repack_below)
+            print(json.dumps(res) if a.json else
+                  f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
+                  f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+        elif c == "reindex":
+            res = st.reindex()
+            print(json.dumps(res) if a.json else
+                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
+                  f"missing packs dropped, {res['damaged']} damaged frames")
+        elif c == "stats":
+            s = st.stats()
+            if a.json:
+                print(json.dumps(s))
+            else:
+                print(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
+                      f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} chunks\n"
+                      f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
+                      + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else ""))
+        elif c == "quota":
+            if a.size is not None:
+                st.set_quota(None if a.size.lower() == "none" else parse_size(a.size))
+                st.enforce_quota()
+            print("none" if st.quota is None else _fmt(st.quota))
+        elif c in ("push", "pull"):
+            from .storeclient import pull_ref, push_ref
+
+            fn = push_ref if c == "push" else pull_ref
+            res = fn(st, a.ref, _remote(a.url), token=read_token(a.token_file), streams=a.streams,
+                     as_name=a.as_name, replace=a.force)
+            if a.json:
+                print(json.dumps(res))
+            else:
+                moved = res.get("bytes_sent", res.get("bytes_fetched", 0))
+                n = res.get("chunks_sent", res.get("chunks_fetched", 0))
+                print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                      f"{_fmt(moved)} in {res['seconds']:.2f} s")
+    return 0
+
+
+def _print_refs(refs: list[Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([r.as_dict() for r in refs]))
+        return
+    for r in refs:
+        pin = "P" if r.pinned else "-"
+        desc = f"  {r.description}" if r.description else ""
+        print(f"{pin} {r.size:>15,} {_when(r.created)} {r.name}{desc}")

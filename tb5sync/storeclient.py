@@ -1,0 +1,274 @@
+"""Moving store refs between nodes: push and pull over a server's store session, on N streams.
+
+Both directions send only the chunks the other side lacks: the receiving side is asked (push:
+``have``, with a lease so what it has stays until the commit) or asks itself (pull: a local
+lease's ``protect``), then missing chunks travel in batches of at most
+:data:`~tb5sync.messages.STORE_MAX_BATCH` bytes, spread over the streams, each checked against
+its digest on arrival, and the ref is committed only once every chunk is in place.
+Stream 0 carries the control requests; the others (all of them with one stream) carry chunks.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from .errors import (
+    ConnectError,
+    IntegrityError,
+    ReadOnlyError,
+    RefExistsError,
+    RefNotFoundError,
+    RemoteProtocolError,
+    UsageError,
+)
+from .hashing import ChunkRef, chunk_digest, refs_to_blob
+from .messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
+from .rpc import Requester, open_session, split_parts
+from .store import Store, check_ref_name
+from .store.manifest import Item, decode_manifest
+from .store.ops import ref_from_wire
+from .store.store import PackWriter, RefInfo
+from .transport import Channel, connect
+from .urls import Remote, token_of
+
+__all__ = ["push_ref", "pull_ref", "remote_refs", "StoreSession"]
+
+#: Requests in flight per data stream.
+_WINDOW = 2
+
+
+class StoreSession:
+    """``streams`` connections to a server's store session; a :class:`Requester` over them.
+
+    Raises
+    ------
+    ConnectError, AuthError
+        Reaching the server failed.
+    UsageError
+        The server has no store.
+    """
+
+    def __init__(self, remote: Remote, token: bytes | str | None = None, streams: int = 4) -> None:
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError("streams must be 1..64")
+        tok = token_of(token)
+        chans: list[Channel] = []
+        try:
+            for _ in range(streams):
+                ch = connect(remote.host, remote.port, tok)
+                chans.append(ch)
+                resp = open_session(ch, {"op": "store"})
+            self.read_only = bool(resp.get("read_only"))
+        except BaseException:
+            for c in chans:
+                c.close()
+            raise
+        self.req = Requester(chans)
+        self.streams = streams
+
+    def data_channels(self) -> list[int]:
+        return list(range(1, self.streams)) or [0]
+
+    def call(self, method: str, args: dict[str, Any]) -> Any:
+        return self.req.call(method, args, channel=0)
+
+    def close(self) -> None:
+        self.req.close(bye=True)
+
+    def __enter__(self) -> StoreSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _batches(refs: Sequence[ChunkRef], limit: int = STORE_MAX_BATCH) -> Iterator[list[ChunkRef]]:
+    cur: list[ChunkRef] = []
+    size = 0
+    for d, n in refs:
+        if cur and (size + n > limit or len(cur) >= STORE_MAX_DIGESTS):
+            yield cur
+            cur, size = [], 0
+        cur.append((d, n))
+        size += n
+    if cur:
+        yield cur
+
+
+def _unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
+    seen: set[bytes] = set()
+    out = []
+    for it in items:
+        for d, n in it.chunks:
+            if d not in seen:
+                seen.add(d)
+                out.append((d, n))
+    return out
+
+
+def remote_refs(remote: Remote, prefix: str = "", token: bytes | str | None = None) -> list[RefInfo]:
+    """The refs of a server's store whose name starts with ``prefix``."""
+    with StoreSession(remote, token, 1) as s:
+        got = s.call("refs", {"prefix": prefix}).get("refs")
+    if not isinstance(got, list):
+        raise RemoteProtocolError("malformed refs reply")
+    return [ref_from_wire(r) for r in got]
+
+
+def _fetch(s: StoreSession, missing: Sequence[ChunkRef], writer: PackWriter | None,
+           keep: dict[bytes, bytes] | None = None) -> int:
+    """Fetch ``missing`` chunks over the data streams; check and hand each to ``writer``; returns bytes."""
+    chans = s.data_channels()
+    batches = list(_batches(missing))
+    inflight: list[tuple[list[ChunkRef], Future[Any]]] = []
+    got = 0
+    i = 0
+    while i < len(batches) or inflight:
+        while i < len(batches) and len(inflight) < _WINDOW * len(chans):
+            b = batches[i]
+            inflight.append((b, s.req.submit("chunks", {"digests": [d for d, _ in b]}, channel=chans[i % len(chans)])))
+            i += 1
+        b, fut = inflight.pop(0)
+        meta, body = fut.result()
+        lengths = meta.get("lengths") if isinstance(meta, dict) else None
+        if not isinstance(lengths, list) or len(lengths) != len(b) or any(n != ln for (_, n), ln in zip(b, lengths)):
+            raise RemoteProtocolError("chunks reply does not match the request")
+        for (d, _), part in zip(b, split_parts(body, lengths)):
+            if chunk_digest(part) != d:
+                raise IntegrityError(f"chunk {d.hex()} from the server does not match its digest")
+            if keep is not None:
+                keep[d] = bytes(part)
+            if writer is not None:
+                writer.add(d, part)
+            got += len(part)
+    return got
+
+
+def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
+             as_name: str | None = None, replace: bool = False) -> dict[str, Any]:
+    """Copy ref ``name`` from the server at ``remote`` into ``store`` (as ``as_name``), fetching only missing chunks.
+
+    Returns
+    -------
+    dict
+        ``ref``, ``chunks`` (total), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``.
+
+    Raises
+    ------
+    RefNotFoundError
+        The server has no such ref.
+    RefExistsError
+        The local store has ``as_name`` already and ``replace`` is False.
+    IntegrityError
+        A chunk or the manifest from the server does not match its digest.
+    ConnectError, AuthError
+    """
+    t0 = time.perf_counter()
+    local_name = check_ref_name(as_name or name)
+    if not replace and store._ref_row(local_name) is not None:
+        raise RefExistsError(f"ref {local_name!r} already exists in store {store.path}")
+    with StoreSession(remote, token, streams) as s:
+        info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
+        lease = store.lease()
+        writer = PackWriter(store, lease)
+        try:
+            mrefs = list(info.mchunks)
+            have = lease.protect([d for d, _ in mrefs])
+            got: dict[bytes, bytes] = {}
+            nbytes = _fetch(s, [r for r, h in zip(mrefs, have) if not h], writer, got)
+            data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
+            from .hashing import file_digest
+
+            if file_digest(d for d, _ in mrefs) != info.manifest:
+                raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
+            items = decode_manifest(data, f"manifest of {name!r} from {remote.host}")
+            chunks = _unique_chunks(items)
+            have = []
+            for k in range(0, len(chunks), STORE_MAX_DIGESTS):
+                have += lease.protect([d for d, _ in chunks[k : k + STORE_MAX_DIGESTS]])
+            missing = [c for c, h in zip(chunks, have) if not h]
+            nbytes += _fetch(s, missing, writer)
+            writer.flush()
+            store.commit_ref(lease, local_name, info.manifest, mrefs, items, info.description, replace, info.created)
+        except BaseException:
+            writer.abort()
+            try:
+                lease.release()
+            except Exception:
+                pass
+            raise
+    store.enforce_quota(keep=local_name)
+    return {"ref": local_name, "chunks": len(chunks), "chunks_fetched": len(missing),
+            "bytes_fetched": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
+             as_name: str | None = None, replace: bool = False) -> dict[str, Any]:
+    """Copy ref ``name`` of ``store`` to the server at ``remote`` (as ``as_name``), sending only chunks it lacks.
+
+    Returns
+    -------
+    dict
+        ``ref``, ``chunks`` (total), ``chunks_sent``, ``bytes_sent`` (bytes), ``seconds``.
+
+    Raises
+    ------
+    RefNotFoundError
+        No such local ref.
+    ReadOnlyError
+        The server is read-only.
+    RefExistsError
+        The server has the ref already and ``replace`` is False.
+    IntegrityError
+        A local chunk is damaged (nothing is committed on the server).
+    ConnectError, AuthError
+    """
+    t0 = time.perf_counter()
+    info = store.ref(name)
+    remote_name = check_ref_name(as_name or name)
+    items = store.manifest(info)
+    with StoreSession(remote, token, streams) as s:
+        if s.read_only:
+            raise ReadOnlyError(f"server {remote.host}:{remote.port} is read-only")
+        if not replace:  # refused now rather than after every chunk has crossed
+            try:
+                s.call("ref", {"name": remote_name})
+            except RefNotFoundError:
+                pass
+            else:
+                raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port}")
+        lease = secrets.token_hex(16)
+        chunks = list(info.mchunks) + [c for c in _unique_chunks(items) if c[0] not in {d for d, _ in info.mchunks}]
+        have: list[bool] = []
+        for k in range(0, len(chunks), STORE_MAX_DIGESTS):
+            part = chunks[k : k + STORE_MAX_DIGESTS]
+            reply = s.call("have", {"digests": [d for d, _ in part], "lease": lease}).get("have")
+            if not isinstance(reply, list) or len(reply) != len(part):
+                raise RemoteProtocolError("malformed have reply")
+            have += [bool(h) for h in reply]
+        missing = [c for c, h in zip(chunks, have) if not h]
+        chans = s.data_channels()
+        inflight: list[Future[Any]] = []
+        sent = 0
+        for i, batch in enumerate(_batches(missing)):
+            payload = [[d, data] for (d, _), data in zip(batch, store.iter_chunks([d for d, _ in batch], ahead=8))]
+            sent += sum(len(p[1]) for p in payload)
+            if len(inflight) >= _WINDOW * len(chans):
+                inflight.pop(0).result()
+            inflight.append(s.req.submit("put_chunks", {"lease": lease, "chunks": payload}, channel=chans[i % len(chans)]))
+        for fut in inflight:
+            fut.result()
+        for c in chans:
+            s.req.call("flush", {"lease": lease}, channel=c)
+        reply = s.call("commit", {"lease": lease, "name": remote_name, "manifest": info.manifest,
+                                  "mchunks": refs_to_blob(info.mchunks), "description": info.description,
+                                  "created": info.created, "replace": replace})
+        if not isinstance(reply, dict) or "ref" not in reply:
+            raise ConnectError("server sent no result for the commit")
+    return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": len(missing), "bytes_sent": sent,
+            "seconds": time.perf_counter() - t0}
+
