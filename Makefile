@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 CORPUS  ?= .corpus
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak
+.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check
 
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,10 @@ fuzz: $(STAMP)
 SOAK_SECONDS ?= 60
 soak: $(STAMP)
 	$(BIN)/python scripts/soak.py --seconds $(SOAK_SECONDS)
+
+## dist-check: build the sdist and the wheel (python -m build), install each into a fresh venv, run it
+dist-check: $(STAMP)
+	scripts/dist_check.sh $(BIN)/python
 
 ## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
 ## SHARED is the team's shared/ folder, a sibling of the clone by default

@@ -59,6 +59,8 @@ cdef struct Item:
     unsigned int mode
     long long size
     long long mtime_ns
+    long long mtime_s   # whole seconds, read when big is set
+    int big             # the mtime does not fit in a signed 64-bit count of ns (before 1677 or after 2262)
 
 __all__ = ["listdir_stat"]
 
@@ -139,7 +141,15 @@ def listdir_stat(path):
                 items[n].name_len = ln
                 items[n].mode = st.st_mode
                 items[n].size = st.st_size
-                items[n].mtime_ns = <long long>st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec
+                # time_t * 10^9 overflows 64 bits past 2262-04-11 (and before 1677-09-21): such
+                # mtimes are put together as Python ints below, every other one here in C
+                if st.st_mtim.tv_sec >= -9223372035LL and st.st_mtim.tv_sec <= 9223372035LL:
+                    items[n].mtime_ns = <long long>st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec
+                    items[n].big = 0
+                else:
+                    items[n].mtime_s = <long long>st.st_mtim.tv_sec
+                    items[n].mtime_ns = st.st_mtim.tv_nsec
+                    items[n].big = 1
                 n += 1
         if err == -1:
             raise MemoryError()
@@ -151,7 +161,8 @@ def listdir_stat(path):
         out = []
         for i in range(n):
             out.append((PyUnicode_DecodeFSDefaultAndSize(items[i].name, items[i].name_len),
-                        items[i].mode, items[i].size, items[i].mtime_ns))
+                        items[i].mode, items[i].size,
+                        items[i].mtime_ns if not items[i].big else (<object>items[i].mtime_s) * 1000000000 + items[i].mtime_ns))
         return out
     finally:
         if given >= 0:

@@ -22,6 +22,7 @@ from .errors import (
     ConnectError,
     DestinationError,
     IntegrityError,
+    PartialTransferError,
     PathError,
     ProtocolError,
     ReadOnlyError,
@@ -29,12 +30,14 @@ from .errors import (
     RemoteNotFoundError,
     RemoteProtocolError,
     SourceChangedError,
+    SourceError,
     Tb5syncError,
     UsageError,
+    VanishedSourceError,
     VersionMismatchError,
 )
 
-from .options import SyncOptions, SyncStats
+from .options import Failure, SyncOptions, SyncStats
 from .sync import sync  # binds the function over the submodule of the same name
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ __all__ = [
     "sync",
     "SyncStats",
     "SyncOptions",
+    "Failure",
     "Server",
     "Store",
     "Tb5syncError",
@@ -62,6 +66,9 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "SourceError",
+    "PartialTransferError",
+    "VanishedSourceError",
     "RemoteError",
     "__version__",
 ]

@@ -143,12 +143,26 @@ def check_in_root(root: str, full: str, path: str) -> str:
     return full
 
 
+#: Most bytes of a name (NAME_MAX of Linux and macOS file systems).
+NAME_MAX = 255
+#: Bytes a temporary name adds around the kept part of the name: ``.`` and ``.XXXXXXXX.tb5tmp``.
+_TEMP_EXTRA = 1 + 1 + 8 + len(".tb5tmp")
+
+
 def temp_name(name: str) -> str:
     """Temporary name for a file being written as ``name`` (a base name): ``.NAME.XXXXXXXX.tb5tmp``.
 
     Renamed into place when complete; :func:`is_temp_name` recognises it (listings hide it).
+    ``NAME`` is cut, at a character boundary, so that the whole name stays within
+    :data:`NAME_MAX` bytes (a name of 255 bytes in any script gets a temporary name too).
     """
-    return f".{name[:200]}.{os.urandom(4).hex()}.tb5tmp"
+    raw = name.encode("utf-8", "surrogateescape")
+    keep = NAME_MAX - _TEMP_EXTRA
+    if len(raw) > keep:
+        while keep > 1 and (raw[keep] & 0xC0) == 0x80:  # not inside a UTF-8 sequence
+            keep -= 1
+        name = raw[:keep].decode("utf-8", "surrogateescape")
+    return f".{name}.{os.urandom(4).hex()}.tb5tmp"
 
 
 def is_temp_name(name: str) -> bool:

@@ -61,6 +61,8 @@ __all__ = [
     "Chunker",
     "parallel_cut_points",
     "IMPLEMENTATION",
+    "implementation_note",
+    "warn_if_pure_python",
     "py_cut_points",
     "PyChunker",
     "cy_cut_points",
@@ -396,3 +398,37 @@ if cy_cut_points is not None and CyChunker is not None and os.environ.get("TB5SY
     cut_points, Chunker, IMPLEMENTATION = cy_cut_points, CyChunker, "cython"
 else:
     cut_points, Chunker, IMPLEMENTATION = py_cut_points, PyChunker, "python"
+
+
+_warned = False
+
+
+def implementation_note() -> str:
+    """A short description of the chunker in use: ``"Cython chunker"``, ``"pure-Python chunker
+    (TB5SYNC_PUREPYTHON=1)"`` or ``"pure-Python chunker: tb5sync._cdc is not built"``."""
+    if IMPLEMENTATION == "cython":
+        return "Cython chunker"
+    if cy_cut_points is not None:
+        return "pure-Python chunker (TB5SYNC_PUREPYTHON=1)"
+    return "pure-Python chunker: tb5sync._cdc is not built (no C compiler at install?)"
+
+
+def warn_if_pure_python() -> None:
+    """Warn once (``RuntimeWarning``) when the Cython chunker was not built and the pure-Python
+    twin, many times slower, runs instead; silent when ``TB5SYNC_PUREPYTHON=1`` asked for it.
+
+    Called as a sync or a server starts: a wheel built without a C compiler installs fine and
+    would otherwise run slowly without a word.
+    """
+    global _warned
+    if _warned or IMPLEMENTATION == "cython" or cy_cut_points is not None:
+        return
+    _warned = True
+    import warnings
+
+    warnings.warn(
+        "tb5sync: the Cython chunker (tb5sync._cdc) is not built; the pure-Python one runs, many times "
+        "slower. Reinstall with a C compiler available (pip install --force-reinstall --no-binary tb5sync tb5sync).",
+        RuntimeWarning,
+        stacklevel=3,
+    )

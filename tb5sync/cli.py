@@ -2,8 +2,11 @@
 
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
-11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found,
-24 source changed, 30 I/O timeout, 130 interrupted).
+11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found or partial
+transfer, 24 source files vanished, 30 I/O timeout, 130 interrupted). A partial transfer
+(rsync's 23/24) first names each entry that was not synced on its own line
+(``tb5sync: source 'a/b': Permission denied (13)``), and ``--json`` then still prints
+the statistics, their ``failures`` included.
 """
 
 from __future__ import annotations
@@ -58,9 +61,20 @@ def _parse_bind(text: str) -> tuple[str, int]:
     return host, p
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version, then which chunker runs (the Cython one, or the pure-Python twin)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        from . import __version__
+        from .chunking import implementation_note
+
+        print(f"tb5sync {__version__}")
+        print(implementation_note())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    from . import __version__
 
     def threads(q: argparse.ArgumentParser, default: Any) -> None:
         q.add_argument("--hash-threads", type=int, default=default, metavar="N",
@@ -75,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--tls-ca", metavar="PEM", help="CA certificates to check a tb5s:// server against (default: the system's)")
 
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="show the version and the chunker in use, and exit")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     threads(p, 0)
     # The same options are accepted after the command too (there they override).
@@ -89,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
     s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
+    s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
     s.add_argument("--store", metavar="DIR", nargs="?", const="",
                    help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
     s.add_argument("--no-auth", action="store_true",
@@ -128,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
     y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
     timeout_opts(y)
+    y.add_argument("--state-dir", metavar="DIR",
+                   help="scan cache, chunk index and partial files of a local or pulled destination "
+                        "(default: in the user's cache directory, keyed by the destination's device and inode)")
 
     l_ = sub.add_parser("ls", help="list a remote directory")
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
@@ -154,7 +172,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
         max_connections=a.max_connections, max_sessions=a.max_sessions, handshake_timeout=a.handshake_timeout,
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
-        auth_limit=a.auth_limit, auth_window=a.auth_window,
+        auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,
         store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store,
     )
     srv.bind()
@@ -197,6 +215,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
                 bar.total = total
             bar.update(done - bar.n)
 
+    from .errors import PartialTransferError
+
+    partial: PartialTransferError | None = None
     try:
         stats = sync(
             a.src,
@@ -208,15 +229,26 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             streams=a.streams,
             compress=a.compress,
             progress=progress,
+            state_dir=a.state_dir,
             fsync=a.fsync,
             token=_read_token(a.token_file, env=False),
             timeout=a.timeout or None,
             tls_ca=a.tls_ca,
         )
+    except PartialTransferError as exc:
+        partial, stats = exc, exc.stats
     finally:
         if bar is not None:
             bar.close()
+    from .entry import show_path
+
+    for path, what in stats.skipped:  # rsync without -D: 'skipping non-regular file "p"'
+        print(f"tb5sync: skipping non-regular file {show_path(path) or '.'!r} ({what})", file=sys.stderr)
+    for f in stats.failures:  # one line per entry not synced, as rsync names them
+        print(f"tb5sync: {f.line()}", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run else None
+    if changes is not None:  # names that are not valid UTF-8 printed with \xNN escapes
+        changes = {k: [show_path(p) for p in v] for k, v in changes.items()}
     if a.json:
         out = stats.as_dict()
         if changes is not None:
@@ -236,11 +268,17 @@ def _cmd_sync(a: argparse.Namespace) -> int:
         print(f"wire: {_fmt_bytes(stats.wire_bytes)}; chunks sent {stats.chunks_sent} "
               f"({_fmt_bytes(stats.bytes_matched)} of them matched in the basis), reused {stats.chunks_reused}")
         print(f"time: {stats.seconds:.3f} s, {stats.bytes_transferred / secs / 1e9:.2f} GB/s")
+    if partial is not None:
+        what = ("some files vanished before they could be transferred" if partial.exit_code == 24
+                else "some files/attrs were not transferred (see previous errors)")  # rsync's words
+        print(f"tb5sync: error: {what} (code {partial.exit_code})", file=sys.stderr)
+        return partial.exit_code
     return 0
 
 
 def _cmd_ls(a: argparse.Namespace) -> int:
     from .client import ls, parse_url
+    from .entry import show_path
     from .errors import UsageError
 
     r = parse_url(a.url)
@@ -252,8 +290,8 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     for e in entries[1:] if entries and entries[0].kind == "d" else entries:
         kind = {"d": _stat.S_IFDIR, "l": _stat.S_IFLNK}.get(e.kind, _stat.S_IFREG)
         when = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(e.mtime_ns / 1e9))
-        name = e.path or os.path.basename(r.path.rstrip("/"))
-        tail = f" -> {e.target}" if e.kind == "l" else ""
+        name = show_path(e.path or os.path.basename(r.path.rstrip("/")))
+        tail = f" -> {show_path(e.target)}" if e.kind == "l" else ""
         print(f"{_stat.filemode(kind | e.mode)} {e.size:>14,} {when} {name}{tail}")
     return 0
 
@@ -282,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store}
     try:
+        from .hashing import check_environment
+
+        check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported now, not at the first large file
         if a.hash_threads:
             from .hashing import set_hash_threads
 

@@ -6,15 +6,16 @@ Blocking calls (threads do the parallel work); an async caller wraps them with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import ConnectError, RemoteNotFoundError, Tb5syncError, UsageError
-from .entry import DIR, FILE, LINK, Entry, kind_of, source_name
-from .options import SyncOptions, SyncStats
+from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
+from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
+from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
 from .messages import PUSH_CLIENT_METHODS
@@ -59,11 +60,26 @@ def _open_streams(
     return chans, resp
 
 
-def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tuple[TreeState, str]:
-    """The destination's state root for a sync into ``dst`` landing at ``dest``; returns ``(state, prefix)``.
+def default_state_dir(root: str) -> str | None:
+    """The state directory of the local tree ``root`` in the user's cache directory
+    (``platformdirs.user_cache_dir("tb5sync")/trees/DEV-INO``, keyed by ``root``'s device and
+    inode), or None when ``root`` does not exist."""
+    import platformdirs
 
-    The state root is the destination directory the user named (or its parent
-    when a single file lands on a file path).
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return os.path.join(platformdirs.user_cache_dir("tb5sync"), "trees", f"{st.st_dev:x}-{st.st_ino:x}")
+
+
+def local_state(dest: str, dst: str, src_kind: str, writable: bool = True, state_dir: str | None = None) -> tuple[TreeState, str]:
+    """The destination's state for a sync into ``dst`` landing at ``dest``; returns ``(state, prefix)``.
+
+    The state root is the destination directory the user named (or its parent when a single
+    file lands on a file path). Its state lives in ``state_dir`` when given, else in the user's
+    cache directory (:func:`default_state_dir`): a local or pulled destination receives no
+    ``.tb5sync`` directory, as rsync leaves nothing of its own there. Losing it costs speed only.
     """
     from .state import TreeState
 
@@ -73,7 +89,8 @@ def local_state(dest: str, dst: str, src_kind: str, writable: bool = True) -> tu
             os.makedirs(root, exist_ok=True)
         except OSError:
             writable = False
-    state = TreeState(root, writable=writable and os.access(root, os.W_OK))
+    where = state_dir if state_dir is not None else default_state_dir(root)
+    state = TreeState(root, writable=writable and where is not None, state_dir=where)
     rel = os.path.relpath(dest, root)
     return state, "" if rel == "." else rel
 
@@ -88,14 +105,16 @@ def pull(
     keep_state: bool = True,
     timeout: float | None = IO_TIMEOUT,
     tls_ca: str | os.PathLike[str] | None = None,
+    state_dir: str | None = None,
 ) -> SyncStats:
     """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
 
     ``keep_state=False`` keeps the destination's scan cache and chunk index in
-    memory (no ``.tb5sync`` directory is created locally; an interrupted large
-    file is not resumable). ``token`` (else the URL's, else ``$TB5SYNC_TOKEN``)
-    authenticates; ``timeout`` is the I/O timeout in seconds (see
-    :func:`tb5sync.transport.dial`); ``tls_ca`` a CA file for ``tb5s://`` servers.
+    memory (an interrupted large file is not resumable); otherwise they live in
+    ``state_dir``, by default in the user's cache directory (see :func:`local_state`).
+    ``token`` (else the URL's, else ``$TB5SYNC_TOKEN``) authenticates; ``timeout`` is the
+    I/O timeout in seconds (see :func:`tb5sync.transport.dial`); ``tls_ca`` a CA file for
+    ``tb5s://`` servers.
 
     Raises
     ------
@@ -111,7 +130,7 @@ def pull(
     from .links import RemoteLink
     from .receiver import Receiver, dest_base
 
-    chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": src.path, "options": options.to_wire()},
+    chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()},
                                 options.streams, timeout=timeout, tls_ca=tls_ca)
     requester = Requester(chans)
     state = None
@@ -121,8 +140,9 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
-        state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run)
-        return Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
+        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        return _on_server(stats, "source")
     finally:
         requester.close(bye=True)
         if state is not None:
@@ -211,8 +231,8 @@ def push(
         handler.total = sum(row[3] for row in tree.summary()) + (tree.entries[0].size if kind == FILE else 0)
     msg = {
         "op": "push",
-        "path": dst.path,
-        "name": source_name(src) if name is None else name,
+        "path": path_to_wire(dst.path),
+        "name": None if (n := source_name(src) if name is None else name) is None else path_to_wire(n),
         "src_kind": kind,
         "dst_slash": dst.slash,
         "options": options.to_wire(),
@@ -252,10 +272,34 @@ def push(
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
-    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k != "extra"}
+    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped")}
+    skipped = stats.get("skipped", [])
+    if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
+        raise RemoteProtocolError("the server's skipped entries are malformed")
+    failures = stats.get("failures", [])
+    if not isinstance(failures, list):
+        raise RemoteProtocolError("the server's failures are not a list")
+    try:
+        fails = tuple(Failure.from_wire(f) for f in failures)
+    except UsageError as exc:
+        raise RemoteProtocolError(f"malformed failure from the server: {exc}") from exc
     changes = res.get("changes")
-    extra = {"changes": changes} if isinstance(changes, dict) else {}
-    return SyncStats(**fields, extra=extra)
+    extra: dict[str, Any] = {}
+    if isinstance(changes, dict):
+        try:
+            extra["changes"] = {str(k): [path_from_wire(p) for p in v] for k, v in changes.items()}
+        except (UsageError, TypeError) as exc:
+            raise RemoteProtocolError("malformed changes from the server") from exc
+    skips = tuple((x["path"], x["what"]) for x in skipped)
+    return _on_server(SyncStats(**fields, failures=fails, skipped=skips, extra=extra), "destination")
+
+
+def _on_server(stats: SyncStats, side: str) -> SyncStats:
+    """``stats`` with its failures of ``side`` (the server's side of the session) marked ``server=True``."""
+    if not any(f.side == side for f in stats.failures):
+        return stats
+    marked = tuple(dataclasses.replace(f, server=True) if f.side == side else f for f in stats.failures)
+    return dataclasses.replace(stats, failures=marked)
 
 
 def ls(
@@ -272,7 +316,7 @@ def ls(
     """
     ch = _connect(url, token_of(token, url), timeout, tls_ca)
     try:
-        resp = open_session(ch, {"op": "ls", "path": url.path})
+        resp = open_session(ch, {"op": "ls", "path": path_to_wire(url.path)})
     finally:
         ch.close()
     return [Entry.from_wire(e) for e in resp.get("entries", [])]

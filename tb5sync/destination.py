@@ -34,12 +34,19 @@ from typing import Any, TypeVar
 
 from ._io import write_all
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
-from .errors import PathError, Tb5syncError
+from .entry import show_path
+from .errors import DestinationError, PathError, Tb5syncError
+from .options import Failure
 from .state import TreeState
 
-__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE"]
+__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE", "FATAL_ERRNOS"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: errno values after which no other entry can be written either: the run stops (rsync's exit 11).
+FATAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 #: ProgressFn(bytes_done, bytes_total) is called as files and chunks are committed.
 ProgressFn = Callable[[int, int], None]
@@ -162,7 +169,17 @@ class Destination:
         Bytes committed so far, and bytes the plan will write (set once the plan is made).
     changed : list of str
         Relative paths of files that vanished or kept changing at the source (not synced);
-        the receiver raises :class:`~tb5sync.errors.SourceChangedError` naming them at the end.
+        they end in :attr:`failures` (``vanished=True``).
+    failures : list of Failure
+        Entries that could not be synced, in the order met (see :meth:`fail`).
+    failed_dirs : set of str
+        Directories that could not be made: nothing is written below them.
+    specials : list of (str, str)
+        ``(path, what)`` of the source's special files, left out (the sender names them).
+    unlocked : dict of str to (int, int)
+        Absolute paths of directories given ``u+w`` to write in them (see :meth:`writable`) or
+        ``u+rx`` to list them (the destination's scan), to ``(mode before, mode given)``; the
+        mode before is restored by :meth:`relock` unless the mode was set since.
 
     Notes
     -----
@@ -187,6 +204,13 @@ class Destination:
         self.done_bytes = 0
         self.total_bytes = 0
         self.changed: list[str] = []
+        self.failures: list[Failure] = []
+        self.failed_dirs: set[str] = set()
+        self.unlocked: dict[str, tuple[int, int]] = {}
+        self.specials: list[tuple[str, str]] = []
+        #: large files are assembled in the state's partial/ directory (resumable); else under a
+        #: temporary name beside their final path (the state is in memory or on another file system)
+        self.partials = state is not None and state.partials_for(base)
         self._records: list[tuple[str, int, int, int, Sequence[tuple[bytes, int]]]] = []
         if state is not None:
             self.root, self._prefix = state.root, state_prefix
@@ -316,6 +340,132 @@ class Destination:
         d, name = os.path.split(final)
         return os.path.join(d, temp_name(name))
 
+    def skipped(self, rel: str) -> bool:
+        """Whether ``rel`` lies below a directory that could not be made (:attr:`failed_dirs`)."""
+        if not self.failed_dirs:
+            return False
+        parts = rel.split("/")
+        return any("/".join(parts[:k]) in self.failed_dirs for k in range(1, len(parts)))
+
+    def fail(self, rel: str, side: str, exc: BaseException | str) -> None:
+        """Name the entry ``rel`` as not synced, and why; the run goes on without it.
+
+        Parameters
+        ----------
+        rel : str
+            Path relative to :attr:`base`.
+        side : str
+            ``"source"`` or ``"destination"``.
+        exc : exception or str
+            The error (its ``strerror``, else its message) or the reason itself.
+
+        Raises
+        ------
+        DestinationError
+            ``exc`` is a destination error after which nothing else can be written either
+            (:data:`FATAL_ERRNOS`: disk full, quota, read-only file system, I/O error).
+        PathError
+            ``exc`` itself: a directory on the way is a symlink (see :attr:`jail`).
+        """
+        if isinstance(exc, PathError):
+            raise exc  # a symlink where the jail expects a directory: the run stops, nothing is written through it
+        if isinstance(exc, OSError) and side == "destination" and exc.errno in FATAL_ERRNOS:
+            raise DestinationError(f"cannot write destination {exc.filename or self.path(rel)}: {exc.strerror}") from exc
+        if isinstance(exc, OSError) and exc.strerror:
+            reason = f"{exc.strerror} ({exc.errno})" if exc.errno else exc.strerror
+        else:
+            reason = str(exc)
+            if reason.startswith("remote: "):
+                reason = reason[len("remote: "):]
+            shown = show_path(rel)
+            if rel and reason.startswith(f"{shown}: "):
+                reason = reason[len(shown) + 2:]
+        log.info("not synced: %s %r: %s", side, rel, reason)
+        self.failures.append(Failure(rel, side, reason.splitlines()[0] if reason else "failed"))
+
+    def vanished(self) -> list[Failure]:
+        """:attr:`changed` as failures (``vanished=True``, side ``"source"``)."""
+        return [Failure(p, "source", "vanished or kept changing while it was read", vanished=True) for p in self.changed]
+
+    def writable(self, rel: str, op: Callable[[], T]) -> T:
+        """Run ``op`` (which creates, renames or removes the entry ``rel``); if it is refused
+        because ``rel``'s directory lacks ``u+w``, give the directory ``u+w`` and run ``op`` again.
+
+        rsync does the same for a non-root user: a directory of mode 0555 is made writable
+        while entries in it are written, and gets its mode back at the end (:meth:`relock`;
+        the generator's last pass sets the source's modes anyway). Only a directory this
+        process owns is changed; root needs none of it. The directory is changed through its
+        descriptor (:meth:`parent`), never by path.
+
+        Raises
+        ------
+        OSError
+            What ``op`` raises otherwise (or again).
+        """
+        try:
+            return op()
+        except PermissionError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            dfd, _name = self.parent(rel)
+            st = os.fstat(dfd)
+            if st.st_mode & stat.S_IWUSR or st.st_uid != os.geteuid():
+                raise
+            mode = stat.S_IMODE(st.st_mode)
+            given = mode | stat.S_IWUSR | stat.S_IXUSR
+            os.fchmod(dfd, given)
+            key = self.path(rel.rpartition("/")[0]) if rel else os.path.dirname(self.base)
+            self.unlocked.setdefault(key, (mode, given))
+            return op()
+
+    def _unlocked_dir(self, path: str) -> int:
+        """The descriptor (owned here) of the directory ``path`` (absolute: the base, below it, or the base's parent)."""
+        if path == self.base:
+            return self.dir_fd("")
+        if path.startswith(self.base.rstrip("/") + "/"):
+            return self.dir_fd(path[len(self.base.rstrip("/")) + 1 :])
+        if path == os.path.dirname(self.base):
+            return self.parent("")[0]
+        raise PathError(path, "is not under the destination")
+
+    def relock(self) -> None:
+        """Give each directory :meth:`writable` (or the destination's scan) unlocked its mode
+        back, unless its mode was set since (by the generator's metadata pass, to the source's).
+        Through the directories' descriptors of the jail."""
+        for d, (mode, given) in self.unlocked.items():
+            try:
+                fd = self._unlocked_dir(d)
+                if stat.S_IMODE(os.fstat(fd).st_mode) == given:
+                    os.fchmod(fd, mode)
+            except OSError as exc:
+                log.info("cannot restore the mode of %s: %s", d, exc)
+        self.unlocked.clear()
+
+    def _rename_over(self, rel: str, src_dfd: int, src_name: str, dfd: int, name: str) -> None:
+        """Rename ``src_name`` of ``src_dfd`` to ``name`` of ``dfd`` (the entry ``rel``); an empty
+        directory at ``rel`` (an entry of another type being replaced) is removed first, only
+        now that its replacement exists.
+
+        Raises
+        ------
+        OSError
+            The rename failed (``ENOTEMPTY``/``EISDIR`` for a directory that is not empty).
+        """
+        try:
+            os.rename(src_name, name, src_dir_fd=src_dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                raise exc from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise
+            self._forget_dirs(rel)
+            os.rmdir(name, dir_fd=dfd)
+            os.rename(src_name, name, src_dir_fd=src_dfd, dst_dir_fd=dfd)
+
     # ---- the tree's shape ---------------------------------------------------------------
     def make_base_parent(self) -> None:
         """Create the directories above the base when missing (rsync creates its destination's parent)."""
@@ -427,7 +577,7 @@ class Destination:
                 st = os.fstat(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            self._rename_over(rel, dfd, tmp, dfd, name)
         except FileExistsError:
             raise  # O_EXCL: not ours
         except BaseException:
@@ -444,7 +594,7 @@ class Destination:
         try:
             os.symlink(target, tmp, dir_fd=dfd)
             os.utime(tmp, ns=(mtime_ns, mtime_ns), dir_fd=dfd, follow_symlinks=False)
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            self._rename_over(rel, dfd, tmp, dfd, name)
         except FileExistsError:
             raise
         except BaseException:
@@ -454,8 +604,15 @@ class Destination:
 
     # ---- large files' work files --------------------------------------------------------
     def _partial_dir(self) -> int:
+        """Descriptor of the state's ``partial/`` directory: through the jail when the state lives
+        in the root (``ROOT/.tb5sync``), else (the user's cache directory, ``--state-dir``) the
+        state's own private directory, opened without following a symlink."""
         if self._partial_fd < 0:
-            self._partial_fd = self.jail.open_dir([STATE_DIR, "partial"], create=True)
+            sd = self.state.state_dir if self.state is not None else None
+            if sd is None or os.path.realpath(sd) == os.path.join(os.path.realpath(self.root), STATE_DIR):
+                self._partial_fd = self.jail.open_dir([STATE_DIR, "partial"], create=True)
+            else:
+                self._partial_fd = os.open(os.path.join(sd, "partial"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC)
         return self._partial_fd
 
     @_names_path
@@ -521,7 +678,7 @@ class Destination:
         if self.fsync:
             os.fsync(fd)
         try:
-            os.rename(wname, name, src_dir_fd=wdir, dst_dir_fd=dfd)
+            self._rename_over(rel, wdir, wname, dfd, name)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
@@ -538,7 +695,7 @@ class Destination:
                         os.fsync(out)
                 finally:
                     os.close(out)
-                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                self._rename_over(rel, dfd, tmp, dfd, name)
             except FileExistsError:
                 raise
             except BaseException:

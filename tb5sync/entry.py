@@ -14,11 +14,61 @@ from typing import NamedTuple
 
 from .errors import UsageError
 
-__all__ = ["Entry", "FILE", "DIR", "LINK", "check_relpath", "kind_of", "source_name"]
+__all__ = [
+    "Entry",
+    "FILE",
+    "DIR",
+    "LINK",
+    "check_relpath",
+    "kind_of",
+    "source_name",
+    "path_to_wire",
+    "path_from_wire",
+    "show_path",
+]
 
 FILE = "f"
 DIR = "d"
 LINK = "l"
+
+
+def path_to_wire(path: str) -> str | bytes:
+    """A name or path as it travels: itself when it is valid UTF-8 (a msgpack str), else its bytes
+    (a msgpack bin).
+
+    Python gives a name that is not valid UTF-8 (``printf 'caf\\351.txt'``) as a str holding
+    surrogate escapes (``os.fsdecode``); msgpack cannot encode those as text, so the name goes
+    as the bytes the filesystem holds, and :func:`path_from_wire` makes the same str again.
+    """
+    if path.isascii():
+        return path
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+    return path
+
+
+def path_from_wire(value: object) -> str:
+    """A name or path from the wire (str, or bytes from :func:`path_to_wire`) as Python holds it.
+
+    Raises
+    ------
+    UsageError
+        Neither str nor bytes.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return os.fsdecode(value)
+    raise UsageError(f"a path must be a string or bytes, not {type(value).__name__}")
+
+
+def show_path(path: str) -> str:
+    """``path`` fit to print: bytes that are not valid UTF-8 shown as ``\\xNN`` escapes."""
+    if path.isascii():
+        return path
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 class Entry(NamedTuple):
@@ -47,9 +97,15 @@ class Entry(NamedTuple):
     mtime_ns: int
     target: str = ""
 
+    def to_wire(self) -> list[object]:
+        """The msgpack array form ``[path, kind, mode, size, mtime_ns, target]`` (path and target
+        as :func:`path_to_wire` gives them)."""
+        return [path_to_wire(self.path), self.kind, self.mode, self.size, self.mtime_ns,
+                path_to_wire(self.target) if self.target else ""]
+
     @classmethod
     def from_wire(cls, item: Sequence[object]) -> Entry:
-        """Validate and build an entry from its msgpack array form.
+        """Validate and build an entry from its msgpack array form (see :meth:`to_wire`).
 
         Raises
         ------
@@ -59,6 +115,10 @@ class Entry(NamedTuple):
         if not isinstance(item, (list, tuple)) or len(item) != 6:
             raise UsageError("manifest entry must be an array of 6 fields")
         path, kind, mode, size, mtime_ns, target = item
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if isinstance(target, bytes):
+            target = os.fsdecode(target)
         if not (
             isinstance(path, str)
             and kind in (FILE, DIR, LINK)

@@ -13,10 +13,12 @@ was the model: distinct codes for usage, protocol, file I/O and timeouts).
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 __all__ = [
     "Tb5syncError",
     "UsageError",
+    "ArgumentTypeError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -31,6 +33,9 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "SourceError",
+    "PartialTransferError",
+    "VanishedSourceError",
     "RemoteError",
     "RemoteOSError",
     "RemoteExistsError",
@@ -38,6 +43,7 @@ __all__ = [
     "RemoteNotADirectoryError",
     "RemotePermissionError",
     "remote_os_error",
+    "partial_error",
     "RefNotFoundError",
     "RefExistsError",
 ]
@@ -53,6 +59,10 @@ class UsageError(Tb5syncError, ValueError):
     """Bad argument from the caller: a malformed URL, an unknown option value, a bad path."""
 
     exit_code = 2
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """An API argument of the wrong type (e.g. ``sync(..., exclude="*.log")``); the message names it."""
 
 
 class ProtocolError(Tb5syncError):
@@ -79,7 +89,10 @@ class VersionMismatchError(ProtocolError):
     """
 
     def __init__(self, ours: int, theirs: int) -> None:
-        super().__init__(f"protocol version mismatch: we speak {ours}, peer speaks {theirs}")
+        older = "the peer's" if theirs < ours else "this"
+        super().__init__(
+            f"protocol version mismatch: we speak {ours}, peer speaks {theirs} (upgrade tb5sync on {older} side)"
+        )
         self.ours = ours
         self.theirs = theirs
 
@@ -168,6 +181,52 @@ class DestinationError(Tb5syncError, OSError):
     """The destination could not be written (permissions, disk full, not a directory)."""
 
     exit_code = 11
+
+
+class SourceError(Tb5syncError, OSError):
+    """One source entry could not be read (e.g. a file the sender may not open).
+
+    The sync goes on without it and names it in :attr:`tb5sync.options.SyncStats.failures`.
+    The message is ``"PATH: reason"``.
+    """
+
+    exit_code = 23
+
+
+class PartialTransferError(Tb5syncError):
+    """Some entries could not be synced; everything else was (rsync's exit 23, "partial transfer").
+
+    Attributes
+    ----------
+    stats : tb5sync.options.SyncStats
+        The run's statistics; ``stats.failures`` names each entry that failed.
+    failures : tuple of tb5sync.options.Failure
+        The same as ``stats.failures``.
+    """
+
+    exit_code = 23
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.failures = tuple(stats.failures)
+        n = len(self.failures)
+        first = self.failures[0].line() if n else ""
+        super().__init__(f"some files could not be transferred ({n} failed{'; first: ' + first if n else ''})")
+
+
+class VanishedSourceError(PartialTransferError, SourceChangedError):
+    """Only source files that vanished (or kept changing) were not synced (rsync's exit 24).
+
+    ``path`` is the first of them; see :class:`PartialTransferError` for ``stats`` and ``failures``.
+    """
+
+    exit_code = 24
+
+    def __init__(self, stats: Any) -> None:
+        PartialTransferError.__init__(self, stats)
+        self.path = self.failures[0].path if self.failures else ""
+        names = ", ".join(f.path for f in self.failures[:10]) + (" ..." if len(self.failures) > 10 else "")
+        self.args = (f"source files vanished or kept changing during transfer: {names}",)
 
 
 class RemoteError(Tb5syncError):
@@ -259,6 +318,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemoteNotFoundError,
         IntegrityError,
         DestinationError,
+        SourceError,
         RemoteProtocolError,
         RemoteOSError,
         RemoteExistsError,
@@ -296,3 +356,11 @@ def error_from_remote(kind: str, message: str, errno_: int | None = None) -> Tb5
     if isinstance(err, OSError) and isinstance(errno_, int):
         err.errno = errno_
     return err
+
+
+def partial_error(stats: Any) -> PartialTransferError:
+    """The error for statistics with failures: :class:`VanishedSourceError` (exit 24) when only
+    source files vanished, else :class:`PartialTransferError` (exit 23), as rsync chooses."""
+    if stats.failures and all(f.vanished for f in stats.failures):
+        return VanishedSourceError(stats)
+    return PartialTransferError(stats)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import errno
 import itertools
 import logging
 import os
@@ -592,6 +593,18 @@ class TB5FileSystem(AsyncFileSystem):
             write(data)
             callback.relative_update(len(data))
 
+    async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
+        """fsspec's ``get``, except that an existing file whose name holds glob characters is
+        that file (copied to ``lpath``, or into it when it is a directory), not a pattern."""
+        if isinstance(rpath, str) and isinstance(lpath, (str, os.PathLike)) and _has_magic(rpath):
+            src = self._strip_protocol(rpath)
+            if await self._isfile(src):
+                dst = os.fspath(lpath)
+                if dst.endswith(os.sep) or os.path.isdir(dst):
+                    dst = os.path.join(dst, src.rsplit("/", 1)[-1])
+                return await self._get_file(src, dst, callback=callback, **kwargs)
+        return await super()._get(rpath, lpath, recursive=recursive, callback=callback, **kwargs)
+
     async def _get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> None:
         rpath = self._strip_protocol(rpath)
         info = await self._info(rpath)
@@ -738,6 +751,14 @@ class TB5FileSystem(AsyncFileSystem):
     async def _copy(self, path1: Any, path2: Any, recursive: bool = False, **kwargs: Any) -> None:
         # fsspec copies a tree's files concurrently, so a file may come before its directory:
         # inside a recursive copy the server creates the parents a file needs.
+        if isinstance(path1, str) and _has_magic(path1) and await self._isfile(self._strip_protocol(path1)):
+            # an existing file whose name holds glob characters is that file, not a pattern
+            src = self._strip_protocol(path1)
+            dst = self._strip_protocol(path2)
+            if path2.endswith("/") or await self._isdir(dst):
+                dst = f"{dst.rstrip('/')}/{src.rsplit('/', 1)[-1]}"
+            await self._cp_file(src, dst, _mkdirs=recursive)
+            return
         await super()._copy(path1, path2, recursive=recursive, _mkdirs=recursive, **kwargs)
 
     async def _mv(self, path1: Any, path2: str, recursive: bool = True, maxdepth: int | None = None, **kwargs: Any) -> None:
@@ -755,7 +776,40 @@ class TB5FileSystem(AsyncFileSystem):
     mv = sync_wrapper(_mv)
 
     async def _rm_file(self, path: str, **kwargs: Any) -> None:
-        await self._call("rm", {"paths": [self._strip_protocol(path)], "recursive": False})
+        """Remove one file; a directory raises ``IsADirectoryError`` (as LocalFileSystem's ``rm_file``)."""
+        p = self._strip_protocol(path)
+        try:
+            await self._call("rm", {"paths": [p], "recursive": False})
+        except UsageError:
+            if await self._isdir(p):
+                err = RemoteIsADirectoryError(f"Is a directory: {p!r}")
+                err.errno = errno.EISDIR
+                raise err from None
+            raise
+
+    async def _expand_path(
+        self, path: Any, recursive: bool = False, maxdepth: int | None = None, assume_literal: bool = False
+    ) -> list[str]:
+        """fsspec's expansion of ``path`` (a str or a list), except that a path holding glob
+        characters (``*``, ``?``, ``[``) that exists is taken literally, with what is below it
+        when ``recursive``; only a path that does not exist is a pattern."""
+        if assume_literal:
+            return await super()._expand_path(path, recursive=recursive, maxdepth=maxdepth, assume_literal=True)
+        paths = [path] if isinstance(path, str) else list(path)
+        literal: list[str] = []
+        patterns: list[Any] = []
+        for p in paths:
+            sp = self._strip_protocol(p)
+            if _has_magic(sp) and await self._exists(sp):
+                literal.append(sp)
+            else:
+                patterns.append(p)
+        if not literal:
+            return await super()._expand_path(path, recursive=recursive, maxdepth=maxdepth)
+        out: set[str] = set(await super()._expand_path(literal, recursive=recursive, maxdepth=maxdepth, assume_literal=True))
+        if patterns:
+            out.update(await super()._expand_path(patterns, recursive=recursive, maxdepth=maxdepth))
+        return sorted(out)
 
     async def _rm(self, path: Any, recursive: bool = False, batch_size: int | None = None, maxdepth: int | None = None, **kwargs: Any) -> None:
         # maxdepth is accepted and ignored, as by LocalFileSystem.rm: a directory goes whole or not at all

@@ -11,6 +11,7 @@ tree's shape (deletions, directories, symlinks, modes and mtimes); the receiver
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from concurrent.futures import Future, wait
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 from . import chunking
 from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
-from .errors import DestinationError, RemoteProtocolError, SourceChangedError
+from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
@@ -27,6 +28,8 @@ from .plan import Plan, dry_run_changes, plan_sync
 from .scan import Tree
 
 __all__ = ["Generator", "Planned"]
+
+log = logging.getLogger(__name__)
 
 
 class Planned(NamedTuple):
@@ -95,16 +98,32 @@ class Generator:
         """
         rules = self.options.rules
         try:
-            root, src_dirs = self._fetch_summary()
+            root, src_dirs, src_failed = self._fetch_summary()
             try:
                 dst_tree = dst_scan.result()
             except PermissionError as exc:
                 raise DestinationError(f"cannot read destination {self.destination.base}: {exc.strerror}") from exc
+            dst_errors = dst_tree.errors
+            for d, mode in dst_tree.unlocked.items():  # listed after u+rx; relock gives the mode back
+                self.destination.unlocked.setdefault(d, (mode, mode | 0o500))
             src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
             wait([dst_scan])  # the scan never outlives the run
         same = self._compare_digests(src, dst) if self.options.checksum else None
-        plan = plan_sync(src, dst, delete=self.options.delete, excludes=rules, same_content=same)
+        for path, reason in src_failed:
+            self.destination.fail(path, "source", reason)
+        # rsync's rule: after an I/O error on the sending side (a directory it could not list)
+        # nothing is deleted, since what is missing from the listing may only be unreadable.
+        delete = self.options.delete
+        if delete:  # a destination directory that cannot be listed (nor unlocked): rsync's opendir failure
+            for path, reason in dst_errors:
+                self.destination.fail(path, "destination", reason)
+        if delete and (src_failed or dst_errors):
+            log.warning("IO error encountered -- skipping file deletion")
+            delete = False
+        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same)
+        for path, reason in plan.refused:
+            self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
         bytes_total = sum(d[3] for d in src_dirs) + (root.size if root.kind == FILE else 0)
         self.destination.total_bytes = sum(e.size for e in plan.files)
@@ -125,11 +144,14 @@ class Generator:
             wire_bytes=self.link.wire_bytes,
             files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
             seconds=time.perf_counter() - t0,
+            failures=tuple(self.destination.failures),
+            skipped=tuple(self.destination.specials),
             extra={"plan": plan, "changes": dry_run_changes(plan, src)},
         )
 
-    def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]]]:
-        """The source's root entry and its directory summaries ``(path, digest, files, bytes)``, all pages.
+    def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]], list[tuple[str, str]]]:
+        """The source's root entry, its directory summaries ``(path, digest, files, bytes)`` (all
+        pages) and the ``(path, reason)`` of the source directories that could not be listed.
 
         Raises
         ------
@@ -139,14 +161,17 @@ class Generator:
             A malformed page.
         """
         dirs: list[tuple[str, bytes, int, int]] = []
+        failed: list[tuple[str, str]] = []
         root: Entry | None = None
         while True:
             page = TreePage.from_wire(self.link.submit("tree", start=len(dirs)).result())
             if root is None:
                 root = page.root
+                failed = page.failed
+                self.destination.specials += page.skipped
             dirs += page.dirs
             if len(dirs) >= page.total or not page.dirs:
-                return root, dirs
+                return root, dirs, failed
 
     def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
         """The source's children of each directory in ``dirs``: directory path -> entries in name order.
@@ -299,29 +324,60 @@ class Generator:
         """Apply what must come before the files are written: deletions, then new directories.
 
         Deletions go first, deepest first, each counted in ``files_deleted`` unless the
-        entry is replaced by one of another type. The destination's parent is created
-        (mode 0755) when missing, as rsync does; new directories get mode 0700 until
+        entry is replaced by one of another type. An entry is never deleted before its
+        replacement can be made: one replaced by a directory is removed right before the
+        ``mkdir``; one replaced by a file or symlink is not removed here at all (the new one
+        is renamed over it, and an empty directory in its way is removed only then, see
+        :meth:`Destination._rename_over`). The destination's parent is created (mode
+        0755) when missing, as rsync does; new directories get mode 0700 until
         :meth:`finish` gives them theirs.
+
+        An entry that cannot be deleted or a directory that cannot be made is named in the
+        destination's failures (nothing is written below such a directory) and the run goes on.
 
         Raises
         ------
         DestinationError
-            A non-empty directory must be replaced by another type.
-        OSError
-            A deletion or a mkdir failed.
+            The destination's base (or its parent) cannot be made, or the disk is full.
         """
-        src_paths = {e.path for e in src}
-        # Deletions first, deepest first, before anything new is created: a path never
-        # passes through an entry that this run just replaced (rsync's --delete-during order).
-        for d in plan.delete:
-            replaced = d.path in src_paths
-            if self._remove(d, replaced) and not replaced:
-                self.destination.stats["files_deleted"] += 1
         dest = self.destination
-        if dest.parts(""):
-            dest.make_base_parent()  # rsync creates the destination directory
+        src_kind = {e.path: e.kind for e in src}
+        for d in plan.delete:
+            kind = src_kind.get(d.path)
+            if kind is not None and kind != DIR:
+                if d.kind != DIR and dest.state is not None:
+                    dest.state.forget([dest.spath(d.path)])
+                continue  # replaced by a rename over it
+            if dest.skipped(d.path):
+                continue
+            try:
+                if dest.writable(d.path, lambda d=d: self._remove(d)) and kind is None:
+                    dest.stats["files_deleted"] += 1
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(d.path, "destination", exc)
+                if kind is not None:  # the directory that should replace it cannot be made
+                    dest.failed_dirs.add(d.path)
+        try:
+            if dest.parts(""):
+                dest.make_base_parent()  # rsync creates the destination directory
+            if plan.mkdirs and plan.mkdirs[0].path == "":
+                dest.mkdir("", 0o700)
+        except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            raise DestinationError(f"cannot make destination {exc.filename or dest.base}: {exc.strerror}") from exc
         for e in plan.mkdirs:
-            dest.mkdir(e.path, 0o700)
+            if e.path == "" or e.path in dest.failed_dirs or dest.skipped(e.path):
+                continue
+            try:
+                dest.writable(e.path, lambda e=e: dest.mkdir(e.path, 0o700))
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(e.path, "destination", exc)
+                dest.failed_dirs.add(e.path)
 
     def finish(self, plan: Plan) -> None:
         """Apply what must come after the files are written: symlinks, then modes and mtimes.
@@ -330,44 +386,62 @@ class Generator:
         their mode and mtime, unchanged symlinks their mtime; then every directory of the plan
         gets its mode and mtime, deepest first (writing into a directory changes its mtime).
 
-        Raises
-        ------
-        OSError
-            A symlink, chmod or utime failed.
+        A symlink, mode or mtime that cannot be set is named in the destination's failures
+        and the run goes on (nothing is attempted below a directory that could not be made).
         """
         dest = self.destination
         for e in plan.links:
-            dest.make_link(e.path, e.target, e.mtime_ns)
+            if dest.skipped(e.path):
+                continue
+            try:
+                dest.writable(e.path, lambda e=e: dest.make_link(e.path, e.target, e.mtime_ns))
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(e.path, "destination", exc)
         for e in plan.meta:
-            if e.kind == FILE:
+            if dest.skipped(e.path):
+                continue
+            try:
+                if e.kind == FILE:
+                    dest.chmod(e.path, e.mode)
+                    dest.utime(e.path, e.mtime_ns)
+                elif e.kind == LINK:
+                    dest.utime(e.path, e.mtime_ns)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(e.path, "destination", exc)
+        for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
+            if e.path in dest.failed_dirs or dest.skipped(e.path):
+                continue
+            try:
                 dest.chmod(e.path, e.mode)
                 dest.utime(e.path, e.mtime_ns)
-            elif e.kind == LINK:
-                dest.utime(e.path, e.mtime_ns)
-        for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
-            dest.chmod(e.path, e.mode)
-            dest.utime(e.path, e.mtime_ns)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(e.path, "destination", exc)
 
-    def _remove(self, d: Entry, replaced: bool) -> bool:
+    def _remove(self, d: Entry) -> bool:
         """Remove one destination entry (never following symlinks); True if it was removed.
 
         Directories are removed with ``rmdir`` only: their deletable children come
         earlier in the plan. A directory still holding excluded (protected) entries
-        is kept; one that must be replaced by another type raises instead.
+        is kept (False).
+
+        Raises
+        ------
+        OSError
+            The entry could not be removed for another reason (e.g. ``EACCES``).
         """
-        p = self.destination.path(d.path)
         try:
             self.destination.remove(d.path, d.kind == DIR)
         except FileNotFoundError:
             return False
         except OSError as exc:
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                if not replaced:
-                    return False
-                raise DestinationError(
-                    f"cannot replace non-empty directory {p} with a {'file' if d.kind == DIR else 'directory'}"
-                    " (use --delete, and check --exclude patterns)"
-                ) from exc
+                return False
             raise
         if self.destination.state is not None:
             self.destination.state.forget([self.destination.spath(d.path)])

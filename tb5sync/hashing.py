@@ -25,6 +25,7 @@ from . import chunking
 from .errors import IntegrityError, SourceChangedError, UsageError
 
 __all__ = [
+    "check_environment",
     "DIGEST_SIZE",
     "ChunkRef",
     "chunk_digest",
@@ -156,6 +157,19 @@ def chunk_threads() -> int:
         ``$TB5SYNC_CHUNK_THREADS`` is not an integer in 0..64.
     """
     return _cut.count()
+
+
+def check_environment() -> None:
+    """Check ``$TB5SYNC_HASH_THREADS`` and ``$TB5SYNC_CHUNK_THREADS`` now (a process's start: the
+    CLI, a server), not when the first large file is hashed.
+
+    Raises
+    ------
+    UsageError
+        Either is set to something else than an integer in its range.
+    """
+    _env_threads("TB5SYNC_HASH_THREADS", 256)
+    _env_threads("TB5SYNC_CHUNK_THREADS", 64)
 
 
 def _env_threads(name: str, most: int) -> int:

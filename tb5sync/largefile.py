@@ -168,7 +168,7 @@ class LargeFileJob:
         self.size, self.mtime_ns = size, mtime_ns
         dest = self.destination
         key = None
-        if dest.state is not None and dest.state.persistent:
+        if dest.state is not None and dest.partials:
             key = chunk_digest(f"{dest.spath(self.rel)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
         committed = False
         wdir, keep_partial = -1, True

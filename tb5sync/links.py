@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from .errors import RemoteProtocolError
-from .messages import DATA_METHODS, READ_METHODS
+from .messages import DATA_METHODS, READ_METHODS, args_to_wire
 from .rpc import Requester, split_parts
 from .sender import Sender
 
@@ -93,6 +93,7 @@ class RemoteLink:
             self.requester.pool.put(parts[0].obj)
 
     def submit(self, method: str, **args: Any) -> Future[Any]:
+        args = args_to_wire(args)  # a name that is not valid UTF-8 goes as bytes
         if method not in DATA_METHODS:
             channel = next(self._data_streams) if method in READ_METHODS else 0
             return self.requester.submit(method, args, channel=channel)

@@ -11,7 +11,9 @@ Methods
 Answered by a :class:`~tb5sync.sender.Sender` (pull: the server's; push: the client's):
 
 ``tree(start)``
-    RESPONSE ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": int}``.
+    RESPONSE ``{"root": entry, "dirs": [[path, digest, files, bytes], ...], "total": int,
+    "failed": [[path, reason], ...], "skipped": [[path, what], ...]}`` (optional, first page only:
+    ``failed`` the directories the sender could not list, ``skipped`` its special files).
 ``entries(dirs, skip)``
     RESPONSE ``{"entries": [entry, ...], "more": bool}``.
 ``chunk_list(path, start, size, mtime_ns)``
@@ -21,7 +23,9 @@ Answered by a :class:`~tb5sync.sender.Sender` (pull: the server's; push: the cli
 ``read_ranges(path, ranges, size, mtime_ns)``
     DATA, meta ``{"parts": [[rawlen, wirelen, codec], ...], "wire": [wirelen, ...]}``.
 ``read_files(paths)``
-    DATA, meta ``{"files": [[size, mtime_ns, mode, refs, wirelen, codec] | None, ...], "wire": [...]}``.
+    DATA, meta ``{"files": [[size, mtime_ns, mode, refs, wirelen, codec] | None, ...], "wire": [...],
+    "failed": [[index, reason], ...]}`` (``failed``, optional: files the sender could not read; the
+    others that are None vanished or kept changing).
 ``sub_chunks(path, ranges, size, mtime_ns, params)``
     RESPONSE ``{"subs": [...]}`` (see :mod:`tb5sync.refine`).
 
@@ -33,10 +37,10 @@ Answered by the fs session (:class:`~tb5sync.fsops.FsOps`): :data:`FS_METHODS`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from .entry import Entry, check_relpath
+from .entry import Entry, check_relpath, path_from_wire, path_to_wire
 from .errors import RemoteProtocolError, UsageError
 from .protocol import MAX_PAYLOAD
 
@@ -70,6 +74,9 @@ __all__ = [
     "FilesMeta",
     "SubChunksReply",
     "check_chunks",
+    "PATH_ARGS",
+    "args_to_wire",
+    "paths_from_wire",
 ]
 
 #: TCP port a server listens on and a ``tb5://`` URL names when none is given.
@@ -151,6 +158,33 @@ DIGEST_SIZE: Final = 32
 # above this module re-checks the shape of a reply.
 
 
+#: Request arguments that hold a path (``path``) or a list of them (``paths``, ``dirs``): sent
+#: as :func:`~tb5sync.entry.path_to_wire` gives them (bytes for a name that is not valid UTF-8).
+PATH_ARGS: Final = frozenset({"path", "paths", "dirs"})
+
+
+def args_to_wire(args: dict[str, Any]) -> dict[str, Any]:
+    """A sender request's arguments with their paths (:data:`PATH_ARGS`) in wire form."""
+    out = dict(args)
+    for k in PATH_ARGS.intersection(args):
+        v = args[k]
+        out[k] = path_to_wire(v) if isinstance(v, str) else [path_to_wire(p) if isinstance(p, str) else p for p in v]
+    return out
+
+
+def paths_from_wire(value: object, what: str) -> list[str]:
+    """A request's list of paths (str or bytes each) as Python holds them.
+
+    Raises
+    ------
+    UsageError
+        Not a list of str or bytes.
+    """
+    if not isinstance(value, list):
+        raise UsageError(f"{what} must be a list of paths")
+    return [path_from_wire(p) for p in value]
+
+
 def _bad(what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"malformed {what}")
 
@@ -214,14 +248,29 @@ class TreePage:
         Directories from ``start`` on, parents before children.
     total : int
         Directories in the whole tree (the receiver asks again until it has them all).
+    failed : list of (str, str)
+        ``(path, reason)`` of the source directories that could not be listed (their
+        listing is empty); sent on the first page only (wire key ``failed``, left out when
+        empty).
+    skipped : list of (str, str)
+        ``(path, what)`` of the special files (FIFOs, sockets, devices) the sender leaves out;
+        first page only (wire key ``skipped``, left out when empty).
     """
 
     root: Entry
     dirs: list[DirSummary]
     total: int
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"root": list(self.root), "dirs": [list(d) for d in self.dirs], "total": self.total}
+        dirs = [[path_to_wire(d.path), d.digest, d.files, d.bytes] for d in self.dirs]
+        out: dict[str, Any] = {"root": self.root.to_wire(), "dirs": dirs, "total": self.total}
+        if self.failed:
+            out["failed"] = [[path_to_wire(p), r] for p, r in self.failed]
+        if self.skipped:
+            out["skipped"] = [[path_to_wire(p), w] for p, w in self.skipped]
+        return out
 
     @classmethod
     def from_wire(cls, msg: object) -> TreePage:
@@ -239,6 +288,8 @@ class TreePage:
             if not (isinstance(row, list) and len(row) == 4):
                 raise _bad("directory summary")
             path, digest, files, nbytes = row
+            if isinstance(path, bytes):
+                path = path_from_wire(path)
             if not (isinstance(path, str) and isinstance(digest, bytes) and _is_uint(files) and _is_uint(nbytes)):
                 raise _bad("directory summary")
             try:
@@ -246,7 +297,9 @@ class TreePage:
             except (UsageError, TypeError) as exc:
                 raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
             dirs.append(DirSummary(path, digest, files, nbytes))
-        return cls(entry, dirs, total)
+        return cls(
+            entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"), _check_failed(msg.get("skipped", []), "tree page")
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +314,7 @@ class EntriesPage:
     more: bool
 
     def to_wire(self) -> dict[str, Any]:
-        return {"entries": [list(e) for e in self.entries], "more": self.more}
+        return {"entries": [e.to_wire() for e in self.entries], "more": self.more}
 
     @classmethod
     def from_wire(cls, msg: object) -> EntriesPage:
@@ -338,6 +391,24 @@ class FileDigests:
         return cls(digests)
 
 
+def _check_failed(value: object, what: str) -> list[tuple[str, str]]:
+    """A wire list of ``[path, reason]`` (entries a sender could not read), checked."""
+    if not isinstance(value, list):
+        raise _bad(f"{what}: failed entries")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, bytes)) and isinstance(item[1], str)):
+            raise _bad(f"{what}: failed entry")
+        path, reason = path_from_wire(item[0]), item[1]
+        if path:
+            try:
+                check_relpath(path)
+            except (UsageError, TypeError) as exc:
+                raise RemoteProtocolError(f"bad path of a failed entry: {path!r:.200}") from exc
+        out.append((path, reason[:4096]))
+    return out
+
+
 def _check_wire(meta: dict[str, Any], count: int, what: str) -> list[int]:
     wire = meta.get("wire")
     if not isinstance(wire, list) or len(wire) != count or not all(_is_uint(n) for n in wire):
@@ -391,16 +462,22 @@ class FileInfo(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class FilesMeta:
-    """DATA meta of a ``read_files`` reply: a :class:`FileInfo` per asked path, None for a file that vanished or kept changing.
+    """DATA meta of a ``read_files`` reply: a :class:`FileInfo` per asked path, None for a file that is not sent.
 
-    The parts of the reply are the files that are not None, in order.
+    The parts of the reply are the files that are not None, in order. ``failed`` maps the
+    index of a None file the sender could not read to why (wire key ``failed``, left out
+    when empty); the other None files vanished or kept changing.
     """
 
     files: list[FileInfo | None]
+    failed: dict[int, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         files = [None if f is None else [f.size, f.mtime_ns, f.mode, [list(r) for r in f.chunks], f.wirelen, f.codec] for f in self.files]
-        return {"files": files, "wire": [f.wirelen for f in self.files if f is not None]}
+        out: dict[str, Any] = {"files": files, "wire": [f.wirelen for f in self.files if f is not None]}
+        if self.failed:
+            out["failed"] = [[i, r] for i, r in sorted(self.failed.items())]
+        return out
 
     @classmethod
     def from_wire(cls, meta: object, paths: Sequence[str]) -> FilesMeta:
@@ -423,7 +500,13 @@ class FilesMeta:
         wire = _check_wire(meta, sum(f is not None for f in out), "read_files")
         if wire != [f.wirelen for f in out if f is not None]:
             raise _bad("read_files part lengths")
-        return cls(out)
+        failed = meta.get("failed", [])
+        if not isinstance(failed, list) or not all(
+            isinstance(x, list) and len(x) == 2 and _is_uint(x[0]) and x[0] < len(out) and out[x[0]] is None and isinstance(x[1], str)
+            for x in failed
+        ):
+            raise _bad("read_files failed entries")
+        return cls(out, {i: r[:4096] for i, r in failed})
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .entry import path_from_wire, path_to_wire, show_path
 from .errors import UsageError
 
 if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
-__all__ = ["SyncOptions", "SyncStats", "COMPRESS_MODES"]
+__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
+#: The sides a :class:`Failure` can name.
+SIDES = ("source", "destination")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class SyncOptions:
         ``"lz4"`` (lz4 where it makes the chunk smaller) or ``"none"``.
     streams : int
         TCP streams per session, 1 to 64.
+    exclude_root : str
+        The source's name when it was given without a trailing slash (rsync's transfer root is
+        then its parent, and patterns see paths as ``NAME/...``), else ``""``; set by
+        :func:`tb5sync.sync`.
     fsync : bool
         Durable commits (rsync ``--fsync``): each file's data is flushed to disk
         (``fsync``) before it is renamed into place, and each directory that received
@@ -49,9 +56,12 @@ class SyncOptions:
     dry_run: bool = False
     compress: str = "auto"
     streams: int = 4
+    exclude_root: str = ""
     fsync: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
+            raise UsageError(f"exclude_root must be a single name, not {self.exclude_root!r}")
         if self.compress not in COMPRESS_MODES:
             raise UsageError(f"compress must be one of {COMPRESS_MODES}, not {self.compress!r}")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
@@ -64,11 +74,11 @@ class SyncOptions:
         """The compiled exclude rules."""
         from .excludes import ExcludeRules
 
-        return ExcludeRules(self.excludes)
+        return ExcludeRules(self.excludes, self.exclude_root)
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly dict of these options."""
-        return {**dataclasses.asdict(self), "excludes": list(self.excludes)}
+        return {**dataclasses.asdict(self), "excludes": list(self.excludes), "exclude_root": path_to_wire(self.exclude_root)}
 
     @classmethod
     def from_wire(cls, d: object) -> SyncOptions:
@@ -86,10 +96,76 @@ class SyncOptions:
         ex = kw.get("excludes", ())
         if not isinstance(ex, (list, tuple)) or not all(isinstance(p, str) for p in ex):
             raise UsageError("excludes must be a list of strings")
+        if isinstance(kw.get("exclude_root"), bytes):
+            kw["exclude_root"] = path_from_wire(kw["exclude_root"])
         for k in ("delete", "checksum", "dry_run", "fsync"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One entry a sync could not handle (rsync names each on its own line and exits 23, or 24).
+
+    Attributes
+    ----------
+    path : str
+        The entry, relative to the transfer's base (``""`` for the base itself).
+    side : str
+        ``"source"`` (it could not be read) or ``"destination"`` (it could not be written,
+        replaced or deleted).
+    reason : str
+        Why, one line (e.g. ``"Permission denied"``).
+    vanished : bool
+        The source file vanished (or kept changing) while the sync ran: rsync's exit 24
+        rather than 23.
+    server : bool
+        The side that failed was the server's (a pull's source, a push's destination).
+    """
+
+    path: str
+    side: str
+    reason: str
+    vanished: bool = False
+    server: bool = False
+
+    def __post_init__(self) -> None:
+        if self.side not in SIDES:
+            raise UsageError(f"failure side must be one of {SIDES}, not {self.side!r}")
+
+    def line(self) -> str:
+        """The one line the CLI prints: the side (and the server when it was the server's), the path, the reason."""
+        where = f"{self.side} (server)" if self.server else self.side
+        shown = show_path(self.path) if self.path else "."
+        if self.vanished:
+            return f"{where} file vanished: {shown!r}: {self.reason}"
+        return f"{where} {shown!r}: {self.reason}"
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-friendly dict: the fields, ``path`` as :func:`~tb5sync.entry.path_to_wire` gives it."""
+        return {**dataclasses.asdict(self), "path": path_to_wire(self.path)}
+
+    @classmethod
+    def from_wire(cls, d: object) -> Failure:
+        """A failure from a peer's dict (unknown keys ignored).
+
+        Raises
+        ------
+        UsageError
+            Not a dict, or fields of the wrong type.
+        """
+        if not isinstance(d, dict):
+            raise UsageError("a failure must be a map")
+        path, side, reason = d.get("path"), d.get("side"), d.get("reason")
+        if isinstance(path, bytes):
+            path = path_from_wire(path)
+        vanished, server = d.get("vanished", False), d.get("server", False)
+        if not (isinstance(path, str) and isinstance(side, str) and isinstance(reason, str)):
+            raise UsageError("a failure needs path, side and reason strings")
+        if not (isinstance(vanished, bool) and isinstance(server, bool)):
+            raise UsageError("a failure's vanished and server must be booleans")
+        return cls(path, side, reason[:4096], vanished, server)
 
 
 @dataclass(frozen=True)
@@ -116,6 +192,14 @@ class SyncStats:
         Entries removed by ``delete``.
     seconds : float
         Wall time, seconds.
+    failures : tuple of Failure
+        Entries that could not be synced (everything else was); empty on a complete sync.
+        :func:`tb5sync.sync` raises :class:`~tb5sync.errors.PartialTransferError` carrying
+        these statistics when it is not empty.
+    skipped : tuple of (str, str)
+        ``(path, what)`` of the source's special files (``what``: ``"fifo"``, ``"socket"``,
+        ``"character device"``, ``"block device"``): not synced, as rsync without ``-D``
+        skips them, and named on every route (not failures).
     """
 
     files_total: int = 0
@@ -128,10 +212,22 @@ class SyncStats:
     bytes_matched: int = 0
     files_deleted: int = 0
     seconds: float = 0.0
+    failures: tuple[Failure, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (without ``extra``)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        # JSON-ready: a path that is not valid UTF-8 is shown with \xNN escapes
+        d["failures"] = [{**dataclasses.asdict(f), "path": show_path(f.path)} for f in self.failures]
+        d["skipped"] = [{"path": show_path(p), "what": w} for p, w in self.skipped]
         return d
+
+    @property
+    def exit_code(self) -> int:
+        """rsync's exit status for this result: 0, 24 (only vanished source files) or 23 (some entries failed)."""
+        if not self.failures:
+            return 0
+        return 24 if all(f.vanished for f in self.failures) else 23

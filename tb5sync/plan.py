@@ -19,6 +19,9 @@ class Plan:
 
     All paths are relative to the destination base. Lists keep source order
     (parents before children), except ``delete`` which is children first.
+    ``refused`` lists ``(path, reason)`` for source entries that cannot be synced because
+    the destination holds a non-empty directory where they go (rsync: "cannot delete
+    non-empty directory"); they are in no other list, and that directory is not deleted.
     """
 
     mkdirs: list[Entry] = field(default_factory=list)
@@ -28,6 +31,7 @@ class Plan:
     delete: list[Entry] = field(default_factory=list)
     dirs: list[Entry] = field(default_factory=list)
     unchanged: int = 0
+    refused: list[tuple[str, str]] = field(default_factory=list)
 
 
 def plan_sync(
@@ -115,7 +119,37 @@ def plan_sync(
             seen.add(d.path)
             uniq.append(d)
     plan.delete = uniq
+    _refuse_nonempty_replacements(plan, have, src_paths)
     return plan
+
+
+def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str]) -> None:
+    """Take out of ``plan`` each non-directory that would replace a directory which stays non-empty.
+
+    A directory keeps its children that are not deleted (no ``--delete``, or protected by
+    an exclude rule); rsync then says "cannot delete non-empty directory" and "could not
+    make way for new ..." and exits 23. The entry goes to ``plan.refused``; the directory
+    stays as it is (its deletable children are still deleted, as rsync does).
+    """
+    replaced_dirs = [d.path for d in plan.delete if d.kind == DIR and d.path in src_paths]
+    if not replaced_dirs:
+        return
+    deleted = {d.path for d in plan.delete}
+    kept_parents: set[str] = set()  # every ancestor of a destination entry that stays
+    for p in have:
+        if p and p not in deleted:
+            parent = p.rpartition("/")[0]
+            while parent and parent not in kept_parents:
+                kept_parents.add(parent)
+                parent = parent.rpartition("/")[0]
+    refused = {p for p in replaced_dirs if p in kept_parents}
+    if not refused:
+        return
+    for p in sorted(refused):
+        plan.refused.append((p, "cannot delete non-empty directory: could not make way for the new entry"))
+    plan.delete = [d for d in plan.delete if d.path not in refused]
+    plan.files = [e for e in plan.files if e.path not in refused]
+    plan.links = [e for e in plan.links if e.path not in refused]
 
 
 def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:

@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"TB5S"
-PROTOCOL_VERSION: Final = 3  # 2: chunk_list pieces, the fs session (tb5://); 3: tree/entries (listing digests) replace manifest
+PROTOCOL_VERSION: Final = 4  # 2: chunk_list pieces, the fs session (tb5://); 3: tree/entries (listing digests) replace manifest; 4: names that are not valid UTF-8 travel as bin, failures reported per entry
 HEADER: Final = struct.Struct("!4sBBHII")
 #: Largest control (msgpack) payload accepted, bytes.
 MAX_CONTROL: Final = 32 * 1024 * 1024
@@ -478,7 +478,10 @@ def error_frame(rid: int, exc: BaseException, message: str | None = None) -> byt
 
     ``message`` replaces ``str(exc)`` when given (e.g. with server paths made relative).
     """
-    msg: dict[str, Any] = {"kind": type(exc).__name__, "message": str(exc) if message is None else message}
+    text = str(exc) if message is None else message
+    if not text.isascii():  # a name that is not valid UTF-8 (surrogate escapes) shown as \xNN
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    msg: dict[str, Any] = {"kind": type(exc).__name__, "message": text}
     code = getattr(exc, "errno", None)
     if isinstance(exc, OSError) and isinstance(code, int):
         msg["errno"] = code

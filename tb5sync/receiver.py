@@ -52,7 +52,7 @@ from . import chunking
 from ._replies import decode_part
 from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
-from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, Tb5syncError
+from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
 from .excludes import ExcludeRules
 from .generator import Generator, Planned
 from .messages import FilesMeta
@@ -143,22 +143,29 @@ class Receiver:
     def run(self) -> SyncStats:
         """Run the whole sync and return its statistics.
 
+        Entries that cannot be synced (a source file that cannot be read or vanished, a
+        destination entry that cannot be written, replaced or deleted) are left out, each
+        named in the result's ``failures``, and everything else is synced (rsync's model:
+        the caller exits 23, or 24 when source files only vanished).
+
         Raises
         ------
         RemoteNotFoundError
             The source does not exist.
         DestinationError
-            The destination cannot be written.
+            The destination's base cannot be made, or nothing more can be written (disk full,
+            read-only file system).
         IntegrityError
             A chunk failed verification (nothing was committed for that file).
-        SourceChangedError
-            Some source files kept changing; everything else was synced.
         ConnectError, ProtocolError
             The link failed.
         """
         t0 = time.perf_counter()
         # Scan the destination while the sender scans the source (they overlap on two cores).
-        dst_fut = self._dst_scan if self._dst_scan is not None else scan_in_background(self.dest, self.options.rules)
+        dst_fut = (
+            self._dst_scan if self._dst_scan is not None
+            else scan_in_background(self.dest, self.options.rules, unlock=not self.options.dry_run)
+        )
         generator = Generator(self.link, self.destination, self.options, self.params)
         try:
             planned = generator.make_plan(dst_fut)
@@ -183,15 +190,15 @@ class Receiver:
             finally:
                 self.destination.flush_records()
         finally:
+            self.destination.relock()
             self.destination.close()
-        changed = self.destination.changed
-        if changed:
-            raise SourceChangedError(", ".join(changed[:10]) + (" ..." if len(changed) > 10 else ""))
         return SyncStats(
             files_total=planned.files_total,
             bytes_total=planned.bytes_total,
             wire_bytes=self.link.wire_bytes,
             seconds=time.perf_counter() - t0,
+            failures=(*self.destination.failures, *self.destination.vanished()),
+            skipped=tuple(self.destination.specials),
             **self.destination.stats,
         )
 
@@ -203,8 +210,10 @@ class Receiver:
         """
         plan = planned.plan
         generator.prepare(plan, planned.src)
-        small = [e for e in plan.files if e.size < SMALL_FILE]
-        large = [e for e in plan.files if e.size >= SMALL_FILE]
+        dest = self.destination
+        files = [e for e in plan.files if not dest.skipped(e.path)] if dest.failed_dirs else plan.files
+        small = [e for e in files if e.size < SMALL_FILE]
+        large = [e for e in files if e.size >= SMALL_FILE]
         self._fetch_small(small)
         for e in large:
             self._fetch_large_retrying(e)
@@ -240,13 +249,17 @@ class Receiver:
         is kernel time that contends on the same locks (rwsem spinning in the profile).
         """
         meta, parts = fut.result()
-        files = FilesMeta.from_wire(meta, [e.path for e in batch]).files
+        fm = FilesMeta.from_wire(meta, [e.path for e in batch])
+        files = fm.files
         pi = 0
         todo: list[tuple[Entry, Any, int, int, int, list[tuple[bytes, int]]]] = []
-        for e, info in zip(batch, files):
+        for i, (e, info) in enumerate(zip(batch, files)):
             if info is None:
-                log.warning("source file vanished or kept changing: %s", e.path)
-                self.destination.changed.append(e.path)
+                if i in fm.failed:
+                    self.destination.fail(e.path, "source", fm.failed[i])
+                else:
+                    log.warning("source file vanished or kept changing: %s", e.path)
+                    self.destination.changed.append(e.path)
                 continue
             if pi >= len(parts):
                 raise RemoteProtocolError("read_files reply has fewer parts than files")
@@ -254,7 +267,15 @@ class Receiver:
             data = decode_part(parts[pi], size, codec)
             pi += 1
             todo.append((e, data, size, mtime_ns, mode, refs))
-        for (e, _data, size, _mtime_ns, _mode, refs), st in zip(todo, map(self._write_small, todo)):
+        for item in todo:
+            e, _data, size, _mtime_ns, _mode, refs = item
+            try:
+                st = self.destination.writable(e.path, lambda item=item: self._write_small(item))
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                self.destination.fail(e.path, "destination", exc)
+                continue
             self.destination.record(e.path, st, refs)
             self.destination.stats["files_transferred"] += 1
             self.destination.stats["bytes_transferred"] += size
@@ -288,12 +309,15 @@ class Receiver:
         """Fetch the large file ``e`` with a new :class:`~tb5sync.largefile.LargeFileJob`, up to ``tries`` times.
 
         A source that changes during a fetch is fetched again; one that vanished, or kept
-        changing, is added to the destination's ``changed`` (the run ends with
-        :class:`SourceChangedError` naming it, after syncing everything else).
+        changing, is added to the destination's ``changed``; one that cannot be read, or
+        written here, is named in the destination's failures (everything else is synced).
         """
         for attempt in range(tries):
             try:
-                LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
+                # a new job for the retry after making the directory writable: one job, one attempt
+                self.destination.writable(
+                    e.path, lambda: LargeFileJob(self.destination, self.link, e, self.params, self.options).run()
+                )
                 return
             except SourceChangedError:
                 log.info("source changed during transfer, retrying: %s (attempt %d)", e.path, attempt + 1)
@@ -301,26 +325,36 @@ class Receiver:
                 log.warning("source file vanished: %s", e.path)
                 self.destination.changed.append(e.path)
                 return
+            except SourceError as exc:
+                self.destination.fail(e.path, "source", exc)
+                return
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                self.destination.fail(e.path, "destination", exc)
+                return
         log.warning("source file kept changing: %s", e.path)
         self.destination.changed.append(e.path)
 
 
-def scan_in_background(dest: str, rules: ExcludeRules) -> Future[Tree]:
+def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> Future[Tree]:
     """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
 
     Returns
     -------
     Future of Tree
         Settles with the tree (empty when ``dest`` does not exist) or with the scan's
-        exception (e.g. ``PermissionError``). Pass it to :class:`Receiver` as ``dst_scan``
-        when the scan should start before the receiver can run (the server starts it as a
+        exception (e.g. ``PermissionError``). With ``unlock`` (not for a dry run: it changes
+        modes) a directory this process owns but may not list is given ``u+rx`` first
+        (:func:`tb5sync.scan.scan_tree`); the receiver gives the mode back at the end.
+        Pass it to :class:`Receiver` as ``dst_scan`` when the scan should start before the receiver can run (the server starts it as a
         push session opens, while the client's other streams join).
     """
     fut: Future[Tree] = Future()
 
     def scan_into() -> None:
         try:
-            tree = scan_tree(dest, rules, missing_ok=True)
+            tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
             tree.digests()
             fut.set_result(tree)
         except BaseException as exc:  # delivered to the caller through the future

@@ -19,7 +19,7 @@ from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["scan", "scan_tree", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
+__all__ = ["scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,74 @@ def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
     if stat.S_ISLNK(m):
         target = os.readlink(full)
         return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
-    log.warning("skipping %s: not a regular file, directory or symlink", full)
+    log.info("skipping %s: not a regular file, directory or symlink", full)
     return None
+
+
+def _unlock_fd(fd: int, path: str, unlocked: dict[str, int]) -> bool:
+    """Give the directory open as ``fd`` (at ``path``) ``u+rx`` if this process owns it and it
+    lacks them; record its mode before in ``unlocked`` under ``path``. False when it was not changed."""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or (st.st_mode & 0o500) == 0o500:
+            return False
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o500)
+    except OSError:
+        return False
+    unlocked.setdefault(path, stat.S_IMODE(st.st_mode))
+    return True
+
+
+def _unlock_at(dfd: int | None, name: str, path: str, unlocked: dict[str, int]) -> bool:
+    """:func:`_unlock_fd` for a directory that cannot be opened (no ``u+r``): the entry ``name``
+    of the directory ``dfd`` (None: ``name`` is a path) is checked to be a directory of this
+    process's (not following a symlink) and changed relative to ``dfd``."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or (st.st_mode & 0o500) == 0o500:
+            return False
+        os.chmod(name, stat.S_IMODE(st.st_mode) | 0o500, dir_fd=dfd)  # a directory, checked just above
+    except OSError:
+        return False
+    unlocked.setdefault(path, stat.S_IMODE(st.st_mode))
+    return True
+
+
+def _open_dir(name: str, dfd: int | None, path: str, unlocked: dict[str, int] | None) -> int:
+    """Open the directory ``name`` of ``dfd`` (None: ``name`` is a path) with ``O_NOFOLLOW``;
+    one that may not be read is given ``u+rx`` first when ``unlocked`` is given (see :func:`_unlock_at`).
+
+    Raises
+    ------
+    OSError
+        It cannot be opened (``ELOOP``/``ENOTDIR`` for a symlink or a file, ``PermissionError``, ...).
+    """
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    except PermissionError:
+        if unlocked is None or not _unlock_at(dfd, name, path, unlocked):
+            raise
+        return os.open(name, _DIR_FLAGS, dir_fd=dfd)
+
+
+def _cannot_list(full: str, rel: str, exc: OSError, errors: list[tuple[str, str]], children: dict[str, list[Entry]] | None) -> None:
+    """Name the directory ``rel`` that could not be listed in ``errors``; its listing is empty (rsync's "opendir failed")."""
+    log.info("cannot list %s: %s", full, exc.strerror or exc)  # reported through errors
+    errors.append((rel, f"cannot list directory: {exc.strerror or exc} ({exc.errno})"))
+    if children is not None:
+        children[rel] = []
+
+
+def special_kind(mode: int) -> str:
+    """What a special file is, from its ``st_mode``: ``"fifo"``, ``"socket"``, ``"character
+    device"``, ``"block device"`` (else ``"special file"``)."""
+    fmt = stat.S_IFMT(mode)
+    return {
+        stat.S_IFIFO: "fifo",
+        stat.S_IFSOCK: "socket",
+        stat.S_IFCHR: "character device",
+        stat.S_IFBLK: "block device",
+    }.get(fmt, "special file")
 
 
 @dataclass
@@ -51,6 +117,15 @@ class Tree:
         For every directory that was listed, its path -> its direct children in name
         order (excluded names and ``.tb5sync`` left out). Keys are in depth-first order,
         parents before children. Empty when the base is not a directory.
+    errors : list of (str, str)
+        ``(path, reason)`` of each directory that could not be listed (its listing in
+        :attr:`children` is empty): the scan went on without its contents.
+    skipped : list of (str, str)
+        ``(path, what)`` of each special file left out (``what``: ``"fifo"``, ``"socket"``,
+        ``"character device"``, ``"block device"``), in scan order.
+    unlocked : dict of str to int
+        Absolute paths of the directories :func:`scan_tree` gave ``u+rx`` to list them
+        (``unlock``), to their mode before.
     temps : list of str
         Paths of the temporary files (``.NAME.XXXXXXXX.tb5tmp``, files being written by a
         sync or left by an interrupted one) the scan passed over, relative to the base.
@@ -58,6 +133,9 @@ class Tree:
 
     entries: list[Entry]
     children: dict[str, list[Entry]]
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    unlocked: dict[str, int] = field(default_factory=dict)
     temps: list[str] = field(default_factory=list)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
@@ -98,7 +176,8 @@ def listing_digest(children: Sequence[Entry]) -> bytes:
     import blake3
     import msgpack
 
-    return blake3.blake3(msgpack.packb(children)).digest()
+    # surrogateescape: a name that is not valid UTF-8 is hashed as its bytes (never decoded)
+    return blake3.blake3(msgpack.packb(children, unicode_errors="surrogateescape")).digest()
 
 
 def scan_tree(
@@ -106,24 +185,35 @@ def scan_tree(
     excludes: ExcludeRules = NO_RULES,
     *,
     missing_ok: bool = False,
+    unlock: bool = False,
 ) -> Tree:
     """Scan like :func:`scan` (recursively) and keep each directory's listing.
+
+    ``unlock`` (a destination's scan): a directory this process owns but may not list (no
+    ``u+r``/``u+x``, a non-root user's) is given ``u+rx`` and listed, as rsync makes its way
+    into a destination directory; ``Tree.unlocked`` maps its path to its mode before.
 
     Returns
     -------
     Tree
         ``entries`` exactly as :func:`scan` would return them; ``children`` for the base
         (when a directory) and every directory below it that was listed. A missing base
-        with ``missing_ok`` gives an empty tree.
+        with ``missing_ok`` gives an empty tree. A directory that cannot be listed
+        (``PermissionError`` and other ``OSError`` s but a vanished one) is kept with an
+        empty listing and named in ``errors``, as rsync goes on after "opendir failed".
 
     Raises
     ------
-    RemoteNotFoundError, PermissionError
+    RemoteNotFoundError
         As :func:`scan`.
     """
     children: dict[str, list[Entry]] = {}
+    errors: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
+    unlocked: dict[str, int] | None = {} if unlock else None
     temps: list[str] = []
-    return Tree(_scan(base, excludes, missing_ok, True, children, temps), children, temps)
+    entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked)
+    return Tree(entries, children, errors=errors, skipped=skipped, unlocked=unlocked or {}, temps=temps)
 
 
 def scan(
@@ -171,6 +261,9 @@ def _scan(
     recursive: bool,
     children: dict[str, list[Entry]] | None,
     temps: list[str] | None = None,
+    errors: list[tuple[str, str]] | None = None,
+    skipped: list[tuple[str, str]] | None = None,
+    unlocked: dict[str, int] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -181,18 +274,23 @@ def _scan(
         raise RemoteNotFoundError(f"no such file or directory: {base}") from None
     top = _entry_from_stat("", st, base)
     if top is None:
+        if skipped is not None:
+            skipped.append(("", special_kind(st.st_mode)))
         return []
     out = [top]
     if top.kind == DIR:
         try:
-            fd = os.open(base, _DIR_FLAGS)
+            fd = _open_dir(base, None, base, unlocked)
         except OSError as exc:
-            if exc.errno not in _NOT_A_DIR:
+            if exc.errno in _NOT_A_DIR:
+                log.warning("skipping %s: replaced while scanning", base)
+                return out
+            if isinstance(exc, FileNotFoundError) or errors is None:
                 raise
-            log.warning("skipping %s: replaced while scanning", base)
+            _cannot_list(base, "", exc, errors, children)
             return out
         try:
-            _walk(base, "", excludes, out, children, recursive, temps, fd)
+            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked)
         finally:
             os.close(fd)
     return out
@@ -271,20 +369,39 @@ def _walk(
     recursive: bool,
     temps: list[str] | None,
     fd: int,
+    errors: list[tuple[str, str]] | None = None,
+    skipped: list[tuple[str, str]] | None = None,
+    unlocked: dict[str, int] | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
     The hot loop of every sync: one ``lstat`` per name (:func:`listdir_stat`), entries
     built without NamedTuple's Python-level constructor. Raises what listing ``full``
-    itself raises; names that vanish meanwhile are skipped. Temporary files
-    (:func:`~tb5sync._paths.is_temp_name`) are left out, their paths appended to ``temps``.
+    itself raises (with ``errors`` given, only ``FileNotFoundError``: other errors are
+    appended to it as ``(rel, reason)`` and the directory's listing is empty); names that
+    vanish meanwhile are skipped. Temporary files (:func:`~tb5sync._paths.is_temp_name`)
+    are left out, their paths appended to ``temps``. With ``unlocked`` (a destination's
+    scan), a directory of this process's that it may not list is given ``u+rx`` first.
 
     ``fd`` is a descriptor of ``full`` (the caller's); every directory below is opened
     relative to its parent's descriptor with ``O_NOFOLLOW`` and listed through its own
     descriptor, so a directory swapped for a symlink during the scan is not followed (it is
     skipped, as a vanished one is): no name outside the tree is listed.
     """
-    items = _list_fd(fd)
+    try:
+        try:
+            items = _list_fd(fd)
+        except PermissionError:
+            if unlocked is None or not _unlock_fd(fd, full, unlocked):
+                raise
+            items = _list_fd(fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if errors is None:
+            raise
+        _cannot_list(full, rel, exc, errors, children)
+        return
     items.sort()  # by name: names are unique within a directory
     kids: list[Entry] = []
     if children is not None:
@@ -315,23 +432,28 @@ def _walk(
                 continue
             e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
         else:
-            log.warning("skipping %s: not a regular file, directory or symlink", dpre + name)
+            log.info("skipping %s: not a regular file, directory or symlink", dpre + name)
+            if skipped is not None:
+                skipped.append((r, special_kind(m)))
             continue
         out.append(e)
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                cfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                cfd = _open_dir(name, fd, dpre + name, unlocked)
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                if exc.errno not in _NOT_A_DIR:
-                    exc.filename = dpre + name  # the path, not the name relative to fd
+                if exc.errno in _NOT_A_DIR:
+                    log.warning("skipping %s: replaced while scanning", dpre + name)
+                    continue
+                exc.filename = dpre + name  # the path, not the name relative to fd
+                if errors is None:
                     raise
-                log.warning("skipping %s: replaced while scanning", dpre + name)
+                _cannot_list(dpre + name, r, exc, errors, children)
                 continue
             try:
-                _walk(dpre + name, r, excludes, out, children, True, temps, cfd)
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked)
             except FileNotFoundError:
                 continue
             finally:

@@ -30,9 +30,9 @@ import lz4.block
 
 from . import chunking, refine
 from ._paths import STATE_DIR, Jail, is_temp_name
-from .errors import RemoteNotFoundError, SourceChangedError, UsageError
+from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .entry import Entry, check_relpath
+from .entry import Entry, check_relpath, path_from_wire, show_path
 from .scan import Tree, scan_tree
 from .messages import (
     CODEC_LZ4,
@@ -46,6 +46,7 @@ from .messages import (
     RangesMeta,
     SubChunksReply,
     TreePage,
+    paths_from_wire,
 )
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
@@ -155,6 +156,15 @@ class Sender:
 
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
+        """Open the source file ``path`` for reading.
+
+        Raises
+        ------
+        FileNotFoundError
+            It vanished.
+        SourceError
+            It cannot be opened for another reason (``"PATH: reason"``, e.g. permission denied).
+        """
         check_relpath(path)
         if ".tb5" in path and any(c == STATE_DIR or is_temp_name(c) for c in path.split("/")):
             # never listed (see scan), so never asked for by an honest receiver: files being
@@ -163,10 +173,21 @@ class Sender:
         if self._single:
             if path:
                 raise RemoteNotFoundError(f"no such file in a single-file source: {path}")
-            return self._jail.open_cached(self._name)
-        if not path:
+            name = self._name
+        elif not path:
             raise UsageError("the source base is a directory, not a file")
-        return self._jail.open_cached(path)
+        else:
+            name = path
+        try:
+            return self._jail.open_cached(name)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if isinstance(exc, Tb5syncError):
+                raise
+            err = SourceError(f"{show_path(path)}: {exc.strerror or exc}" + (f" ({exc.errno})" if exc.errno else ""))
+            err.errno = exc.errno
+            raise err from exc
 
     def _state_path(self, path: str) -> str:
         return "/".join(p for p in (self.state_prefix, path) if p)
@@ -244,7 +265,8 @@ class Sender:
                 break
             page.append(DirSummary(*row))
             nbytes += len(row[0])
-        return TreePage(t.entries[0], page, len(t.children)).to_wire()
+        first = start == 0
+        return TreePage(t.entries[0], page, len(t.children), t.errors if first else [], t.skipped if first else []).to_wire()
 
     def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
         """The children of the named directories, concatenated in the order asked, one page at a time.
@@ -268,7 +290,8 @@ class Sender:
         UsageError
             A path that is not a directory of the scanned source, or a bad ``skip``.
         """
-        if not isinstance(dirs, list) or not isinstance(skip, int) or skip < 0:
+        dirs = paths_from_wire(dirs, "dirs")
+        if not isinstance(skip, int) or skip < 0:
             raise UsageError("entries needs a list of directories and a non-negative skip")
         kids = self.scanned().children
         out: list[Entry] = []
@@ -322,6 +345,7 @@ class Sender:
         UsageError
             Not a regular file, or ``start``/``limit`` out of range.
         """
+        path = path_from_wire(path)
         if not (isinstance(start, int) and isinstance(limit, int)) or start < 0 or limit < 0:
             raise UsageError("start and limit must be non-negative ints")
         try:
@@ -401,11 +425,12 @@ class Sender:
 
     def file_digests(self, paths: list[str]) -> dict[str, Any]:
         """File digests (BLAKE3 over the chunk list) of ``paths``, re-read from disk; None for a file that is gone."""
+        paths = paths_from_wire(paths, "paths")
         out: list[bytes | None] = []
         for p in paths:
             try:
                 out.append(self.chunk_list(p, fresh=True)["digest"])
-            except (RemoteNotFoundError, SourceChangedError, UsageError):
+            except (RemoteNotFoundError, SourceChangedError, SourceError, UsageError):
                 out.append(None)
         return FileDigests(out).to_wire()
 
@@ -433,6 +458,7 @@ class Sender:
         UsageError
             Ranges out of bounds or too large in total.
         """
+        path = path_from_wire(path)
         if self.zero_copy and self.options.compress != "lz4":
             return self._read_ranges_sendfile(path, ranges, size, mtime_ns)
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
@@ -507,6 +533,7 @@ class Sender:
         UsageError
             Bad ranges or parameters.
         """
+        path = path_from_wire(path)
         prm = refine.params_from_wire(params)
         fd, views = self._read_checked(path, ranges, size, mtime_ns)
         try:
@@ -594,11 +621,20 @@ class Sender:
         UsageError
             More than :data:`MAX_READ` bytes in total.
         """
+        paths = paths_from_wire(paths, "paths")
         files: list[FileInfo | None] = []
+        failed: dict[int, str] = {}
         parts: list[Any] = []
         total = 0
         for path in paths:
-            item = self._read_one(path)
+            try:
+                item = self._read_one(path)
+            except SourceError as exc:
+                failed[len(files)] = str(exc).removeprefix(f"{show_path(path)}: ")
+                item = None
+            except OSError as exc:  # a read error (EIO, ...): this file only
+                failed[len(files)] = f"{exc.strerror or exc} ({exc.errno})"
+                item = None
             if item is None:
                 files.append(None)
                 continue
@@ -609,7 +645,7 @@ class Sender:
             wire, codec = encode_part(data, self.options.compress)
             files.append(FileInfo(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), refs, len(wire), codec))
             parts.append(wire)
-        return FilesMeta(files).to_wire(), parts
+        return FilesMeta(files, failed).to_wire(), parts
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):

@@ -31,12 +31,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ._paths import resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback
 from .errors import (
+    ArgumentTypeError,
     AuthError,
     BusyError,
     ConnectError,
@@ -48,7 +49,7 @@ from .errors import (
 )
 from .fsops import FsOps, Pages
 from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
-from .entry import DIR, FILE, LINK, kind_of
+from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .scan import scan
 from .options import SyncOptions
 from .protocol import FrameType
@@ -90,6 +91,37 @@ class _Session:
         self.lock = threading.Lock()
 
 
+def _check_server_arguments(
+    root: object, host: object, port: object, token: object, allow: object, read_only: object, state_dir: object
+) -> None:
+    """Check the types of :class:`Server`'s arguments, naming the first wrong one.
+
+    Raises
+    ------
+    ArgumentTypeError
+        (a ``TypeError`` and a ``UsageError``) e.g. ``allow="10.0.0.0/8"`` (a str, not a list
+        of networks), ``port="8873"``.
+    """
+
+    def bad(name: str, want: str, got: object) -> ArgumentTypeError:
+        return ArgumentTypeError(f"Server(): {name} must be {want}, not {type(got).__name__} {got!r:.80}")
+
+    if not isinstance(root, (str, os.PathLike)):
+        raise bad("root", "a str or os.PathLike", root)
+    if not isinstance(host, str):
+        raise bad("host", "a str", host)
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise bad("port", "an int", port)
+    if token is not None and not isinstance(token, (str, bytes)):
+        raise bad("token", "bytes, str or None", token)
+    if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable) or not all(isinstance(c, str) for c in allow):
+        raise bad("allow", "a list of CIDR strings (allow=['10.0.0.0/8'])", allow)
+    if not isinstance(read_only, bool):
+        raise bad("read_only", "a bool", read_only)
+    if state_dir is not None and not isinstance(state_dir, (str, os.PathLike)):
+        raise bad("state_dir", "a str, os.PathLike or None", state_dir)
+
+
 class Server:
     """Serve ``root`` over TCP (optionally TLS).
 
@@ -107,6 +139,9 @@ class Server:
         CIDR networks clients may connect from; empty allows all.
     read_only : bool
         Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
+    state_dir : str or path, optional
+        Where the root's scan cache, chunk index and partial files live; ``ROOT/.tb5sync``
+        by default.
     store : str or path or None
         An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
         (``tb5sync store push/pull``); None: such sessions are refused.
@@ -148,8 +183,9 @@ class Server:
     Raises
     ------
     UsageError
-        ``root`` is not a directory, a CIDR is malformed, a cap is not positive, or the TLS
-        files cannot be loaded.
+        ``root`` is not a directory, a CIDR is malformed, a cap is not positive, the TLS
+        files cannot be loaded, or ``$TB5SYNC_HASH_THREADS`` / ``$TB5SYNC_CHUNK_THREADS`` is not
+        a valid thread count.
     """
 
     def __init__(
@@ -160,6 +196,7 @@ class Server:
         token: bytes | str | None = None,
         allow: Sequence[str] = (),
         read_only: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
         store: str | os.PathLike[str] | None = None,
         *,
         no_auth: bool = False,
@@ -174,6 +211,12 @@ class Server:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        from .chunking import warn_if_pure_python
+        from .hashing import check_environment
+
+        check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
+        warn_if_pure_python()
+        _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
             raise UsageError(f"server root is not a directory: {root}")
@@ -215,7 +258,9 @@ class Server:
                 raise UsageError(f"cannot load the TLS certificate {os.fspath(tls_cert)} and key: {getattr(exc, 'strerror', None) or exc}") from exc
             self.tls = ctx
         # a read-only server writes nothing under its root, not even its own scan cache
-        self.state = TreeState(root, writable=not read_only and os.access(root, os.W_OK))
+        sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
+        writable = not read_only and (os.access(root, os.W_OK) if sdir is None else True)
+        self.state = TreeState(root, writable=writable, state_dir=sdir)
         self._sessions: dict[str, _Session] = {}
         self._open_sessions = 0
         self._pages = Pages()
@@ -505,6 +550,8 @@ class Server:
         if op == "join":
             return self._join(ch, msg)
         path = msg.get("path", "")
+        if isinstance(path, bytes):  # a path that is not valid UTF-8 (entry.path_to_wire)
+            path = path_from_wire(path)
         if not isinstance(path, str):
             raise UsageError("path must be a string")
         if op == "ls":
@@ -602,7 +649,7 @@ class Server:
     def _ls(self, ch: Channel, path: str) -> None:
         base = resolve_in_root(self.root, path)
         entries = scan(base, recursive=False)
-        ch.send_control(FrameType.RESPONSE, 0, {"entries": [list(e) for e in entries]})
+        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
 
     def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
         base = resolve_in_root(self.root, path)
@@ -644,6 +691,8 @@ class Server:
         if self.read_only:
             raise ReadOnlyError(f"server is read-only; cannot write {path!r}")
         name = msg.get("name")
+        if isinstance(name, bytes):
+            name = path_from_wire(name)
         src_kind = msg.get("src_kind")
         if name is not None and (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name):
             raise PathError(str(name), "bad source name")
@@ -658,7 +707,7 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.rules)
+        dst_scan = scan_in_background(dest, options.rules, unlock=not options.dry_run)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
         requester: Requester | None = None
         try:
@@ -672,8 +721,8 @@ class Server:
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}
-                if "changes" in stats.extra:
-                    result["changes"] = stats.extra["changes"]
+                if "changes" in stats.extra:  # paths as they travel (bytes when not valid UTF-8)
+                    result["changes"] = {k: [path_to_wire(p) for p in v] for k, v in stats.extra["changes"].items()}
             except Tb5syncError as exc:
                 log.info("push to %s failed: %s", path, exc)
                 result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}

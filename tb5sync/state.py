@@ -97,17 +97,48 @@ CREATE INDEX IF NOT EXISTS chunks_path ON chunks(path);
 """
 
 
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _db_int(v: int) -> int | bytes:
+    """``v`` as SQLite stores it: an INTEGER when it fits in 64 signed bits, else a BLOB of its
+    16-byte two's complement (mtimes after 2262-04-11 or before 1677-09-21 in ns, inodes past
+    2^63): one value, one representation, so equality lookups keep working."""
+    if _I64_MIN <= v <= _I64_MAX:
+        return v
+    return v.to_bytes(16, "big", signed=True)
+
+
+def _db_path(path: str) -> str | bytes:
+    """``path`` as SQLite stores it: TEXT when it is valid UTF-8, else (a name that is not, held
+    by Python as surrogate escapes) the BLOB of its bytes (``os.fsencode``)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+    return path
+
+
+def _path_of(value: str | bytes) -> str:
+    """A path read back from SQLite (see :func:`_db_path`)."""
+    return os.fsdecode(value) if isinstance(value, bytes) else value
+
+
 class TreeState:
     """Scan cache and chunk index of one root.
 
     Parameters
     ----------
     root : str
-        The root directory (absolute). State lives in ``root/.tb5sync``.
+        The root directory (absolute) whose files the state describes.
     params : ChunkParams
         Chunk parameter set; cache rows made with another version are ignored.
     writable : bool
         False keeps the state in memory only (for read-only roots).
+    state_dir : str, optional
+        Where ``state.sqlite`` and ``partial/`` live; ``root/.tb5sync`` by default (a
+        server's root). Local and pull destinations keep theirs in the user's cache
+        directory instead (:func:`tb5sync.client.local_state`).
     partial_cap : int
         Bytes that idle partial files (kept to resume interrupted transfers) may hold;
         the oldest beyond it are removed (:meth:`prune_partials`).
@@ -115,21 +146,32 @@ class TreeState:
     Notes
     -----
     Thread-safe: one connection guarded by a lock. Paths are POSIX, relative to ``root``.
+    A path that is not valid UTF-8 is stored as a BLOB of its bytes, an integer (mtime in ns,
+    inode) beyond 64 signed bits as a 16-byte BLOB: the schema is unchanged, and older
+    databases hold only the TEXT and INTEGER forms.
     ``.tb5sync`` and ``partial`` are made 0700 and ``state.sqlite`` 0600 whatever the umask.
     A database that cannot be read (corrupt, truncated) is moved aside and rebuilt empty.
     """
 
     def __init__(
-        self, root: str, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, *, writable: bool = True, partial_cap: int = PARTIAL_CAP
+        self,
+        root: str,
+        params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
+        *,
+        writable: bool = True,
+        state_dir: str | None = None,
+        partial_cap: int = PARTIAL_CAP,
     ) -> None:
         self.root = root
         self.params = params
-        self.state_dir = os.path.join(root, STATE_DIR)
+        self.state_dir = os.path.join(root, STATE_DIR) if state_dir is None else state_dir
         self._lock = threading.Lock()
         db = ":memory:"
         if writable:
             try:
                 os.makedirs(root, exist_ok=True)
+                if state_dir is not None:  # e.g. in the user's cache directory: its parents may be missing
+                    os.makedirs(os.path.dirname(os.path.abspath(self.state_dir)), exist_ok=True)
                 _make_private_dir(self.state_dir)
                 _make_private_dir(os.path.join(self.state_dir, "partial"))
                 db = os.path.join(self.state_dir, "state.sqlite")
@@ -240,7 +282,7 @@ class TreeState:
         with self._lock:
             row = self._db.execute(
                 "SELECT digest, chunks FROM files WHERE path=? AND size=? AND mtime_ns=? AND ino=? AND params=?",
-                (path, size, mtime_ns, ino, self.params.version),
+                (_db_path(path), size, _db_int(mtime_ns), _db_int(ino), self.params.version),
             ).fetchone()
         if row is None:
             return None
@@ -258,13 +300,14 @@ class TreeState:
         digests = []
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for path, size, mtime_ns, ino, refs in items:
+            for rel, size, mtime_ns, ino, refs in items:
                 digest = file_digest(d for d, _ in refs)
                 digests.append(digest)
+                path = _db_path(rel)
                 self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
                 self._db.execute(
                     "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
-                    (path, size, mtime_ns, ino, self.params.version, digest, refs_to_blob(refs)),
+                    (path, size, _db_int(mtime_ns), _db_int(ino), self.params.version, digest, refs_to_blob(refs)),
                 )
                 rows = []
                 off = 0
@@ -278,8 +321,13 @@ class TreeState:
         """Drop cache and index rows of ``paths`` (deleted or replaced files) and everything below them."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for p in paths:
-                like = p.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+            for rel in paths:
+                p = _db_path(rel)
+                like: str | bytes
+                if isinstance(p, bytes):
+                    like = p.replace(b"\\", b"\\\\").replace(b"%", b"\\%").replace(b"_", b"\\_") + b"/%"
+                else:
+                    like = p.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
                 self._db.execute("DELETE FROM files WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
                 self._db.execute("DELETE FROM chunks WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
 
@@ -295,7 +343,8 @@ class TreeState:
         if exclude:
             sql += f" AND path NOT IN ({marks})"
         with self._lock:
-            return list(self._db.execute(sql + " LIMIT ?", (digest, *exclude, limit)))
+            rows = self._db.execute(sql + " LIMIT ?", (digest, *map(_db_path, exclude), limit)).fetchall()
+        return [(_path_of(p), off, n) for p, off, n in rows]
 
     def chunks_of(self, fd: int, path: str, st: os.stat_result, *, fresh: bool = False) -> tuple[bytes, list[ChunkRef]]:
         """Chunk list and file digest of the open file ``fd`` (whose ``fstat`` is ``st``), from cache or computed.
@@ -317,6 +366,27 @@ class TreeState:
         refs = chunk_fd(fd, st.st_size, self.params, where=path)
         digest = self.record(path, st.st_size, st.st_mtime_ns, st.st_ino, refs)
         return digest, refs
+
+    def partials_for(self, base: str) -> bool:
+        """Whether partial files can live in :attr:`state_dir` for a destination at ``base``: the
+        state is on disk and on the same file system as ``base`` (or its nearest existing
+        parent), so that the finished file is renamed into place, not copied."""
+        if not self.persistent:
+            return False
+        probe = base
+        while True:
+            try:
+                dev = os.stat(probe).st_dev
+                break
+            except OSError:
+                parent = os.path.dirname(probe)
+                if parent == probe:
+                    return False
+                probe = parent
+        try:
+            return os.stat(os.path.join(self.state_dir, "partial")).st_dev == dev
+        except OSError:
+            return False
 
     def partial_path(self, key: bytes) -> str:
         """Where a large file is assembled before it is renamed into place; ``key`` names it (hex).

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
 from typing import TYPE_CHECKING
 
-from .errors import RemoteNotFoundError, UsageError
+from .errors import ArgumentTypeError, RemoteNotFoundError, UsageError, partial_error
 from .options import SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def sync(
     compress: str = "auto",
     progress: ProgressFn | None = None,
     token: bytes | str | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
     fsync: bool = False,
     timeout: float | None = 60.0,
     tls_ca: str | os.PathLike[str] | None = None,
@@ -62,6 +64,11 @@ def sync(
         Called as data is committed (push: as data is sent).
     token : bytes or str, optional
         Shared secret; defaults to the URL's, then to the environment variable ``TB5SYNC_TOKEN``.
+    state_dir : str or path, optional
+        Where a local or pulled destination's scan cache, chunk index and partial large files
+        live. By default in the user's cache directory (``platformdirs``), keyed by the
+        destination directory's device and inode: the destination itself receives nothing
+        but the synced entries. A push keeps the server's (its ROOT/.tb5sync or ``--state-dir``).
     fsync : bool
         Make every commit durable before the run reports success (rsync ``--fsync``; see
         :class:`SyncOptions`).
@@ -78,15 +85,30 @@ def sync(
 
     Raises
     ------
+    TypeError
+        An argument of the wrong type (e.g. ``exclude="*.log"``: a str is not a list of
+        patterns); the message names the argument. (Also a ``UsageError``.)
     UsageError
         Bad arguments (both sides remote, bad URL, bad option values).
     RemoteNotFoundError
         The source does not exist.
     ConnectError, AuthError, VersionMismatchError, PathError, ReadOnlyError
         From the server.
-    DestinationError, IntegrityError, SourceChangedError
+    PartialTransferError
+        Some entries could not be synced (everything else was): its ``stats`` is the run's
+        :class:`SyncStats`, ``failures`` names each entry, the side (source or destination,
+        and whether it was the server's) and why; ``exit_code`` 23 as rsync's. Raised by a
+        dry run too, for what the real run could not do.
+    VanishedSourceError
+        (A ``PartialTransferError`` and a ``SourceChangedError``, exit code 24.) The only
+        failures were source files that vanished or kept changing while they were read.
+    DestinationError, IntegrityError
         From the receiver; nothing half-written is left at a final path.
     """
+    _check_arguments(src, dst, delete, exclude, checksum, dry_run, streams, compress, progress, token, state_dir)
+    from .chunking import warn_if_pure_python
+
+    warn_if_pure_python()
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if not src_s or not dst_s:
         raise UsageError("source and destination must not be empty")
@@ -100,18 +122,61 @@ def sync(
         fsync=fsync,
     )
     from .client import parse_url, pull, push
+    from .entry import source_name
 
     rsrc, rdst = parse_url(src_s), parse_url(dst_s)
+    # rsync's transfer root: the source's parent when it has no trailing slash (exclude anchoring)
+    options = dataclasses.replace(options, exclude_root=source_name(rsrc.path if rsrc is not None else src_s) or "")
     if rsrc is not None and rdst is not None:
         raise UsageError("both source and destination are remote; one side must be local")
+    sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
     if rsrc is not None:
-        return pull(rsrc, dst_s, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
-    if rdst is not None:
-        return push(src_s, rdst, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
-    return _local(src_s, dst_s, options, progress)
+        stats = pull(rsrc, dst_s, options, token=token, progress=progress, state_dir=sdir, timeout=timeout, tls_ca=tls_ca)
+    elif rdst is not None:
+        stats = push(src_s, rdst, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
+    else:
+        stats = _local(src_s, dst_s, options, progress, sdir)
+    if stats.failures:
+        raise partial_error(stats)
+    return stats
 
 
-def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None) -> SyncStats:
+def _check_arguments(
+    src: object, dst: object, delete: object, exclude: object, checksum: object, dry_run: object,
+    streams: object, compress: object, progress: object, token: object, state_dir: object,
+) -> None:
+    """Check the types of :func:`sync`'s arguments at the API boundary, naming the first wrong one.
+
+    Raises
+    ------
+    TypeError
+        (a :class:`UsageError` too) An argument of the wrong type.
+    """
+
+    def bad(name: str, want: str, got: object) -> ArgumentTypeError:
+        return ArgumentTypeError(f"sync(): {name} must be {want}, not {type(got).__name__} {got!r:.80}")
+
+    for name, v in (("src", src), ("dst", dst)):
+        if not isinstance(v, (str, os.PathLike)):
+            raise bad(name, "a str or os.PathLike", v)
+    for name, v in (("delete", delete), ("checksum", checksum), ("dry_run", dry_run)):
+        if not isinstance(v, bool):
+            raise bad(name, "a bool", v)
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence) or not all(isinstance(p, str) for p in exclude):
+        raise bad("exclude", "a list or tuple of str patterns (exclude=['*.log'], not exclude='*.log')", exclude)
+    if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int)):
+        raise bad("streams", "an int or None", streams)
+    if not isinstance(compress, str):
+        raise bad("compress", "a str", compress)
+    if progress is not None and not callable(progress):
+        raise bad("progress", "a callable(bytes_done, bytes_total) or None", progress)
+    if token is not None and not isinstance(token, (str, bytes)):
+        raise bad("token", "bytes, str or None", token)
+    if state_dir is not None and not isinstance(state_dir, (str, os.PathLike)):
+        raise bad("state_dir", "a str, os.PathLike or None", state_dir)
+
+
+def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None, state_dir: str | None = None) -> SyncStats:
     from .client import local_state
     from .entry import DIR, kind_of, source_name
     from .links import LocalLink
@@ -126,7 +191,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
-    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run)
+    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
     sender = Sender(src_abs, options)
     sender.prepare()
     link = LocalLink(sender)

@@ -8,6 +8,22 @@ from typing import Any, Callable
 
 import pytest
 
+# --- the user's cache directory (local and pulled destinations' state) -----------------------
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Local and pulled destinations keep their state in the user's cache directory
+    (platformdirs): point it at a directory of this session (subprocesses inherit it)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 # --- chunking (tb5sync.chunking / tb5sync._cdc) ----------------------------------------------
 
 from tb5sync import chunking

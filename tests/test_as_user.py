@@ -4,9 +4,13 @@ CI runs as root, which ignores permission bits; these tests run the ``tb5sync`` 
 server) as ``nobody`` through ``setpriv --reuid --regid --clear-groups`` instead of skipping.
 When the tests themselves do not run as root they already are unprivileged and run the
 command as they are; they skip only when root cannot switch (no ``setpriv``, no ``nobody``).
-Expected outcomes are rsync's: a destination that cannot be written is an error naming the
-path (tb5sync's ``DestinationError``, exit 11), nothing half-written is left behind, and
-another user cannot read tb5sync's state of a tree (``.tb5sync`` 0700, ``state.sqlite`` 0600).
+Expected outcomes are rsync's (3.x, run as the same user on the same tree): a destination
+directory that cannot be written (another user's) is named, with the reason, for each entry
+that could not be synced, everything else is synced, and the exit status is 23 (tb5sync's
+``PartialTransferError``); nothing half-written is left behind; and another user cannot read
+tb5sync's state of a tree (its state directory 0700, ``state.sqlite`` 0600). A directory of
+the user's own with mode 0555 is no obstacle: rsync (and tb5sync) give it ``u+w`` while
+writing into it (``tests/test_readonly_dirs_vs_rsync.py``).
 """
 
 from __future__ import annotations
@@ -89,15 +93,23 @@ def _give_to_user(path: str) -> None:
                 os.chown(os.path.join(dirpath, n), *ids)
 
 
+def _not_users(path: str) -> None:
+    """Make ``path`` a directory the unprivileged user may neither write nor chmod (root's, 0755)."""
+    if os.geteuid() != 0:
+        pytest.skip("a directory of another user is needed: the tests do not run as root")
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o755)
+
+
 def test_read_only_destination_is_destination_error(world: str) -> None:
+    """Nothing can be written into the destination: each entry is named with the reason, exit 23 (rsync's)."""
     src = _source(world)
     dst = os.path.join(world, "dst")
     os.makedirs(dst)
-    _give_to_user(dst)
-    os.chmod(dst, 0o555)  # not writable, even by its owner
+    _not_users(dst)
     proc = run_as_user([TB5SYNC, "sync", src + "/", dst + "/"])
-    assert proc.returncode == 11, proc.stderr
-    assert "cannot write destination" in proc.stderr and dst in proc.stderr, proc.stderr
+    assert proc.returncode == 23, proc.stderr
+    assert "destination 'big': Permission denied" in proc.stderr, proc.stderr  # named relative to DST
     assert os.listdir(dst) == []
     assert tmp_files(dst) == []
 
@@ -107,11 +119,12 @@ def test_read_only_subdirectory_names_it(world: str) -> None:
     dst = os.path.join(world, "dst")
     os.makedirs(os.path.join(dst, "a"))
     _give_to_user(dst)
-    os.chmod(os.path.join(dst, "a"), 0o555)
+    _not_users(os.path.join(dst, "a"))
     proc = run_as_user([TB5SYNC, "sync", src + "/", dst + "/"])
-    assert proc.returncode == 11, proc.stderr
-    assert os.path.join(dst, "a") in proc.stderr, proc.stderr
+    assert proc.returncode == 23, proc.stderr
+    assert "destination 'a/f': Permission denied" in proc.stderr, proc.stderr  # named relative to DST
     assert sorted(os.listdir(os.path.join(dst, "a"))) == []
+    assert sorted(os.listdir(dst)) == ["a", "big"]  # everything else is synced, as rsync does
     assert tmp_files(dst) == []
 
 
@@ -119,17 +132,18 @@ def test_state_is_not_readable_by_another_user(world: str) -> None:
     """Synced as the owner under umask 022: another user reads the files it may, never the state's names."""
     src = _source(world)
     dst = os.path.join(world, "dst")
+    state = os.path.join(world, "state")  # a local destination's state: in a directory others can reach
     old = os.umask(0o022)
     try:
-        tb5sync.sync(src + "/", dst)
+        tb5sync.sync(src + "/", dst, state_dir=state)
     finally:
         os.umask(old)
     if os.geteuid() != 0:
         pytest.skip("the other user must be someone else than the owner")
     assert run_as_user(["cat", os.path.join(dst, "a", "f")]).returncode == 0
-    proc = run_as_user(["cat", os.path.join(dst, ".tb5sync", "state.sqlite")])
+    proc = run_as_user(["cat", os.path.join(state, "state.sqlite")])
     assert proc.returncode != 0 and "Permission denied" in proc.stderr
-    proc = run_as_user(["ls", os.path.join(dst, ".tb5sync")])
+    proc = run_as_user(["ls", os.path.join(state)])
     assert proc.returncode != 0 and "Permission denied" in proc.stderr
 
 
@@ -140,13 +154,13 @@ def _free_port() -> int:
 
 
 def test_push_to_read_only_directory_of_an_unprivileged_server(world: str) -> None:
-    """The server runs as the unprivileged user; a push into a directory it cannot write is DestinationError, and it keeps serving."""
+    """The server runs as the unprivileged user; a push into a directory it cannot write names each entry (exit 23), and it keeps serving."""
     src = _source(world)
     root = os.path.join(world, "root")
     os.makedirs(os.path.join(root, "locked"))
     os.makedirs(os.path.join(root, "open"))
     _give_to_user(root)
-    os.chmod(os.path.join(root, "locked"), 0o555)
+    _not_users(os.path.join(root, "locked"))
     port = _free_port()
     server = subprocess.Popen(as_user([TB5SYNC, "serve", root, "--bind", f"127.0.0.1:{port}"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -160,8 +174,10 @@ def test_push_to_read_only_directory_of_an_unprivileged_server(world: str) -> No
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.05)
         url = f"tb5://127.0.0.1:{port}"
-        with pytest.raises(tb5sync.DestinationError, match="locked"):
+        with pytest.raises(tb5sync.PartialTransferError) as info:  # rsync: exit 23, each entry named
             tb5sync.sync(src + "/", f"{url}/locked/")
+        assert info.value.exit_code == 23
+        assert {f.path for f in info.value.stats.failures} >= {"a", "big"}, info.value.stats.failures
         assert os.listdir(os.path.join(root, "locked")) == []
         tb5sync.sync(src + "/", f"{url}/open/")  # still serving, and writing where it may
         assert sorted(os.listdir(os.path.join(root, "open"))) == ["a", "big"]

@@ -26,6 +26,7 @@ from conftest import snapshot, start_server, tb5fs, tmp_files
 import tb5sync
 import tb5sync.destination as destination_mod
 import tb5sync.fsops as fsops_mod
+from tb5sync.client import default_state_dir
 from tb5sync._paths import claim_temp, release_temp
 from tb5sync.largefile import LargeFileJob
 from tb5sync.receiver import Receiver
@@ -35,6 +36,13 @@ from tb5sync.state import TreeState
 
 T0 = 1_600_000_000_000_000_000
 MiB = 1024 * 1024
+
+
+def _state(dst: str) -> str:
+    """The state directory of the local destination ``dst``: in the user's cache directory, not ``dst/.tb5sync``."""
+    where = default_state_dir(dst)
+    assert where is not None, dst
+    return where
 
 
 def write(path: str, data: bytes, mtime_ns: int = T0) -> None:
@@ -94,7 +102,7 @@ def test_pull_does_not_serve_a_push_in_flight(tmp_path: Path) -> None:
         write(os.path.join(live.root, "a", ".g.89abcdef.tb5tmp"), b"half written")
         out = str(tmp_path / "out")
         tb5sync.sync(live.url("a/"), out)
-        assert sorted(os.listdir(out)) == [".tb5sync", "f"]
+        assert sorted(os.listdir(out)) == ["f"]  # a pulled destination's state is in the user's cache directory
     finally:
         live.server.stop()
 
@@ -230,7 +238,7 @@ def test_partial_in_use_by_a_live_run_is_not_shared(tmp_path: Path, monkeypatch:
     assert inner and inner[0].files_transferred == 1 and stats_a.files_transferred == 1
     assert slurp(os.path.join(dst, "big")) == va  # A committed last: exactly A, not a mix
     assert tmp_files(dst) == []
-    assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
+    assert os.listdir(os.path.join(_state(dst), "partial")) == []
 
 
 def test_interrupted_partial_is_kept_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,12 +253,12 @@ def test_interrupted_partial_is_kept_and_resumed(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(LargeFileJob, "_fetch_ranges", fail)
     with pytest.raises(tb5sync.DestinationError, match="No space"):
         tb5sync.sync(src + "/", dst)
-    assert len(os.listdir(os.path.join(dst, ".tb5sync", "partial"))) == 1  # kept for resume, no temp file
+    assert len(os.listdir(os.path.join(_state(dst), "partial"))) == 1  # kept for resume, no temp file
     assert tmp_files(dst) == []
     monkeypatch.setattr(LargeFileJob, "_fetch_ranges", fetch)
     tb5sync.sync(src + "/", dst)
     assert slurp(os.path.join(dst, "big")) == data
-    assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
+    assert os.listdir(os.path.join(_state(dst), "partial")) == []
 
 
 @pytest.mark.parametrize("fail_copy", [False, True], ids=["copied", "disk-full"])
@@ -282,7 +290,7 @@ def test_commit_across_file_systems(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         tb5sync.sync(src + "/", dst)
         assert slurp(os.path.join(dst, "big")) == data
         assert tmp_files(dst) == []
-        assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
+        assert os.listdir(os.path.join(_state(dst), "partial")) == []
 
 
 # ---- the first error is the one reported ------------------------------------------------------
@@ -324,7 +332,7 @@ def test_state_is_private_under_umask_022(tmp_path: Path) -> None:
         tb5sync.sync(src + "/", dst)
     finally:
         os.umask(old)
-    sd = os.path.join(dst, ".tb5sync")
+    sd = os.path.join(_state(dst))
     assert stat.S_IMODE(os.stat(sd).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(sd, "partial")).st_mode) == 0o700
     for name in os.listdir(sd):
@@ -348,7 +356,7 @@ def test_corrupt_state_is_rebuilt(tmp_path: Path) -> None:
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write(os.path.join(src, "f"), b"f")
     tb5sync.sync(src + "/", dst)
-    db = os.path.join(dst, ".tb5sync", "state.sqlite")
+    db = os.path.join(_state(dst), "state.sqlite")
     with open(db, "r+b") as f:
         f.write(b"this is not an SQLite database at all" * 10)
     for suffix in ("-wal", "-shm"):
@@ -356,7 +364,7 @@ def test_corrupt_state_is_rebuilt(tmp_path: Path) -> None:
             os.unlink(db + suffix)
     write(os.path.join(src, "g"), b"g")
     tb5sync.sync(src + "/", dst)
-    state = TreeState(dst)
+    state = TreeState(dst, state_dir=_state(dst))
     try:
         assert state.persistent
         assert state.lookup("g", 1, T0, os.stat(os.path.join(dst, "g")).st_ino) is not None

@@ -24,6 +24,7 @@ import tb5sync
 import tb5sync.generator as generator_mod
 from tb5sync.destination import Destination
 from tb5sync.entry import LINK
+from tb5sync.client import default_state_dir
 from tb5sync.errors import PathError, RemoteProtocolError, Tb5syncError
 from tb5sync.generator import Generator
 from tb5sync.receiver import Receiver
@@ -408,7 +409,8 @@ def test_concurrent_runs_of_two_versions_leave_exactly_one(tmp_path: Path) -> No
         with open(os.path.join(dst, "big"), "rb") as f:
             got = f.read()
         assert got in (va, vb), f"round {round_}: neither version"
-        assert os.listdir(os.path.join(dst, ".tb5sync", "partial")) == []
+        # a local destination's state lives in the user's cache directory (not dst/.tb5sync)
+        assert os.listdir(os.path.join(default_state_dir(dst) or "/nonexistent", "partial")) == []
 
 
 # ---- listings never follow a directory swapped for a symlink ------------------------------------

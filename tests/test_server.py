@@ -946,7 +946,7 @@ def test_cli_version_and_thread_options_after_the_command() -> None:
     from tb5sync.cli import build_parser
 
     r = run_cli("--version")
-    assert r.returncode == 0 and r.stdout.strip() == f"tb5sync {tb5sync.__version__}"
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"tb5sync {tb5sync.__version__}", "Cython chunker"]
     p = build_parser()
     a = p.parse_args(["sync", "--chunk-threads", "2", "--hash-threads", "3", "a", "b"])
     assert (a.chunk_threads, a.hash_threads) == (2, 3)

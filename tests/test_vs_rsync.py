@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import stat
 import subprocess
@@ -483,7 +484,8 @@ def test_dir_replaced_by_symlink_with_delete_loses_no_data(tmp_path: Any, server
 
 
 def test_nonempty_dir_to_file_without_delete_refused_like_rsync(h: Harness, tmp_path: Any) -> None:
-    """rsync -a (no --delete) cannot replace a non-empty directory by a file and exits 23; we raise."""
+    """rsync -a (no --delete) cannot replace a non-empty directory by a file, syncs the rest and
+    exits 23; so do we (the tree as rsync leaves it, :class:`PartialTransferError` naming d2f)."""
     _type_tree(h.src)
     dst = str(tmp_path / "dst-ref")
     settle(h.src)
@@ -495,9 +497,11 @@ def test_nonempty_dir_to_file_without_delete_refused_like_rsync(h: Harness, tmp_
     write(os.path.join(h.src, "d2f"), b"was a non-empty dir", 0o644, T0 + 5 * S)
     proc = rsync(h.src + "/", dst, check=False)
     assert proc.returncode != 0 and "d2f" in proc.stderr
-    with pytest.raises(tb5sync.Tb5syncError, match="d2f"):
+    with pytest.raises(tb5sync.PartialTransferError, match="d2f") as info:
         tb5sync.sync(h.src + "/", mine)
+    assert info.value.exit_code == 23 and [f.path for f in info.value.failures] == ["d2f"]
     assert os.path.isfile(os.path.join(mine, "d2f", "inner.bin"))  # nothing of it was lost
+    assert_same(digest_snapshot(dst, ()), digest_snapshot(mine, ()), "local")
 
 
 # ---- metadata-only changes --------------------------------------------------------------------
@@ -755,10 +759,17 @@ def test_property_local_equals_rsync(src_items: list[Any], dst_items: list[Any] 
             cp_a(ref, mine)
         proc = rsync(src + "/", ref, delete=delete, check=False)
         if proc.returncode != 0:
-            # rsync could not make way (a non-empty directory without --delete): we refuse too
-            assert not delete and dst_items is not None, proc.stderr
-            with pytest.raises(tb5sync.Tb5syncError):
+            # rsync could not make way (a non-empty directory without --delete), synced the rest
+            # and exited 23: so do we, naming the same entries
+            assert proc.returncode == 23 and not delete and dst_items is not None, proc.stderr
+            with pytest.raises(tb5sync.PartialTransferError) as info:
                 tb5sync.sync(src + "/", mine, delete=delete)
-            return
-        tb5sync.sync(src + "/", mine, delete=delete)
+            assert info.value.exit_code == 23
+            # rsync writes a non-ASCII byte of a name as \#ooo (octal)
+            unescaped = re.sub(rb"\\#([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), proc.stderr.encode()).decode()
+            refused = {ln.rpartition(": ")[2] for ln in unescaped.splitlines() if ln.startswith("could not make way for new")}
+            assert {f.path for f in info.value.failures} == refused, proc.stderr
+            assert all(f.side == "destination" for f in info.value.failures)
+        else:
+            tb5sync.sync(src + "/", mine, delete=delete)
         assert_same(digest_snapshot(ref, ()), digest_snapshot(mine, ()), "local")
