@@ -390,3 +390,41 @@ def test_ccache_rebuild_gets_remote_hits(tmp_path: Any, layout: str) -> None:
         expect = (ref / name).read_bytes()
         assert (tmp_path / "b1" / name).read_bytes() == expect
         assert (tmp_path / "b2" / name).read_bytes() == expect
+
+
+# ---- real Bazel (Debian's bazel-bootstrap; offline, so genrules that call gcc: cc_* rules need a download) ----
+BAZEL_BUILD = '''
+genrule(name = "lib_o", srcs = ["lib.c", "lib.h"], outs = ["lib.o"], cmd = "gcc -O2 -c $(location lib.c) -o $@")
+genrule(name = "hello", srcs = ["main.c", "lib.h", ":lib_o"], outs = ["hello.bin"],
+        cmd = "gcc -O2 -I$$(dirname $(location lib.h)) $(location main.c) $(location :lib_o) -o $@")
+'''
+
+
+@pytest.mark.skipif(shutil.which("bazel") is None or shutil.which("gcc") is None, reason="needs bazel (bazel-bootstrap) and gcc")
+def test_bazel_build_gets_remote_hits_after_clean(tmp_path: Any) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "WORKSPACE").write_text("")
+    (ws / "BUILD").write_text(BAZEL_BUILD)
+    (ws / "lib.h").write_text("int add(int a, int b);\n")
+    (ws / "lib.c").write_text('#include "lib.h"\nint add(int a, int b) { return a + b; }\n')
+    (ws / "main.c").write_text('#include <stdio.h>\n#include "lib.h"\nint main(void) { printf("%d\\n", add(2, 3)); return 0; }\n')
+    bazel = ["bazel", f"--output_user_root={tmp_path / 'root'}", "--batch"]
+    with HttpCache(tmp_path / "store") as c:  # ActionResults checked (the default)
+        flags = [f"--remote_cache=http://127.0.0.1:{c.port}", "--noshow_progress"]
+
+        def build() -> str:
+            r = subprocess.run(bazel + ["build", *flags, "//:hello"], cwd=ws, capture_output=True, text=True, timeout=100)
+            assert r.returncode == 0, r.stderr[-2000:]
+            return r.stderr
+
+        first = build()
+        assert "remote cache hit" not in first
+        out1 = (ws / "bazel-bin" / "hello.bin").read_bytes()
+        subprocess.run(bazel + ["clean"], cwd=ws, check=True, capture_output=True, timeout=100)
+        second = build()
+        assert "2 remote cache hit" in second
+        assert (ws / "bazel-bin" / "hello.bin").read_bytes() == out1
+        assert subprocess.run([str(ws / "bazel-bin" / "hello.bin")], capture_output=True, text=True).stdout == "5\n"
+        assert c.metrics.counts["ac.hits"] == 2
+    subprocess.run(bazel + ["shutdown"], cwd=ws, capture_output=True, timeout=60)
