@@ -428,3 +428,48 @@ def test_bazel_build_gets_remote_hits_after_clean(tmp_path: Any) -> None:
         assert subprocess.run([str(ws / "bazel-bin" / "hello.bin")], capture_output=True, text=True).stdout == "5\n"
         assert c.metrics.counts["ac.hits"] == 2
     subprocess.run(bazel + ["shutdown"], cwd=ws, capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("how", ["serve", "http-cache"])
+def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> None:
+    import re
+    import signal
+    import sys
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "basic").write_text("bob:pw\n")
+    if how == "serve":
+        args = ["serve", str(root), "--bind", "127.0.0.1:0", "--http-cache", "127.0.0.1:0"]
+        store = root / ".tb5sync" / "store"
+    else:
+        store = tmp_path / "store"
+        args = ["http-cache", str(store), "--bind", "127.0.0.1:0", "--read-only"]
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args, "--http-basic-file", str(tmp_path / "basic")],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        port = 0
+        for _ in range(5):
+            m = re.search(r"http cache of .* on 127\.0\.0\.1:(\d+)", p.stderr.readline())
+            if m:
+                port = int(m.group(1))
+                break
+        assert port
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        _OPEN.append(h)
+        auth = {"Authorization": "Basic " + base64.b64encode(b"bob:pw").decode()}
+        assert req(h, "GET", "/k", headers=auth)[0] == 404
+        assert req(h, "PUT", "/k", b"v", headers={})[0] == 401
+        assert req(h, "PUT", "/k", b"v", headers=auth)[0] == (200 if how == "serve" else 403)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=30)[1]
+        assert p.returncode == 0, err
+    from tb5sync.store import Store
+    from tb5sync.store.blobs import counters
+
+    with Store(store) as st:
+        got = counters(st)
+        assert got["kv.misses"] == 1
+        assert got.get("kv.puts", 0) == (1 if how == "serve" else 0)
