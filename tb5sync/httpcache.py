@@ -53,6 +53,7 @@ import aiofiles
 from aiohttp import web
 
 from .errors import IntegrityError, UsageError
+from .reapi import ActionResultError, parse_action_result, tree_files
 from .store import Store
 from .store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, read_blob
 
@@ -74,120 +75,6 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FLUSH_EVERY = 5.0
 
 _BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
-
-
-class ActionResultError(UsageError):
-    """Bytes that are not a well-formed ActionResult protobuf."""
-
-
-# ---- a minimal protobuf reader for REAPI's ActionResult ---------------------------------------
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    out = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ActionResultError("truncated or overlong varint")
-        b = buf[pos]
-        pos += 1
-        out |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return out, pos
-        shift += 7
-
-
-def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
-    """``(field number, wire type, value)`` of one protobuf message: ints for varints and fixed, bytes for length-delimited."""
-    out = []
-    pos = 0
-    while pos < len(buf):
-        tag, pos = _varint(buf, pos)
-        num, wt = tag >> 3, tag & 7
-        if num == 0:
-            raise ActionResultError("field number 0")
-        if wt == 0:
-            val, pos = _varint(buf, pos)
-        elif wt == 1:
-            if pos + 8 > len(buf):
-                raise ActionResultError("truncated fixed64")
-            val, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
-        elif wt == 2:
-            n, pos = _varint(buf, pos)
-            if pos + n > len(buf):
-                raise ActionResultError("truncated length-delimited field")
-            val, pos = buf[pos : pos + n], pos + n
-        elif wt == 5:
-            if pos + 4 > len(buf):
-                raise ActionResultError("truncated fixed32")
-            val, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
-        else:
-            raise ActionResultError(f"unsupported wire type {wt}")
-        out.append((num, wt, val))
-    return out
-
-
-def _digest(buf: bytes) -> tuple[str, int]:
-    """A REAPI ``Digest {hash = 1; size_bytes = 2}``."""
-    h, size = "", 0
-    for num, wt, val in _fields(buf):
-        if num == 1 and wt == 2:
-            try:
-                h = val.decode("ascii")
-            except UnicodeDecodeError:
-                raise ActionResultError("digest hash is not ASCII") from None
-        elif num == 2 and wt == 0:
-            size = val
-    if not re.fullmatch(r"[0-9a-f]{64}", h):
-        raise ActionResultError(f"digest hash {h[:80]!r} is not 64 lowercase hex digits (SHA-256)")
-    return h, size
-
-
-def _sub(buf: bytes, field: int) -> list[bytes]:
-    return [v for n, wt, v in _fields(buf) if n == field and wt == 2]
-
-
-def parse_action_result(buf: bytes) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """The CAS digests an ActionResult references: ``(blobs, trees)``, each a list of ``(sha256 hex, size)``.
-
-    Fields read (REAPI v2, build/bazel/remote/execution/v2/remote_execution.proto):
-    ``ActionResult.output_files = 2`` -> ``OutputFile.digest = 2``; ``output_directories = 3`` ->
-    ``OutputDirectory.tree_digest = 3``; ``stdout_digest = 6``; ``stderr_digest = 8``; ``Digest {hash =
-    1; size_bytes = 2}``. Other fields are skipped by wire type, as protobuf parsers do.
-
-    Raises
-    ------
-    ActionResultError
-        Malformed protobuf or a digest that is not SHA-256 hex.
-    """
-    blobs: list[tuple[str, int]] = []
-    trees: list[tuple[str, int]] = []
-    for num, wt, val in _fields(buf):
-        if wt != 2:
-            continue
-        if num == 2:
-            for d in _sub(val, 2):
-                blobs.append(_digest(d))
-        elif num == 3:
-            for d in _sub(val, 3):
-                trees.append(_digest(d))
-        elif num in (6, 8):
-            blobs.append(_digest(val))
-    return blobs, trees
-
-
-def tree_files(buf: bytes) -> list[tuple[str, int]]:
-    """File digests of a REAPI ``Tree {root = 1; children = 2}`` of ``Directory {files = 1 (FileNode {digest = 2})}``.
-
-    Raises
-    ------
-    ActionResultError
-        Malformed protobuf.
-    """
-    out = []
-    for num, wt, val in _fields(buf):
-        if num in (1, 2) and wt == 2:
-            for fnode in _sub(val, 1):
-                for d in _sub(fnode, 2):
-                    out.append(_digest(d))
-    return out
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -307,6 +194,8 @@ class HttpCache:
         self._stop_ev: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._quota_running = False
+        self._quota_again = False
+        self._quota_lock = threading.Lock()
 
     # ---- life cycle ----
     def start(self) -> HttpCache:
@@ -618,19 +507,30 @@ class HttpCache:
         return web.Response(status=200)
 
     def _maybe_enforce_quota(self) -> None:
-        """Start one quota check in the pool when the packs exceed the store's quota (one at a time)."""
-        if self.store.quota is None or self._quota_running:
+        """Run quota checks in the pool while the packs exceed the store's quota (one runner at a time;
+        a PUT finishing while it runs makes it look again)."""
+        if self.store.quota is None:
             return
-        self._quota_running = True
+        with self._quota_lock:
+            self._quota_again = True
+            if self._quota_running:
+                return
+            self._quota_running = True
 
         def run() -> None:
-            try:
-                if self.store.stats()["stored_bytes"] > (self.store.quota or 0):
-                    evicted = self.store.enforce_quota()
-                    self.metrics.add("all.evicted", len(evicted))
-            except Exception as exc:
-                log.warning("http cache: quota check failed: %s", exc)
-            finally:
-                self._quota_running = False
+            while True:
+                with self._quota_lock:
+                    if not self._quota_again:
+                        self._quota_running = False
+                        return
+                    self._quota_again = False
+                try:
+                    while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
+                        evicted = self.store.enforce_quota()
+                        self.metrics.add("all.evicted", len(evicted))
+                        if not evicted:
+                            break  # nothing evictable left (pinned refs); logged by enforce_quota
+                except Exception as exc:
+                    log.warning("http cache: quota check failed: %s", exc)
 
         self._pool.submit(run)
