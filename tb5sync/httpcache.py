@@ -73,6 +73,9 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
+#: A request body or response that makes no progress for this long is cut (seconds), so idle
+#: clients cannot hold the request slots for ever.
+IDLE_TIMEOUT = 60.0
 
 _BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
 
@@ -184,6 +187,7 @@ class HttpCache:
         self._bearer = f"Bearer {bearer}" if bearer else None
         self.ac_validation = ac_validation
         self.concurrency = max(1, int(concurrency))
+        self.idle_timeout = IDLE_TIMEOUT
         self.metrics = _Metrics()
         self.started = time.time()
         self._pool = ThreadPoolExecutor(max_workers=min(32, self.concurrency), thread_name_prefix="tb5-httpcache")
@@ -413,13 +417,13 @@ class HttpCache:
         await resp.prepare(request)
         sent = 0
         if first:
-            await resp.write(first)
+            await asyncio.wait_for(resp.write(first), self.idle_timeout)
             sent += len(first)
         while sent < info.size:
             piece = await self._run(next, chunks, b"")  # a chunk damaged now cuts the connection short
             if not piece:
                 break
-            await resp.write(piece)
+            await asyncio.wait_for(resp.write(piece), self.idle_timeout)  # a stalled reader is cut
             sent += len(piece)
         await resp.write_eof()
         self.metrics.add(f"{kind}.bytes_sent", sent)
@@ -446,7 +450,7 @@ class HttpCache:
         try:
             try:
                 while True:
-                    piece = await request.content.read(READ_PIECE)
+                    piece = await asyncio.wait_for(request.content.read(READ_PIECE), self.idle_timeout)
                     if not piece:
                         break
                     got += len(piece)
@@ -460,7 +464,7 @@ class HttpCache:
                         await spool.write(bytes(mem))
                         mem = bytearray()
                     await spool.write(piece)
-            except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
+            except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError) as exc:
                 self.metrics.add(f"{kind}.puts_cut")
                 log.info("http cache: upload of %s cut off: %s", key, exc)
                 return web.Response(status=400, text="body cut off\n")

@@ -473,3 +473,22 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
         got = counters(st)
         assert got["kv.misses"] == 1
         assert got.get("kv.puts", 0) == (1 if how == "serve" else 0)
+
+
+def test_stalled_upload_is_cut_and_frees_its_slot(tmp_path: Any) -> None:
+    import time
+
+    with HttpCache(tmp_path / "store", concurrency=1) as c:
+        c.idle_timeout = 0.5
+        s = socket.create_connection(("127.0.0.1", c.port), timeout=10)
+        try:
+            s.sendall(b"PUT /stalled HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+            time.sleep(0.2)  # the upload holds the only request slot now
+            t0 = time.monotonic()
+            h = conn(c)
+            assert req(h, "PUT", "/other", b"v")[0] == 200  # waits for the slot, served once the stall is cut
+            assert time.monotonic() - t0 >= 0.2
+            assert req(h, "GET", "/stalled")[0] == 404
+            assert c.metrics.counts["kv.puts_cut"] == 1
+        finally:
+            s.close()

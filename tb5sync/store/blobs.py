@@ -157,14 +157,14 @@ def blob_keys(store: Store, prefix: str = "") -> list[str]:
 
 
 def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
-    """The chunks of ``info`` in order, each checked against its digest (at most a few chunks ahead in memory).
+    """The chunks of ``info`` in order, each checked against its digest (at most two chunks read ahead).
 
     Raises
     ------
     IntegrityError
         A chunk is missing or damaged.
     """
-    return store.iter_chunks([d for d, _ in info.chunks])
+    return store.iter_chunks([d for d, _ in info.chunks], ahead=2)
 
 
 def add_counters(store: Store, deltas: Mapping[str, float]) -> None:
