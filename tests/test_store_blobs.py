@@ -83,3 +83,18 @@ def test_quota_evicts_least_recently_used_blobs(tmp_path: Any) -> None:
         assert st.stats()["stored_bytes"] <= 900_000
         for k in ("old", "new"):
             assert len(b"".join(read_blob(st, st.blob(k)))) == 400_000
+
+
+def test_put_blobs_group_commit_writes_one_pack(tmp_path: Any) -> None:
+    from tb5sync.store.blobs import put_blobs
+
+    items = [(f"g/{k}", os.urandom(4096)) for k in range(50)] + [("g/0", b"last wins")]
+    with Store(tmp_path / "st") as st:
+        infos = put_blobs(st, items)
+        assert len(infos) == 51
+        assert st.stats()["packs"] == 1 and st.stats()["blobs"] == 50
+        assert b"".join(read_blob(st, st.blob("g/0"))) == b"last wins"
+        assert b"".join(read_blob(st, st.blob("g/7"))) == items[7][1]
+        with pytest.raises(UsageError):
+            put_blobs(st, [("ok", b"1"), ("../bad", b"2")])
+        assert st.blob("ok") is None
