@@ -8,7 +8,9 @@ nginx with ``worker_processes 1``, ``dav_methods PUT DELETE``, ``create_full_put
    ``http.client`` connection, distinct random entries under ``/cas/<sha256>`` (so tb5sync also
    checks each body's digest, as for Bazel), PUT all, then GET all. p50 and p99 of the per-request
    wall time (ms) and throughput (MiB/s over the sequence).
-2. **ccache rebuild with an empty local cache**: real C sources (the Cython-generated
+2. **concurrent small PUTs**: 4 KiB entries from 8 keep-alive connections at once (requests/s;
+   tb5sync writes PUTs that arrive together as one pack).
+3. **ccache rebuild with an empty local cache**: real C sources (the Cython-generated
    ``ext/_cdc.c`` and ``ext/_scan.c`` of this project, plus generated units) compiled with
    ``ccache gcc -O2 -c`` one after the other: with no remote (every compile runs), with the
    tb5sync remote and with the nginx remote (each populated by one build, then ``ccache -C``
@@ -141,6 +143,29 @@ def latency(port: int, size: int, count: int) -> dict[str, Any]:
     return out
 
 
+def concurrent_puts(port: int, size: int, count: int, clients: int) -> dict[str, Any]:
+    """``count`` PUTs of distinct entries from ``clients`` keep-alive connections at once: requests/s and MiB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blobs = [os.urandom(size) for _ in range(count)]
+
+    def run(part: list[bytes]) -> None:
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        for b in part:
+            h.request("PUT", f"/cas/{hashlib.sha256(b).hexdigest()}", body=b)
+            r = h.getresponse()
+            r.read()
+            if r.status not in (200, 201, 204):
+                raise RuntimeError(f"PUT: {r.status}")
+        h.close()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        list(ex.map(run, [blobs[k::clients] for k in range(clients)]))
+    dt = time.perf_counter() - t0
+    return {"requests_s": count / dt, "mib_s": size * count / dt / 2**20, "clients": clients, "requests": count}
+
+
 C_UNIT = """#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,6 +251,8 @@ def main() -> int:
         for size, count in plan:
             for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
                 result["latency"].setdefault(str(size), {})[name] = latency(srv.port, size, count)
+        for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
+            result.setdefault("concurrent_put_4k", {})[name] = concurrent_puts(srv.port, 4096, 200 if a.short else 800, 8)
         srcs = sources(work, 10 if a.short else a.units)
         result["ccache"] = ccache_rebuilds(work, srcs, {"none": None, "tb5sync": tb5.port, "nginx": ngx.port})
         result["ccache_sources"] = len(srcs)
@@ -239,6 +266,8 @@ def main() -> int:
             p, g = r["PUT"], r["GET"]
             print(f"{int(size):>9} {name:>8} | {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {p['mib_s']:8.1f} | "
                   f"{g['p50_ms']:8.2f} {g['p99_ms']:8.2f} {g['mib_s']:8.1f}")
+    for name, r in result["concurrent_put_4k"].items():
+        print(f"4 KiB PUTs from {r['clients']} connections at once, {name}: {r['requests_s']:.0f} requests/s")
     print(f"ccache rebuild, empty local cache, {result['ccache_sources']} sources:")
     for name, r in result["ccache"].items():
         print(f"  {name:>8}: {r['seconds']:.2f} s (remote hits {r['remote_hits']}, misses {r['misses']})")

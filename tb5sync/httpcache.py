@@ -55,7 +55,7 @@ from aiohttp import web
 from .errors import IntegrityError, UsageError
 from .reapi import ActionResultError, parse_action_result, tree_files
 from .store import Store
-from .store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, read_blob
+from .store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs, read_blob
 
 __all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
 
@@ -71,6 +71,9 @@ MAX_AC = 64 * 1024 * 1024
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 #: Upper bounds of the latency histogram (seconds), Prometheus' default buckets.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Most in-memory PUTs, and bytes, written together as one batch (one pack, one transaction).
+BATCH_COUNT = 256
+BATCH_BYTES = 32 * 1024 * 1024
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
 #: A request body or response that makes no progress for this long is cut (seconds), so idle
@@ -197,6 +200,8 @@ class HttpCache:
         self._ready = threading.Event()
         self._stop_ev: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self._drain_task: asyncio.Task[None] | None = None
         self._quota_running = False
         self._quota_again = False
         self._quota_lock = threading.Lock()
@@ -499,7 +504,7 @@ class HttpCache:
                 spool = None
                 await self._run(put_blob, self.store, key, spool_path)
             else:
-                await self._run(put_blob, self.store, key, bytes(mem))
+                await self._put_small(key, bytes(mem))
             self.metrics.add(f"{kind}.puts")
             self.metrics.add(f"{kind}.bytes_received", got)
         finally:
@@ -509,6 +514,43 @@ class HttpCache:
                 os.unlink(spool_path)
         self._maybe_enforce_quota()
         return web.Response(status=200)
+
+    async def _put_small(self, key: str, data: bytes) -> None:
+        """Store an in-memory body with those that arrive while the previous batch is written (group
+        commit: one pack, one ``fsync`` pair, one index transaction per batch); returns once it is stored.
+
+        Raises
+        ------
+        Exception
+            What storing its batch raised.
+        """
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pending.append((key, data, fut))
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                batch: list[tuple[str, bytes, asyncio.Future[None]]] = []
+                size = 0
+                while self._pending and len(batch) < BATCH_COUNT and size < BATCH_BYTES:
+                    batch.append(self._pending.pop(0))
+                    size += len(batch[-1][1])
+                try:
+                    await self._run(put_blobs, self.store, [(k, d) for k, d, _ in batch])
+                except Exception as exc:
+                    for _, _, f in batch:
+                        if not f.done():
+                            f.set_exception(exc)
+                else:
+                    for _, _, f in batch:
+                        if not f.done():
+                            f.set_result(None)
+        finally:
+            self._drain_task = None
 
     def _maybe_enforce_quota(self) -> None:
         """Run quota checks in the pool while the packs exceed the store's quota (one runner at a time;

@@ -492,3 +492,25 @@ def test_stalled_upload_is_cut_and_frees_its_slot(tmp_path: Any) -> None:
             assert c.metrics.counts["kv.puts_cut"] == 1
         finally:
             s.close()
+
+
+def test_concurrent_small_puts_are_written_together(cache: HttpCache) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    blobs = [os.urandom(4096) for _ in range(120)]
+
+    def put(chunk: list[bytes]) -> list[int]:
+        h = http.client.HTTPConnection("127.0.0.1", cache.port, timeout=30)
+        try:
+            return [req(h, "PUT", f"/cas/{sha(b)}", b)[0] for b in chunk]
+        finally:
+            h.close()
+
+    with ThreadPoolExecutor(8) as ex:
+        statuses = [s for part in ex.map(put, [blobs[k::8] for k in range(8)]) for s in part]
+    assert statuses == [200] * len(blobs)
+    h = conn(cache)
+    assert all(req(h, "GET", f"/cas/{sha(b)}")[1] == b for b in blobs)
+    st = cache.store.stats()
+    assert st["blobs"] == len(blobs)
+    assert st["packs"] < len(blobs)  # group commit: PUTs that arrived together share a pack
