@@ -64,6 +64,8 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_fs.py
 	$(BIN)/python benches/bench_scaling.py
 	$(BIN)/python benches/bench_store.py
+	@command -v nginx >/dev/null && command -v ccache >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light ccache)
+	$(BIN)/python benches/bench_httpcache.py
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

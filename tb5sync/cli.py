@@ -125,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-limit", type=int, default=10, metavar="N",
                    help="failed authentications per client address per --auth-window before it is refused (default 10; 0: no limit)")
     s.add_argument("--auth-window", type=float, default=60.0, metavar="SECONDS", help="window of --auth-limit (default 60)")
+    s.add_argument("--http-cache", metavar="HOST:PORT",
+                   help="also serve a ccache/Bazel HTTP remote cache on HOST:PORT, backed by the store "
+                        "(--store DIR, else ROOT/.tb5sync/store)")
+    _http_cache_options(s)
+
+    h = sub.add_parser("http-cache", help="serve a ccache/Bazel HTTP remote cache backed by an artifact store",
+                       parents=[common])
+    h.add_argument("store", help="store directory (created when missing)")
+    h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one)")
+    h.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable)")
+    h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
+    _http_cache_options(h)
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
@@ -163,19 +175,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _http_cache_options(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--http-basic-file", metavar="FILE", help="file holding USER:PASSWORD for HTTP basic auth of the cache")
+    q.add_argument("--http-token-file", metavar="FILE", help="file holding a bearer token the cache accepts")
+    q.add_argument("--no-ac-validation", action="store_true",
+                   help="store /ac/ entries as opaque bytes (ccache's bazel layout), as bazel-remote's --disable_http_ac_validation")
+    q.add_argument("--http-concurrency", type=int, default=64, metavar="N", help="requests served at once (default 64)")
+
+
+def _http_cache(a: argparse.Namespace, store: str, bind: str) -> Any:
+    from .httpcache import HttpCache
+
+    host, port = _parse_bind(bind)
+    basic = _read_token(a.http_basic_file).decode() if a.http_basic_file else None
+    bearer = _read_token(a.http_token_file).decode() if a.http_token_file else None
+    cache = HttpCache(store, host, port, read_only=a.read_only, allow=a.allow, basic=basic, bearer=bearer,
+                      ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency)
+    cache.start()
+    print(f"tb5sync: http cache of {cache.store.path} on {host}:{cache.port}", file=sys.stderr, flush=True)
+    return cache
+
+
+def _cmd_http_cache(a: argparse.Namespace) -> int:
+    cache = _http_cache(a, a.store, a.bind)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        cache.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cache.stop()
+    return 0
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
 
     host, port = _parse_bind(a.bind)
+    store = os.path.join(a.root, ".tb5sync", "store") if a.store == "" or (a.store is None and a.http_cache) else a.store
     srv = Server(
         a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
         no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
         max_connections=a.max_connections, max_sessions=a.max_sessions, handshake_timeout=a.handshake_timeout,
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,
-        store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store,
+        store=store,
     )
     srv.bind()
+    cache = _http_cache(a, store, a.http_cache) if a.http_cache else None
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: Any) -> None:
@@ -188,6 +239,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         pass
     finally:
         srv.stop()
+        if cache is not None:
+            cache.stop()
     return 0
 
 
@@ -318,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_store(a, _read_token)
 
-    handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store}
+    handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store,
+                "http-cache": _cmd_http_cache}
     try:
         from .hashing import check_environment
 

@@ -186,14 +186,19 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                   f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
                   f"missing packs dropped, {res['damaged']} damaged frames")
         elif c == "stats":
+            from .store.blobs import counters
+
             s = st.stats()
+            s["http_cache"] = counters(st)
             if a.json:
                 print(json.dumps(s))
             else:
                 print(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
                       f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
-                      + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else ""))
+                      + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
+                      + (f"\nkeyed blobs: {s['blobs']} ({_fmt(s['blob_bytes'])})" if s["blobs"] else "")
+                      + "".join(f"\nhttp cache {n}: {v:g}" for n, v in s["http_cache"].items()))
         elif c == "quota":
             if a.size is not None:
                 st.set_quota(None if a.size.lower() == "none" else parse_size(a.size))

@@ -27,7 +27,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError
@@ -68,6 +68,15 @@ def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set
     return got
 
 
+def _blob_chunks(rows: Iterable[Any]) -> set[bytes]:
+    """Every chunk digest the keyed blobs of ``rows`` (``(chunks blob,)`` rows) reference."""
+    out: set[bytes] = set()
+    for (chunks,) in rows:
+        b = bytes(chunks)
+        out.update(b[k : k + 32] for k in range(0, len(b), 36))
+    return out
+
+
 def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
     """Collect what no ref and no live writer needs; repack sparse packs. See the module docstring.
 
@@ -94,6 +103,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
         marked: set[bytes] = set()
         for manifest, mchunks in store._q("SELECT manifest, mchunks FROM refs"):
             marked |= _reach(store, bytes(manifest), bytes(mchunks), cache)
+        marked |= _blob_chunks(store._q("SELECT chunks FROM blobs"))
         dead_packs: list[str] = []
         # Listed before the sweep: a pack on disk now either is indexed, or is named by a lease
         # (written before its rename, so visible to the transaction below), or is an orphan.
@@ -110,6 +120,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
                 # refs made since the mark: read in this thread, which holds the index lock
                 marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
             marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
+            marked |= _blob_chunks(db.execute("SELECT chunks FROM blobs"))
             dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
             db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])
             for (pack,) in list(db.execute("SELECT id FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM chunks)")):
@@ -292,18 +303,19 @@ def _read_pack(store: Store, pack: str) -> bytes:
 
 
 def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
-    """Evict unpinned refs, least recently used first, until the live data fits ``store.quota``.
+    """Evict unpinned refs and keyed blobs, least recently used first, until the live data fits ``store.quota``.
 
-    The live size of a set of refs is the bytes of the distinct chunks they reach, framed as in a
-    pack. Pinned refs, and ``keep`` (the ref whose put triggered this), are never evicted. Refs
-    are removed first, then :func:`gc` with ``repack_below=1.0`` deletes and repacks, so a ref
-    left in the store never points at a missing chunk. A quota that pinned refs alone exceed is
-    logged and left exceeded.
+    The live size of a set of refs and blobs is the bytes of the distinct chunks they reach, framed
+    as in a pack (counted incrementally: a chunk stops counting when the last unit reaching it goes).
+    Pinned refs, and ``keep`` (the ref whose put triggered this), are never evicted. Refs and blobs
+    are removed first, then :func:`gc` with ``repack_below=1.0`` deletes and repacks, so a ref or
+    blob left in the store never points at a missing chunk. A quota that pinned refs alone exceed
+    is logged and left exceeded.
 
     Returns
     -------
     list of str
-        The evicted ref names.
+        The evicted ref names, and the evicted blob keys as ``"blob:" + key``.
     """
     quota = store.quota
     if quota is None:
@@ -311,37 +323,51 @@ def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
     stored = store.stats()["stored_bytes"]
     if stored <= quota:
         return []
-    refs = store.refs()
     sizes = {bytes(d): n + FRAME_HEADER for d, n in store._q("SELECT digest, length FROM chunks")}
     cache: dict[bytes, set[bytes]] = {}
-    reach = {}
-    for info in refs:
+    # units: (last_used, kind, name, pinned, chunks reached)
+    units: list[tuple[float, str, str, bool, set[bytes]]] = []
+    blob_seen: dict[str, float] = {}
+    for info in store.refs():
         try:
-            reach[info.name] = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), cache)
+            reach = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), cache)
         except IntegrityError:
-            reach[info.name] = set()
-    remaining = {info.name for info in refs}
-
-    def live() -> int:
-        ds: set[bytes] = set()
-        for n in remaining:
-            ds |= reach[n]
-        return sum(sizes.get(d, 0) for d in ds) + 8
-
-    evicted = []
-    for info in sorted(refs, key=lambda i: i.last_used):
-        if live() <= quota:
+            reach = set()
+        units.append((info.last_used, "ref", info.name, info.pinned or info.name == keep, reach))
+    for key, chunks, last_used in store._q("SELECT key, chunks, last_used FROM blobs"):
+        units.append((last_used, "blob", key, False, _blob_chunks([(chunks,)])))
+        blob_seen[key] = last_used
+    holders: dict[bytes, int] = {}
+    for u in units:
+        for d in u[4]:
+            holders[d] = holders.get(d, 0) + 1
+    live = sum(sizes.get(d, 0) for d in holders) + 8
+    evicted: list[str] = []
+    blobs_out: list[str] = []
+    for last_used, kind, name, pinned, reach in sorted(units, key=lambda u: u[0]):
+        if live <= quota:
             break
-        if info.pinned or info.name == keep:
+        if pinned:
             continue
-        remaining.discard(info.name)
-        evicted.append(info.name)
+        for d in reach:
+            holders[d] -= 1
+            if not holders[d]:
+                live -= sizes.get(d, 0)
+        if kind == "ref":
+            evicted.append(name)
+        else:
+            blobs_out.append(name)
     for name in evicted:
         with contextlib.suppress(Exception):
             store.rm(name)
-    if evicted or stored > quota:
+    for k in range(0, len(blobs_out), 500):
+        part = blobs_out[k : k + 500]
+        with store._tx() as db:
+            # a blob used or rewritten since it was looked at stays (its last_used moved)
+            db.executemany("DELETE FROM blobs WHERE key=? AND last_used=?", [(b, blob_seen[b]) for b in part])
+    if evicted or blobs_out or stored > quota:
         store.gc(repack_below=1.0)
-    if live() > quota:
+    if live > quota:
         log.warning("store %s: pinned refs (and the newest) take %d bytes, more than the quota of %d",
-                    store.path, live(), quota)
-    return evicted
+                    store.path, live, quota)
+    return evicted + ["blob:" + b for b in blobs_out]

@@ -81,6 +81,11 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 CREATE TABLE IF NOT EXISTS lease_chunks (lease TEXT NOT NULL, digest BLOB NOT NULL, PRIMARY KEY (lease, digest)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS lease_packs (lease TEXT NOT NULL, pack TEXT NOT NULL, PRIMARY KEY (lease, pack)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blobs (
+    key TEXT PRIMARY KEY, digest BLOB NOT NULL, chunks BLOB NOT NULL, size INTEGER NOT NULL,
+    created REAL NOT NULL, last_used REAL NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
 """
 
 _REF_RE = re.compile(r"[A-Za-z0-9._+=@,-]+")
@@ -709,6 +714,25 @@ class Store:
                 out.append(("m", s))
         return out
 
+    # ---- keyed blobs (blobs.py) ----
+    def put_blob(self, key: str, src: str | os.PathLike[str] | bytes) -> Any:
+        """Store a file or bytes as blob ``key``; see :func:`tb5sync.store.blobs.put_blob`."""
+        from .blobs import put_blob
+
+        return put_blob(self, key, src)
+
+    def blob(self, key: str, touch: bool = True) -> Any:
+        """Blob ``key`` (a :class:`tb5sync.store.blobs.BlobInfo`) or None; see :func:`tb5sync.store.blobs.blob`."""
+        from .blobs import blob
+
+        return blob(self, key, touch)
+
+    def delete_blob(self, key: str) -> bool:
+        """Remove blob ``key``; whether it was there. See :func:`tb5sync.store.blobs.delete_blob`."""
+        from .blobs import delete_blob
+
+        return delete_blob(self, key)
+
     # ---- housekeeping (gc.py) ----------------------------------------------------------------
     def gc(self, repack_below: float = 0.5) -> dict[str, int]:
         """Sweep chunks no ref or live writer needs and repack sparse packs; see :func:`tb5sync.store.gc.gc`."""
@@ -735,13 +759,14 @@ class Store:
         return enforce_quota(self, keep)
 
     def stats(self) -> dict[str, Any]:
-        """Logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts."""
+        """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts."""
         with self._lock:
             logical, files = self._db.execute("SELECT COALESCE(SUM(size),0), COALESCE(SUM(files),0) FROM refs").fetchone()
             unique, nchunks = self._db.execute("SELECT COALESCE(SUM(length),0), COUNT(*) FROM chunks").fetchone()
             stored, npacks = self._db.execute("SELECT COALESCE(SUM(size),0), COUNT(*) FROM packs").fetchone()
             nrefs = self._db.execute("SELECT COUNT(*) FROM refs").fetchone()[0]
-        return {"refs": nrefs, "files": files, "logical_bytes": logical, "unique_bytes": unique,
+            nblobs, blob_bytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs").fetchone()
+        return {"refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
                 "stored_bytes": stored, "chunks": nchunks, "packs": npacks,
                 "dedup_ratio": round(logical / unique, 3) if unique else 1.0, "quota": self.quota}
 

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Benchmark the HTTP build cache (``tb5sync http-cache``) against nginx serving files with WebDAV PUT, in one run.
+
+What it measures (both servers on 127.0.0.1, each a single process: ``tb5sync http-cache`` and
+nginx with ``worker_processes 1``, ``dav_methods PUT DELETE``, ``create_full_put_path on``):
+
+1. **GET/PUT latency and throughput** for 4 KiB, 256 KiB and 16 MiB entries: one keep-alive
+   ``http.client`` connection, distinct random entries under ``/cas/<sha256>`` (so tb5sync also
+   checks each body's digest, as for Bazel), PUT all, then GET all. p50 and p99 of the per-request
+   wall time (ms) and throughput (MiB/s over the sequence).
+2. **concurrent small PUTs**: 4 KiB entries from 8 keep-alive connections at once (requests/s;
+   tb5sync writes PUTs that arrive together as one pack).
+3. **ccache rebuild with an empty local cache**: real C sources (the Cython-generated
+   ``ext/_cdc.c`` and ``ext/_scan.c`` of this project, plus generated units) compiled with
+   ``ccache gcc -O2 -c`` one after the other: with no remote (every compile runs), with the
+   tb5sync remote and with the nginx remote (each populated by one build, then ``ccache -C``
+   wipes the local cache and the rebuild is timed). Remote hits are read from ``ccache --print-stats``.
+
+Output: a table on stdout and JSON in ``benches/results/bench-httpcache-<timestamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PY = sys.executable
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+{user}
+pid {p}/nginx.pid;
+error_log {p}/error.log;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_max_body_size 0;
+    client_body_temp_path {p}/body;
+    proxy_temp_path {p}/proxy;
+    fastcgi_temp_path {p}/fcgi;
+    uwsgi_temp_path {p}/uwsgi;
+    scgi_temp_path {p}/scgi;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {p}/data;
+        dav_methods PUT DELETE;
+        create_full_put_path on;
+        dav_access user:rw group:r all:r;
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+class Tb5Server:
+    def __init__(self, work: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([PY, "-m", "tb5sync.cli", "http-cache", os.path.join(work, "store"),
+                                      "--bind", f"127.0.0.1:{self.port}"], stderr=subprocess.PIPE, text=True)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+class NginxServer:
+    def __init__(self, work: str) -> None:
+        p = os.path.join(work, "nginx")
+        for d in ("data", "body", "proxy", "fcgi", "uwsgi", "scgi"):
+            os.makedirs(os.path.join(p, d), exist_ok=True)
+        self.port = free_port()
+        conf = os.path.join(p, "nginx.conf")
+        with open(conf, "w") as f:
+            f.write(NGINX_CONF.format(p=p, port=self.port, user="user root;" if os.geteuid() == 0 else ""))
+        self.proc = subprocess.Popen(["nginx", "-p", p, "-c", conf], stderr=subprocess.PIPE, text=True)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGQUIT)
+        self.proc.wait(30)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def latency(port: int, size: int, count: int) -> dict[str, Any]:
+    h = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    blobs = [os.urandom(size) for _ in range(count)]
+    keys = [f"/cas/{hashlib.sha256(b).hexdigest()}" for b in blobs]
+    out: dict[str, Any] = {}
+    for method in ("PUT", "GET"):
+        times = []
+        t0 = time.perf_counter()
+        for k, b in zip(keys, blobs):
+            t = time.perf_counter()
+            h.request(method, k, body=b if method == "PUT" else None)
+            r = h.getresponse()
+            body = r.read()
+            times.append(time.perf_counter() - t)
+            if r.status not in (200, 201, 204) or (method == "GET" and body != b):
+                raise RuntimeError(f"{method} {k}: {r.status}")
+        total = time.perf_counter() - t0
+        out[method] = {"p50_ms": statistics.median(times) * 1e3, "p99_ms": pct(times, 0.99) * 1e3,
+                       "mib_s": size * count / total / 2**20, "requests": count}
+    h.close()
+    return out
+
+
+def concurrent_puts(port: int, size: int, count: int, clients: int) -> dict[str, Any]:
+    """``count`` PUTs of distinct entries from ``clients`` keep-alive connections at once: requests/s and MiB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blobs = [os.urandom(size) for _ in range(count)]
+
+    def run(part: list[bytes]) -> None:
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        for b in part:
+            h.request("PUT", f"/cas/{hashlib.sha256(b).hexdigest()}", body=b)
+            r = h.getresponse()
+            r.read()
+            if r.status not in (200, 201, 204):
+                raise RuntimeError(f"PUT: {r.status}")
+        h.close()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as ex:
+        list(ex.map(run, [blobs[k::clients] for k in range(clients)]))
+    dt = time.perf_counter() - t0
+    return {"requests_s": count / dt, "mib_s": size * count / dt / 2**20, "clients": clients, "requests": count}
+
+
+C_UNIT = """#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+typedef struct {{ double x, y, z; }} vec{k};
+static double dot{k}(const vec{k} *a, const vec{k} *b) {{ return a->x * b->x + a->y * b->y + a->z * b->z; }}
+int sort_cmp{k}(const void *a, const void *b) {{ double d = *(const double *)a - *(const double *)b; return (d > 0) - (d < 0); }}
+double work{k}(size_t n) {{
+    vec{k} *v = malloc(n * sizeof *v);
+    double *s = malloc(n * sizeof *s);
+    for (size_t i = 0; i < n; i++) {{ v[i].x = sin((double)i * {k}); v[i].y = cos((double)i); v[i].z = (double)i / (n + 1); }}
+    for (size_t i = 0; i < n; i++) s[i] = dot{k}(&v[i], &v[(i + 1) % n]);
+    qsort(s, n, sizeof *s, sort_cmp{k});
+    double r = s[n / 2];
+    free(v); free(s);
+    return r;
+}}
+"""
+
+
+def sources(work: str, units: int) -> list[tuple[str, list[str]]]:
+    d = os.path.join(work, "src")
+    os.makedirs(d, exist_ok=True)
+    out = []
+    inc = sysconfig.get_paths()["include"]
+    for name in ("_cdc.c", "_scan.c"):
+        p = os.path.join(REPO, "ext", name)
+        if os.path.exists(p):
+            shutil.copy(p, d)
+            out.append((os.path.join(d, name), [f"-I{inc}", "-fPIC"]))
+    for k in range(units):
+        p = os.path.join(d, f"unit{k}.c")
+        with open(p, "w") as f:
+            f.write(C_UNIT.format(k=k) * 1)
+        out.append((p, []))
+    return out
+
+
+def ccache_build(srcs: list[tuple[str, list[str]]], env: dict[str, str], out: str) -> tuple[float, dict[str, int]]:
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    subprocess.run(["ccache", "-z"], env=env, check=True, capture_output=True)
+    t0 = time.perf_counter()
+    for src, flags in srcs:
+        subprocess.run(["ccache", "gcc", "-O2", "-c", *flags, src, "-o", os.path.join(out, os.path.basename(src) + ".o")],
+                       env=env, check=True)
+    dt = time.perf_counter() - t0
+    text = subprocess.run(["ccache", "--print-stats"], env=env, check=True, capture_output=True, text=True).stdout
+    stats = {k: int(v) for k, v in (line.split("\t") for line in text.splitlines())}
+    return dt, stats
+
+
+def ccache_rebuilds(work: str, srcs: list[tuple[str, list[str]]], remotes: dict[str, int | None]) -> dict[str, Any]:
+    res = {}
+    for name, port in remotes.items():
+        env = dict(os.environ, CCACHE_DIR=os.path.join(work, f"ccache-{name}"),
+                   CCACHE_CONFIGPATH=os.path.join(work, f"ccache-{name}.conf"), CCACHE_BASEDIR=work)
+        if port is not None:
+            env["CCACHE_REMOTE_STORAGE"] = f"http://127.0.0.1:{port}/cc|layout=subdirs"
+            ccache_build(srcs, env, os.path.join(work, f"obj-{name}-1"))  # populates the remote
+            subprocess.run(["ccache", "-C"], env=env, check=True, capture_output=True)
+        dt, st = ccache_build(srcs, env, os.path.join(work, f"obj-{name}"))
+        res[name] = {"seconds": dt, "remote_hits": st.get("remote_storage_hit", 0),
+                     "local_hits": st.get("local_storage_hit", 0), "misses": st.get("cache_miss", 0)}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--short", action="store_true", help="fewer requests and sources")
+    ap.add_argument("--units", type=int, default=40, help="generated C units beside ext/*.c (default 40)")
+    a = ap.parse_args()
+    for tool in ("nginx", "ccache", "gcc"):
+        if shutil.which(tool) is None:
+            print(f"bench_httpcache: needs {tool} (apt-get install nginx-light ccache gcc)", file=sys.stderr)
+            return 2
+    plan = [(4096, 100 if a.short else 500), (256 * 1024, 40 if a.short else 200), (16 * 2**20, 4 if a.short else 16)]
+    work = tempfile.mkdtemp(prefix="bench-httpcache-")
+    result: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "latency": {}}
+    tb5 = Tb5Server(work)
+    ngx = NginxServer(work)
+    try:
+        for size, count in plan:
+            for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
+                result["latency"].setdefault(str(size), {})[name] = latency(srv.port, size, count)
+        for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
+            result.setdefault("concurrent_put_4k", {})[name] = concurrent_puts(srv.port, 4096, 200 if a.short else 800, 8)
+        srcs = sources(work, 10 if a.short else a.units)
+        result["ccache"] = ccache_rebuilds(work, srcs, {"none": None, "tb5sync": tb5.port, "nginx": ngx.port})
+        result["ccache_sources"] = len(srcs)
+    finally:
+        tb5.stop()
+        ngx.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
+    for size, row in result["latency"].items():
+        for name, r in row.items():
+            p, g = r["PUT"], r["GET"]
+            print(f"{int(size):>9} {name:>8} | {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {p['mib_s']:8.1f} | "
+                  f"{g['p50_ms']:8.2f} {g['p99_ms']:8.2f} {g['mib_s']:8.1f}")
+    for name, r in result["concurrent_put_4k"].items():
+        print(f"4 KiB PUTs from {r['clients']} connections at once, {name}: {r['requests_s']:.0f} requests/s")
+    print(f"ccache rebuild, empty local cache, {result['ccache_sources']} sources:")
+    for name, r in result["ccache"].items():
+        print(f"  {name:>8}: {r['seconds']:.2f} s (remote hits {r['remote_hits']}, misses {r['misses']})")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    path = os.path.join(HERE, "results", f"bench-httpcache-{re.sub(r'[^0-9T]', '', result['when'])}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

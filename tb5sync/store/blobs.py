@@ -1,0 +1,223 @@
+"""Keyed blobs in the artifact store: single objects named by an opaque key (a build cache's entries).
+
+A blob is one byte string stored as the store's chunks (FastCDC v1, BLAKE3-256, deduplicated
+with everything else in the store) and named by a key (``ac/<sha256>``, ``cas/<sha256>``, a
+ccache key path...). Unlike a ref it has no manifest: its row holds the chunk list itself.
+
+Table (in ``index.sqlite``, store format v1, additive)::
+
+    blobs(key TEXT PRIMARY KEY, digest BLOB, chunks BLOB, size INTEGER, created REAL, last_used REAL)
+    counters(name TEXT PRIMARY KEY, value REAL)   -- a served cache's hit/miss/byte counters
+
+Rules, the same as refs': a blob row is written only once every chunk it lists is indexed, in the
+transaction that drops the writer's lease (so gc never sweeps a chunk between its write and the
+row); gc marks every blob's chunks; quota eviction removes whole blobs and refs, least recently
+used first (:func:`tb5sync.store.gc.enforce_quota`), never single chunks; a blob replaced by a
+new value under the same key keeps serving the old value until the new row is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import IntegrityError, UsageError
+from ..hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delete_blob", "blob_keys", "read_blob",
+           "add_counters", "counters", "MAX_KEY"]
+
+#: Longest key accepted, in bytes of UTF-8.
+MAX_KEY = 1024
+#: A hit within this many seconds of the recorded last use is not written again (seconds).
+TOUCH_GRACE = 1.0
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A keyed blob: its ``key``, object ``digest`` (BLAKE3 over its chunk digests), chunk list,
+    ``size`` (bytes), ``created`` and ``last_used`` (seconds since the epoch)."""
+
+    key: str
+    digest: bytes
+    chunks: tuple[ChunkRef, ...]
+    size: int
+    created: float
+    last_used: float
+
+
+def check_blob_key(key: object) -> str:
+    """Check a blob key: 1 to :data:`MAX_KEY` bytes of UTF-8, ``/``-separated segments, none empty,
+    ``.`` or ``..``, no NUL or control character.
+
+    Raises
+    ------
+    UsageError
+        Anything else, naming the key.
+    """
+    if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY:
+        raise UsageError(f"bad blob key {key!r}: 1 to {MAX_KEY} bytes")
+    if any(ord(c) < 32 or c == "\x7f" for c in key):
+        raise UsageError(f"bad blob key {key!r}: control character")
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            raise UsageError(f"bad blob key {key!r}: empty, . or .. segment")
+    return key
+
+
+def _info(row: tuple) -> BlobInfo:  # type: ignore[type-arg]
+    return BlobInfo(row[0], bytes(row[1]), tuple(blob_to_refs(bytes(row[2]))), row[3], row[4], row[5])
+
+
+def put_blob(store: Store, key: str, src: str | os.PathLike[str] | bytes) -> BlobInfo:
+    """Store ``src`` (a finished local file, or bytes) as blob ``key``, replacing any value it had.
+
+    The file is read once in windows (at most 16 MiB + one chunk in memory), cut, hashed and only
+    the chunks the store lacks are written; the row appears (or changes) only once they are all
+    indexed. Runs the store's quota check afterwards only if the caller asks (see
+    :func:`tb5sync.store.gc.enforce_quota`).
+
+    Raises
+    ------
+    UsageError
+        Bad key.
+    SourceChangedError
+        The file changed while it was read.
+    """
+    from .writer import PackWriter, _drop_lease
+
+    check_blob_key(key)
+    lease = store.lease()
+    writer = PackWriter(store, lease)
+    try:
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            digest, refs = store.put_bytes(bytes(src), lease, writer)
+        else:
+            path = os.fspath(src)
+            refs = store._put_file(path, os.stat(path), lease, writer)
+            digest = file_digest(d for d, _ in refs)
+        writer.flush()
+        size = sum(n for _, n in refs)
+        now = time.time()
+        with store._tx() as db:
+            for d in dict.fromkeys(d for d, _ in refs):
+                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+                    raise IntegrityError(f"blob {key!r}: chunk {d.hex()} is not in the store")
+            db.execute("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?,?)",
+                       (key, digest, refs_to_blob(refs), size, now, now))
+            _drop_lease(db, lease.id)
+    except BaseException:
+        writer.abort()
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
+    return BlobInfo(key, digest, tuple(refs), size, now, now)
+
+
+def put_blobs(store: Store, items: list[tuple[str, bytes]]) -> list[BlobInfo]:
+    """Store several ``(key, bytes)`` blobs with one lease, one pack and one index transaction (group commit).
+
+    Same rules as :func:`put_blob` (rows appear only once their chunks are indexed; a later item
+    with the same key wins). Used by the HTTP cache to write small PUTs that arrive together at
+    the cost of one pack's ``fsync`` instead of one each.
+
+    Raises
+    ------
+    UsageError
+        A bad key (nothing is stored then).
+    """
+    from .writer import PackWriter, _drop_lease
+
+    for key, _ in items:
+        check_blob_key(key)
+    if not items:
+        return []
+    lease = store.lease()
+    writer = PackWriter(store, lease)
+    try:
+        done = []
+        for key, data in items:
+            digest, refs = store.put_bytes(bytes(data), lease, writer)
+            done.append((key, digest, refs))
+        writer.flush()
+        now = time.time()
+        with store._tx() as db:
+            for d in dict.fromkeys(d for _, _, refs in done for d, _ in refs):
+                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+                    raise IntegrityError(f"blob batch: chunk {d.hex()} is not in the store")
+            db.executemany("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?,?)",
+                           [(k, dg, refs_to_blob(refs), sum(n for _, n in refs), now, now) for k, dg, refs in done])
+            _drop_lease(db, lease.id)
+    except BaseException:
+        writer.abort()
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
+    return [BlobInfo(k, dg, tuple(refs), sum(n for _, n in refs), now, now) for k, dg, refs in done]
+
+
+def blob(store: Store, key: str, touch: bool = True) -> BlobInfo | None:
+    """Blob ``key``, or None; ``touch`` records the use (LRU order), at most once per second."""
+    check_blob_key(key)
+    rows = store._q("SELECT key, digest, chunks, size, created, last_used FROM blobs WHERE key=?", (key,))
+    if not rows:
+        return None
+    info = _info(rows[0])
+    now = time.time()
+    if touch and now - info.last_used >= TOUCH_GRACE:
+        with store._tx() as db:
+            db.execute("UPDATE blobs SET last_used=? WHERE key=?", (now, key))
+    return info
+
+
+def has_blobs(store: Store, keys: list[str]) -> set[str]:
+    """Which of ``keys`` are held (500 per query)."""
+    out: set[str] = set()
+    for k in range(0, len(keys), 500):
+        part = keys[k : k + 500]
+        out.update(r[0] for r in store._q(f"SELECT key FROM blobs WHERE key IN ({','.join('?' * len(part))})", part))
+    return out
+
+
+def delete_blob(store: Store, key: str) -> bool:
+    """Remove blob ``key`` (its chunks go at the next gc unless something else holds them); whether it was there."""
+    check_blob_key(key)
+    with store._tx() as db:
+        return db.execute("DELETE FROM blobs WHERE key=?", (key,)).rowcount > 0
+
+
+def blob_keys(store: Store, prefix: str = "") -> list[str]:
+    """Keys starting with ``prefix`` (plain string prefix), sorted."""
+    return [r[0] for r in store._q("SELECT key FROM blobs ORDER BY key") if r[0].startswith(prefix)]
+
+
+def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
+    """The chunks of ``info`` in order, each checked against its digest (at most two chunks read ahead).
+
+    Raises
+    ------
+    IntegrityError
+        A chunk is missing or damaged.
+    """
+    return store.iter_chunks([d for d, _ in info.chunks], ahead=2)
+
+
+def add_counters(store: Store, deltas: Mapping[str, float]) -> None:
+    """Add ``deltas`` to the named counters (one transaction; names created at 0)."""
+    if not deltas:
+        return
+    with store._tx() as db:
+        db.executemany("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                       list(deltas.items()))
+
+
+def counters(store: Store, prefix: str = "") -> dict[str, float]:
+    """Every counter whose name starts with ``prefix``."""
+    return {n: v for n, v in store._q("SELECT name, value FROM counters ORDER BY name") if n.startswith(prefix)}
