@@ -63,43 +63,142 @@ def _bracket(pat: str, i: int) -> tuple[str, int] | None:
     return None
 
 
-def _glob_to_regex(pat: str, lead_dirs: bool) -> str:
-    """The regex of one rsync wildcard pattern (rsync's wildmatch): ``*`` within a component,
-    ``**`` across components, ``?`` one character but ``/``, ``[...]`` a class, ``\\`` quotes.
+#: Longest exclude pattern accepted, bytes of UTF-8 (rsync's MAXPATHLEN).
+MAX_PATTERN = 4096
 
-    ``lead_dirs``: a leading ``**/`` also matches no directory at all (rsync's rule for an
-    unanchored pattern that begins with ``**/``); elsewhere ``**/`` needs at least one.
-    """
-    out = []
+# Tokens of a compiled pattern: (kind, value). Kinds: "lit" one literal character, "one" ``?`` (any
+# character but ``/``), "cls" a ``[...]`` class (value: its compiled one-character regex), "star"
+# ``*`` (value False: within a component) or ``**`` (value True: across components).
+_Token = tuple[str, object]
+
+
+def _tokens(pat: str) -> list[_Token]:
+    """The tokens of one rsync wildcard pattern (rsync's wildmatch): ``*`` within a component,
+    ``**`` across components, ``?`` one character but ``/``, ``[...]`` a class, ``\\`` quotes."""
+    out: list[_Token] = []
     i = 0
-    if lead_dirs and pat.startswith("**/"):
-        out.append("(?:.*/)?")
-        i = 3
     while i < len(pat):
         c = pat[i]
         if c == "*":
             if pat[i : i + 2] == "**":
                 while i < len(pat) and pat[i] == "*":
                     i += 1
-                out.append(".*")
+                out.append(("star", True))
                 continue
-            out.append("[^/]*")
+            out.append(("star", False))
         elif c == "?":
-            out.append("[^/]")
+            out.append(("one", None))
         elif c == "[":
             got = _bracket(pat, i)
             if got is not None:
-                out.append(got[0])
+                out.append(("cls", re.compile(got[0], re.S)))
                 i = got[1]
                 continue
-            out.append(re.escape(c))
+            out.append(("lit", c))
         elif c == "\\" and i + 1 < len(pat):
             i += 1
-            out.append(re.escape(pat[i]))
+            out.append(("lit", pat[i]))
         else:
-            out.append(re.escape(c))
+            out.append(("lit", c))
         i += 1
-    return "".join(out)
+    return out
+
+
+def _regex(tokens: list[_Token]) -> str:
+    """The Python regex of ``tokens`` (without anchors)."""
+    parts = []
+    for kind, val in tokens:
+        if kind == "star":
+            parts.append(".*" if val else "[^/]*")
+        elif kind == "one":
+            parts.append("[^/]")
+        elif kind == "cls":
+            assert isinstance(val, re.Pattern)
+            parts.append(val.pattern)
+        else:
+            parts.append(re.escape(str(val)))
+    return "".join(parts)
+
+
+class _Glob:
+    """One pattern, matched in time linear in the path's length whatever the pattern.
+
+    A backtracking regex of a pattern with several stars (``**?**?**?#``) takes time exponential
+    in their number on a path that does not match, with the GIL held: one such pattern from a
+    peer would stall a whole server. So Python's ``re`` serves only patterns with at most one
+    star (their regex backtracks at most once per start position: quadratic at worst, on one
+    component or path); any other pattern is matched by simulating its automaton (Thompson's
+    construction: the set of pattern positions reachable after each character; K. Thompson,
+    "Regular expression search algorithm", CACM 11(6), 1968), in O(path length x tokens).
+
+    Parameters
+    ----------
+    pat : str
+        The pattern without its leading ``/`` and trailing ``/``.
+    any_dir : bool
+        The pattern may match at any directory boundary of the path (an unanchored pattern
+        that names a whole path), not only at its start.
+    lead_dirs : bool
+        A leading ``**/`` also matches no directory at all (rsync's rule for an unanchored
+        pattern that begins with ``**/``).
+    """
+
+    __slots__ = ("tokens", "any_dir", "rx")
+
+    def __init__(self, pat: str, any_dir: bool, lead_dirs: bool) -> None:
+        if lead_dirs and pat.startswith("**/"):
+            pat, any_dir = pat[3:], True  # "(?:.*/)?" = at any directory boundary
+        self.tokens = _tokens(pat)
+        self.any_dir = any_dir
+        stars = sum(1 for kind, _ in self.tokens if kind == "star")
+        self.rx = re.compile(rf"\A{_regex(self.tokens)}\Z", re.S) if stars <= 1 else None
+
+    def match(self, text: str) -> bool:
+        """True if the pattern matches all of ``text`` (or, with ``any_dir``, all of a suffix of
+        ``text`` that starts at its start or right after a ``/``)."""
+        starts = [0]
+        if self.any_dir:
+            starts += [i + 1 for i, c in enumerate(text) if c == "/"]
+        for st in starts:
+            sub = text[st:] if st else text
+            if (self.rx.match(sub) is not None) if self.rx is not None else self._nfa(sub):
+                return True
+        return False
+
+    def _nfa(self, text: str) -> bool:
+        toks = self.tokens
+        m = len(toks)
+
+        def close(states: set[int]) -> set[int]:
+            out = set(states)
+            for i in sorted(states):
+                while i < m and toks[i][0] == "star" and i + 1 not in out:
+                    i += 1
+                    out.add(i)
+            return out
+
+        cur = close({0})
+        for c in text:
+            nxt: set[int] = set()
+            for i in cur:
+                if i == m:
+                    continue
+                kind, val = toks[i]
+                if kind == "star":
+                    if val or c != "/":
+                        nxt.add(i)
+                elif kind == "lit":
+                    if c == val:
+                        nxt.add(i + 1)
+                elif kind == "one":
+                    if c != "/":
+                        nxt.add(i + 1)
+                elif val.match(c) is not None:  # type: ignore[union-attr]
+                    nxt.add(i + 1)
+            if not nxt:
+                return False
+            cur = close(nxt)
+        return m in cur
 
 
 @dataclass(frozen=True)
@@ -126,27 +225,31 @@ class ExcludeRules:
     Raises
     ------
     UsageError
-        An empty pattern.
+        An empty pattern, or one longer than :data:`MAX_PATTERN` bytes.
+
+    Notes
+    -----
+    Matching takes time linear in the path's length whatever the patterns (see ``_Glob``):
+    patterns come from peers, and a server matches them against its own tree.
     """
 
     patterns: tuple[str, ...] = ()
     root: str = ""
-    _compiled: tuple[tuple[re.Pattern[str], bool, bool], ...] = field(default=(), repr=False, compare=False)
+    _compiled: tuple[tuple[_Glob, bool, bool], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         compiled = []
         for pat in self.patterns:
-            if not pat or pat == "/":
+            if not isinstance(pat, str) or not pat or pat == "/":
                 raise UsageError(f"empty exclude pattern {pat!r}")
+            if len(pat.encode("utf-8", "surrogateescape")) > MAX_PATTERN:
+                raise UsageError(f"exclude pattern longer than {MAX_PATTERN} bytes: {pat[:60]!r}...")
             dir_only = pat.endswith("/")
             p = pat.rstrip("/")
             anchored = p.startswith("/")
             p = p.lstrip("/")
             whole = anchored or "/" in p or "**" in p
-            rx = _glob_to_regex(p, lead_dirs=not anchored)
-            if whole and not anchored:
-                rx = f"(?:.*/)?{rx}"
-            compiled.append((re.compile(rf"\A{rx}\Z", re.S), dir_only, whole))
+            compiled.append((_Glob(p, any_dir=whole and not anchored, lead_dirs=not anchored), dir_only, whole))
         object.__setattr__(self, "_compiled", tuple(compiled))
 
     def __bool__(self) -> bool:
