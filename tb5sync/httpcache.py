@@ -425,7 +425,13 @@ class HttpCache:
             await asyncio.wait_for(resp.write(first), self.idle_timeout)
             sent += len(first)
         while sent < info.size:
-            piece = await self._run(next, chunks, b"")  # a chunk damaged now cuts the connection short
+            try:
+                piece = await self._run(next, chunks, b"")
+            except IntegrityError as exc:
+                # The status line is sent: a body cut short of its Content-Length is how HTTP says
+                # "failed" now. The entry is dropped so that the next GET is a clean miss.
+                await self._damaged(key, kind, exc)
+                raise
             if not piece:
                 break
             await asyncio.wait_for(resp.write(piece), self.idle_timeout)  # a stalled reader is cut

@@ -514,3 +514,31 @@ def test_concurrent_small_puts_are_written_together(cache: HttpCache) -> None:
     st = cache.store.stats()
     assert st["blobs"] == len(blobs)
     assert st["packs"] < len(blobs)  # group commit: PUTs that arrived together share a pack
+
+
+def test_entry_damaged_past_its_first_chunk_is_cut_short_then_dropped(cache: HttpCache) -> None:
+    """A chunk found damaged while a body streams cuts the response short of its Content-Length
+    (the status is already sent) and drops the entry: the next GET is a clean miss, not the same
+    short body again."""
+    from tb5sync.store.blobs import blob as blob_info
+
+    data = os.urandom(6 * 1024 * 1024)  # several chunks
+    key = f"/cas/{sha(data)}"
+    h = conn(cache)
+    assert req(h, "PUT", key, data)[0] == 200
+    info = blob_info(cache.store, key.lstrip("/"), False) or blob_info(cache.store, key, False)
+    assert info is not None and len(info.chunks) >= 2
+    digest = info.chunks[-1][0]
+    pack, offset, _ = cache.store._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (digest,))[0]
+    with open(cache.store.packs.path(pack), "r+b") as f:
+        f.seek(offset + 100)
+        b = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([b[0] ^ 1]))
+    h2 = conn(cache)
+    h2.request("GET", key)
+    r = h2.getresponse()
+    assert r.status == 200
+    with pytest.raises(http.client.IncompleteRead):
+        r.read()
+    assert req(conn(cache), "GET", key)[0] == 404
