@@ -349,9 +349,12 @@ class ObjectStore(Store):
         b, k = self._s3_split(key)
         for _ in range(20):
             etag = self._etag(key)
+            if etag is not None and create_only:
+                raise RefExistsError(f"ref {name!r} already exists in store {self.url}")
             old = self._ref_obj(name) if etag is not None else None
             if etag is not None and old is None:
-                continue  # removed between the two reads
+                time.sleep(0.02)  # removed between the two reads, or not yet readable where it was written
+                continue
             new = fn(old)
             if new is None:
                 return None
