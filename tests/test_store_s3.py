@@ -55,8 +55,11 @@ def url(seaweed: Any, request: pytest.FixtureRequest) -> str:
     return f"s3://tb5/{request.node.name[:40].replace('[', '-').replace(']', '')}-{secrets.token_hex(4)}"
 
 
-def _open(seaweed: Any, url: str, tmp_path: Any, tag: str = "c", **kw: Any) -> ObjectStore:
-    return ObjectStore(url, storage_options=seaweed.s3fs_options(), cache=str(tmp_path / f"cache-{tag}"), **kw)
+def _open(seaweed: Any, url: str, tmp_path: Any, tag: str = "c", timeout: float | None = None, **kw: Any) -> ObjectStore:
+    opts = seaweed.s3fs_options()
+    if timeout is not None:  # botocore's: bounded calls, one attempt (s3fs retries a few errors on its own)
+        opts["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout, "retries": {"max_attempts": 1}}
+    return ObjectStore(url, storage_options=opts, cache=str(tmp_path / f"cache-{tag}"), **kw)
 
 
 def _fs(seaweed: Any) -> Any:
@@ -218,7 +221,7 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
     with _open(seaweed, url, tmp_path, "w", pack_target=1 * MiB) as st:
         st.put("r/1", src)
     # reads: one of the two replicas' servers dies while a fresh node reads the ref; the reads go on
-    reader = _open(seaweed, url, tmp_path, "r")
+    reader = _open(seaweed, url, tmp_path, "r", timeout=3)
     try:
         out = str(tmp_path / "out")
         killer = threading.Timer(0.05, seaweed.kill, args=("volume1",))
