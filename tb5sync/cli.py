@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
     s.add_argument("--store", metavar="DIR", nargs="?", const="",
                    help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
+    s.add_argument("--upstream", metavar="URL",
+                   help="with --store: a shared store (s3://bucket/prefix, any fsspec URL, or a directory) the local "
+                        "store caches: missing refs are read through, pushes written through")
+    s.add_argument("--peer", action="append", default=[], metavar="tb5://HOST[:PORT]",
+                   help="another node's store a read-through also fetches from, in parallel (repeatable)")
+    s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                   help="an fsspec storage option for --upstream (repeatable)")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://HOST[:PORT]/PATH (port 8873 by default); a trailing / means the contents of SRC, not SRC itself")
@@ -119,10 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
+    from .storecli import parse_storage_options
 
     host, port = _parse_bind(a.bind)
     srv = Server(a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
-                 store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store)
+                 store=os.path.join(a.root, ".tb5sync", "store") if a.store == "" else a.store,
+                 upstream=a.upstream, peers=a.peer, storage_options=parse_storage_options(a.storage_options) or None)
     srv.bind()
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}", file=sys.stderr, flush=True)
 

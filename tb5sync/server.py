@@ -103,6 +103,14 @@ class Server:
     store : str or path or None
         An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
         (``tb5sync store push/pull``); None: such sessions are refused.
+    upstream : str or None
+        With ``store``: a shared store (``s3://bucket/prefix``, any fsspec URL, or a directory) the
+        local store caches: refs it lacks are read through, pushes written through
+        (:mod:`tb5sync.tiers`).
+    peers : sequence of str
+        ``tb5://HOST[:PORT]`` servers whose stores a read-through also fetches from, in parallel.
+    storage_options : dict or None
+        fsspec options for ``upstream``.
 
     Raises
     ------
@@ -119,6 +127,9 @@ class Server:
         allow: Sequence[str] = (),
         read_only: bool = False,
         store: str | os.PathLike[str] | None = None,
+        upstream: str | None = None,
+        peers: Sequence[str] = (),
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -143,6 +154,10 @@ class Server:
         self._stopping = threading.Event()
         self.store_path = os.path.abspath(os.fspath(store)) if store is not None else None
         self._store: Any = None
+        if upstream is not None and store is None:
+            raise UsageError("--upstream needs --store (the local tier)")
+        self.upstream, self.peers, self.storage_options = upstream, list(peers), storage_options
+        self._tier: Any = None
 
     @property
     def port(self) -> int:
@@ -208,6 +223,8 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.state.close()
+        if self._tier is not None:
+            self._tier.close()
         if self._store is not None:
             self._store.close()
 
@@ -317,7 +334,16 @@ class Server:
         with self._lock:
             if self._store is None:
                 self._store = Store(self.store_path)
-        ops = StoreOps(self._store, self.read_only)
+            if self.upstream is not None and self._tier is None:
+                from .tiers import Tier
+
+                self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
+        if self._tier is not None:
+            from .tiers import TieredStoreOps
+
+            ops: StoreOps = TieredStoreOps(self._store, self.read_only, self._tier)
+        else:
+            ops = StoreOps(self._store, self.read_only)
         try:
             ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
             serve(ch, ops, STORE_METHODS)

@@ -307,3 +307,37 @@ def test_fanout_into_the_bucket_and_missing_everywhere(seaweed: Any, url: str, t
     with _open(seaweed, url, tmp_path, "b") as other:
         other.get("b", str(tmp_path / "out"))
     assert snapshot(str(tmp_path / "out")) == snapshot(src)
+
+
+def test_tiers_read_through_and_write_through(seaweed: Any, url: str, tmp_path: Any) -> None:
+    from tb5sync.storeclient import pull_ref, push_ref
+    from tb5sync.urls import parse_url
+
+    src = make_tree(str(tmp_path / "src"), files=12)
+    opts = seaweed.s3fs_options()
+    a = start_server(str(tmp_path / "ra"), store=str(tmp_path / "sa"), upstream=url, storage_options=opts)
+    b = start_server(str(tmp_path / "rb"), store=str(tmp_path / "sb"), upstream=url, storage_options=opts,
+                     peers=[f"tb5://127.0.0.1:{a.port}"])
+    try:
+        with Store(str(tmp_path / "client")) as c:
+            c.put("job/1", src)
+            push_ref(c, "job/1", parse_url(f"tb5://127.0.0.1:{a.port}"))  # into A, and through A into the bucket
+        with _open(seaweed, url, tmp_path, "check") as up:
+            up.get("job/1", str(tmp_path / "from_bucket"))
+        assert snapshot(str(tmp_path / "from_bucket")) == snapshot(src)
+        # B has nothing: a pull from B reads through (A and the bucket at once) into B's store
+        with Store(str(tmp_path / "client2")) as c2:
+            res = pull_ref(c2, "job/1", parse_url(f"tb5://127.0.0.1:{b.port}"))
+            assert res["chunks_fetched"] == res["chunks"]
+            c2.get("job/1", str(tmp_path / "via_b"))
+        assert snapshot(str(tmp_path / "via_b")) == snapshot(src)
+        with Store(str(tmp_path / "sb")) as sb:
+            assert [r.name for r in sb.refs()] == ["job/1"]
+        # a ref nobody has is still "not found", from B and from A (peers do not chase each other)
+        from tb5sync.errors import RefNotFoundError
+
+        with Store(str(tmp_path / "client3")) as c3, pytest.raises(RefNotFoundError):
+            pull_ref(c3, "job/none", parse_url(f"tb5://127.0.0.1:{b.port}"))
+    finally:
+        a.server.stop()
+        b.server.stop()
