@@ -135,7 +135,10 @@ def _batches(chunks: Sequence[ChunkRef], limit: int) -> list[list[ChunkRef]]:
 def _run(sources: Sequence[StoreSource | PeerSource], chunks: Sequence[ChunkRef], writer: PackWriter | None,
          keep: dict[bytes, bytes] | None, batch: int, stats: dict[str, dict[str, int]]) -> int:
     """Fetch ``chunks`` from ``sources`` (module docstring); returns bytes fetched."""
-    batches = _batches(chunks, batch)
+    # at least ~4 batches per worker, so that a small pull is still spread over the sources
+    workers = sum(s.workers for s in sources)
+    limit = min(batch, max(1024 * 1024, sum(n for _, n in chunks) // (4 * max(1, workers))))
+    batches = _batches(chunks, limit)
     if not batches:
         return 0
     k = secrets.randbelow(len(batches))
@@ -238,7 +241,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     token : bytes or str, optional
         For the ``tb5://`` sources.
     batch : int
-        Bytes of chunks per batch.
+        Most bytes of chunks per batch (smaller for a small pull: about 4 batches per worker, at
+        least 1 MiB).
 
     Returns
     -------

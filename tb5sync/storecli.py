@@ -220,6 +220,8 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if not rep["ok"]:
                 return 13
         elif c == "gc":
+            if a.grace is not None and not hasattr(st, "url"):
+                raise UsageError("store gc --grace applies only to an object store (--store URL)")
             res = st.gc(a.repack_below, **({"grace": a.grace} if a.grace is not None else {}))
             print(json.dumps(res) if a.json else
                   f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
