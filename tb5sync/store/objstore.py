@@ -191,6 +191,16 @@ class ObjectStore(Store):
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self.sync_index()
 
+    def _find(self, prefix: str, detail: bool = False) -> Any:
+        """Every object under ``prefix``, listed afresh (fsspec's listing cache dropped first)."""
+        with contextlib.suppress(AttributeError, TypeError):
+            self.fs.invalidate_cache(prefix)
+        return self.fs.find(prefix, detail=detail)
+
+    def lease(self, lease_id: str | None = None) -> Lease:
+        """A writer's lease (:class:`ObjectLease`): also a ``locks/writer-<id>`` object that gc respects."""
+        return ObjectLease(self, lease_id)
+
     # ---- config and index ----------------------------------------------------------------------
     def _sync_config(self, cache: str, pack_target: int | None) -> None:
         key = f"{self.root}/config"
@@ -219,11 +229,9 @@ class ObjectStore(Store):
         Returns ``{"packs_added", "packs_dropped"}``.
         """
         try:
-            names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.find(f"{self.root}/index")}
+            names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
         except FileNotFoundError:
             names = set()
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(f"{self.root}/index")
         known = {r[0] for r in self._q("SELECT id FROM packs")}
         added = 0
         for name in sorted(names - known):
@@ -408,7 +416,7 @@ class ObjectStore(Store):
         """Refs whose name starts with ``prefix``, sorted by name (one listing of ``refs/``)."""
         base = f"{self.root}/refs/"
         try:
-            keys = sorted(self.fs.find(f"{self.root}/refs"))
+            keys = sorted(self._find(f"{self.root}/refs"))
         except FileNotFoundError:
             return []
         out = []
@@ -482,7 +490,7 @@ class ObjectStore(Store):
         if missing:
             raise IntegrityError(f"ref {name!r}: chunk {next(iter(missing)).hex()} is not in the store")
         packs = {p for p, _, _ in loc.values()}
-        present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.find(f"{self.root}/index")}
+        present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
         if packs - present:
             raise IntegrityError(f"ref {name!r}: pack {sorted(packs - present)[0]} is not (or no longer) in {self.url}")
         now = time.time()
@@ -499,17 +507,6 @@ class ObjectStore(Store):
         self._update_ref(name, fn, create_only=not replace)
         lease.release()
         return _info(obj)
-
-    def put(self, name: str, src: str | os.PathLike[str], description: str | None = None,
-            replace: bool = False, exclude: Sequence[str] = ()) -> RefInfo:
-        """As :meth:`Store.put`, holding a writer lease object (``locks/writer-<id>``) that gc respects."""
-        key = f"{self.root}/locks/writer-{secrets.token_hex(8)}"
-        self.fs.pipe_file(key, json.dumps({"owner": self.owner, "started": time.time()}).encode())
-        try:
-            return super().put(name, src, description, replace, exclude)
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(key)
 
     def enforce_quota(self, keep: str | None = None) -> list[str]:
         """No quota on the shared tier (its size is the object store's business): nothing is evicted."""
@@ -570,7 +567,7 @@ class ObjectStore(Store):
 
     def _live_writers(self) -> bool:
         try:
-            found = self.fs.find(f"{self.root}/locks", detail=True)
+            found = self._find(f"{self.root}/locks", detail=True)
         except FileNotFoundError:
             return False
         now = time.time()
@@ -609,6 +606,35 @@ class ObjectStore(Store):
             report["refs"][info.name] = {"ok": not (missing or damaged), "missing": missing, "damaged": damaged}
             report["ok"] = report["ok"] and not (missing or damaged)
         return report
+
+
+class ObjectLease(Lease):
+    """A :class:`~tb5sync.store.writer.Lease` in the local index plus a writer lease object
+    ``locks/writer-<id>`` in the store, rewritten at least every ``LEASE_TTL_OBJ / 3`` seconds while the
+    writer protects chunks, removed on release; gc sweeps nothing while a young one exists."""
+
+    def __init__(self, store: ObjectStore, lease_id: str | None = None) -> None:
+        super().__init__(store, lease_id)
+        self.obj_store = store
+        self.key = f"{store.root}/locks/writer-{self.id}"
+        self._written = 0.0
+        self._renew()
+
+    def _renew(self) -> None:
+        self.obj_store.fs.pipe_file(self.key, json.dumps({"owner": self.obj_store.owner, "at": time.time()}).encode())
+        self._written = time.monotonic()
+
+    def protect(self, digests: Sequence[bytes]) -> list[bool]:
+        if time.monotonic() - self._written > LEASE_TTL_OBJ / 3:
+            self._renew()
+        return super().protect(digests)
+
+    def release(self) -> None:
+        try:
+            super().release()
+        finally:
+            with contextlib.suppress(Exception):
+                self.obj_store.fs.rm_file(self.key)
 
 
 def _info(obj: dict[str, Any]) -> RefInfo:
