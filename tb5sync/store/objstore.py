@@ -33,13 +33,15 @@ first, then the pack. Packs with some live chunks are kept whole (no repack on t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -50,7 +52,10 @@ from .packs import FsspecPackStorage, iter_frames
 from .store import RefInfo, Store, all_digests, check_ref_name
 from .writer import Lease
 
-__all__ = ["ObjectStore", "open_store", "is_object_url", "RefConflictError", "LEASE_TTL_OBJ"]
+__all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConflictError", "ObjectStoreError",
+           "LEASE_TTL_OBJ"]
+
+log = logging.getLogger(__name__)
 
 #: A lease object (ref lease or writer lease) not renewed for this long is dead, seconds.
 LEASE_TTL_OBJ = 60.0
@@ -66,8 +71,37 @@ class RefConflictError(Tb5syncError, RuntimeError):
     """A ref changed under a compare-and-swap too many times in a row (another writer keeps winning)."""
 
 
+class ObjectStoreError(Tb5syncError, OSError):
+    """The object store failed a request (unreachable, timed out, refused a write); names the store URL,
+    what was being done and the backend's own message. Nothing half-written is referenced."""
+
+    exit_code = 11
+
+
 class _Precondition(Exception):
     pass
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _clear_errors(what: str) -> Callable[[_F], _F]:
+    """Errors of the object store's client (botocore, aiohttp, OSError) leave as :class:`ObjectStoreError`."""
+
+    def deco(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            try:
+                return fn(self, *args, **kw)
+            except (Tb5syncError, FileNotFoundError, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                url = getattr(self, "url", None) or getattr(self, "root", "?")
+                raise ObjectStoreError(f"{url}: {what} failed: {type(exc).__name__}: {exc}") from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
 
 
 def is_object_url(s: str | os.PathLike[str] | None) -> bool:
@@ -110,6 +144,7 @@ class ObjectPackStorage(FsspecPackStorage):
         super().__init__(fs, root)
         self.index_root = index_root
 
+    @_clear_errors("writing a pack")
     def put_file(self, name: str, path: str) -> int:
         with open(path, "rb") as f:
             data = f.read()
@@ -309,6 +344,8 @@ class ObjectStore(Store):
         return self._conditional
 
     def _probe_conditional(self) -> bool:
+        """Create-if-absent twice and If-Match with a wrong ETag: both refused means honoured. An error
+        other than a refused precondition propagates (and nothing is recorded)."""
         if not self._is_s3():
             return False
         b, k = self._s3_split(f"{self.root}/locks/probe-{secrets.token_hex(8)}")
@@ -324,8 +361,6 @@ class ObjectStore(Store):
                 return False
             except _Precondition:
                 return True
-        except Exception:
-            return False
         finally:
             with contextlib.suppress(Exception):
                 self.fs.call_s3("delete_object", Bucket=b, Key=k)
@@ -435,8 +470,10 @@ class ObjectStore(Store):
                 return None
             return dict(old, last_used=time.time())
 
-        with contextlib.suppress(RefConflictError):
+        try:
             self._update_ref(name, fn)
+        except Exception as exc:  # a read does not fail because its use could not be recorded
+            log.debug("%s: last use of %r not recorded: %s", self.url, name, exc)
 
     def rm(self, name: str) -> None:
         """Remove ref ``name``.
@@ -507,6 +544,17 @@ class ObjectStore(Store):
         self._update_ref(name, fn, create_only=not replace)
         lease.release()
         return _info(obj)
+
+    @_clear_errors("put")
+    def put(self, name: str, src: str | os.PathLike[str], description: str | None = None,
+            replace: bool = False, exclude: Sequence[str] = ()) -> RefInfo:
+        """As :meth:`Store.put`; errors of the object store leave as :class:`ObjectStoreError`."""
+        return super().put(name, src, description, replace, exclude)
+
+    @_clear_errors("get")
+    def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
+        """As :meth:`Store.get`; errors of the object store leave as :class:`ObjectStoreError`."""
+        return super().get(name, dest, replace, hardlink)
 
     def enforce_quota(self, keep: str | None = None) -> list[str]:
         """No quota on the shared tier (its size is the object store's business): nothing is evicted."""
