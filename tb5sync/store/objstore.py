@@ -26,7 +26,7 @@ holder that dies frees it after ``LEASE_TTL_OBJ`` seconds.
 
 gc on an object store marks from every ref object and deletes only packs none of whose chunks is
 marked, whose index object is older than ``grace`` seconds, and only while no writer lease
-(``locks/writer-*``, touched during put) younger than ``LEASE_TTL_OBJ`` exists; the index object goes
+(``locks/writer-*``: every writer's :class:`ObjectLease`, rewritten while it writes) younger than ``LEASE_TTL_OBJ`` exists; the index object goes
 first, then the pack. Packs with some live chunks are kept whole (no repack on the shared tier).
 """
 
