@@ -351,3 +351,49 @@ def test_tiers_read_through_and_write_through(seaweed: Any, url: str, tmp_path: 
     finally:
         a.server.stop()
         b.server.stop()
+
+
+def test_storage_options_parse() -> None:
+    from tb5sync.errors import UsageError
+    from tb5sync.storecli import parse_storage_options
+
+    assert parse_storage_options(["key=k", "secret=s=x", "endpoint_url=http://127.0.0.1:9", "anon=false",
+                                  "max_concurrency=4"]) == {
+        "key": "k", "secret": "s=x", "anon": False, "max_concurrency": 4,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    with pytest.raises(UsageError, match="--storage-option 'oops': expected KEY=VALUE"):
+        parse_storage_options(["oops"])
+
+
+def test_cli_storage_options_and_serve_upstream(seaweed: Any, url: str, tmp_path: Any) -> None:
+    # no AWS_* variables: everything through --storage-option, for the store and for serve --upstream
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    so = ["--storage-option", f"key={seaweed.env()['AWS_ACCESS_KEY_ID']}",
+          "--storage-option", f"secret={seaweed.env()['AWS_SECRET_ACCESS_KEY']}",
+          "--storage-option", f"endpoint_url={seaweed.endpoint}", "--storage-option", "region_name=us-east-1"]
+    src = make_tree(str(tmp_path / "src"), files=5)
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *so, "put", "c/1", src],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    os.makedirs(tmp_path / "root")
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+                          "--store", str(tmp_path / "tier"), "--upstream", url, *so], stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()
+        port = line.rsplit(":", 1)[-1].strip()
+        assert port.isdigit(), line
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "client"), "pull",
+                            "c/1", f"tb5://127.0.0.1:{port}", "--json"], capture_output=True, text=True, env=env,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        with Store(str(tmp_path / "client")) as c:
+            c.get("c/1", str(tmp_path / "out"))
+        assert snapshot(str(tmp_path / "out")) == snapshot(src)
+    finally:
+        p.terminate()
+        p.wait(10)
+        if p.stderr is not None:
+            p.stderr.close()
