@@ -84,11 +84,13 @@ class PeerSource:
         return s
 
     def ref(self, name: str) -> RefInfo:
+        """The server's ref ``name`` (RefNotFoundError when absent; ConnectError when unreachable)."""
         from .store.ops import ref_from_wire
 
         return ref_from_wire(self._session().call("ref", {"name": name}).get("ref"))
 
     def fetch(self, batch: Sequence[ChunkRef]) -> list[bytes]:
+        """The bytes of each chunk of ``batch`` over this worker's session, each checked against its digest."""
         from .storeclient import _fetch
 
         got: dict[bytes, bytes] = {}
@@ -96,6 +98,7 @@ class PeerSource:
         return [got[d] for d, _ in batch]
 
     def close(self) -> None:
+        """Close every session the workers opened."""
         with self._lock:
             ss, self._sessions = self._sessions, []
         for s in ss:

@@ -11,7 +11,7 @@ Layout under the URL's prefix (store format v1 on objects; the pack format is un
 
 Nothing is referenced before it is whole: a pack object, then its index object, then (after every
 chunk a ref reaches is indexed) the ref object. A SQLite index in a local cache directory
-(``cache``, default ``<user cache dir>/tb5sync/objstore/<hash of the URL>``) is a copy of the
+(``cache``, default ``<user cache dir>/tb5sync/objstore/<hash of the URL and endpoint>``) is a copy of the
 ``index/`` objects, brought up to date by :meth:`ObjectStore.sync_index` (at open, and whenever a
 chunk or ref is not found); it can be deleted at any time.
 
@@ -217,7 +217,12 @@ class ObjectStore(Store):
                 base = user_cache_dir("tb5sync", appauthor=False)
             except ImportError:
                 base = os.path.join(os.path.expanduser("~"), ".cache", "tb5sync")
-            cache = os.path.join(base, "objstore", hashlib.sha256(url.encode()).hexdigest()[:24])
+            # one cache per store: the URL and the endpoint it is reached at (one bucket name, two clusters)
+            ck = (storage_options or {}).get("client_kwargs") or {}
+            endpoint = (ck.get("endpoint_url") or (storage_options or {}).get("endpoint_url")
+                        or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "")
+            key = f"{url}\n{endpoint}".encode()
+            cache = os.path.join(base, "objstore", hashlib.sha256(key).hexdigest()[:24])
         os.makedirs(cache, exist_ok=True)
         self._conditional = conditional
         self._sync_config(cache, pack_target)
