@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable)")
     h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
     _http_cache_options(h)
+    s.add_argument("--upstream", metavar="URL",
+                   help="with --store: a shared store (s3://bucket/prefix, any fsspec URL, or a directory) the local "
+                        "store caches: missing refs are read through, pushes written through")
+    s.add_argument("--peer", action="append", default=[], metavar="tb5://HOST[:PORT]",
+                   help="another node's store a read-through also fetches from, in parallel (repeatable)")
+    s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                   help="an fsspec storage option for --upstream (repeatable)")
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
     y.add_argument("src", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
@@ -214,6 +221,7 @@ def _cmd_http_cache(a: argparse.Namespace) -> int:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
+    from .storecli import parse_storage_options
 
     host, port = _parse_bind(a.bind)
     store = os.path.join(a.root, ".tb5sync", "store") if a.store == "" or (a.store is None and a.http_cache) else a.store
@@ -224,6 +232,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,
         store=store,
+        upstream=a.upstream, peers=a.peer, storage_options=parse_storage_options(a.storage_options) or None,
     )
     srv.bind()
     cache = _http_cache(a, store, a.http_cache) if a.http_cache else None

@@ -179,6 +179,14 @@ class Server:
     tls_cert, tls_key : str or None
         PEM certificate chain and private key: serve over TLS (``ssl`` module, TLS >= 1.2).
         Clients connect with ``tb5s://`` URLs. The token is still required as configured.
+    upstream : str or None
+        With ``store``: a shared store (``s3://bucket/prefix``, any fsspec URL, or a directory) the
+        local store caches: refs it lacks are read through, pushes written through
+        (:mod:`tb5sync.tiers`).
+    peers : sequence of str
+        ``tb5://HOST[:PORT]`` servers whose stores a read-through also fetches from, in parallel.
+    storage_options : dict or None
+        fsspec options for ``upstream``.
 
     Raises
     ------
@@ -210,6 +218,9 @@ class Server:
         auth_window: float = 60.0,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        upstream: str | None = None,
+        peers: Sequence[str] = (),
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         from .chunking import warn_if_pure_python
         from .hashing import check_environment
@@ -274,6 +285,10 @@ class Server:
         self._store: Any = None
         self._janitor: Janitor | None = None
         self._logged: dict[str, float] = {}
+        if upstream is not None and store is None:
+            raise UsageError("--upstream needs --store (the local tier)")
+        self.upstream, self.peers, self.storage_options = upstream, list(peers), storage_options
+        self._tier: Any = None
 
     @property
     def port(self) -> int:
@@ -447,6 +462,8 @@ class Server:
         if self._janitor is not None:
             self._janitor.close()
         self.state.close()
+        if self._tier is not None:
+            self._tier.close()
         if self._store is not None:
             self._store.close()
 
@@ -598,7 +615,16 @@ class Server:
         with self._lock:
             if self._store is None:
                 self._store = Store(self.store_path)
-        ops = StoreOps(self._store, self.read_only)
+            if self.upstream is not None and self._tier is None:
+                from .tiers import Tier
+
+                self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
+        if self._tier is not None:
+            from .tiers import TieredStoreOps
+
+            ops: StoreOps = TieredStoreOps(self._store, self.read_only, self._tier)
+        else:
+            ops = StoreOps(self._store, self.read_only)
         try:
             ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
             serve(ch, ops, STORE_METHODS)

@@ -2,8 +2,11 @@
 
 ``tb5sync store [--store DIR] put REF DIR|FILE``, ``get REF DEST``, ``cat REF PATH``, ``ls [PREFIX]``,
 ``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
-``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``.
-The store is ``--store DIR``, else ``$TB5SYNC_STORE``, else ``tb5sync/store`` in the user's data
+``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``,
+``pull REF --from SRC [--from SRC...]`` (every source at once, disjoint chunk sets: :mod:`tb5sync.fanout`).
+The store is ``--store DIR`` or ``--store URL`` (``s3://bucket/prefix``, any fsspec URL: an
+:class:`~tb5sync.store.objstore.ObjectStore`; s3fs reads credentials and endpoint from the AWS_*
+variables, or ``--storage-option KEY=VALUE``), else ``$TB5SYNC_STORE``, else ``tb5sync/store`` in the user's data
 directory. ``--json`` prints data as JSON.
 """
 
@@ -40,7 +43,12 @@ def parse_size(text: str) -> int:
 def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add the ``store`` command and its subcommands to ``sub`` (the CLI's subparsers)."""
     s = sub.add_parser("store", help="the artifact store: put, get, push and pull named snapshots", parents=[common])
-    s.add_argument("--store", metavar="DIR", help="store directory (default: $TB5SYNC_STORE, else the user's data directory)")
+    s.add_argument("--store", metavar="DIR|URL",
+                   help="store directory or object store URL, e.g. s3://bucket/prefix "
+                        "(default: $TB5SYNC_STORE, else the user's data directory)")
+    s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                   help="an fsspec storage option for an object store URL (repeatable; e.g. "
+                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
     ss = s.add_subparsers(dest="store_command", required=True)
 
     def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
@@ -81,6 +89,8 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     q = cmd("gc", "delete unreferenced chunks, repack sparse packs", True)
     q.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                    help="repack packs whose live bytes are below this fraction (default 0.5)")
+    q.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="object store only: spare packs indexed less than this long ago (default 3600)")
     cmd("stats", "logical and stored bytes, dedup ratio, packs", True)
     cmd("reindex", "rebuild the chunk index from the packs (after a lost or damaged index)", True)
     q = cmd("quota", "show or set the size quota (LRU eviction of unpinned refs)")
@@ -88,7 +98,11 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     for name, what in (("push", "send REF to a server's store"), ("pull", "fetch REF from a server's store")):
         q = cmd(name, what, True)
         q.add_argument("ref")
-        q.add_argument("url", help="tb5://HOST[:PORT]")
+        q.add_argument("url", help="tb5://HOST[:PORT]", nargs="?" if name == "pull" else None)
+        if name == "pull":
+            q.add_argument("--from", dest="sources", action="append", default=[], metavar="SRC",
+                           help="a source to fetch from at the same time as the others (repeatable): tb5://HOST[:PORT], "
+                                "s3://bucket/prefix or a store directory; chunks are split between them")
         q.add_argument("--as", dest="as_name", metavar="NAME", help="name the ref gets on the other side")
         q.add_argument("--force", action="store_true", help="replace the ref on the other side if it exists")
         q.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams (default 4)")
@@ -117,18 +131,48 @@ def _remote(url: str) -> Any:
     return r
 
 
+def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` as fsspec storage options; ``endpoint_url`` and ``region_name`` go into
+    ``client_kwargs`` (where s3fs takes them); ``true``/``false`` and integers are converted.
+
+    Raises
+    ------
+    UsageError
+        A pair without ``=``.
+    """
+    from .errors import UsageError
+
+    out: dict[str, Any] = {}
+    for p in pairs:
+        k, eq, v = p.partition("=")
+        if not eq or not k:
+            raise UsageError(f"--storage-option {p!r}: expected KEY=VALUE")
+        val: Any = v
+        if v.lower() in ("true", "false"):
+            val = v.lower() == "true"
+        elif re.fullmatch(r"-?[0-9]+", v):
+            val = int(v)
+        if k in ("endpoint_url", "region_name"):
+            out.setdefault("client_kwargs", {})[k] = val
+        else:
+            out[k] = val
+    return out
+
+
 def run_store(a: argparse.Namespace, read_token: Any) -> int:
     """Run one ``tb5sync store`` subcommand; returns the exit status."""
-    from .store import Store
+    from .errors import UsageError
+    from .store.objstore import open_store
 
     c = a.store_command
+    opts = parse_storage_options(a.storage_options)
     out = sys.stdout
     if c == "ls" and a.url:
         from .storeclient import remote_refs
 
         _print_refs(remote_refs(_remote(a.url), a.prefix, token=read_token(a.token_file)), a.json)
         return 0
-    with Store(a.store) as st:
+    with open_store(a.store, opts or None) as st:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()
@@ -176,7 +220,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if not rep["ok"]:
                 return 13
         elif c == "gc":
-            res = st.gc(a.repack_below)
+            if a.grace is not None and not hasattr(st, "url"):
+                raise UsageError("store gc --grace applies only to an object store (--store URL)")
+            res = st.gc(a.repack_below, **({"grace": a.grace} if a.grace is not None else {}))
             print(json.dumps(res) if a.json else
                   f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
                   f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
@@ -204,8 +250,23 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 st.set_quota(None if a.size.lower() == "none" else parse_size(a.size))
                 st.enforce_quota()
             print("none" if st.quota is None else _fmt(st.quota))
+        elif c == "pull" and a.sources:
+            from .fanout import pull_fanout
+
+            srcs = list(a.sources) + ([a.url] if a.url else [])
+            res = pull_fanout(st, a.ref, srcs, as_name=a.as_name, replace=a.force, storage_options=opts or None,
+                              token=read_token(a.token_file))
+            if a.json:
+                print(json.dumps(res))
+            else:
+                per = ", ".join(f"{k} {_fmt(v['bytes'])}" for k, v in res["sources"].items())
+                print(f"{res['ref']}: {res['chunks_fetched']} of {res['chunks']} chunks fetched, "
+                      f"{_fmt(res['bytes_fetched'])} in {res['seconds']:.2f} s ({per})")
         elif c in ("push", "pull"):
             from .storeclient import pull_ref, push_ref
+
+            if not a.url:
+                raise UsageError(f"store {c}: give tb5://HOST[:PORT]" + (" or --from SRC" if c == "pull" else ""))
 
             fn = push_ref if c == "push" else pull_ref
             res = fn(st, a.ref, _remote(a.url), token=read_token(a.token_file), streams=a.streams,
