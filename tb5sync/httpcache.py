@@ -81,6 +81,8 @@ FLUSH_EVERY = 5.0
 IDLE_TIMEOUT = 60.0
 
 _BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
+#: A key in Bazel's ``ac``/``cas`` namespaces whose name is not a lowercase SHA-256 hex digest.
+_BAZEL_NS_RE = re.compile(r"^(?:.+/)?(?:ac|cas)/[^/]+$")
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -332,6 +334,10 @@ class HttpCache:
         except UsageError as exc:
             return web.Response(status=400, text=f"{exc}\n")
         m = _BAZEL_RE.match(key)
+        if m is None and _BAZEL_NS_RE.match(key):
+            # Bazel's protocol names ac and cas entries by their SHA-256 (bazel-remote answers 400
+            # to anything else): such a key is not an opaque kv key that skips the digest check.
+            return web.Response(status=400, text=f"not a lowercase SHA-256 hex digest: {key.rsplit('/', 1)[1][:80]}\n")
         kind = m.group("kind") if m else "kv"
         if request.method in ("GET", "HEAD"):
             return await self._get(request, key, kind, m)

@@ -542,3 +542,14 @@ def test_entry_damaged_past_its_first_chunk_is_cut_short_then_dropped(cache: Htt
     with pytest.raises(http.client.IncompleteRead):
         r.read()
     assert req(conn(cache), "GET", key)[0] == 404
+
+
+@pytest.mark.parametrize("name", ["notahex", "ABCDEF" + "0" * 58, "0" * 63, "0" * 65])
+def test_cas_and_ac_keys_must_be_sha256_digests(cache: HttpCache, name: str) -> None:
+    """Bazel's namespaces take only lowercase SHA-256 hex names (bazel-remote answers 400): a
+    ``/cas/notahex`` PUT must not be stored as an opaque key that skips the digest check."""
+    h = conn(cache)
+    for ns in ("cas", "ac", "inst/cas"):
+        assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 400
+        assert req(h, "GET", f"/{ns}/{name}")[0] == 400
+    assert blob_keys(cache.store) == []
