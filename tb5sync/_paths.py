@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .errors import PathError
+from .errors import PathError, RemoteNotFoundError, UsageError
 
 __all__ = [
     "STATE_DIR",
@@ -114,6 +114,43 @@ def resolve_in_root(root: str, path: str) -> str:
         return root
     parent = os.path.realpath(os.path.join(root, *parts[:-1]))
     return check_in_root(root, os.path.join(parent, parts[-1]), path)
+
+
+def follow_slash(full: str, given: str, root: str | None = None) -> str:
+    """``full`` itself, or the directory it links to when ``given`` ends with ``/``.
+
+    POSIX path resolution (and so rsync) takes ``link/`` to mean the directory a symlink points
+    to: ``rsync -a link/ dst/`` copies that directory's contents, never the link. Without the
+    trailing slash the link is the source itself (copied as a link).
+
+    Parameters
+    ----------
+    full : str
+        Absolute path of the source as given (its last component not resolved).
+    given : str
+        The source as the user or the peer wrote it (only its trailing slash matters).
+    root : str, optional
+        A served root the resolved directory must stay inside (a pull).
+
+    Raises
+    ------
+    RemoteNotFoundError
+        ``link/`` whose target does not exist.
+    UsageError
+        ``link/`` whose target is not a directory (POSIX's ENOTDIR).
+    PathError
+        The target lies outside ``root``.
+    """
+    if not given.endswith("/") or not os.path.islink(full):
+        return full
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        raise RemoteNotFoundError(f"source {given!r} is a symlink to nothing") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"source {given!r}: not a directory (a trailing slash names a directory)")
+    real = os.path.realpath(full)
+    return real if root is None else check_in_root(root, real, given)
 
 
 def check_in_root(root: str, full: str, path: str) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
+from ._paths import follow_slash
 from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
 from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
@@ -223,6 +224,7 @@ def push(
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
+    src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
     handler = _PushHandler(sender, progress, 0)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._paths import resolve_in_root
+from ._paths import follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback
 from .errors import (
     ArgumentTypeError,
@@ -681,6 +681,7 @@ class Server:
         base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
+        base = follow_slash(base, path, self.root)  # "link/": the directory, if it is inside ROOT
         sid, s = self._new_session("pull", streams)
         try:
             s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True)  # replies go out through sockets only
