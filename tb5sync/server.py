@@ -31,7 +31,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._paths import resolve_in_root
@@ -481,12 +481,13 @@ class Server:
             if self.tls is not None:
                 ch = self._wrap_tls(ch)
                 current.append(ch)
+            charged = [0]  # failures in the window counting this attempt; 0: its MAC was not checked
             try:
-                server_handshake(ch, self.token)
+                server_handshake(ch, self.token, lambda: self._auth_gate(addr[0], charged))
             except AuthError as exc:
-                n = self._auth.failed(addr[0])
-                log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
-                            addr[0], addr[1], n, self._auth.window, exc)
+                if charged[0]:
+                    log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
+                                addr[0], addr[1], charged[0], self._auth.window, exc)
                 raise
             ch.max_payload = P.MAX_PAYLOAD
             got = ch.recv_frame()
@@ -528,6 +529,24 @@ class Server:
                 self._handlers.discard(threading.current_thread())
             if not keep:
                 ch.close()
+
+    def _auth_gate(self, ip: str, charged: list[int]) -> Callable[[], None]:
+        """Right before an AUTH's MAC is checked: refuse ``ip`` when it is over its failure limit
+        (whatever it was when it connected), else count a failure now, refunded when the MAC
+        proves right (so parallel handshakes cannot each pass the limit before any fails).
+
+        Raises
+        ------
+        AuthError
+            ``ip`` has ``auth_limit`` failures in the window; its MAC is not checked.
+        """
+        n, wait = self._auth.charge(ip)
+        if wait:
+            if self._auth.first_refusal(ip):
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
+            raise AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s")
+        charged[0] = n
+        return lambda: self._auth.refund(ip)
 
     def _wrap_tls(self, ch: Channel) -> Channel:
         """``ch``'s socket wrapped in TLS (handshake within the connection's deadline)."""

@@ -515,6 +515,65 @@ def test_failed_authentications_are_logged_and_rate_limited(tmp_path: Path, capl
         live.server.stop()
 
 
+def read_one_frame(sock: socket.socket, timeout: float = 5.0) -> P.Frame:
+    sock.settimeout(timeout)
+    reader = P.FrameReader()
+    while True:
+        ev = reader.next_event()
+        if ev is not P.NEED_DATA:
+            assert isinstance(ev, P.Frame)
+            return ev
+        data = sock.recv(65536)
+        assert data, "the server closed before answering"
+        reader.receive_data(data)
+
+
+def test_parallel_handshakes_cannot_bypass_the_auth_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 connections from one address all pass the accept-time check (none has failed yet),
+    then all send a wrong AUTH at once: the limiter is consulted again before each MAC check."""
+    checked = []
+    real_mac = P.client_mac
+    monkeypatch.setattr(P, "client_mac", lambda *a: checked.append(1) or real_mac(*a))
+    live = start_server(str(tmp_path / "root"), token=TOKEN, auth_limit=5, auth_window=30.0)
+    socks: list[socket.socket] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+            for _ in range(40):
+                s = socket.create_connection(("127.0.0.1", live.port), timeout=5)
+                socks.append(s)
+                s.sendall(hello())
+            for s in socks:
+                assert read_one_frame(s).header.type is FrameType.CHALLENGE
+            auth = P.encode_control(FrameType.AUTH, 0, {"mac": os.urandom(32)})
+            for s in socks:
+                s.sendall(auth)
+            messages = [error_body(read_all_frames(s)[0])["message"] for s in socks]
+        wrong = [m for m in messages if "wrong token" in m]
+        limited = [m for m in messages if "too many failed authentications" in m]
+        assert len(wrong) + len(limited) == 40, messages
+        assert 1 <= len(wrong) <= 5 and len(checked) == len(wrong), (len(wrong), len(checked))
+        failed = [r for r in caplog.records if "authentication failed from 127.0.0.1" in r.getMessage()]
+        assert len(failed) == len(wrong)
+        refusals = [r for r in caplog.records if "too many failed authentications" in r.getMessage()]
+        assert len(refusals) == 1, "35 refusals must not flood the log"
+        assert live.server._auth.blocked_for("127.0.0.1") > 0
+    finally:
+        for s in socks:
+            s.close()
+        live.server.stop()
+
+
+def test_auth_limiter_charge_is_refunded_for_a_right_mac() -> None:
+    lim = AuthLimiter(limit=2, window=60)
+    assert lim.charge("10.0.0.1") == (1, 0.0)
+    lim.refund("10.0.0.1")  # the MAC was right: nothing counted
+    assert lim.charge("10.0.0.1") == (1, 0.0) and lim.charge("10.0.0.1") == (2, 0.0)
+    n, wait = lim.charge("10.0.0.1")
+    assert n == 0 and 59 < wait <= 60
+    assert AuthLimiter(limit=0, window=60).charge("10.0.0.1") == (0, 0.0)
+
+
 def test_auth_limiter_keys_ipv6_by_64_and_forgets_the_stalest() -> None:
     assert peer_key("2001:db8::1") == peer_key("2001:db8::ffff:1") == "2001:db8::/64"
     assert peer_key("::ffff:10.0.0.1") == "10.0.0.1"
