@@ -192,6 +192,70 @@ def test_connection_cap_refuses_with_busy_and_recovers(tmp_path: Path) -> None:
     live.server.stop()
 
 
+def test_one_address_cannot_take_every_connection_slot(tmp_path: Path) -> None:
+    """40 idle connections from 127.0.0.2 (never authenticating) against max_connections=20: at
+    most 16 are held (max_unauthenticated_per_address), the rest refused as busy, and a token
+    holder from 127.0.0.1 is still served."""
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.2", 0))
+    except OSError:
+        pytest.skip("127.0.0.2 is not a local address here (macOS without an alias)")
+    finally:
+        probe.close()
+    live = start_server(str(tmp_path / "root"), token=TOKEN, max_connections=20, handshake_timeout=30)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(40):
+            s = socket.socket()
+            idle.append(s)
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", live.port))
+        assert live.server.max_unauthenticated_per_address == 16
+        wait_for(lambda: live.server.connections == 16, 5, "16 pending connections held")
+        body = error_body(read_all_frames(idle[-1])[0])
+        assert body["kind"] == "BusyError" and "not authenticated yet" in body["message"], body
+        serving(live, TOKEN)  # ls with the token succeeds
+        wait_for(lambda: live.server.connections == 16, 5, "the ls connection released")
+    finally:
+        for s in idle:
+            s.close()
+        live.server.stop()
+
+
+def test_authenticated_connections_do_not_count_as_pending(tmp_path: Path) -> None:
+    live = start_server(str(tmp_path / "root"), token=TOKEN, max_unauthenticated_per_address=2)
+    chans = []
+    try:
+        for _ in range(4):  # authenticated ones leave the pending count at once
+            chans.append(connect("127.0.0.1", live.port, TOKEN))
+        wait_for(lambda: live.server._pending == {}, 5, "no connection pending")
+        serving(live, TOKEN)
+    finally:
+        for ch in chans:
+            ch.close()
+        live.server.stop()
+    with pytest.raises(UsageError, match="max_unauthenticated_per_address"):
+        Server(str(tmp_path / "root"), port=0, max_unauthenticated_per_address=0)
+
+
+def test_handshake_timeouts_are_logged_rate_limited(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    live = start_server(str(tmp_path / "root"), token=TOKEN, handshake_timeout=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+            idle = [socket.create_connection(("127.0.0.1", live.port), timeout=5) for _ in range(3)]
+            for s in idle:
+                read_all_frames(s)  # closed by the server at the deadline
+                s.close()
+            wait_for(lambda: live.server.threads == 0, 5, "the connection threads ended")
+        lines = [r for r in caplog.records if "handshake not done within" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        assert "127.0.0.1" in lines[0].getMessage()
+        serving(live, TOKEN)
+    finally:
+        live.server.stop()
+
+
 def test_thread_start_failure_refuses_and_keeps_serving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At the process's thread limit Thread.start() raises: the connection is refused, the server lives."""
     live = start_server(str(tmp_path / "root"))
@@ -535,7 +599,8 @@ def test_parallel_handshakes_cannot_bypass_the_auth_limit(tmp_path: Path, caplog
     checked = []
     real_mac = P.client_mac
     monkeypatch.setattr(P, "client_mac", lambda *a: checked.append(1) or real_mac(*a))
-    live = start_server(str(tmp_path / "root"), token=TOKEN, auth_limit=5, auth_window=30.0)
+    live = start_server(str(tmp_path / "root"), token=TOKEN, auth_limit=5, auth_window=30.0,
+                        max_unauthenticated_per_address=64)
     socks: list[socket.socket] = []
     try:
         with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
