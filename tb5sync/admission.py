@@ -110,6 +110,53 @@ class AuthLimiter:
                 self._logged.popitem(last=False)
             return True
 
+    def charge(self, ip: str) -> tuple[int, float]:
+        """Count a failure of ``ip`` *before* its MAC is checked, unless it is over its limit.
+
+        The check and the count are one step under the lock, so parallel handshakes from one
+        peer cannot all pass the limit before any of them fails: at most ``limit`` MACs are
+        checked per window. A MAC that proves right is then :meth:`refund` ed.
+
+        Parameters
+        ----------
+        ip : str
+            The peer's address.
+
+        Returns
+        -------
+        (int, float)
+            ``(failures in the window counting this one, 0.0)`` when the MAC may be checked;
+            ``(0, seconds until it may try again)`` when it is refused (nothing counted).
+            With ``limit <= 0``: always ``(0, 0.0)``.
+        """
+        if self.limit <= 0:
+            return 0, 0.0
+        now = time.monotonic()
+        key = peer_key(ip)
+        with self._lock:
+            q = self._prune(key, now)
+            if q is not None and len(q) >= self.limit:
+                return 0, max(0.001, q[-self.limit] + self.window - now)
+            if q is None:
+                q = self._fails[key] = collections.deque(maxlen=self.limit)
+            q.append(now)
+            self._fails.move_to_end(key)
+            while len(self._fails) > self.max_peers:
+                self._fails.popitem(last=False)
+            return len(q), 0.0
+
+    def refund(self, ip: str) -> None:
+        """Take back the newest failure :meth:`charge` counted for ``ip`` (its MAC was right)."""
+        if self.limit <= 0:
+            return
+        with self._lock:
+            key = peer_key(ip)
+            q = self._fails.get(key)
+            if q:
+                q.pop()
+                if not q:
+                    del self._fails[key]
+
     def failed(self, ip: str) -> int:
         """Count a failure of ``ip``; returns its failures in the window."""
         if self.limit <= 0:

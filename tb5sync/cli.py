@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections at once, every stream counted; more are refused as busy (default 256)")
     s.add_argument("--max-sessions", type=int, default=64, metavar="N",
                    help="sessions (syncs, ls, fs clients) at once; more are refused as busy (default 64)")
+    s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
+                   help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
     s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="time a new connection has to authenticate and say what it wants (default 10)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
@@ -228,7 +230,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     srv = Server(
         a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
         no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
-        max_connections=a.max_connections, max_sessions=a.max_sessions, handshake_timeout=a.handshake_timeout,
+        max_connections=a.max_connections, max_sessions=a.max_sessions,
+        max_unauthenticated_per_address=a.max_pending_per_address, handshake_timeout=a.handshake_timeout,
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,
         store=store,

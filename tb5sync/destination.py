@@ -638,7 +638,11 @@ class Destination:
         if key is not None:
             pfd = self._partial_dir()
             if os.fstat(pfd).st_dev == os.fstat(dfd).st_dev:
-                fd = os.open(key.hex(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=pfd)
+                # O_NONBLOCK: a FIFO planted in the partial store does not block the open
+                fd = os.open(key.hex(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, 0o600, dir_fd=pfd)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise OSError(errno.EINVAL, f"partial file {key.hex()} is not a regular file")
                 if lock_file(fd):
                     return fd, pfd, key.hex(), True
                 os.close(fd)

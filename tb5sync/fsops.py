@@ -596,7 +596,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
         try:
-            fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND, shown=w.path)
+            fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK, shown=w.path)
             try:
                 write_all(fd, data)
             finally:
@@ -773,10 +773,16 @@ class FsOps:
     def touch(self, path: str, truncate: bool = True, mkdirs: bool = False) -> dict[str, Any]:
         """Create ``path`` empty, or set its times to now; ``truncate`` also empties an existing file.
 
-        ``mkdirs`` creates missing parent directories.
+        ``mkdirs`` creates missing parent directories. Opened ``O_NONBLOCK``, so a FIFO
+        (without a reader) or a device does not block the open.
+
+        Raises
+        ------
+        UsageError
+            ``path`` exists and is not a regular file (a FIFO, a device, a socket).
         """
         with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
-            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_TRUNC if truncate else 0)
             try:
                 fd = os.open(name, flags, 0o666, dir_fd=dfd)
             except IsADirectoryError:
@@ -784,7 +790,13 @@ class FsOps:
                     raise
                 os.utime(name, dir_fd=dfd, follow_symlinks=False)
                 return {}
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # a FIFO without a reader
+                    raise UsageError(f"not a regular file: {path!r}") from None
+                raise
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UsageError(f"not a regular file: {path!r}")
                 os.utime(fd)
             finally:
                 os.close(fd)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -426,11 +427,15 @@ class ServerHandshake:
         Shared secret; None disables authentication.
     nonce : bytes
         32 random bytes.
+    gate : callable or None
+        Called right before the client's MAC is checked (only with a token); may raise
+        :class:`~tb5sync.errors.AuthError` to refuse without checking it. It returns a
+        callable (or None) that is called once the MAC proved right.
 
     Raises
     ------
     AuthError
-        Wrong MAC. The caller should send :func:`error_frame` and close.
+        Wrong MAC, or refused by ``gate``. The caller should send :func:`error_frame` and close.
     RemoteProtocolError
         A frame arrives out of order or malformed.
     """
@@ -441,9 +446,11 @@ class ServerHandshake:
         "done": {},
     }
 
-    def __init__(self, token: bytes | None, nonce: bytes) -> None:
+    def __init__(self, token: bytes | None, nonce: bytes,
+                 gate: Callable[[], Callable[[], None] | None] | None = None) -> None:
         self.token = token
         self.nonce = nonce
+        self.gate = gate
         self.state = "start"
         self._client_nonce = b""
 
@@ -464,9 +471,12 @@ class ServerHandshake:
             mac = _bytes_field(msg, "mac")
             reply = b""
             if self.token is not None:
+                proved = self.gate() if self.gate is not None else None
                 want = client_mac(self.token, self.nonce, self._client_nonce)
                 if not hmac.compare_digest(mac, want):
                     raise AuthError("authentication failed: wrong token")
+                if proved is not None:
+                    proved()
                 reply = server_mac(self.token, self._client_nonce, self.nonce)
             out = encode_control(FrameType.WELCOME, 0, {"mac": reply})
         self.state = nxt

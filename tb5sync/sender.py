@@ -156,12 +156,17 @@ class Sender:
 
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
-        """Open the source file ``path`` for reading.
+        """Open the source file ``path`` for reading; only a regular file is opened.
+
+        Opened ``O_NONBLOCK`` (no effect on a regular file's reads), so a FIFO without a
+        writer (or a device) does not block the session's thread in ``open()``.
 
         Raises
         ------
         FileNotFoundError
             It vanished.
+        UsageError
+            It is not a regular file (a FIFO, a device, a socket, a directory).
         SourceError
             It cannot be opened for another reason (``"PATH: reason"``, e.g. permission denied).
         """
@@ -179,15 +184,26 @@ class Sender:
         else:
             name = path
         try:
-            return self._jail.open_cached(name)
+            fd = self._jail.open_cached(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise
+        except IsADirectoryError:
+            raise UsageError(f"not a regular file: {path}") from None
         except OSError as exc:
             if isinstance(exc, Tb5syncError):
                 raise
             err = SourceError(f"{show_path(path)}: {exc.strerror or exc}" + (f" ({exc.errno})" if exc.errno else ""))
             err.errno = exc.errno
             raise err from exc
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise UsageError(f"not a regular file: {path}")
+        return fd
 
     def _state_path(self, path: str) -> str:
         return "/".join(p for p in (self.state_prefix, path) if p)
@@ -651,7 +667,7 @@ class Sender:
         for _ in range(tries):
             try:
                 fd = self._open(path)
-            except FileNotFoundError:
+            except (FileNotFoundError, UsageError):  # gone, or not a regular file
                 return None
             try:
                 st = os.fstat(fd)

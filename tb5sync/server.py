@@ -31,11 +31,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._paths import follow_slash, resolve_in_root
-from .admission import AuthLimiter, Janitor, is_loopback
+from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
     ArgumentTypeError,
     AuthError,
@@ -156,6 +156,10 @@ class Server:
         :data:`tb5sync.protocol.MAX_HANDSHAKE` (512) bytes.
     max_sessions : int
         Sessions (OPENs other than ``join``) at once; more get ``BusyError``.
+    max_unauthenticated_per_address : int
+        Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
+        handshake yet; more from it are refused at once with ``BusyError``, so one address
+        cannot hold every ``max_connections`` slot for ``handshake_timeout`` seconds at a time.
     handshake_timeout : float
         Seconds from accept to a complete handshake and OPEN (TLS's included); a whole
         deadline, not per read.
@@ -210,6 +214,7 @@ class Server:
         no_auth: bool = False,
         max_connections: int = 256,
         max_sessions: int = 64,
+        max_unauthenticated_per_address: int = 16,
         handshake_timeout: float = 10.0,
         io_timeout: float | None = IO_TIMEOUT,
         idle_timeout: float | None = 3600.0,
@@ -241,7 +246,8 @@ class Server:
             self.allow = [ipaddress.ip_network(c, strict=False) for c in allow]
         except ValueError as exc:
             raise UsageError(f"bad --allow network: {exc}") from exc
-        for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions)):
+        for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions),
+                            ("max_unauthenticated_per_address", max_unauthenticated_per_address)):
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name} must be a positive integer, not {value!r}")
         for name, secs in (("handshake_timeout", handshake_timeout), ("io_timeout", io_timeout),
@@ -252,6 +258,7 @@ class Server:
         self.no_auth = no_auth
         self.max_connections = max_connections
         self.max_sessions = max_sessions
+        self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.handshake_timeout = handshake_timeout
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
@@ -289,6 +296,8 @@ class Server:
             raise UsageError("--upstream needs --store (the local tier)")
         self.upstream, self.peers, self.storage_options = upstream, list(peers), storage_options
         self._tier: Any = None
+        self._log_lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # peer_key -> connections not authenticated yet
 
     @property
     def port(self) -> int:
@@ -380,9 +389,11 @@ class Server:
     def _log_once(self, what: str, msg: str, *args: Any) -> None:
         """Log a refusal at most once per 10 s per kind (a flood of refused connections is not a flood of log lines)."""
         now = time.monotonic()
-        if now - self._logged.get(what, -1e9) > 10:
+        with self._log_lock:
+            if now - self._logged.get(what, -1e9) <= 10:
+                return
             self._logged[what] = now
-            log.warning(msg, *args)
+        log.warning(msg, *args)
 
     def _accepted(self, conn: socket.socket, addr: Any) -> None:
         ip = str(addr[0])
@@ -396,15 +407,25 @@ class Server:
                 log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
             self._refuse(conn, AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s"))
             return
+        key = peer_key(ip)
         with self._lock:
             busy = len(self._conns) >= self.max_connections
-            if not busy:
+            crowded = not busy and self._pending.get(key, 0) >= self.max_unauthenticated_per_address
+            if not busy and not crowded:
                 try:
                     ch = Channel(conn, io_timeout=self.handshake_timeout)
                 except OSError:
                     conn.close()
                     return
                 self._conns.add(ch)
+                self._pending[key] = self._pending.get(key, 0) + 1
+        if crowded:
+            self._log_once("pending", "refusing connections from %s: %d not authenticated yet "
+                           "(--max-pending-per-address; such refusals are logged once per 10 s)",
+                           ip, self.max_unauthenticated_per_address)
+            self._refuse(conn, BusyError(f"server busy: {self.max_unauthenticated_per_address} connections from "
+                                         f"{ip} not authenticated yet (its --max-pending-per-address); try again later"))
+            return
         if busy:
             self._log_once("busy", "refusing connections: %d open (--max-connections)", self.max_connections)
             self._refuse(conn, BusyError(f"server busy: {self.max_connections} connections open (its --max-connections); try again later"))
@@ -418,6 +439,7 @@ class Server:
             with self._lock:
                 self._handlers.discard(t)
                 self._conns.discard(ch)
+            self._authenticated(ip)
             log.warning("refusing a connection from %s: cannot start a thread: %s", ip, exc)
             self._refuse(conn, BusyError("server busy: cannot start a thread for the connection; try again later"))
 
@@ -485,11 +507,28 @@ class Server:
             addr = addr.ipv4_mapped
         return any(addr in net for net in self.allow)
 
+    def _authenticated(self, ip: str) -> None:
+        """``ip``'s connection is no longer pending authentication (it passed, or it ended)."""
+        key = peer_key(ip)
+        with self._lock:
+            n = self._pending.get(key, 0) - 1
+            if n > 0:
+                self._pending[key] = n
+            else:
+                self._pending.pop(key, None)
+
     def _handle(self, ch: Channel, addr: Any) -> None:
         keep = False
         assert self._janitor is not None
         current = [ch]  # the channel the deadline closes (the TLS one once it is wrapped)
-        deadline = self._janitor.deadline(self.handshake_timeout, lambda: current[-1].close())
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            current[-1].close()
+
+        deadline = self._janitor.deadline(self.handshake_timeout, expire)
+        pending = True
         counted = False
         try:
             tune_socket(ch.sock)
@@ -498,13 +537,16 @@ class Server:
             if self.tls is not None:
                 ch = self._wrap_tls(ch)
                 current.append(ch)
+            charged = [0]  # failures in the window counting this attempt; 0: its MAC was not checked
             try:
-                server_handshake(ch, self.token)
+                server_handshake(ch, self.token, lambda: self._auth_gate(addr[0], charged))
             except AuthError as exc:
-                n = self._auth.failed(addr[0])
-                log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
-                            addr[0], addr[1], n, self._auth.window, exc)
+                if charged[0]:
+                    log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
+                                addr[0], addr[1], charged[0], self._auth.window, exc)
                 raise
+            pending = False
+            self._authenticated(addr[0])
             ch.max_payload = P.MAX_PAYLOAD
             got = ch.recv_frame()
             if got is None:
@@ -526,9 +568,7 @@ class Server:
                     counted = True
             keep = self._open(ch, msg)
         except (Tb5syncError, OSError) as exc:
-            if ch.closed and not self._stopping.is_set() and not isinstance(exc, Tb5syncError):
-                log.info("connection from %s ended: handshake not done within %g s", addr[0], self.handshake_timeout)
-            else:
+            if not timed_out.is_set():  # a timeout is logged below
                 log.info("connection from %s ended: %s", addr[0], exc)
             if not isinstance(exc, OSError) or isinstance(exc, Tb5syncError):
                 ch.send_error(0, exc)
@@ -537,6 +577,11 @@ class Server:
             ch.send_error(0, exc)
         finally:
             self._janitor.cancel(deadline)
+            if timed_out.is_set() and not self._stopping.is_set():
+                self._log_once("handshake-timeout", "closed a connection from %s: handshake not done within %g s "
+                               "(--handshake-timeout; such closes are logged once per 10 s)", addr[0], self.handshake_timeout)
+            if pending:
+                self._authenticated(addr[0])
             with self._lock:
                 if counted:
                     self._open_sessions -= 1
@@ -545,6 +590,24 @@ class Server:
                 self._handlers.discard(threading.current_thread())
             if not keep:
                 ch.close()
+
+    def _auth_gate(self, ip: str, charged: list[int]) -> Callable[[], None]:
+        """Right before an AUTH's MAC is checked: refuse ``ip`` when it is over its failure limit
+        (whatever it was when it connected), else count a failure now, refunded when the MAC
+        proves right (so parallel handshakes cannot each pass the limit before any fails).
+
+        Raises
+        ------
+        AuthError
+            ``ip`` has ``auth_limit`` failures in the window; its MAC is not checked.
+        """
+        n, wait = self._auth.charge(ip)
+        if wait:
+            if self._auth.first_refusal(ip):
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
+            raise AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s")
+        charged[0] = n
+        return lambda: self._auth.refund(ip)
 
     def _wrap_tls(self, ch: Channel) -> Channel:
         """``ch``'s socket wrapped in TLS (handshake within the connection's deadline)."""

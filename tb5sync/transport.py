@@ -15,6 +15,7 @@ import select
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import protocol as P
@@ -410,18 +411,21 @@ def client_handshake(ch: Channel, token: bytes | None) -> None:
     ch.max_payload = limit
 
 
-def server_handshake(ch: Channel, token: bytes | None) -> None:
+def server_handshake(ch: Channel, token: bytes | None,
+                     gate: Callable[[], Callable[[], None] | None] | None = None) -> None:
     """Run the server side of the handshake on ``ch``.
 
     Until the client is authenticated, frames longer than :data:`tb5sync.protocol.MAX_HANDSHAKE`
     are refused before anything is allocated; the caller sets :attr:`Channel.max_payload` for
     what follows. On failure an ERROR frame is sent to the client before the error is re-raised.
+    ``gate`` is :class:`tb5sync.protocol.ServerHandshake`'s: called right before the MAC is
+    checked, it may refuse with ``AuthError``.
 
     Raises
     ------
     AuthError, VersionMismatchError, RemoteProtocolError, ConnectError
     """
-    hs = P.ServerHandshake(token, os.urandom(P.NONCE_SIZE))
+    hs = P.ServerHandshake(token, os.urandom(P.NONCE_SIZE), gate)
     ch.max_payload = P.MAX_HANDSHAKE
     try:
         while not hs.done:

@@ -67,7 +67,8 @@ def parse_url(url: str) -> Remote | None:
     Raises
     ------
     UsageError
-        A ``tb5://`` URL without a host, with a bad port, or another scheme; or a local path
+        A ``tb5://`` URL that cannot be parsed (e.g. an unclosed ``[`` of an IPv6 host), without
+        a host, with a bad port, or another scheme; or a local path
         that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``): write
         ``./tb5:...`` for a local name that really starts so. The message quotes the URL
         without its token.
@@ -78,10 +79,15 @@ def parse_url(url: str) -> Remote | None:
             raise UsageError(f"{shown!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
                              f"write ./{shown} for a local path)")
         return None
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError as exc:  # "Invalid IPv6 URL" and the like
+        raise UsageError(f"malformed URL {shown!r} ({exc}; expected tb5://HOST[:PORT]/PATH, "
+                         f"an IPv6 host in brackets: tb5://[::1]/PATH)") from None
     if parts.scheme not in SCHEMES:
         raise UsageError(f"unsupported URL scheme {parts.scheme!r} in {shown!r} (expected tb5:// or tb5s://)")
-    if not parts.hostname:
+    if not hostname:
         raise UsageError(f"no host in {shown!r}")
     try:
         port = parts.port or DEFAULT_PORT
@@ -90,7 +96,7 @@ def parse_url(url: str) -> Remote | None:
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     secret = parts.password if parts.password is not None else parts.username
     token = unquote(secret).encode() if secret else None
-    return Remote(parts.hostname, port, path, token, parts.scheme == "tb5s")
+    return Remote(hostname, port, path, token, parts.scheme == "tb5s")
 
 
 def token_of(token: bytes | str | None, remote: Remote | None = None) -> bytes | None:

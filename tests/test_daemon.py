@@ -192,6 +192,70 @@ def test_connection_cap_refuses_with_busy_and_recovers(tmp_path: Path) -> None:
     live.server.stop()
 
 
+def test_one_address_cannot_take_every_connection_slot(tmp_path: Path) -> None:
+    """40 idle connections from 127.0.0.2 (never authenticating) against max_connections=20: at
+    most 16 are held (max_unauthenticated_per_address), the rest refused as busy, and a token
+    holder from 127.0.0.1 is still served."""
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.2", 0))
+    except OSError:
+        pytest.skip("127.0.0.2 is not a local address here (macOS without an alias)")
+    finally:
+        probe.close()
+    live = start_server(str(tmp_path / "root"), token=TOKEN, max_connections=20, handshake_timeout=30)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(40):
+            s = socket.socket()
+            idle.append(s)
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", live.port))
+        assert live.server.max_unauthenticated_per_address == 16
+        wait_for(lambda: live.server.connections == 16, 5, "16 pending connections held")
+        body = error_body(read_all_frames(idle[-1])[0])
+        assert body["kind"] == "BusyError" and "not authenticated yet" in body["message"], body
+        serving(live, TOKEN)  # ls with the token succeeds
+        wait_for(lambda: live.server.connections == 16, 5, "the ls connection released")
+    finally:
+        for s in idle:
+            s.close()
+        live.server.stop()
+
+
+def test_authenticated_connections_do_not_count_as_pending(tmp_path: Path) -> None:
+    live = start_server(str(tmp_path / "root"), token=TOKEN, max_unauthenticated_per_address=2)
+    chans = []
+    try:
+        for _ in range(4):  # authenticated ones leave the pending count at once
+            chans.append(connect("127.0.0.1", live.port, TOKEN))
+        wait_for(lambda: live.server._pending == {}, 5, "no connection pending")
+        serving(live, TOKEN)
+    finally:
+        for ch in chans:
+            ch.close()
+        live.server.stop()
+    with pytest.raises(UsageError, match="max_unauthenticated_per_address"):
+        Server(str(tmp_path / "root"), port=0, max_unauthenticated_per_address=0)
+
+
+def test_handshake_timeouts_are_logged_rate_limited(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    live = start_server(str(tmp_path / "root"), token=TOKEN, handshake_timeout=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+            idle = [socket.create_connection(("127.0.0.1", live.port), timeout=5) for _ in range(3)]
+            for s in idle:
+                read_all_frames(s)  # closed by the server at the deadline
+                s.close()
+            wait_for(lambda: live.server.threads == 0, 5, "the connection threads ended")
+        lines = [r for r in caplog.records if "handshake not done within" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        assert "127.0.0.1" in lines[0].getMessage()
+        serving(live, TOKEN)
+    finally:
+        live.server.stop()
+
+
 def test_thread_start_failure_refuses_and_keeps_serving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """At the process's thread limit Thread.start() raises: the connection is refused, the server lives."""
     live = start_server(str(tmp_path / "root"))
@@ -513,6 +577,66 @@ def test_failed_authentications_are_logged_and_rate_limited(tmp_path: Path, capl
         serving(live, TOKEN)
     finally:
         live.server.stop()
+
+
+def read_one_frame(sock: socket.socket, timeout: float = 5.0) -> P.Frame:
+    sock.settimeout(timeout)
+    reader = P.FrameReader()
+    while True:
+        ev = reader.next_event()
+        if ev is not P.NEED_DATA:
+            assert isinstance(ev, P.Frame)
+            return ev
+        data = sock.recv(65536)
+        assert data, "the server closed before answering"
+        reader.receive_data(data)
+
+
+def test_parallel_handshakes_cannot_bypass_the_auth_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 connections from one address all pass the accept-time check (none has failed yet),
+    then all send a wrong AUTH at once: the limiter is consulted again before each MAC check."""
+    checked = []
+    real_mac = P.client_mac
+    monkeypatch.setattr(P, "client_mac", lambda *a: checked.append(1) or real_mac(*a))
+    live = start_server(str(tmp_path / "root"), token=TOKEN, auth_limit=5, auth_window=30.0,
+                        max_unauthenticated_per_address=64)
+    socks: list[socket.socket] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+            for _ in range(40):
+                s = socket.create_connection(("127.0.0.1", live.port), timeout=5)
+                socks.append(s)
+                s.sendall(hello())
+            for s in socks:
+                assert read_one_frame(s).header.type is FrameType.CHALLENGE
+            auth = P.encode_control(FrameType.AUTH, 0, {"mac": os.urandom(32)})
+            for s in socks:
+                s.sendall(auth)
+            messages = [error_body(read_all_frames(s)[0])["message"] for s in socks]
+        wrong = [m for m in messages if "wrong token" in m]
+        limited = [m for m in messages if "too many failed authentications" in m]
+        assert len(wrong) + len(limited) == 40, messages
+        assert 1 <= len(wrong) <= 5 and len(checked) == len(wrong), (len(wrong), len(checked))
+        failed = [r for r in caplog.records if "authentication failed from 127.0.0.1" in r.getMessage()]
+        assert len(failed) == len(wrong)
+        refusals = [r for r in caplog.records if "too many failed authentications" in r.getMessage()]
+        assert len(refusals) == 1, "35 refusals must not flood the log"
+        assert live.server._auth.blocked_for("127.0.0.1") > 0
+    finally:
+        for s in socks:
+            s.close()
+        live.server.stop()
+
+
+def test_auth_limiter_charge_is_refunded_for_a_right_mac() -> None:
+    lim = AuthLimiter(limit=2, window=60)
+    assert lim.charge("10.0.0.1") == (1, 0.0)
+    lim.refund("10.0.0.1")  # the MAC was right: nothing counted
+    assert lim.charge("10.0.0.1") == (1, 0.0) and lim.charge("10.0.0.1") == (2, 0.0)
+    n, wait = lim.charge("10.0.0.1")
+    assert n == 0 and 59 < wait <= 60
+    assert AuthLimiter(limit=0, window=60).charge("10.0.0.1") == (0, 0.0)
 
 
 def test_auth_limiter_keys_ipv6_by_64_and_forgets_the_stalest() -> None:

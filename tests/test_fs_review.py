@@ -380,3 +380,29 @@ def test_write_into_a_missing_directory_fails_at_open(tmp_path: Any) -> None:
         assert fs.cat_file("new/dir/f") == b"made"
     finally:
         live.server.stop()
+
+
+def test_touch_of_a_fifo_answers_at_once(srv: Any) -> None:
+    """`touch` of a FIFO without a reader is refused within a second (its open() is O_NONBLOCK),
+    and the connection keeps serving."""
+    live, fs, root = srv
+    fifo = os.path.join(root, "fifo")
+    os.mkfifo(fifo)
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fs.touch("fifo", truncate=False))
+        except Exception as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(1.0)
+    hung = t.is_alive()
+    if hung:  # release the server thread blocked in open()
+        os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        t.join(3)
+    assert not hung, "touch of a FIFO blocked the server"
+    assert isinstance(out[0], Exception) and "not a regular file" in str(out[0]), out
+    assert fs.cat("f") == b"hello world"

@@ -954,3 +954,85 @@ def test_cli_version_and_thread_options_after_the_command() -> None:
     assert (a.chunk_threads, a.hash_threads) == (4, 0)
     a = p.parse_args(["--hash-threads", "5", "serve", "--hash-threads", "1", "root"])
     assert a.hash_threads == 1  # after the command wins
+
+
+# ---- FIFOs and devices in the served tree ----------------------------------------------------
+
+
+def _answers_within(fn: Callable[[], Any], seconds: float = 1.0) -> tuple[bool, Any]:
+    """Run ``fn`` in a thread; ``(finished in time, its result or exception)``."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return (not t.is_alive()), (out[0] if out else None)
+
+
+def _release_fifo(fifo: str) -> None:
+    """Open ``fifo`` for both ends once, so that a thread blocked opening it is let go."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize(
+    "method,args",
+    [
+        ("chunk_list", {"path": "fifo"}),
+        ("read_files", {"paths": ["fifo"]}),
+        ("read_ranges", {"path": "fifo", "ranges": [[0, 1]], "size": 1, "mtime_ns": 0}),
+        ("file_digests", {"paths": ["fifo"]}),
+    ],
+)
+def test_pull_requests_for_a_fifo_answer_at_once(tmp_path: Path, method: str, args: dict[str, Any]) -> None:
+    """A FIFO without a writer in ROOT: each request answers within a second (not a thread blocked
+    in open() forever), with an error or the request's "not there" answer, even on --read-only."""
+    from tb5sync.rpc import call_direct
+
+    root = tmp_path / "ro"
+    (root / "d").mkdir(parents=True)
+    fifo = str(root / "d" / "fifo")
+    os.mkfifo(fifo)
+    live = start_server(str(root), read_only=True)
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        try:
+            open_session(ch, {"op": "pull", "path": "d", "options": {}, "streams": 1})
+            done, got = _answers_within(lambda: call_direct(ch, method, args))
+        finally:
+            _release_fifo(fifo)
+            ch.close()
+        assert done, f"{method} of a FIFO blocked the session's thread"
+        if method in ("chunk_list", "read_ranges"):
+            assert isinstance(got, UsageError) and "not a regular file" in str(got), repr(got)
+        else:  # these answer None for a file they cannot read
+            assert not isinstance(got, Exception), repr(got)
+            body = got[0] if isinstance(got, tuple) else got
+            assert list(body.values())[0] == [None], got
+        serving_ok, _ = _answers_within(lambda: remote_ls(parse_url(live.url("")), token=None), 5)
+        assert serving_ok
+    finally:
+        live.server.stop()
+
+
+def test_sync_cli_pulling_a_tree_with_a_fifo_finishes(server: LiveServer, tmp_path: Path) -> None:
+    src = os.path.join(server.root, "t")
+    os.makedirs(src)
+    write(os.path.join(src, "f"), b"data")
+    os.mkfifo(os.path.join(src, "fifo"))
+    dst = str(tmp_path / "dst")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("TB5SYNC_TOKEN", None)
+    try:
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", server.url("t/"), dst],
+                           capture_output=True, text=True, env=env, timeout=30)
+    finally:
+        _release_fifo(os.path.join(src, "fifo"))
+    assert r.returncode in (0, 23, 24), r.stderr  # rsync's partial-transfer codes are allowed
+    assert Path(dst, "f").read_bytes() == b"data"

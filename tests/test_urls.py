@@ -69,6 +69,8 @@ def test_url_forms(url: str, host: str, port: int, path: str, token: bytes | Non
         f"http://{QUOTED}@host/x",           # other scheme
         f"tb5://u:{QUOTED}@/x",              # no host
         f"tb5:/{QUOTED}@host/x",             # mistyped
+        f"tb5://{QUOTED}@[::1/x",            # unclosed IPv6 bracket (urlsplit's ValueError)
+        f"tb5://{QUOTED}@::1]/x",
     ],
 )
 def test_url_errors_never_show_the_token(url: str) -> None:
@@ -142,6 +144,14 @@ def test_cli_bad_url_error_does_not_echo_the_token(tmp_path: Path) -> None:
     assert "Zq9" not in r.stderr
     r = cli("sync", str(tmp_path), f"tb5://{QUOTED}@127.0.0.1:99999/")
     assert r.returncode == 2 and "Zq9" not in r.stderr
+
+
+def test_cli_malformed_ipv6_url_is_a_usage_error(tmp_path: Path) -> None:
+    r = cli("ls", f"tb5://{QUOTED}@[::1/x")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("tb5sync: error: malformed URL 'tb5://***@[::1/x'"), r.stderr
+    assert "Traceback" not in r.stderr and "Zq9" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_server_logs_no_token(tmp_path: Path) -> None:
