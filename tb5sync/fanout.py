@@ -292,13 +292,9 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             nbytes = _run(srcs, [r for r, h in zip(mrefs, have) if not h], writer, got, batch, stats)
             data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
             items = decode_manifest(data, f"manifest of {name!r}")
-            seen: set[bytes] = set()
-            chunks = []
-            for it in items:
-                for d, n in it.chunks:
-                    if d not in seen:
-                        seen.add(d)
-                        chunks.append((d, n))
+            from .storeclient import unique_chunks
+
+            chunks = unique_chunks(items)
             have = []
             for k in range(0, len(chunks), 10000):
                 have += lease.protect([d for d, _ in chunks[k : k + 10000]])

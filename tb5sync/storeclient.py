@@ -99,7 +99,8 @@ def _batches(refs: Sequence[ChunkRef], limit: int = STORE_MAX_BATCH) -> Iterator
         yield cur
 
 
-def _unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
+def unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
+    """The chunks ``(digest, length)`` of ``items``, each once, in first-seen order."""
     seen: set[bytes] = set()
     out = []
     for it in items:
@@ -186,7 +187,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
             if file_digest(d for d, _ in mrefs) != info.manifest:
                 raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
             items = decode_manifest(data, f"manifest of {name!r} from {remote.host}")
-            chunks = _unique_chunks(items)
+            chunks = unique_chunks(items)
             have = []
             for k in range(0, len(chunks), STORE_MAX_DIGESTS):
                 have += lease.protect([d for d, _ in chunks[k : k + STORE_MAX_DIGESTS]])
@@ -242,7 +243,7 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
             else:
                 raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port}")
         lease = secrets.token_hex(16)
-        chunks = list(info.mchunks) + [c for c in _unique_chunks(items) if c[0] not in {d for d, _ in info.mchunks}]
+        chunks = list(info.mchunks) + [c for c in unique_chunks(items) if c[0] not in {d for d, _ in info.mchunks}]
         have: list[bool] = []
         for k in range(0, len(chunks), STORE_MAX_DIGESTS):
             part = chunks[k : k + STORE_MAX_DIGESTS]
