@@ -116,6 +116,8 @@ class Receiver:
     dst_scan : Future of Tree, optional
         A scan of ``dest`` already running (:func:`scan_in_background` with the same
         exclude rules); by default :meth:`run` starts one.
+    link_dest_root : str, optional
+        On a server, its ROOT: every ``--link-dest`` directory must lie inside it.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class Receiver:
         progress: ProgressFn | None = None,
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
         dst_scan: Future[Tree] | None = None,
+        link_dest_root: str | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
         self._dst_scan = dst_scan
@@ -137,7 +140,8 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync)
+        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
+        self.link_dest_root = link_dest_root
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -212,6 +216,14 @@ class Receiver:
         generator.prepare(plan, planned.src)
         dest = self.destination
         files = [e for e in plan.files if not dest.skipped(e.path)] if dest.failed_dirs else plan.files
+        if self.options.link_dest:  # rsync --link-dest: identical files linked from DIR, not fetched
+            from .inodes import LinkDest
+
+            ld = LinkDest(dest, self.options, self.link_dest_root)
+            try:
+                files = ld.take(files)
+            finally:
+                ld.close()
         small = [e for e in files if e.size < SMALL_FILE]
         large = [e for e in files if e.size >= SMALL_FILE]
         self._fetch_small(small)
