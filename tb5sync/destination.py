@@ -654,6 +654,32 @@ class Destination:
         self._dirty.add(rel.rpartition("/")[0])
         return True
 
+    @_names_path
+    def set_xattrs(self, rel: str, is_dir: bool, want: list[tuple[bytes, bytes]]) -> bool:
+        """``-X``: make the copied extended attributes of the file or directory ``rel`` exactly
+        ``want`` (:func:`tb5sync._fsmeta.set_xattrs`), through a descriptor opened with
+        ``O_NOFOLLOW`` from its directory's. True when something changed.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            It cannot be opened, or an attribute cannot be set or removed.
+        """
+        from ._fsmeta import set_xattrs
+
+        if is_dir:
+            return set_xattrs(self.dir_fd(rel), want)
+        dfd, name = self.parent(rel)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            return set_xattrs(fd, want)
+        finally:
+            os.close(fd)
+
     # ---- large files' work files --------------------------------------------------------
     def _partial_dir(self) -> int:
         """Descriptor of the state's ``partial/`` directory: through the jail when the state lives

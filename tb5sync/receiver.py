@@ -224,12 +224,37 @@ class Receiver:
                 files = ld.take(files)
             finally:
                 ld.close()
+        followers: dict[str, str] = {}
+        if self.options.hard_links:  # rsync -H: each group's first path is written, the others linked to it
+            from .inodes import link_groups
+
+            followers = link_groups(generator.src_hardlinks, planned.src)
+            files = [e for e in files if e.path not in followers]
         small = [e for e in files if e.size < SMALL_FILE]
         large = [e for e in files if e.size >= SMALL_FILE]
         self._fetch_small(small)
         for e in large:
             self._fetch_large_retrying(e)
-        generator.finish(plan)
+        if followers:
+            self._link_followers(followers)
+        generator.finish(plan, planned.src)
+
+    def _link_followers(self, followers: dict[str, str]) -> None:
+        """``-H``: make each path of ``followers`` a hard link to its group's first path (already
+        written, or unchanged). One that cannot be linked is the path's destination failure."""
+        dest = self.destination
+        failed = {f.path for f in dest.failures} | set(dest.changed)
+        for path, leader in followers.items():
+            if dest.skipped(path) or leader in failed:
+                continue
+            try:
+                ldfd, lname = dest.parent(leader)
+                if not dest.link_from(path, ldfd, lname):
+                    dest.fail(path, "destination", "cannot hard-link to " + leader)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(path, "destination", exc)
 
     # ---- small files ------------------------------------------------------------------
     def _fetch_small(self, files: list[Entry]) -> None:

@@ -747,7 +747,7 @@ class Server:
         base = follow_slash(base, path, self.root)  # "link/": the directory, if it is inside ROOT
         sid, s = self._new_session("pull", streams)
         try:
-            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True)  # replies go out through sockets only
+            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root)  # replies go out through sockets only
             s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
