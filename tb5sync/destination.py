@@ -667,8 +667,9 @@ class Destination:
         OSError
             It cannot be opened, or an attribute cannot be set or removed.
         """
-        from ._fsmeta import set_xattrs
+        from ._fsmeta import copied_name, set_xattrs
 
+        want = [(n, v) for n, v in want if copied_name(n)]  # a peer sets no other namespace (trusted., security.)
         if is_dir:
             return set_xattrs(self.dir_fd(rel), want)
         dfd, name = self.parent(rel)

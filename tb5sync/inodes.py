@@ -3,7 +3,7 @@
 ``--link-dest``: a file the plan would write (missing or changed at the destination) that a
 previous snapshot holds identical (regular file, same size, mtime and mode: rsync ``-a``'s
 rule) is hard-linked from the snapshot instead of fetched. ``-H``: paths the sender lists as one
-inode (``hardlink groups``, see :func:`tb5sync.scan.link_groups`) become one inode at the
+inode (:attr:`tb5sync.scan.Tree.hardlinks`, the entries pages' ``hl``) become one inode at the
 destination: the group's first path (in listing order) is written as any file, every other path
 is then linked to it. Both go through :meth:`Destination.link_from` (temporary name, rename).
 """

@@ -612,9 +612,16 @@ def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: li
         failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
         return None
     if extras.root is not None:
+        from ._paths import check_in_root
+        from .errors import PathError
+
         real = os.path.realpath(full)
-        if real != extras.root and not real.startswith(extras.root.rstrip("/") + "/"):
-            failed("symlink leads outside the served root")
+        try:
+            check_in_root(extras.root, real, rel)
+        except PathError:
+            failed("symlink leads outside the served root (or into its state)")
+            return None
+        if is_temp_name(os.path.basename(real)):
             return None
     if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) in extras.ancestors:
         failed("symlink loop: the directory it points to holds it")

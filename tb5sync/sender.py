@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import STATE_DIR, Jail, is_temp_name
-from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
+from ._paths import STATE_DIR, Jail, check_in_root, is_temp_name
+from .errors import PathError, RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath, path_from_wire, show_path
 from .scan import Extras, Tree, scan_tree
@@ -178,9 +178,13 @@ class Sender:
         if self.root is None:
             return os.open(full, flags)
         real = os.path.realpath(full)
+        try:
+            check_in_root(self.root, real, path)
+        except PathError:
+            raise PermissionError(errno.EACCES, "symlink leads outside the served root (or into its state)", path) from None
+        if is_temp_name(os.path.basename(real)):
+            raise RemoteNotFoundError(f"not a source file: {path}")
         rel = os.path.relpath(real, self.root)
-        if rel == ".." or rel.startswith("../"):
-            raise PermissionError(errno.EACCES, "symlink leads outside the served root", path)
         if self._root_jail is None:
             self._root_jail = Jail(self.root)
         return self._root_jail.open_file(rel, flags | os.O_NOFOLLOW)

@@ -276,6 +276,27 @@ def test_xattrs_vs_rsync_and_rerun(oh: OptHarness, monkeypatch: pytest.MonkeyPat
     oh.check_all(xattrs=True)
 
 
+def test_xattrs_from_a_peer_only_in_copied_namespaces(tmp_path: Any) -> None:
+    """The receiving side sets only names it would copy itself (user.* on Linux): a peer's
+    trusted.* or security.* names are not set, whatever it sends."""
+    from tb5sync.destination import Destination
+
+    base = str(tmp_path / "dst")
+    os.makedirs(base)
+    write(os.path.join(base, "f"), b"x", 0o644, T0)
+    try:
+        os.setxattr(os.path.join(base, "f"), "user.probe", b"1")
+    except OSError:
+        pytest.skip("no user extended attributes on this file system")
+    d = Destination(base)
+    try:
+        d.set_xattrs("f", False, [(b"trusted.evil", b"1"), (b"user.ok", b"2")])
+    finally:
+        d.close()
+    names = os.listxattr(os.path.join(base, "f"))
+    assert "user.ok" in names and "trusted.evil" not in names and "user.probe" not in names
+
+
 # ---- -L, --copy-unsafe-links, --safe-links ---------------------------------------------------
 
 
@@ -358,10 +379,13 @@ def test_pull_copy_links_stays_inside_root(tmp_path: Any, server: Any) -> None:
     write(os.path.join(src, "ok"), b"ok", 0o644, T0)
     os.symlink(outside, os.path.join(src, "leak"))
     os.symlink(str(tmp_path), os.path.join(src, "leakdir"))
+    os.makedirs(os.path.join(server.root, ".tb5sync"), exist_ok=True)
+    os.symlink("../.tb5sync", os.path.join(src, "state"))  # inside ROOT, but the server's own state
     dst = str(tmp_path / "dst")
     with pytest.raises(PartialTransferError) as ei:
         tb5sync.sync(server.url("tree/"), dst, copy_links=True)
-    assert {(f.path, f.side, f.server) for f in ei.value.failures} == {("leak", "source", True), ("leakdir", "source", True)}
+    assert {(f.path, f.side, f.server) for f in ei.value.failures} == {
+        ("leak", "source", True), ("leakdir", "source", True), ("state", "source", True)}
     assert sorted(os.listdir(dst)) == ["ok"]
 
 
