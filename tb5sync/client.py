@@ -242,7 +242,7 @@ def push(
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
+    src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
     handler = _PushHandler(sender, progress, 0)

@@ -744,7 +744,7 @@ class Server:
         base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
-        base = follow_slash(base, path, self.root)  # "link/": the directory, if it is inside ROOT
+        base = follow_slash(base, path, self.root, follow=options.copy_links)  # "link/": the directory, if it is inside ROOT
         sid, s = self._new_session("pull", streams)
         try:
             s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root)  # replies go out through sockets only

@@ -239,7 +239,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
+    src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)

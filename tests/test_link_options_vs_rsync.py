@@ -322,6 +322,16 @@ def test_symlink_options_vs_rsync(oh: OptHarness, flag: str, spec: str) -> None:
     oh.check_all(ignore=("dst",))
 
 
+@pytest.mark.parametrize("spec", ["lnk_dir", "lnk_dir/", "lnk_file"])
+def test_copy_links_source_itself_a_symlink(oh: OptHarness, spec: str) -> None:
+    """-L with the source itself a symlink: rsync copies what it points to, under the link's name."""
+    _links_tree(oh.sp, oh.src)
+    os.symlink("src/d", os.path.join(oh.sp, "lnk_dir"))
+    os.symlink("src/f", os.path.join(oh.sp, "lnk_file"))
+    oh.run_opts(spec, "dst/", ["-L"], copy_links=True)
+    oh.check_all(ignore=("dst",))
+
+
 def test_safe_links_leaves_absolute_links_out(oh: OptHarness) -> None:
     os.makedirs(oh.src)
     write(os.path.join(oh.src, "f"), b"x", 0o644, T0)
