@@ -633,6 +633,8 @@ class Destination:
         """
         dfd, name = self.parent(rel)
         src = os.stat(src_name, dir_fd=src_dfd, follow_symlinks=False)
+        if not stat.S_ISREG(src.st_mode):
+            return False  # replaced meanwhile: only a regular file is linked
         try:
             have = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if (have.st_dev, have.st_ino) == (src.st_dev, src.st_ino):

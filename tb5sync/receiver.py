@@ -210,20 +210,33 @@ class Receiver:
         """Apply ``planned``: the generator's deletions and directories, the files' data, then symlinks, modes and mtimes.
 
         Small files (below :data:`SMALL_FILE`) are fetched first, in batches; then each large
-        file, one after another.
+        file, one after another. With ``--link-dest`` files identical in a DIR are linked first,
+        with ``-H`` each hard-link group's other paths are linked to its first once that is written.
+
+        Raises
+        ------
+        PathError
+            A ``--link-dest`` directory outside a server's ROOT (before anything is changed).
         """
+        ld = None
+        if self.options.link_dest:  # rsync --link-dest: opened (and checked against a server's ROOT) before any change
+            from .inodes import LinkDest
+
+            ld = LinkDest(self.destination, self.options, self.link_dest_root)
+        try:
+            self._apply_plan(generator, planned, ld)
+        finally:
+            if ld is not None:
+                ld.close()
+
+    def _apply_plan(self, generator: Generator, planned: Planned, ld: Any) -> None:
+        """:meth:`_apply` once the ``--link-dest`` directories (``ld``, a :class:`~tb5sync.inodes.LinkDest` or None) are open."""
         plan = planned.plan
         generator.prepare(plan, planned.src)
         dest = self.destination
         files = [e for e in plan.files if not dest.skipped(e.path)] if dest.failed_dirs else plan.files
-        if self.options.link_dest:  # rsync --link-dest: identical files linked from DIR, not fetched
-            from .inodes import LinkDest
-
-            ld = LinkDest(dest, self.options, self.link_dest_root)
-            try:
-                files = ld.take(files)
-            finally:
-                ld.close()
+        if ld is not None:  # identical files linked from DIR, not fetched
+            files = ld.take(files)
         followers: dict[str, str] = {}
         if self.options.hard_links:  # rsync -H: each group's first path is written, the others linked to it
             from .inodes import link_groups
