@@ -116,7 +116,7 @@ def resolve_in_root(root: str, path: str) -> str:
     return check_in_root(root, os.path.join(parent, parts[-1]), path)
 
 
-def follow_slash(full: str, given: str, root: str | None = None) -> str:
+def follow_slash(full: str, given: str, root: str | None = None, *, follow: bool = False) -> str:
     """``full`` itself, or the directory it links to when ``given`` ends with ``/``.
 
     POSIX path resolution (and so rsync) takes ``link/`` to mean the directory a symlink points
@@ -131,6 +131,8 @@ def follow_slash(full: str, given: str, root: str | None = None) -> str:
         The source as the user or the peer wrote it (only its trailing slash matters).
     root : str, optional
         A served root the resolved directory must stay inside (a pull).
+    follow : bool
+        rsync ``-L``: a symlink source is what it points to (a file or a directory), slash or not.
 
     Raises
     ------
@@ -141,13 +143,15 @@ def follow_slash(full: str, given: str, root: str | None = None) -> str:
     PathError
         The target lies outside ``root``.
     """
-    if not given.endswith("/") or not os.path.islink(full):
+    if not (follow or given.endswith("/")) or not os.path.islink(full):
         return full
     try:
         st = os.stat(full)
     except FileNotFoundError:
         raise RemoteNotFoundError(f"source {given!r} is a symlink to nothing") from None
-    if not stat.S_ISDIR(st.st_mode):
+    except OSError as exc:
+        raise RemoteNotFoundError(f"source {given!r}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) and not (follow and stat.S_ISREG(st.st_mode)):
         raise UsageError(f"source {given!r}: not a directory (a trailing slash names a directory)")
     real = os.path.realpath(full)
     return real if root is None else check_in_root(root, real, given)

@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--fsync", action="store_true",
                    help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
     y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+    # ---- rsync -H -S -X -L --copy-unsafe-links --safe-links --link-dest
+    from .options import LINK_OPTIONS
+
+    for name, (flags, what) in LINK_OPTIONS.items():
+        y.add_argument(*flags.split("/"), dest=name, action="store_true", help=what)
+    y.add_argument("--link-dest", action="append", default=[], metavar="DIR", dest="link_dest",
+                   help="hard-link files unchanged from DIR (relative: to the destination directory; repeatable)")
     timeout_opts(y)
     y.add_argument("--state-dir", metavar="DIR",
                    help="scan cache, chunk index and partial files of a local or pulled destination "
@@ -265,6 +272,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _cmd_sync(a: argparse.Namespace) -> int:
+    from .options import LINK_OPTIONS
     from .sync import sync
 
     bar = None
@@ -296,6 +304,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             progress=progress,
             state_dir=a.state_dir,
             fsync=a.fsync,
+            **{k: getattr(a, k) for k in (*LINK_OPTIONS, "link_dest")},
             token=_read_token(a.token_file, env=False),
             timeout=a.timeout or None,
             tls_ca=a.tls_ca,

@@ -47,6 +47,8 @@ def _open_streams(
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
+        if isinstance(msg.get("options"), dict):  # never an option the server would ignore
+            _check_known(SyncOptions.from_wire(msg["options"]), resp, r)
         if opened is not None:
             opened()
         sid = resp.get("session")
@@ -59,6 +61,22 @@ def _open_streams(
             c.close()
         raise
     return chans, resp
+
+
+def _check_known(options: SyncOptions, resp: dict[str, Any], r: Remote) -> None:
+    """Refuse to go on with a server that does not read every option set in ``options``.
+
+    Raises
+    ------
+    UsageError
+        Naming the options (their rsync flags) and the server.
+    """
+    from .options import LINK_OPTIONS
+
+    missing = options.unsupported(resp.get("options"))
+    if missing:
+        flags = ", ".join(LINK_OPTIONS[m][0] if m in LINK_OPTIONS else "--" + m.replace("_", "-") for m in missing)
+        raise UsageError(f"the server at {r.host}:{r.port} does not support {flags}: upgrade tb5sync there")
 
 
 def default_state_dir(root: str) -> str | None:
@@ -224,7 +242,7 @@ def push(
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
+    src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
     handler = _PushHandler(sender, progress, 0)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from ._io import write_all
+from ._sparse import copy_sparse, has_zero_blocks, write_sparse
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .entry import show_path
 from .errors import DestinationError, PathError, Tb5syncError
@@ -159,6 +160,9 @@ class Destination:
     fsync : bool
         Make each commit durable: the file's data is ``fsync``-ed before its rename, and its
         directory after it (see :meth:`sync_dirs`).
+    sparse : bool
+        rsync ``-S``: aligned 4 KiB blocks of zeros in written files are left as holes
+        (:mod:`tb5sync._sparse`; a large file holding some is copied sparsely at its commit).
 
     Attributes
     ----------
@@ -193,13 +197,15 @@ class Destination:
     """
 
     def __init__(
-        self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None, *, fsync: bool = False
+        self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None, *, fsync: bool = False,
+        sparse: bool = False,
     ) -> None:
         self.base = base
         self.state = state
         self.state_prefix = state_prefix
         self.progress = progress
         self.fsync = fsync
+        self.sparse = sparse
         self.stats: dict[str, int] = dict.fromkeys(STAT_COUNTERS, 0)
         self.done_bytes = 0
         self.total_bytes = 0
@@ -569,7 +575,11 @@ class Destination:
             fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=dfd)
             try:
                 lock_file(fd)
-                write_all(fd, data)
+                if self.sparse:
+                    write_sparse(fd, data)
+                    os.ftruncate(fd, len(data))
+                else:
+                    write_all(fd, data)
                 os.fchmod(fd, mode & 0o7777)
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
                 if self.fsync:
@@ -601,6 +611,77 @@ class Destination:
             _unlink_at(dfd, tmp)
             raise
         self._dirty.add(rel.rpartition("/")[0])
+
+    @_names_path
+    def link_from(self, rel: str, src_dfd: int, src_name: str) -> bool:
+        """Make ``rel`` a hard link to ``src_name`` of the directory ``src_dfd`` (``--link-dest``,
+        ``-H``): linked under a temporary name beside ``rel`` and renamed over it.
+
+        Returns
+        -------
+        bool
+            True when ``rel`` is (now, or already was) that inode; False when no hard link can be
+            made there (another file system, a file system without hard links, the link limit):
+            the caller copies instead.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            The link or the rename failed otherwise (the temporary name is removed).
+        """
+        dfd, name = self.parent(rel)
+        src = os.stat(src_name, dir_fd=src_dfd, follow_symlinks=False)
+        if not stat.S_ISREG(src.st_mode):
+            return False  # replaced meanwhile: only a regular file is linked
+        try:
+            have = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if (have.st_dev, have.st_ino) == (src.st_dev, src.st_ino):
+                return True  # a rename onto the same inode would do nothing and leave the temporary name
+        except FileNotFoundError:
+            pass
+        tmp = temp_name(name)
+        try:
+            os.link(src_name, tmp, src_dir_fd=src_dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EMLINK, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                return False
+            raise
+        try:
+            self._rename_over(rel, dfd, tmp, dfd, name)
+        except BaseException:
+            _unlink_at(dfd, tmp)
+            raise
+        self._dirty.add(rel.rpartition("/")[0])
+        return True
+
+    @_names_path
+    def set_xattrs(self, rel: str, is_dir: bool, want: list[tuple[bytes, bytes]]) -> bool:
+        """``-X``: make the copied extended attributes of the file or directory ``rel`` exactly
+        ``want`` (:func:`tb5sync._fsmeta.set_xattrs`), through a descriptor opened with
+        ``O_NOFOLLOW`` from its directory's. True when something changed.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            It cannot be opened, or an attribute cannot be set or removed.
+        """
+        from ._fsmeta import copied_name, set_xattrs
+
+        want = [(n, v) for n, v in want if copied_name(n)]  # a peer sets no other namespace (trusted., security.)
+        if is_dir:
+            return set_xattrs(self.dir_fd(rel), want)
+        dfd, name = self.parent(rel)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            return set_xattrs(fd, want)
+        finally:
+            os.close(fd)
 
     # ---- large files' work files --------------------------------------------------------
     def _partial_dir(self) -> int:
@@ -682,6 +763,8 @@ class Destination:
         if self.fsync:
             os.fsync(fd)
         try:
+            if self.sparse and has_zero_blocks(fd, os.fstat(fd).st_size):  # -S: holes made by a sparse copy
+                raise OSError(errno.EXDEV, "sparse copy")
             self._rename_over(rel, wdir, wname, dfd, name)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
@@ -692,7 +775,7 @@ class Destination:
                 out = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=dfd)
                 try:
                     lock_file(out)
-                    _copy_fd(fd, out, st.st_size)
+                    (copy_sparse if self.sparse else _copy_fd)(fd, out, st.st_size)
                     os.fchmod(out, stat.S_IMODE(st.st_mode))
                     os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
                     if self.fsync:

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from typing import Any, NamedTuple
 
@@ -74,6 +75,9 @@ class Generator:
         self.destination = destination
         self.options = options
         self.params = params
+        #: -H: source path -> hard-link group; -X: source path -> extended attributes (as listed)
+        self.src_hardlinks: dict[str, int] = {}
+        self.src_xattrs: dict[str, list[tuple[bytes, bytes]]] = {}
 
     # ---- listing and plan -------------------------------------------------------------
     def make_plan(self, dst_scan: Future[Tree]) -> Planned:
@@ -169,6 +173,8 @@ class Generator:
                 root = page.root
                 failed = page.failed
                 self.destination.specials += page.skipped
+                if page.root_xattrs:
+                    self.src_xattrs[""] = page.root_xattrs
             dirs += page.dirs
             if len(dirs) >= page.total or not page.dirs:
                 return root, dirs, failed
@@ -203,6 +209,10 @@ class Generator:
             got: list[Entry] = []
             while True:
                 page = EntriesPage.from_wire(fut.result())
+                for i, g in page.hardlinks.items():
+                    self.src_hardlinks[page.entries[i].path] = g
+                for i, xa in page.xattrs.items():
+                    self.src_xattrs[page.entries[i].path] = xa
                 got += page.entries
                 if not page.more:
                     break
@@ -234,7 +244,8 @@ class Generator:
         children are neither fetched nor planned. Left in are the roots, every other
         directory's children, and the entries of those other directories themselves (so
         that they are created, or get their mode and mtime back after their contents
-        change). With ``--checksum`` nothing is skipped (contents are compared).
+        change). With ``--checksum``, ``-H`` or ``-X`` nothing is skipped (contents, inodes,
+        attributes are compared).
 
         Returns
         -------
@@ -248,7 +259,8 @@ class Generator:
             The source's listing names an entry twice, or under a parent that is not one of
             its directories (a file below a symlink or a file).
         """
-        dst_dg = dst_tree.digests() if not self.options.checksum else {}
+        o = self.options  # -H and -X: links and attributes are not in the listing digests
+        dst_dg = dst_tree.digests() if not (o.checksum or o.hard_links or o.xattrs) else {}
         same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
         need = [p for p, _, _, _ in src_dirs if p not in same]
         fetched = self._fetch_entries(need) if need else {}
@@ -379,7 +391,24 @@ class Generator:
                 dest.fail(e.path, "destination", exc)
                 dest.failed_dirs.add(e.path)
 
-    def finish(self, plan: Plan) -> None:
+    def apply_xattrs(self, src: Sequence[Entry]) -> None:
+        """``-X``: give every file and directory of ``src`` the source's extended attributes (set
+        those that differ, remove the others; rsync's rule). One that cannot be set is the
+        entry's destination failure."""
+        dest = self.destination
+        for e in src:
+            if e.kind == LINK or dest.skipped(e.path) or e.path in dest.failed_dirs:
+                continue
+            try:
+                dest.set_xattrs(e.path, e.kind == DIR, self.src_xattrs.get(e.path, []))
+            except FileNotFoundError:
+                continue  # not written (a failure named already)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(e.path, "destination", exc)
+
+    def finish(self, plan: Plan, src: Sequence[Entry] = ()) -> None:
         """Apply what must come after the files are written: symlinks, then modes and mtimes.
 
         Symlinks are made under a temporary name and renamed into place; unchanged files get
@@ -412,6 +441,8 @@ class Generator:
                 if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
                     raise
                 dest.fail(e.path, "destination", exc)
+        if self.options.xattrs:
+            self.apply_xattrs(src)
         for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
             if e.path in dest.failed_dirs or dest.skipped(e.path):
                 continue

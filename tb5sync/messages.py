@@ -236,6 +236,52 @@ class DirSummary(NamedTuple):
     bytes: int
 
 
+# ---- rsync -H and -X: per-entry extras of the tree and entries pages (wire keys "hl", "xa")
+#: At most this many extended attributes on one entry, and bytes in one name / value (Linux's limits).
+MAX_XATTRS, MAX_XATTR_NAME, MAX_XATTR_VALUE = 4096, 255, 65536
+
+
+def ext_to_wire(out: dict[str, Any], hardlinks: dict[int, int], xattrs: dict[int, list[tuple[bytes, bytes]]]) -> None:
+    """Add the extras of a page to its wire map: ``"hl": [[index, group], ...]`` (rsync ``-H``: entries
+    of one group share an inode), ``"xa": [[index, [[name, value], ...]], ...]`` (``-X``); left out when empty."""
+    if hardlinks:
+        out["hl"] = [[i, g] for i, g in sorted(hardlinks.items())]
+    if xattrs:
+        out["xa"] = [[i, [[n, v] for n, v in xa]] for i, xa in sorted(xattrs.items())]
+
+
+def ext_from_wire(msg: dict[str, Any], n: int, what: str) -> tuple[dict[int, int], dict[int, list[tuple[bytes, bytes]]]]:
+    """Check a peer's ``"hl"`` and ``"xa"`` (see :func:`ext_to_wire`) for a page of ``n`` entries.
+
+    Raises
+    ------
+    RemoteProtocolError
+        Not lists of the right shapes, an index out of the page, a name or value too long.
+    """
+    hl_in, xa_in = msg.get("hl", []), msg.get("xa", [])
+    if not isinstance(hl_in, list) or not isinstance(xa_in, list):
+        raise _bad(what)
+    hardlinks: dict[int, int] = {}
+    for row in hl_in:
+        if not (isinstance(row, list) and len(row) == 2 and _is_uint(row[0]) and row[0] < n and _is_uint(row[1])):
+            raise _bad(f"{what} (hard-link group)")
+        hardlinks[row[0]] = row[1]
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = {}
+    for row in xa_in:
+        if not (isinstance(row, list) and len(row) == 2 and _is_uint(row[0]) and row[0] < n and isinstance(row[1], list)
+                and len(row[1]) <= MAX_XATTRS):
+            raise _bad(f"{what} (extended attributes)")
+        pairs = []
+        for pair in row[1]:
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], bytes) and isinstance(pair[1], bytes)
+                    and 0 < len(pair[0]) <= MAX_XATTR_NAME and b"\0" not in pair[0] and len(pair[1]) <= MAX_XATTR_VALUE):
+                raise _bad(f"{what} (extended attribute)")
+            pairs.append((pair[0], pair[1]))
+        xattrs[row[0]] = pairs
+    return hardlinks, xattrs
+# ---- end of the -H -X block
+
+
 @dataclass(frozen=True, slots=True)
 class TreePage:
     """Reply to ``tree(start)``: the source's root entry and a page of directory summaries.
@@ -262,10 +308,12 @@ class TreePage:
     total: int
     failed: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    root_xattrs: list[tuple[bytes, bytes]] = field(default_factory=list)  # -X: the root's (wire "xa", index 0)
 
     def to_wire(self) -> dict[str, Any]:
         dirs = [[path_to_wire(d.path), d.digest, d.files, d.bytes] for d in self.dirs]
         out: dict[str, Any] = {"root": self.root.to_wire(), "dirs": dirs, "total": self.total}
+        ext_to_wire(out, {}, {0: self.root_xattrs} if self.root_xattrs else {})
         if self.failed:
             out["failed"] = [[path_to_wire(p), r] for p, r in self.failed]
         if self.skipped:
@@ -297,8 +345,10 @@ class TreePage:
             except (UsageError, TypeError) as exc:
                 raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
             dirs.append(DirSummary(path, digest, files, nbytes))
+        _, xa = ext_from_wire(msg, 1, "tree page")
         return cls(
-            entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"), _check_failed(msg.get("skipped", []), "tree page")
+            entry, dirs, total, _check_failed(msg.get("failed", []), "tree page"), _check_failed(msg.get("skipped", []), "tree page"),
+            xa.get(0, []),
         )
 
 
@@ -312,9 +362,13 @@ class EntriesPage:
 
     entries: list[Entry]
     more: bool
+    hardlinks: dict[int, int] = field(default_factory=dict)  # -H: entry index -> group (wire "hl")
+    xattrs: dict[int, list[tuple[bytes, bytes]]] = field(default_factory=dict)  # -X: entry index -> attributes ("xa")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"entries": [e.to_wire() for e in self.entries], "more": self.more}
+        out = {"entries": [e.to_wire() for e in self.entries], "more": self.more}
+        ext_to_wire(out, self.hardlinks, self.xattrs)
+        return out
 
     @classmethod
     def from_wire(cls, msg: object) -> EntriesPage:
@@ -324,7 +378,8 @@ class EntriesPage:
         items, more = msg.get("entries"), msg.get("more")
         if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
             raise _bad("entries page")
-        return cls([Entry.from_wire(item) for item in items], more)
+        hl, xa = ext_from_wire(msg, len(items), "entries page")
+        return cls([Entry.from_wire(item) for item in items], more, hl, xa)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,52 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
-__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES"]
+__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
 SIDES = ("source", "destination")
+
+
+#: The option names every server reads (those before a server's OPEN reply listed its own).
+BASE_OPTIONS = ("delete", "excludes", "checksum", "dry_run", "compress", "streams", "exclude_root", "fsync")
+
+# ---- rsync options -H -S -X -L --copy-unsafe-links --safe-links (the boolean ones; --link-dest apart)
+#: Boolean option name -> (rsync's flag, what it does): the API's keyword, the CLI's flag.
+LINK_OPTIONS: dict[str, tuple[str, str]] = {
+    "hard_links": ("-H/--hard-links", "keep hard links: paths sharing an inode at the source share one at the destination"),
+    "sparse": ("-S/--sparse", "write runs of zero blocks as holes"),
+    "xattrs": ("-X/--xattrs", "copy extended attributes"),
+    "copy_links": ("-L/--copy-links", "copy what symlinks point to instead of the links"),
+    "copy_unsafe_links": ("--copy-unsafe-links", "copy what unsafe symlinks point to (absolute, or leading out of the tree)"),
+    "safe_links": ("--safe-links", "leave out unsafe symlinks (absolute, or leading out of the tree)"),
+}
+#: At most this many ``--link-dest`` directories (rsync's limit).
+MAX_LINK_DEST = 20
+
+
+def check_link_options(o: SyncOptions) -> tuple[str, ...]:
+    """Check the -H/-S/-X/-L/--link-dest fields of ``o``; returns ``link_dest`` as a tuple.
+
+    Raises
+    ------
+    UsageError
+        A field of the wrong type, an empty or NUL-holding ``link_dest`` entry, more than
+        :data:`MAX_LINK_DEST` of them.
+    """
+    for k in LINK_OPTIONS:
+        if not isinstance(getattr(o, k), bool):
+            raise UsageError(f"option {k} must be a boolean, not {getattr(o, k)!r:.80}")
+    ld = o.link_dest
+    if isinstance(ld, (str, bytes)) or not isinstance(ld, (list, tuple)):
+        raise UsageError(f"link_dest must be a list of directories, not {ld!r:.80}")
+    if len(ld) > MAX_LINK_DEST:
+        raise UsageError(f"at most {MAX_LINK_DEST} --link-dest directories, not {len(ld)}")
+    for d in ld:
+        if not isinstance(d, str) or not d or "\0" in d:
+            raise UsageError(f"--link-dest needs a directory path, not {d!r:.80}")
+    return tuple(ld)
+# ---- end of the -H -S -X -L block
 
 
 @dataclass(frozen=True)
@@ -48,6 +89,12 @@ class SyncOptions:
         entries is flushed after its renames, before the run reports success; so a file
         reported as synced survives a power cut. Off by default (as in rsync): a crash
         can then lose recent files, but never leaves a partial file at a final path.
+    hard_links, sparse, xattrs, copy_links, copy_unsafe_links, safe_links : bool
+        rsync's ``-H``, ``-S``, ``-X``, ``-L``, ``--copy-unsafe-links``, ``--safe-links``
+        (see :data:`LINK_OPTIONS` and docs/ARCHITECTURE.md, "rsync options").
+    link_dest : tuple of str
+        rsync's ``--link-dest DIR`` (repeatable, at most 20): unchanged files are hard-linked
+        from DIR (relative DIR: relative to the destination directory; on the receiving side).
     """
 
     delete: bool = False
@@ -58,6 +105,15 @@ class SyncOptions:
     streams: int = 4
     exclude_root: str = ""
     fsync: bool = False
+    # ---- rsync options -H -S -X -L --copy-unsafe-links --safe-links --link-dest (LINK_OPTIONS)
+    hard_links: bool = False
+    sparse: bool = False
+    xattrs: bool = False
+    copy_links: bool = False
+    copy_unsafe_links: bool = False
+    safe_links: bool = False
+    link_dest: tuple[str, ...] = ()
+    # ---- end of the -H -S -X -L block
 
     def __post_init__(self) -> None:
         if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
@@ -67,6 +123,7 @@ class SyncOptions:
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise UsageError(f"streams must be an integer from 1 to 64, not {self.streams!r}")
         object.__setattr__(self, "excludes", tuple(self.excludes))
+        object.__setattr__(self, "link_dest", check_link_options(self))
         self.rules  # validates patterns
 
     @property
@@ -78,7 +135,19 @@ class SyncOptions:
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly dict of these options."""
-        return {**dataclasses.asdict(self), "excludes": list(self.excludes), "exclude_root": path_to_wire(self.exclude_root)}
+        return {**dataclasses.asdict(self), "excludes": list(self.excludes), "exclude_root": path_to_wire(self.exclude_root),
+                "link_dest": [path_to_wire(d) for d in self.link_dest]}
+
+    def unsupported(self, known: object) -> list[str]:
+        """The options set here (not at their defaults) that a peer knowing only ``known`` would ignore.
+
+        ``known`` is the ``"options"`` list of a server's OPEN reply (the option names it reads);
+        a server older than that list (``known`` not a list) knows :data:`BASE_OPTIONS`.
+        """
+        names = set(known) if isinstance(known, list) else set(BASE_OPTIONS)
+        default = SyncOptions()
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in names and getattr(self, f.name) != getattr(default, f.name)]
 
     @classmethod
     def from_wire(cls, d: object) -> SyncOptions:
@@ -98,10 +167,17 @@ class SyncOptions:
             raise UsageError("excludes must be a list of strings")
         if isinstance(kw.get("exclude_root"), bytes):
             kw["exclude_root"] = path_from_wire(kw["exclude_root"])
-        for k in ("delete", "checksum", "dry_run", "fsync"):
+        if isinstance(kw.get("link_dest"), (list, tuple)):
+            kw["link_dest"] = tuple(path_from_wire(d) if isinstance(d, (str, bytes)) else d for d in kw["link_dest"])
+        for k in ("delete", "checksum", "dry_run", "fsync", *LINK_OPTIONS):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)
+
+
+#: The option names this version reads: a server's OPEN reply lists them, so that a client
+#: never sends an option a server would silently ignore (:meth:`SyncOptions.unsupported`).
+WIRE_OPTIONS = tuple(f.name for f in dataclasses.fields(SyncOptions))
 
 
 @dataclass(frozen=True)

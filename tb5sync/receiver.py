@@ -116,6 +116,8 @@ class Receiver:
     dst_scan : Future of Tree, optional
         A scan of ``dest`` already running (:func:`scan_in_background` with the same
         exclude rules); by default :meth:`run` starts one.
+    link_dest_root : str, optional
+        On a server, its ROOT: every ``--link-dest`` directory must lie inside it.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class Receiver:
         progress: ProgressFn | None = None,
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
         dst_scan: Future[Tree] | None = None,
+        link_dest_root: str | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
         self._dst_scan = dst_scan
@@ -137,7 +140,8 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync)
+        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
+        self.link_dest_root = link_dest_root
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -206,18 +210,64 @@ class Receiver:
         """Apply ``planned``: the generator's deletions and directories, the files' data, then symlinks, modes and mtimes.
 
         Small files (below :data:`SMALL_FILE`) are fetched first, in batches; then each large
-        file, one after another.
+        file, one after another. With ``--link-dest`` files identical in a DIR are linked first,
+        with ``-H`` each hard-link group's other paths are linked to its first once that is written.
+
+        Raises
+        ------
+        PathError
+            A ``--link-dest`` directory outside a server's ROOT (before anything is changed).
         """
+        ld = None
+        if self.options.link_dest:  # rsync --link-dest: opened (and checked against a server's ROOT) before any change
+            from .inodes import LinkDest
+
+            ld = LinkDest(self.destination, self.options, self.link_dest_root)
+        try:
+            self._apply_plan(generator, planned, ld)
+        finally:
+            if ld is not None:
+                ld.close()
+
+    def _apply_plan(self, generator: Generator, planned: Planned, ld: Any) -> None:
+        """:meth:`_apply` once the ``--link-dest`` directories (``ld``, a :class:`~tb5sync.inodes.LinkDest` or None) are open."""
         plan = planned.plan
         generator.prepare(plan, planned.src)
         dest = self.destination
         files = [e for e in plan.files if not dest.skipped(e.path)] if dest.failed_dirs else plan.files
+        if ld is not None:  # identical files linked from DIR, not fetched
+            files = ld.take(files)
+        followers: dict[str, str] = {}
+        if self.options.hard_links:  # rsync -H: each group's first path is written, the others linked to it
+            from .inodes import link_groups
+
+            followers = link_groups(generator.src_hardlinks, planned.src)
+            files = [e for e in files if e.path not in followers]
         small = [e for e in files if e.size < SMALL_FILE]
         large = [e for e in files if e.size >= SMALL_FILE]
         self._fetch_small(small)
         for e in large:
             self._fetch_large_retrying(e)
-        generator.finish(plan)
+        if followers:
+            self._link_followers(followers)
+        generator.finish(plan, planned.src)
+
+    def _link_followers(self, followers: dict[str, str]) -> None:
+        """``-H``: make each path of ``followers`` a hard link to its group's first path (already
+        written, or unchanged). One that cannot be linked is the path's destination failure."""
+        dest = self.destination
+        failed = {f.path for f in dest.failures} | set(dest.changed)
+        for path, leader in followers.items():
+            if dest.skipped(path) or leader in failed:
+                continue
+            try:
+                ldfd, lname = dest.parent(leader)
+                if not dest.link_from(path, ldfd, lname):
+                    dest.fail(path, "destination", "cannot hard-link to " + leader)
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
+                    raise
+                dest.fail(path, "destination", exc)
 
     # ---- small files ------------------------------------------------------------------
     def _fetch_small(self, files: list[Entry]) -> None:

@@ -19,7 +19,7 @@ from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
+__all__ = ["Extras", "scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,72 @@ def special_kind(mode: int) -> str:
 
 
 @dataclass
+class Extras:
+    """What a source's scan does beyond listing (rsync ``-H``, ``-X``, ``-L``,
+    ``--copy-unsafe-links``, ``--safe-links``); see :meth:`from_options`.
+
+    Attributes
+    ----------
+    hard_links, xattrs : bool
+        Fill :attr:`Tree.hardlinks` / :attr:`Tree.xattrs`.
+    copy_links, copy_unsafe_links, safe_links : bool
+        List what every symlink (``copy_links``) or every unsafe one points to instead of the
+        link, or leave unsafe ones out (:func:`tb5sync._fsmeta.unsafe_symlink`). A link whose
+        target cannot be reached (dangling, a loop of links: ``ELOOP``), or a directory met
+        again below itself, is a failure named in :attr:`Tree.errors`; the rest is listed.
+    prefix : str
+        The source's name when named without a trailing slash (rsync's transfer root is then
+        its parent: unsafe is judged from there), else ``""``.
+    root : str or None
+        A server's ROOT: a followed link that resolves outside it is a failure, never listed.
+    """
+
+    hard_links: bool = False
+    xattrs: bool = False
+    copy_links: bool = False
+    copy_unsafe_links: bool = False
+    safe_links: bool = False
+    prefix: str = ""
+    root: str | None = None
+    inodes: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    ancestors: list[tuple[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def from_options(cls, options: object, root: str | None = None) -> Extras | None:
+        """The extras a :class:`~tb5sync.options.SyncOptions` asks for; None when it asks for none."""
+        kw = {k: bool(getattr(options, k, False)) for k in ("hard_links", "xattrs", "copy_links", "copy_unsafe_links", "safe_links")}
+        if not any(kw.values()):
+            return None
+        return cls(**kw, prefix=str(getattr(options, "exclude_root", "")), root=root)
+
+    @property
+    def links(self) -> bool:
+        """Whether symlinks are looked at (followed or left out)."""
+        return self.copy_links or self.copy_unsafe_links or self.safe_links
+
+    def xattrs_at(self, dfd: int | None, name: str, follow: bool, tree_xattrs: dict[str, list[tuple[bytes, bytes]]], rel: str) -> None:
+        """Read the copied extended attributes of ``name`` in ``dfd`` into ``tree_xattrs[rel]`` (when any);
+        one that cannot be opened or read is passed over (logged)."""
+        from ._fsmeta import list_xattrs
+
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+        try:
+            xfd = os.open(name, flags, dir_fd=dfd)
+        except OSError as exc:
+            log.info("cannot read the extended attributes of %s: %s", rel or ".", exc.strerror or exc)
+            return
+        try:
+            xa = list_xattrs(xfd)
+        except OSError as exc:
+            log.info("cannot read the extended attributes of %s: %s", rel or ".", exc.strerror or exc)
+            return
+        finally:
+            os.close(xfd)
+        if xa:
+            tree_xattrs[rel] = xa
+
+
+@dataclass
 class Tree:
     """A scanned tree: the entries of :func:`scan`, grouped by directory, and per-directory digests.
 
@@ -129,6 +195,12 @@ class Tree:
     temps : list of str
         Paths of the temporary files (``.NAME.XXXXXXXX.tb5tmp``, files being written by a
         sync or left by an interrupted one) the scan passed over, relative to the base.
+    hardlinks : dict of str to int
+        With :attr:`Extras.hard_links`: each regular file sharing its inode with another listed
+        one -> the number of its group (rsync ``-H``).
+    xattrs : dict of str to list of (bytes, bytes)
+        With :attr:`Extras.xattrs`: each file or directory (``""`` the base) having copied
+        extended attributes -> ``(name, value)`` sorted (rsync ``-X``, :mod:`tb5sync._fsmeta`).
     """
 
     entries: list[Entry]
@@ -137,6 +209,8 @@ class Tree:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     unlocked: dict[str, int] = field(default_factory=dict)
     temps: list[str] = field(default_factory=list)
+    hardlinks: dict[str, int] = field(default_factory=dict)
+    xattrs: dict[str, list[tuple[bytes, bytes]]] = field(default_factory=dict)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -186,12 +260,15 @@ def scan_tree(
     *,
     missing_ok: bool = False,
     unlock: bool = False,
+    extras: Extras | None = None,
 ) -> Tree:
     """Scan like :func:`scan` (recursively) and keep each directory's listing.
 
     ``unlock`` (a destination's scan): a directory this process owns but may not list (no
     ``u+r``/``u+x``, a non-root user's) is given ``u+rx`` and listed, as rsync makes its way
     into a destination directory; ``Tree.unlocked`` maps its path to its mode before.
+    ``extras`` (a source's scan): hard-link groups, extended attributes, symlinks followed or
+    left out (see :class:`Extras`).
 
     Returns
     -------
@@ -212,8 +289,13 @@ def scan_tree(
     skipped: list[tuple[str, str]] = []
     unlocked: dict[str, int] | None = {} if unlock else None
     temps: list[str] = []
-    entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked)
-    return Tree(entries, children, errors=errors, skipped=skipped, unlocked=unlocked or {}, temps=temps)
+    tree = Tree([], children, errors=errors, skipped=skipped, temps=temps)
+    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree)
+    tree.unlocked = unlocked or {}
+    if extras is not None and extras.hard_links:
+        groups = [paths for paths in extras.inodes.values() if len(paths) > 1]
+        tree.hardlinks = {p: g for g, paths in enumerate(groups) for p in paths}
+    return tree
 
 
 def scan(
@@ -264,6 +346,8 @@ def _scan(
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
     unlocked: dict[str, int] | None = None,
+    extras: Extras | None = None,
+    tree: Tree | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -278,6 +362,10 @@ def _scan(
             skipped.append(("", special_kind(st.st_mode)))
         return []
     out = [top]
+    if extras is not None and tree is not None and extras.xattrs and top.kind != LINK:
+        extras.xattrs_at(None, base, False, tree.xattrs, "")
+    if extras is not None and extras.hard_links and top.kind == FILE:
+        extras.inodes.setdefault((st.st_dev, st.st_ino), []).append("")
     if top.kind == DIR:
         try:
             fd = _open_dir(base, None, base, unlocked)
@@ -290,7 +378,10 @@ def _scan(
             _cannot_list(base, "", exc, errors, children)
             return out
         try:
-            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked)
+            if extras is not None and extras.links:
+                fst = os.fstat(fd)
+                extras.ancestors = [(fst.st_dev, fst.st_ino)]
+            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked, extras, tree)
         finally:
             os.close(fd)
     return out
@@ -372,6 +463,8 @@ def _walk(
     errors: list[tuple[str, str]] | None = None,
     skipped: list[tuple[str, str]] | None = None,
     unlocked: dict[str, int] | None = None,
+    extras: Extras | None = None,
+    tree: Tree | None = None,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
@@ -417,8 +510,28 @@ def _walk(
             continue
         r = prefix + name
         fmt = m & 0o170000  # stat.S_IFMT
+        followed = False
+        if extras is not None and fmt == stat.S_IFLNK and extras.links:
+            if excludes and excludes.match(r, False):
+                continue
+            got = _follow(name, fd, dpre + name, r, extras, errors)
+            if got is None:
+                continue
+            if got is not True:
+                m, size, mtime_ns = got.st_mode, got.st_size, got.st_mtime_ns
+                fmt, followed = m & 0o170000, True
         if excludes and excludes.match(r, fmt == stat.S_IFDIR):
             continue
+        if extras is not None and tree is not None:
+            if extras.hard_links and fmt == stat.S_IFREG:
+                try:
+                    ist = os.stat(name, dir_fd=fd, follow_symlinks=followed)
+                    if ist.st_nlink > 1:
+                        extras.inodes.setdefault((ist.st_dev, ist.st_ino), []).append(r)
+                except OSError:
+                    pass
+            if extras.xattrs and fmt in (stat.S_IFREG, stat.S_IFDIR):
+                extras.xattrs_at(fd, name, followed, tree.xattrs, r)
         if fmt == stat.S_IFREG:
             e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
         elif fmt == stat.S_IFDIR:
@@ -440,7 +553,10 @@ def _walk(
         kids.append(e)
         if recursive and fmt == stat.S_IFDIR:
             try:
-                cfd = _open_dir(name, fd, dpre + name, unlocked)
+                if followed:
+                    cfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+                else:
+                    cfd = _open_dir(name, fd, dpre + name, unlocked)
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -453,8 +569,61 @@ def _walk(
                 _cannot_list(dpre + name, r, exc, errors, children)
                 continue
             try:
-                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked)
+                if extras is not None and extras.links:
+                    cst = os.fstat(cfd)
+                    extras.ancestors.append((cst.st_dev, cst.st_ino))
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked, extras, tree)
             except FileNotFoundError:
                 continue
             finally:
                 os.close(cfd)
+                if extras is not None and extras.links:
+                    extras.ancestors.pop()
+
+
+def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: list[tuple[str, str]] | None) -> os.stat_result | bool | None:
+    """What the symlink ``name`` of ``dfd`` (``rel`` in the listing) becomes under ``extras``:
+    True to list it as a link, None to leave it out, or the ``stat`` of what it points to.
+
+    Left out with a failure in ``errors`` (rsync: "symlink has no referent", exit 23): a
+    followed link that is dangling or part of a loop of links, one leading outside a server's
+    ROOT, and one to a directory that holds it (it would be listed forever).
+    """
+    from ._fsmeta import unsafe_symlink
+
+    try:
+        target = os.readlink(name, dir_fd=dfd)
+    except OSError:
+        return None  # vanished or replaced while scanning
+    unsafe = unsafe_symlink(target, f"{extras.prefix}/{rel}" if extras.prefix else rel)
+    if not (extras.copy_links or (extras.copy_unsafe_links and unsafe)):
+        if extras.safe_links and unsafe:
+            log.info("ignoring unsafe symlink %s -> %s", full, target)
+            return None
+        return True
+
+    def failed(reason: str) -> None:
+        if errors is not None:
+            errors.append((rel, reason))
+
+    try:
+        st = os.stat(name, dir_fd=dfd)
+    except OSError as exc:
+        failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
+        return None
+    if extras.root is not None:
+        from ._paths import check_in_root
+        from .errors import PathError
+
+        real = os.path.realpath(full)
+        try:
+            check_in_root(extras.root, real, rel)
+        except PathError:
+            failed("symlink leads outside the served root (or into its state)")
+            return None
+        if is_temp_name(os.path.basename(real)):
+            return None
+    if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) in extras.ancestors:
+        failed("symlink loop: the directory it points to holds it")
+        return None
+    return st

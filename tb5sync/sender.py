@@ -19,6 +19,7 @@ Methods (the receiver's requests)::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -29,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
-from ._paths import STATE_DIR, Jail, is_temp_name
-from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
+from ._paths import STATE_DIR, Jail, check_in_root, is_temp_name
+from .errors import PathError, RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath, path_from_wire, show_path
-from .scan import Tree, scan_tree
+from .scan import Extras, Tree, scan_tree
 from .messages import (
     CODEC_LZ4,
     CODEC_RAW,
@@ -114,6 +115,9 @@ class Sender:
         The replies go out through sockets only (a push client, a pull server): raw
         ``read_ranges`` parts are then :class:`~tb5sync._parts.FileRange` s that the transport
         sends with ``sendfile(2)``. In process (local sync) replies hold bytes.
+    root : str, optional
+        A server's ROOT: with ``-L``/``--copy-unsafe-links`` no followed symlink may lead outside
+        it (the scan names such a link as a failure, :meth:`_open` refuses it).
 
     Raises
     ------
@@ -130,8 +134,11 @@ class Sender:
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
         *,
         zero_copy: bool = False,
+        root: str | None = None,
     ) -> None:
         self.base = base
+        self.root = root
+        self._root_jail: Jail | None = None
         self.options = options
         self.params = params
         self.state = state
@@ -153,6 +160,34 @@ class Sender:
     def close(self) -> None:
         """Release directory descriptors (a scan still running in the background is left to finish)."""
         self._jail.close()
+        if self._root_jail is not None:
+            self._root_jail.close()
+
+    def _open_followed(self, path: str) -> int:
+        """Open ``path`` following symlinks (``-L``, ``--copy-unsafe-links``: the scan listed what
+        they point to); on a server only inside its ROOT, then through a jail of ROOT (no symlink
+        swapped in after the check is followed).
+
+        Raises
+        ------
+        OSError
+            As :func:`os.open`; ``PermissionError`` for a path leading outside ROOT.
+        """
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+        full = os.path.join(self.base, path) if path else self.base
+        if self.root is None:
+            return os.open(full, flags)
+        real = os.path.realpath(full)
+        try:
+            check_in_root(self.root, real, path)
+        except PathError:
+            raise PermissionError(errno.EACCES, "symlink leads outside the served root (or into its state)", path) from None
+        if is_temp_name(os.path.basename(real)):
+            raise RemoteNotFoundError(f"not a source file: {path}")
+        rel = os.path.relpath(real, self.root)
+        if self._root_jail is None:
+            self._root_jail = Jail(self.root)
+        return self._root_jail.open_file(rel, flags | os.O_NOFOLLOW)
 
     # ---- helpers --------------------------------------------------------------------
     def _open(self, path: str) -> int:
@@ -184,7 +219,10 @@ class Sender:
         else:
             name = path
         try:
-            fd = self._jail.open_cached(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            if self.options.copy_links or self.options.copy_unsafe_links:
+                fd = self._open_followed(path)
+            else:
+                fd = self._jail.open_cached(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise
         except IsADirectoryError:
@@ -231,7 +269,7 @@ class Sender:
 
     def _scan_into(self, fut: Future[Tree]) -> None:
         try:
-            tree = scan_tree(self.base, self.options.rules)
+            tree = scan_tree(self.base, self.options.rules, extras=Extras.from_options(self.options, self.root))
             tree.digests()  # here, off the request path
             fut.set_result(tree)
         except BaseException as exc:  # delivered to whoever asks for the tree
@@ -282,7 +320,8 @@ class Sender:
             page.append(DirSummary(*row))
             nbytes += len(row[0])
         first = start == 0
-        return TreePage(t.entries[0], page, len(t.children), t.errors if first else [], t.skipped if first else []).to_wire()
+        return TreePage(t.entries[0], page, len(t.children), t.errors if first else [], t.skipped if first else [],
+                        t.xattrs.get("", [])).to_wire()
 
     def entries(self, dirs: list[str], skip: int = 0) -> dict[str, Any]:
         """The children of the named directories, concatenated in the order asked, one page at a time.
@@ -309,9 +348,16 @@ class Sender:
         dirs = paths_from_wire(dirs, "dirs")
         if not isinstance(skip, int) or skip < 0:
             raise UsageError("entries needs a list of directories and a non-negative skip")
-        kids = self.scanned().children
+        tree = self.scanned()
+        kids = tree.children
         out: list[Entry] = []
         nbytes = 0
+
+        def page(more: bool) -> dict[str, Any]:
+            hl = {i: tree.hardlinks[e.path] for i, e in enumerate(out) if e.path in tree.hardlinks} if tree.hardlinks else {}
+            xa = {i: tree.xattrs[e.path] for i, e in enumerate(out) if e.path in tree.xattrs} if tree.xattrs else {}
+            return EntriesPage(out, more, hl, xa).to_wire()
+
         for d in dirs:
             listing = kids.get(d) if isinstance(d, str) else None
             if listing is None:
@@ -321,11 +367,11 @@ class Sender:
                 continue
             for e in listing[skip:]:
                 if len(out) >= MAX_PAGE or nbytes >= PAGE_PATH_BYTES:
-                    return EntriesPage(out, True).to_wire()
+                    return page(True)
                 out.append(e)
-                nbytes += len(e.path)
+                nbytes += len(e.path) + (sum(len(n) + len(v) for n, v in tree.xattrs.get(e.path, ())) if tree.xattrs else 0)
             skip = 0
-        return EntriesPage(out, False).to_wire()
+        return page(False)
 
     def chunk_list(self, path: str, fresh: bool = False, start: int = 0, limit: int = 0) -> dict[str, Any]:
         """FastCDC chunk list of a regular file, whole or one piece at a time.

@@ -51,7 +51,7 @@ from .fsops import FsOps, Pages
 from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .scan import scan
-from .options import SyncOptions
+from .options import WIRE_OPTIONS, SyncOptions
 from .protocol import FrameType
 from .links import RemoteLink
 from .receiver import Receiver, dest_base, scan_in_background
@@ -744,14 +744,14 @@ class Server:
         base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
-        base = follow_slash(base, path, self.root)  # "link/": the directory, if it is inside ROOT
+        base = follow_slash(base, path, self.root, follow=options.copy_links)  # "link/": the directory, if it is inside ROOT
         sid, s = self._new_session("pull", streams)
         try:
-            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True)  # replies go out through sockets only
+            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root)  # replies go out through sockets only
             s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": list(WIRE_OPTIONS)})
             self._serve_sender(ch, s)
         finally:
             self._end_session(sid, s)
@@ -798,7 +798,7 @@ class Server:
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
         dst_scan = scan_in_background(dest, options.rules, unlock=not options.dry_run)
-        ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
+        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": list(WIRE_OPTIONS)})
         requester: Requester | None = None
         try:
             with s.joined:
@@ -807,7 +807,8 @@ class Server:
                 raise ConnectError("not all streams of the session joined in time")
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
-            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan)
+            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
+                                link_dest_root=self.root)
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}

@@ -39,6 +39,14 @@ def sync(
     fsync: bool = False,
     timeout: float | None = 60.0,
     tls_ca: str | os.PathLike[str] | None = None,
+    # ---- rsync -H -S -X -L --copy-unsafe-links --safe-links --link-dest
+    hard_links: bool = False,
+    sparse: bool = False,
+    xattrs: bool = False,
+    copy_links: bool = False,
+    copy_unsafe_links: bool = False,
+    safe_links: bool = False,
+    link_dest: Sequence[str | os.PathLike[str]] = (),
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -78,6 +86,23 @@ def sync(
         :class:`~tb5sync.errors.LinkTimeoutError`. None: wait forever.
     tls_ca : str or path, optional
         CA certificates to check a ``tb5s://`` server against (default: the system's).
+    hard_links : bool
+        rsync ``-H``: paths sharing an inode at the source share one at the destination.
+    sparse : bool
+        rsync ``-S``: blocks of zeros (4 KiB, aligned) are left as holes in written files.
+    xattrs : bool
+        rsync ``-X``: extended attributes of files and directories are copied.
+    copy_links : bool
+        rsync ``-L``: a symlink is synced as what it points to (a loop or a dangling link is a
+        source failure naming it, exit 23; the rest is synced).
+    copy_unsafe_links, safe_links : bool
+        rsync's: an *unsafe* symlink (absolute, or leading out of the transferred tree) is
+        synced as what it points to, or left out.
+    link_dest : sequence of str or path
+        rsync ``--link-dest``: a file missing or changed at the destination that is identical
+        (size, mtime, mode) in one of these directories is hard-linked from it. A relative
+        directory is relative to the destination directory; on a push it is on the server and
+        must lie inside its ROOT.
 
     Returns
     -------
@@ -106,6 +131,8 @@ def sync(
         From the receiver; nothing half-written is left at a final path.
     """
     _check_arguments(src, dst, delete, exclude, checksum, dry_run, streams, compress, progress, token, state_dir)
+    links = _check_link_arguments(hard_links=hard_links, sparse=sparse, xattrs=xattrs, copy_links=copy_links,
+                                  copy_unsafe_links=copy_unsafe_links, safe_links=safe_links, link_dest=link_dest)
     from .chunking import warn_if_pure_python
 
     warn_if_pure_python()
@@ -120,6 +147,7 @@ def sync(
         compress=compress,
         streams=DEFAULT_STREAMS if streams is None else streams,
         fsync=fsync,
+        **links,
     )
     from .client import parse_url, pull, push
     from .entry import source_name
@@ -176,6 +204,30 @@ def _check_arguments(
         raise bad("state_dir", "a str, os.PathLike or None", state_dir)
 
 
+def _check_link_arguments(**kw: object) -> dict[str, object]:
+    """Check the -H/-S/-X/-L/--link-dest keywords of :func:`sync`; returns them as :class:`SyncOptions` fields.
+
+    Raises
+    ------
+    TypeError
+        (a :class:`UsageError` too) A flag that is not a bool, or ``link_dest`` not a list of paths.
+    UsageError
+        (a ``ValueError``) An empty ``link_dest`` entry, or more than 20.
+    """
+    from .options import LINK_OPTIONS, MAX_LINK_DEST
+
+    for name in LINK_OPTIONS:
+        if not isinstance(kw[name], bool):
+            raise ArgumentTypeError(f"sync(): {name} must be a bool, not {type(kw[name]).__name__} {kw[name]!r:.80}")
+    ld = kw["link_dest"]
+    if isinstance(ld, (str, bytes, os.PathLike)) or not isinstance(ld, Sequence) or not all(isinstance(d, (str, os.PathLike)) for d in ld):
+        raise ArgumentTypeError(f"sync(): link_dest must be a list of directories (link_dest=['../snap1']), not {ld!r:.80}")
+    dirs = tuple(os.fspath(d) for d in ld)
+    if len(dirs) > MAX_LINK_DEST or any(not d or "\0" in d for d in dirs):
+        raise UsageError(f"sync(): link_dest takes 1 to {MAX_LINK_DEST} non-empty directory paths, not {dirs!r:.120}")
+    return {**kw, "link_dest": dirs}
+
+
 def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None, state_dir: str | None = None) -> SyncStats:
     from ._paths import follow_slash
     from .client import local_state
@@ -187,7 +239,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
         raise RemoteNotFoundError(f"source does not exist: {src}")
-    src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
+    src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
