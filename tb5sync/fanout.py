@@ -268,7 +268,7 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     local_name = check_ref_name(as_name or name)
     check_ref_name(name)
     if not replace and store._ref_row(local_name) is not None:
-        raise RefExistsError(f"ref {local_name!r} already exists in store {getattr(store, 'url', store.path)}")
+        raise RefExistsError(f"ref {local_name!r} already exists in store {store.label}")
     srcs = [s if isinstance(s, (StoreSource, PeerSource)) else open_source(s, storage_options, token) for s in sources]
     stats: dict[str, dict[str, int]] = {}
     try:

@@ -49,6 +49,9 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
                    help="an fsspec storage option for an object store URL (repeatable; e.g. "
                         "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="object store only: give up on a request with no answer after about SECONDS + 3 "
+                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60)")
     ss = s.add_subparsers(dest="store_command", required=True)
 
     def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
@@ -172,7 +175,10 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
 
         _print_refs(remote_refs(_remote(a.url), a.prefix, token=read_token(a.token_file)), a.json)
         return 0
-    with open_store(a.store, opts or None) as st:
+    is_url = a.store is not None and "://" in a.store and not a.store.startswith("file://")
+    if a.timeout is not None and not is_url:
+        raise UsageError("store --timeout applies only to an object store (--store URL)")
+    with open_store(a.store, opts or None, **({"timeout": a.timeout} if a.timeout is not None else {})) as st:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()

@@ -171,7 +171,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     t0 = time.perf_counter()
     local_name = check_ref_name(as_name or name)
     if not replace and store._ref_row(local_name) is not None:
-        raise RefExistsError(f"ref {local_name!r} already exists in store {store.path}")
+        raise RefExistsError(f"ref {local_name!r} already exists in store {store.label}")
     with StoreSession(remote, token, streams) as s:
         info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
         lease = store.lease()

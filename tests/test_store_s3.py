@@ -63,10 +63,8 @@ def url(seaweed: Any, request: pytest.FixtureRequest) -> str:
 
 
 def _open(seaweed: Any, url: str, tmp_path: Any, tag: str = "c", timeout: float | None = None, **kw: Any) -> ObjectStore:
-    opts = seaweed.s3fs_options()
-    if timeout is not None:  # botocore's: bounded calls, one attempt (s3fs retries a few errors on its own)
-        opts["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout, "retries": {"max_attempts": 1}}
-    return ObjectStore(url, storage_options=opts, cache=str(tmp_path / f"cache-{tag}"), **kw)
+    return ObjectStore(url, storage_options=seaweed.s3fs_options(), cache=str(tmp_path / f"cache-{tag}"),
+                       timeout=timeout, **kw)
 
 
 def _fs(seaweed: Any) -> Any:
@@ -228,7 +226,7 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
     with _open(seaweed, url, tmp_path, "w", pack_target=1 * MiB) as st:
         st.put("r/1", src)
     # reads: one of the two replicas' servers dies while a fresh node reads the ref; the reads go on
-    reader = _open(seaweed, url, tmp_path, "r", timeout=2)
+    reader = _open(seaweed, url, tmp_path, "r", timeout=6)
     try:
         out = str(tmp_path / "out")
         read = reader.packs.get_range
@@ -244,15 +242,35 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
         reader.get("r/1", out)
         assert len(calls) > 5
         assert snapshot(out) == snapshot(src)
+        # a get on another node while the server is down: the ref's last use is recorded in the background
+        # (and the conditional-write probe it needs is not waited for), so the get takes no longer than reads do
+        t0 = time.monotonic()
+        with _open(seaweed, url, tmp_path, "r2") as other:
+            assert other._conditional is None  # a fresh cache: nothing recorded yet
+            other.get("r/1", str(tmp_path / "out_down"))
+        assert time.monotonic() - t0 < 20
+        assert snapshot(str(tmp_path / "out_down")) == snapshot(src)
         # writes: with a replica's server gone, SeaweedFS cannot place replication 001: the put fails
-        # with an error naming the store and the cause, and nothing is referenced
+        # within the request bound (timeout 6 s: about 6 + 3 s a request) with an error naming the store,
+        # the step and the cause; nothing is referenced and no lock object is left behind
         src2 = make_tree(str(tmp_path / "src2"), seed=7, files=6)
-        reader.fs.retries = 2  # s3fs's own retries of a timed-out call (5 by default)
-        with pytest.raises(ObjectStoreError, match=f"{url}: put failed: .*timeout") as ei:
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreError, match=f"{url}: put failed while .*timeout.*--timeout") as ei:
             reader.put("r/2", src2)
+        assert time.monotonic() - t0 < 25
         assert isinstance(ei.value, OSError) and ei.value.exit_code == 11
+        # the same through the CLI, bounded by --timeout
+        env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "--timeout", "6", "put",
+                            "r/3", src2], capture_output=True, text=True, env=env, timeout=120)
+        assert time.monotonic() - t0 < 40, r.stderr
+        assert r.returncode == 11, r.stderr
+        assert f"{url}: put failed while " in r.stderr and "--timeout" in r.stderr
         fs = _fs(seaweed)
-        assert not fs.exists(url[5:] + "/refs/r/2")
+        assert not fs.exists(url[5:] + "/refs/r/2") and not fs.exists(url[5:] + "/refs/r/3")
+        locks = [k.rsplit("/", 1)[-1] for k in fs.find(url[5:] + "/locks")]
+        assert not [k for k in locks if k.startswith(("writer-", "probe-"))], locks
         packs = {p.rsplit("/", 1)[-1] for p in fs.find(url[5:] + "/packs")}
         indexed = {p.rsplit("/", 1)[-1] for p in fs.find(url[5:] + "/index")}
         assert indexed <= packs  # every index object names a pack that is whole in place

@@ -203,7 +203,9 @@ def verify(store: Store) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``{"ok": bool, "chunks": n checked, "bytes": n read, "damaged_chunks": [hex...],
+        ``{"ok": bool, "chunks": indexed chunks checked (``stats()["chunks"]`` when nothing changed meanwhile),
+        "frames": pack frames read (more than ``chunks`` when a pack holds a frame gc unindexed or a
+        chunk twice), "packs": packs read, "bytes": n read, "damaged_chunks": [hex...],
         "missing_chunks": [hex...], "bad_packs": {pack: reason}, "refs": {name: {"ok", "missing", "damaged"}}}``.
         A ref is whole when its manifest and every chunk it reaches are present and intact.
     """
@@ -217,7 +219,7 @@ def _verify(store: Store) -> dict[str, Any]:
     good: set[bytes] = set()
     damaged: set[bytes] = set()
     bad_packs: dict[str, str] = {}
-    checked = nbytes = 0
+    frames = nbytes = 0
     packs = [p for (p,) in store._q("SELECT id FROM packs")]
     for pack in packs:
         try:
@@ -228,7 +230,7 @@ def _verify(store: Store) -> dict[str, Any]:
         nbytes += len(data)
         try:
             for digest, off, n in iter_frames(data, f"pack {pack}"):
-                checked += 1
+                frames += 1
                 ok = chunk_digest(memoryview(data)[off : off + n]) == digest
                 loc = index.get(digest)
                 if loc is not None and loc[0] == pack and loc[1] == off:
@@ -253,7 +255,7 @@ def _verify(store: Store) -> dict[str, Any]:
         entry["ok"] = not (entry["missing"] or entry["damaged"])
         refs[info.name] = entry
     ok = not damaged and not missing and not bad_packs and all(r["ok"] for r in refs.values())
-    return {"ok": ok, "chunks": checked, "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
+    return {"ok": ok, "chunks": len(good) + len(damaged), "frames": frames, "packs": len(packs), "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
             "missing_chunks": sorted(d.hex() for d in missing), "bad_packs": bad_packs, "refs": refs}
 
 
@@ -262,15 +264,19 @@ def reindex(store: Store) -> dict[str, int]:
 
     Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
     rows pointing at packs that are gone are dropped. Refs are not in the packs: they stay as
-    they are. Holds the gc lock.
+    they are. Holds the gc lock. On an object store (pack storage with ``put_index``) a pack that
+    had no (readable) index object gets one, ``created`` being the pack's modification time.
 
     Returns
     -------
     dict
-        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match).
+        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match),
+        ``index_objects_written``.
     """
-    added = dropped = damaged = 0
+    added = dropped = damaged = written = 0
+    put_index = getattr(store.packs, "put_index", None)
     with gc_lock(store):
+        known = {p for (p,) in store._q("SELECT id FROM packs")}
         on_disk = store.packs.list()
         for pack, (size, _) in sorted(on_disk.items()):
             try:
@@ -285,8 +291,12 @@ def reindex(store: Store) -> dict[str, int]:
                     rows.append((digest, pack, off, n))
                 else:
                     damaged += 1
+            created = on_disk[pack][1] or time.time()
+            if put_index is not None and pack not in known:
+                put_index(pack, size, created, [[d, o, n] for d, _, o, n in rows])
+                written += 1
             with store._tx(durable=True) as db:
-                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, created))
                 for r in rows:
                     added += db.execute("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", r).rowcount
         with store._tx(durable=True) as db:
@@ -294,7 +304,8 @@ def reindex(store: Store) -> dict[str, int]:
                 if pack not in on_disk:
                     dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
                     db.execute("DELETE FROM packs WHERE id=?", (pack,))
-    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged}
+    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged,
+            "index_objects_written": written}
 
 
 def _read_pack(store: Store, pack: str) -> bytes:
