@@ -126,11 +126,14 @@ def _when(t: float) -> str:
 
 def _remote(url: str) -> Any:
     from .errors import UsageError
-    from .urls import parse_url
+    from .urls import parse_url, redact_url
 
     r = parse_url(url)
     if r is None:
         raise UsageError(f"expected a tb5://HOST[:PORT] URL, not {url!r}")
+    if r.path.strip("/"):
+        raise UsageError(f"{redact_url(url)}: a server has one store, reached without a path: give "
+                         f"tb5://HOST[:PORT] (the ref name says where in the store)")
     return r
 
 
@@ -222,16 +225,24 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                     print(f"{name}: {state}")
                 for p, why in rep["bad_packs"].items():
                     print(f"pack {p}: {why}")
-                print(f"checked {rep['chunks']} chunks, {_fmt(rep['bytes'])}: {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
+                print(f"checked {rep['chunks']} indexed chunks ({rep['frames']} frames in {rep['packs']} packs, "
+                      f"{_fmt(rep['bytes'])}): {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
             if not rep["ok"]:
                 return 13
         elif c == "gc":
             if a.grace is not None and not hasattr(st, "url"):
                 raise UsageError("store gc --grace applies only to an object store (--store URL)")
             res = st.gc(a.repack_below, **({"grace": a.grace} if a.grace is not None else {}))
-            print(json.dumps(res) if a.json else
-                  f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
-                  f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+            if a.json:
+                print(json.dumps(res))
+            else:
+                print(f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
+                      f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+                for b in res.get("blocked_by") or []:
+                    since = _when(b["since"]) if b.get("since") else "?"
+                    print(f"nothing collected: writer lease {b['lease']} held by {b.get('owner') or '?'} since "
+                          f"{since} (expires {_when(b['expires'])} unless renewed); run gc again once it is gone",
+                          file=sys.stderr)
         elif c == "reindex":
             res = st.reindex()
             print(json.dumps(res) if a.json else
@@ -246,7 +257,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 print(json.dumps(s))
             else:
                 print(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
-                      f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} chunks\n"
+                      f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} indexed chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
                       + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
                       + (f"\nkeyed blobs: {s['blobs']} ({_fmt(s['blob_bytes'])})" if s["blobs"] else "")
@@ -282,8 +293,12 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             else:
                 moved = res.get("bytes_sent", res.get("bytes_fetched", 0))
                 n = res.get("chunks_sent", res.get("chunks_fetched", 0))
-                print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
-                      f"{_fmt(moved)} in {res['seconds']:.2f} s")
+                if res.get("unchanged"):
+                    where = "the server" if c == "push" else "this store"
+                    print(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
+                else:
+                    print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                          f"{_fmt(moved)} in {res['seconds']:.2f} s")
     return 0
 
 

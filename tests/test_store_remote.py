@@ -52,9 +52,12 @@ def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> N
         res = push_ref(a, "builds/main/1", url(node), streams=3)
         assert res["chunks"] == total and res["chunks_sent"] == total
         again = push_ref(a, "builds/main/1", url(node), as_name="builds/main/1-copy")
-        assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0
-        with pytest.raises(RefExistsError):
-            push_ref(a, "builds/main/1", url(node))
+        assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0 and not again["unchanged"]
+        same = push_ref(a, "builds/main/1", url(node))  # the server has this very ref: a no-op success
+        assert same["unchanged"] and same["chunks_sent"] == 0 and same["chunks"] == total
+        a.put("other", make_tree(str(tmp_path / "other"), seed=5, files=5))
+        with pytest.raises(RefExistsError, match="other content"):  # same name, other snapshot: refused
+            push_ref(a, "other", url(node), as_name="builds/main/1")
         # a second version: 1 MiB of the big file changed
         big = os.path.join(src, "big.bin")
         with open(big, "r+b") as f:
@@ -68,9 +71,11 @@ def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> N
     assert [r.name for r in remote_refs(url(node), "builds/")] == ["builds/main/1", "builds/main/1-copy", "builds/main/2"]
     with Store(tmp_path / "c") as c:
         got = pull_ref(c, "builds/main/1", url(node), streams=4)
-        assert got["chunks_fetched"] == len(old)
+        # push and pull count the same chunks: the files' and the manifest's
+        assert got["chunks"] == res["chunks"] == total and got["chunks_fetched"] == total
         got2 = pull_ref(c, "builds/main/2", url(node), streams=2)
-        assert got2["chunks_fetched"] == len(new_chunks)
+        assert got2["chunks_fetched"] == len(new_chunks) + 1 and got2["chunks"] == res2["chunks"]
+        assert pull_ref(c, "builds/main/2", url(node))["unchanged"]  # here already: a no-op success
         assert c.ref("builds/main/1").description == "v1"
         c.get("builds/main/2", str(tmp_path / "out"))
         assert snapshot(str(tmp_path / "out")) == snapshot(src)

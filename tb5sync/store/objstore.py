@@ -734,10 +734,10 @@ class ObjectStore(Store):
         check_ref_name(name)
         if isinstance(lease, ObjectLease):
             lease._renew()  # live from here to the ref PUT: a gc starting meanwhile defers
-        self._wait_for_gc()  # a gc that began before: its deletions are over (and seen below)
+        waited = self._wait_for_gc()  # a gc that began before: its deletions are over (and seen below)
         needed = {d for d, _ in mchunks} | all_digests(items)
         loc = self.locate(needed)
-        if len(loc) != len(needed):
+        if len(loc) != len(needed) or waited:
             self.sync_index()
             loc = self.locate(needed)
         missing = needed - set(loc)
@@ -747,6 +747,7 @@ class ObjectStore(Store):
         with self._doing(f"listing {self.root}/index"):
             present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
         if packs - present:
+            self.sync_index()  # forget the deleted packs' chunks: putting it again writes them anew
             raise IntegrityError(f"ref {name!r}: pack {sorted(packs - present)[0]} is not (or no longer) in {self.url}"
                                  " (deleted by a gc meanwhile); put it again")
         now = time.time()
@@ -941,8 +942,8 @@ class ObjectStore(Store):
                         n += 1
         return n
 
-    def _wait_for_gc(self) -> None:
-        """Wait (at most ``GC_WAIT`` s) until no live ``locks/gc-*`` object exists.
+    def _wait_for_gc(self) -> bool:
+        """Wait (at most ``GC_WAIT`` s) until no live ``locks/gc-*`` object exists; whether it had to wait.
 
         Raises
         ------
@@ -950,10 +951,12 @@ class ObjectStore(Store):
             A gc is still running after ``GC_WAIT`` s.
         """
         end = time.monotonic() + GC_WAIT
+        waited = False
         while True:
             live = [e for e in self._locks("gc") if e["live"]]
             if not live:
-                return
+                return waited
+            waited = True
             if time.monotonic() > end:
                 raise ObjectStoreError(f"{self.url}: a gc ({live[0]['lease']}) has held the store for more than "
                                        f"{GC_WAIT:g} s; the ref was not written")

@@ -690,8 +690,21 @@ class Store:
 
     def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None,
             touch: bool = True) -> bytes:
-        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`); ``touch`` records the use."""
-        return self.read_range(self.item(name, path, touch), offset, length)
+        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`; ``""``, the default, is the root:
+        the file of a single-file ref); ``touch`` records the use.
+
+        Raises
+        ------
+        UsageError
+            ``path`` is not a file of the ref (a directory: give a file's path).
+        """
+        it = self.item(name, path, touch)
+        if it.kind != "f":
+            what = f"path {os.fsdecode(it.path)!r}" if it.path else "the root"
+            kind = {"d": "a directory", "l": "a symlink"}.get(it.kind, "not a file")
+            raise UsageError(f"{what} of ref {name!r} is {kind}, not a file: give a file's path "
+                             "(store cat REF PATH)")
+        return self.read_range(it, offset, length)
 
     def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
         """Materialise ref ``name`` at ``dest`` atomically (see :func:`tb5sync.store.materialise.materialise`)."""
