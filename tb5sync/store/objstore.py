@@ -742,7 +742,8 @@ class ObjectStore(Store):
             loc = self.locate(needed)
         missing = needed - set(loc)
         if missing:
-            raise IntegrityError(f"ref {name!r}: chunk {next(iter(missing)).hex()} is not in the store")
+            why = " (a gc that ran meanwhile deleted it; put it again)" if waited else ""
+            raise IntegrityError(f"ref {name!r}: chunk {next(iter(missing)).hex()} is not in the store{why}")
         packs = {p for p, _, _ in loc.values()}
         with self._doing(f"listing {self.root}/index"):
             present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
