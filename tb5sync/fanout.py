@@ -284,7 +284,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     RefNotFoundError
         No source has the ref.
     RefExistsError
-        ``store`` has the ref and ``replace`` is False.
+        ``store`` has the ref, with another manifest, and ``replace`` is False (the same manifest:
+        a no-op success, ``unchanged`` True).
     IntegrityError
         Some chunk could be fetched, checked, from none of the sources (nothing is committed).
     """
@@ -293,8 +294,7 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
         raise UsageError("pull needs at least one source")
     local_name = check_ref_name(as_name or name)
     check_ref_name(name)
-    if not replace and store._ref_row(local_name) is not None:
-        raise RefExistsError(f"ref {local_name!r} already exists in store {store.label}")
+    mine = store._ref_row(local_name)
     warned: dict[str, str] = {}
     srcs: list[StoreSource | PeerSource] = []
     for s in sources:
@@ -322,6 +322,15 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
         if info is None:
             why = "; ".join(f"{k}: {v}" for k, v in warned.items())
             raise RefNotFoundError(f"no source has ref {name!r}" + (f" ({why})" if why else ""))
+        if mine is not None and mine.manifest == info.manifest:  # this very snapshot is here already
+            from .storeclient import ref_chunks
+
+            return {"ref": local_name, "chunks": len(ref_chunks(mine.mchunks, store.manifest(mine, touch=False))),
+                    "chunks_fetched": 0, "bytes_fetched": 0, "seconds": time.perf_counter() - t0, "sources": {},
+                    "unchanged": True}
+        if mine is not None and not replace:
+            raise RefExistsError(f"ref {local_name!r} already exists in store {store.label} with other content "
+                                 "(--force replaces it)")
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:
@@ -358,5 +367,5 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
                 s.close()
     store.enforce_quota(keep=local_name)
     return {"ref": local_name, "chunks": len(mset) + len(chunks), "chunks_fetched": len(mmissing) + len(missing),
-            "bytes_fetched": nbytes,
+            "bytes_fetched": nbytes, "unchanged": False,
             "seconds": time.perf_counter() - t0, "sources": stats}

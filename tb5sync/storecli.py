@@ -275,6 +275,8 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                               token=read_token(a.token_file))
             if a.json:
                 print(json.dumps(res))
+            elif res.get("unchanged"):
+                print(f"{res['ref']}: this store has this ref with the same content already; nothing to do")
             else:
                 per = ", ".join(f"{k} {_fmt(v['bytes'])}" for k, v in res["sources"].items())
                 print(f"{res['ref']}: {res['chunks_fetched']} of {res['chunks']} chunks fetched, "

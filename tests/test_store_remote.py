@@ -365,3 +365,28 @@ def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
             st.get("bad/1", str(tmp_path / "got"))
         assert os.listdir(outside) == [] and not os.path.exists(tmp_path / "got")
         assert refs_to_blob(mrefs)  # the manifest itself was stored whole
+
+
+def test_cli_push_of_a_ref_already_there_and_urls_with_a_path(tmp_path: Any, node: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=5)
+    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "a")]
+    dest = f"tb5://127.0.0.1:{node.port}"
+    assert subprocess.run([*cli, "put", "r", src], capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run([*cli, "push", "r", dest], capture_output=True, timeout=60).returncode == 0
+    # the same ref again: the server has it with the same digest: exit 0, said so, nothing sent
+    r = subprocess.run([*cli, "push", "r", dest], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "same content already" in r.stdout, (r.stdout, r.stderr)
+    r = subprocess.run([*cli, "pull", "r", dest], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "same content already" in r.stdout, (r.stdout, r.stderr)
+    # another snapshot under that name is still refused (exit 2), naming --force
+    other = make_tree(str(tmp_path / "other"), seed=4, files=5)
+    assert subprocess.run([*cli, "put", "o", other], capture_output=True, timeout=60).returncode == 0
+    r = subprocess.run([*cli, "push", "o", dest, "--as", "r"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    # a path in the server URL is refused, not ignored: push, pull, ls --url and pull --from
+    for args in (["push", "r", dest + "/some/dir"], ["pull", "r", dest + "/x"], ["ls", "--url", dest + "/x"],
+                 ["pull", "r", "--from", dest + "/x"]):
+        r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "without a path" in r.stderr, (args, r.stderr)
+    with Store(str(tmp_path / "remote_store")) as rs:
+        assert [x.name for x in rs.refs()] == ["r"]

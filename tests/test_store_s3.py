@@ -337,8 +337,10 @@ def test_fanout_into_the_bucket_and_missing_everywhere(seaweed: Any, url: str, t
         assert pull_fanout(up, "a", [loc], as_name="b")["chunks_fetched"] == 0  # dedup in the bucket
         with pytest.raises(Tb5syncError):
             pull_fanout(loc, "nope", [up])
-        with pytest.raises(RefExistsError):
-            pull_fanout(loc, "a", [up])
+        assert pull_fanout(loc, "a", [up])["unchanged"]  # the same ref here already: a no-op success
+        up.put("z", make_tree(str(tmp_path / "src_z"), seed=9, files=3))
+        with pytest.raises(RefExistsError, match="other content"):
+            pull_fanout(loc, "z", [up], as_name="a")
     with _open(seaweed, url, tmp_path, "b") as other:
         other.get("b", str(tmp_path / "out"))
     assert snapshot(str(tmp_path / "out")) == snapshot(src)
