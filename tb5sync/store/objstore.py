@@ -128,6 +128,9 @@ def describe_error(store: Any, what: str, exc: BaseException) -> ObjectStoreErro
         hint = ("the object store refused these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or --storage-option key=... --storage-option secret=...) and that the endpoint "
                 "(AWS_ENDPOINT_URL, or --storage-option endpoint_url=...) is the store's")
+    elif any(w in low for w in ("nosuchbucket", "invalidbucketname", "bucket is not valid",
+                                "bucket does not exist")):
+        hint = "check the bucket in the store URL (s3://BUCKET/PREFIX): it must exist and be a valid name"
     elif any(w in low for w in _TIMEOUT_WORDS):
         t = getattr(store, "timeout", None)
         hint = (f"no answer within the request timeout ({t:g} s, {REQUEST_ATTEMPTS} attempts; --timeout S)"
