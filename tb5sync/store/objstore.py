@@ -249,15 +249,16 @@ class ObjectPackStorage(FsspecPackStorage):
 
     def get_range(self, name: str, offset: int, length: int) -> bytes:
         """As :meth:`FsspecPackStorage.get_range`, a failed read tried again ``READ_TRIES`` times in all
-        (0.2, 0.4, 0.8 s apart): a replica's server going away mid-read costs a retry, not the read."""
+        (0.2, 0.4, 0.8 s apart): a replica's server going away mid-read costs a retry, not the read.
+        A timeout is not tried again (the client's attempts are spent: the read stays within the request bound)."""
         for attempt in range(READ_TRIES):
             try:
                 return super().get_range(name, offset, length)
             except (FileNotFoundError, IntegrityError):
                 raise
-            except Exception:
-                if attempt == READ_TRIES - 1:
-                    raise
+            except Exception as exc:
+                if attempt == READ_TRIES - 1 or any(w in str(exc).lower() for w in _TIMEOUT_WORDS):
+                    raise  # a timeout has had its attempts already (the request bound): not again
                 time.sleep(0.2 * 2**attempt)
         raise AssertionError("unreachable")
 
@@ -836,7 +837,7 @@ class ObjectStore(Store):
             self._write_lock(gc_key)
         try:
             with self._doing("listing the lock objects"):
-                res["locks_removed"] = self._remove_stale_locks()
+                res["locks_removed"] = self._remove_stale_locks(keep=gc_key)
                 blockers = self._writers()
             if blockers:
                 res.update(deferred=1, blocked_by=blockers)
@@ -935,12 +936,12 @@ class ObjectStore(Store):
     def _live_writers(self) -> bool:
         return bool(self._writers())
 
-    def _remove_stale_locks(self) -> int:
-        """Remove lock objects (writer, probe, gc) not renewed for ``LEASE_TTL_OBJ`` s; how many."""
+    def _remove_stale_locks(self, keep: str = "") -> int:
+        """Remove lock objects (writer, probe, gc; not ``keep``) not renewed for ``LEASE_TTL_OBJ`` s; how many."""
         n = 0
         for kind in ("writer", "probe", "gc"):
             for e in self._locks(kind):
-                if not e["live"]:
+                if not e["live"] and e["key"].rstrip("/") != keep:
                     with contextlib.suppress(FileNotFoundError):
                         self.fs.rm_file(e["key"])
                         n += 1
