@@ -635,3 +635,26 @@ def test_packs_on_an_fsspec_filesystem(tmp_path: Any) -> None:
     finally:
         if mem.exists(root.rsplit("/", 1)[0]):
             mem.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def test_cat_without_a_path_and_get_onto_an_existing_path(tmp_path: Any, capsys: Any) -> None:
+    # `store cat REF` reads the file of a single-file ref; of a directory ref it says to give a path;
+    # `store get` onto an existing path names the CLI flag, not the Python keyword
+    f = tmp_path / "one.bin"
+    f.write_bytes(os.urandom(5000))
+    d = make_tree(str(tmp_path / "tree"), files=5)
+    st = ["store", "--store", str(tmp_path / "st")]
+    assert main([*st, "put", "file", str(f)]) == 0
+    assert main([*st, "put", "dir", d]) == 0
+    capsys.readouterr()
+    with Store(str(tmp_path / "st")) as s:
+        assert s.cat("file") == f.read_bytes()
+        with pytest.raises(UsageError, match="root of ref 'dir' is a directory, not a file: give a file's path"):
+            s.cat("dir")
+        with pytest.raises(UsageError, match="path 'd0' of ref 'dir' is a directory"):
+            s.cat("dir", "d0")
+        with pytest.raises(DestinationError) as ei:
+            s.get("file", str(f))
+        assert "--force" in str(ei.value) and "replace=" not in str(ei.value)
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", *st, "cat", "file"], capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f.read_bytes()
