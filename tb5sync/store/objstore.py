@@ -301,14 +301,20 @@ class ObjectStore(Store):
     pack_target, quota
         As :class:`Store`.
     conditional : bool, optional
-        Force (True) or forbid (False) conditional writes for refs; default: probed.
+        Force (True) or forbid (False) conditional writes for refs; default: probed once per store and
+        recorded in ``cache`` (``conditional.json``).
+    timeout : float, optional
+        Bound of one request with its retries, seconds (default :data:`REQUEST_TIMEOUT`; S3 only: 3
+        attempts, each waiting at most ``timeout / 6`` s to connect and per reply; module docstring).
 
     Raises
     ------
     UsageError
-        Unknown protocol (its fsspec implementation is not installed), or a config of another format.
-    OSError
-        The object store cannot be reached (fsspec's/s3fs's errors).
+        Unknown protocol (its fsspec implementation is not installed), a config of another format, or
+        a timeout that is not > 0.
+    ObjectStoreError
+        The object store cannot be reached, refuses the credentials, or does not answer in time (an
+        ``OSError``; the message names the URL, the step and what to check).
     """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, cache: str | None = None,
