@@ -240,8 +240,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                       f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
                 for b in res.get("blocked_by") or []:
                     since = _when(b["since"]) if b.get("since") else "?"
-                    print(f"nothing collected: writer lease {b['lease']} held by {b.get('owner') or '?'} since "
-                          f"{since} (expires {_when(b['expires'])} unless renewed); run gc again once it is gone",
+                    what = f"kept {b['chunks']} chunks no ref reaches" if "chunks" in b else "stopped the sweep"
+                    print(f"writer lease {b['lease']} held by {b.get('owner') or '?'} since {since} (expires "
+                          f"{_when(b['expires'])} unless renewed) {what}; run gc again once it is gone",
                           file=sys.stderr)
         elif c == "reindex":
             res = st.reindex()

@@ -524,6 +524,7 @@ def test_gc_reports_the_writer_leases_that_held_it_back(seaweed: Any, url: str, 
     assert r.returncode == 0, r.stderr
     assert "freed 0 B" in r.stdout
     assert "writer lease writer-feedface held by builder7:4242:ab since" in r.stderr and "expires" in r.stderr
+    assert "stopped the sweep" in r.stderr
     fs.rm_file(url[5:] + "/locks/writer-feedface")
     with _open(seaweed, url, tmp_path) as st:
         res = st.gc(grace=0)

@@ -77,7 +77,7 @@ def _blob_chunks(rows: Iterable[Any]) -> set[bytes]:
     return out
 
 
-def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
+def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
     """Collect what no ref and no live writer needs; repack sparse packs. See the module docstring.
 
     Parameters
@@ -89,14 +89,16 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
     Returns
     -------
     dict
-        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``.
+        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
+        ``blocked_by``: the live writer leases that kept chunks no ref reaches, ``{"lease", "owner"
+        (host:pid), "since", "expires" (s since the epoch, unless the writer touches it again), "chunks"}``.
 
     Raises
     ------
     IntegrityError
         A ref's manifest cannot be read (nothing is deleted then: a damaged store is not swept).
     """
-    from .store import PackWriter
+    from .store import LEASE_TTL, PackWriter
 
     with gc_lock(store):
         cache: dict[bytes, set[bytes]] = {}
@@ -119,8 +121,18 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
             for manifest, mchunks in list(db.execute("SELECT manifest, mchunks FROM refs")):
                 # refs made since the mark: read in this thread, which holds the index lock
                 marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
-            marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
             marked |= _blob_chunks(db.execute("SELECT chunks FROM blobs"))
+            # what only a live writer's lease keeps (reported: who held back what gc would have taken)
+            held: dict[str, int] = {}
+            for lid, d in db.execute("SELECT lease, digest FROM lease_chunks"):
+                if bytes(d) not in marked:
+                    held[lid] = held.get(lid, 0) + 1
+            marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
+            blocked_by = []
+            for lid, host, pid, started, touched in db.execute("SELECT id, host, pid, started, touched FROM leases"):
+                if held.get(lid):
+                    blocked_by.append({"lease": lid, "owner": f"{host}:{pid}", "since": started,
+                                       "expires": touched + LEASE_TTL, "chunks": held[lid]})
             dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
             db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])
             for (pack,) in list(db.execute("SELECT id FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM chunks)")):
@@ -192,7 +204,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
                 writer.abort()
                 lease.release()
         return {"chunks_deleted": len(dead), "packs_deleted": len(dead_packs), "packs_repacked": repacked,
-                "bytes_freed": freed, "orphans": orphans}
+                "bytes_freed": freed, "orphans": orphans, "blocked_by": blocked_by}
 
 
 def verify(store: Store) -> dict[str, Any]:

@@ -753,7 +753,7 @@ class Store:
         return delete_blob(self, key)
 
     # ---- housekeeping (gc.py) ----------------------------------------------------------------
-    def gc(self, repack_below: float = 0.5) -> dict[str, int]:
+    def gc(self, repack_below: float = 0.5) -> dict[str, Any]:
         """Sweep chunks no ref or live writer needs and repack sparse packs; see :func:`tb5sync.store.gc.gc`."""
         from .gc import gc
 
