@@ -17,6 +17,7 @@ lease, once every chunk is in its store (:meth:`~tb5sync.store.Store.commit_ref`
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -32,6 +33,8 @@ from .store.manifest import decode_manifest
 from .store.objstore import open_store
 
 __all__ = ["pull_fanout", "open_source", "StoreSource", "PeerSource"]
+
+log = logging.getLogger(__name__)
 
 #: Bytes of chunks per batch handed to one source.
 BATCH = 16 * 1024 * 1024
@@ -62,11 +65,14 @@ class PeerSource:
     """A ``tb5://`` server's store read as a pull source (one store session of ``streams`` streams per worker)."""
 
     def __init__(self, url: str, token: bytes | str | None = None, streams: int = 2, workers: int = 1) -> None:
-        from .urls import parse_url
+        from .urls import parse_url, redact_url
 
         r = parse_url(url)
         if r is None:
             raise UsageError(f"expected a tb5://HOST[:PORT] URL, not {url!r}")
+        if r.path.strip("/"):
+            raise UsageError(f"pull source {redact_url(url)}: a server has one store, reached without a path: "
+                             "give tb5://HOST[:PORT]")
         self.remote, self.label, self.token, self.streams, self.workers = r, url, token, streams, workers
         self._local = threading.local()
         self._sessions: list[Any] = []
@@ -135,9 +141,25 @@ def _batches(chunks: Sequence[ChunkRef], limit: int) -> list[list[ChunkRef]]:
     return out
 
 
+def _warn_down(warned: dict[str, str], label: str, exc: BaseException) -> None:
+    """Warn once per source that it cannot be used (``warned``: label -> reason, shared by one pull)."""
+    if label in warned:
+        return
+    warned[label] = f"{type(exc).__name__}: {exc}"
+    log.warning("pull source %s cannot be used (%s); going on with the other sources", label, warned[label])
+
+
+def _none_left(warned: dict[str, str], what: str) -> IntegrityError:
+    why = "; ".join(f"{k}: {v}" for k, v in warned.items())
+    return IntegrityError(f"{what} could be fetched from none of the sources" + (f" ({why})" if why else ""))
+
+
 def _run(sources: Sequence[StoreSource | PeerSource], chunks: Sequence[ChunkRef], writer: PackWriter | None,
-         keep: dict[bytes, bytes] | None, batch: int, stats: dict[str, dict[str, int]]) -> int:
-    """Fetch ``chunks`` from ``sources`` (module docstring); returns bytes fetched."""
+         keep: dict[bytes, bytes] | None, batch: int, stats: dict[str, dict[str, int]],
+         warned: dict[str, str] | None = None) -> int:
+    """Fetch ``chunks`` from ``sources`` (module docstring); returns bytes fetched. A source that fails
+    other than with a bad or missing chunk is warned about once (``warned``) and left out."""
+    warned = {} if warned is None else warned
     # at least ~4 batches per worker, so that a small pull is still spread over the sources
     workers = sum(s.workers for s in sources)
     limit = min(batch, max(1024 * 1024, sum(n for _, n in chunks) // (4 * max(1, workers))))
@@ -175,7 +197,7 @@ def _run(sources: Sequence[StoreSource | PeerSource], chunks: Sequence[ChunkRef]
             if si in failed:
                 q.put((0, b, failed))  # another source's to try
                 if everyone <= failed | down:
-                    give_up(IntegrityError(f"{len(b)} chunks could be fetched from none of the sources"))
+                    give_up(_none_left(warned, f"{len(b)} chunks"))
                 time.sleep(0.01)
                 continue
             try:
@@ -194,8 +216,11 @@ def _run(sources: Sequence[StoreSource | PeerSource], chunks: Sequence[ChunkRef]
                     st["failed"] += 1
                     if not isinstance(exc, IntegrityError):
                         down.add(si)  # unreachable or broken: leave its batches to the others
+                        _warn_down(warned, src.label, exc)
+                    else:
+                        warned.setdefault(src.label, f"{type(exc).__name__}: {exc}")
                 if everyone <= nf | down:
-                    give_up(exc)
+                    give_up(_none_left(warned, f"{len(b)} chunks") if len(sources) > 1 else exc)
                     return
                 q.put((0, b, nf))
                 continue
@@ -220,7 +245,7 @@ def _run(sources: Sequence[StoreSource | PeerSource], chunks: Sequence[ChunkRef]
     if errors:
         raise errors[0]
     if pending[0]:
-        raise IntegrityError(f"{pending[0]} batches of chunks could be fetched from none of the sources")
+        raise _none_left(warned, f"{pending[0]} batches of chunks")
     return total[0]
 
 
@@ -250,7 +275,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     Returns
     -------
     dict
-        ``ref``, ``chunks`` (unique), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``,
+        ``ref``, ``chunks`` (every chunk the ref reaches, manifest chunks included, each once: as push
+        counts them), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``,
         ``sources``: per source label ``{"batches", "bytes", "failed"}``.
 
     Raises
@@ -258,7 +284,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     RefNotFoundError
         No source has the ref.
     RefExistsError
-        ``store`` has the ref and ``replace`` is False.
+        ``store`` has the ref, with another manifest, and ``replace`` is False (the same manifest:
+        a no-op success, ``unchanged`` True).
     IntegrityError
         Some chunk could be fetched, checked, from none of the sources (nothing is committed).
     """
@@ -267,9 +294,19 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
         raise UsageError("pull needs at least one source")
     local_name = check_ref_name(as_name or name)
     check_ref_name(name)
-    if not replace and store._ref_row(local_name) is not None:
-        raise RefExistsError(f"ref {local_name!r} already exists in store {getattr(store, 'url', store.path)}")
-    srcs = [s if isinstance(s, (StoreSource, PeerSource)) else open_source(s, storage_options, token) for s in sources]
+    mine = store._ref_row(local_name)
+    warned: dict[str, str] = {}
+    srcs: list[StoreSource | PeerSource] = []
+    for s in sources:
+        if isinstance(s, (StoreSource, PeerSource)):
+            srcs.append(s)
+            continue
+        try:
+            srcs.append(open_source(s, storage_options, token))
+        except UsageError:
+            raise
+        except Exception as exc:  # unreachable (an object store that cannot be opened): the others may serve
+            _warn_down(warned, s if isinstance(s, str) else getattr(s, "label", "?"), exc)
     stats: dict[str, dict[str, int]] = {}
     try:
         info = None
@@ -277,10 +314,23 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             try:
                 info = s.ref(name)
                 break
-            except (RefNotFoundError, OSError, Tb5syncError):
+            except RefNotFoundError:
+                continue
+            except (OSError, Tb5syncError) as exc:
+                _warn_down(warned, s.label, exc)
                 continue
         if info is None:
-            raise RefNotFoundError(f"no source has ref {name!r}")
+            why = "; ".join(f"{k}: {v}" for k, v in warned.items())
+            raise RefNotFoundError(f"no source has ref {name!r}" + (f" ({why})" if why else ""))
+        if mine is not None and mine.manifest == info.manifest:  # this very snapshot is here already
+            from .storeclient import ref_chunks
+
+            return {"ref": local_name, "chunks": len(ref_chunks(mine.mchunks, store.manifest(mine, touch=False))),
+                    "chunks_fetched": 0, "bytes_fetched": 0, "seconds": time.perf_counter() - t0, "sources": {},
+                    "unchanged": True}
+        if mine is not None and not replace:
+            raise RefExistsError(f"ref {local_name!r} already exists in store {store.label} with other content "
+                                 "(--force replaces it)")
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:
@@ -289,17 +339,19 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
                 raise IntegrityError(f"manifest of {name!r}: chunk list does not match its digest")
             have = lease.protect([d for d, _ in mrefs])
             got: dict[bytes, bytes] = {}
-            nbytes = _run(srcs, [r for r, h in zip(mrefs, have) if not h], writer, got, batch, stats)
+            mmissing = list(dict.fromkeys(r for r, h in zip(mrefs, have) if not h))
+            nbytes = _run(srcs, mmissing, writer, got, batch, stats, warned)
             data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
             items = decode_manifest(data, f"manifest of {name!r}")
             from .storeclient import unique_chunks
 
-            chunks = unique_chunks(items)
+            mset = {d for d, _ in mrefs}
+            chunks = [c for c in unique_chunks(items) if c[0] not in mset]
             have = []
             for k in range(0, len(chunks), 10000):
                 have += lease.protect([d for d, _ in chunks[k : k + 10000]])
             missing = [c for c, h in zip(chunks, have) if not h]
-            nbytes += _run(srcs, missing, writer, None, batch, stats)
+            nbytes += _run(srcs, missing, writer, None, batch, stats, warned)
             writer.flush()
             store.commit_ref(lease, local_name, info.manifest, mrefs, items, info.description, replace, info.created)
         except BaseException:
@@ -314,5 +366,6 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             if s not in sources:
                 s.close()
     store.enforce_quota(keep=local_name)
-    return {"ref": local_name, "chunks": len(chunks), "chunks_fetched": len(missing), "bytes_fetched": nbytes,
+    return {"ref": local_name, "chunks": len(mset) + len(chunks), "chunks_fetched": len(mmissing) + len(missing),
+            "bytes_fetched": nbytes, "unchanged": False,
             "seconds": time.perf_counter() - t0, "sources": stats}

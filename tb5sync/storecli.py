@@ -49,6 +49,9 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
                    help="an fsspec storage option for an object store URL (repeatable; e.g. "
                         "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="object store only: give up on a request with no answer after about SECONDS + 3 "
+                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60)")
     ss = s.add_subparsers(dest="store_command", required=True)
 
     def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
@@ -123,11 +126,14 @@ def _when(t: float) -> str:
 
 def _remote(url: str) -> Any:
     from .errors import UsageError
-    from .urls import parse_url
+    from .urls import parse_url, redact_url
 
     r = parse_url(url)
     if r is None:
         raise UsageError(f"expected a tb5://HOST[:PORT] URL, not {url!r}")
+    if r.path.strip("/"):
+        raise UsageError(f"{redact_url(url)}: a server has one store, reached without a path: give "
+                         f"tb5://HOST[:PORT] (the ref name says where in the store)")
     return r
 
 
@@ -172,7 +178,10 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
 
         _print_refs(remote_refs(_remote(a.url), a.prefix, token=read_token(a.token_file)), a.json)
         return 0
-    with open_store(a.store, opts or None) as st:
+    is_url = a.store is not None and "://" in a.store and not a.store.startswith("file://")
+    if a.timeout is not None and not is_url:
+        raise UsageError("store --timeout applies only to an object store (--store URL)")
+    with open_store(a.store, opts or None, **({"timeout": a.timeout} if a.timeout is not None else {})) as st:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()
@@ -216,16 +225,25 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                     print(f"{name}: {state}")
                 for p, why in rep["bad_packs"].items():
                     print(f"pack {p}: {why}")
-                print(f"checked {rep['chunks']} chunks, {_fmt(rep['bytes'])}: {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
+                print(f"checked {rep['chunks']} indexed chunks ({rep['frames']} frames in {rep['packs']} packs, "
+                      f"{_fmt(rep['bytes'])}): {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
             if not rep["ok"]:
                 return 13
         elif c == "gc":
             if a.grace is not None and not hasattr(st, "url"):
                 raise UsageError("store gc --grace applies only to an object store (--store URL)")
             res = st.gc(a.repack_below, **({"grace": a.grace} if a.grace is not None else {}))
-            print(json.dumps(res) if a.json else
-                  f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
-                  f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+            if a.json:
+                print(json.dumps(res))
+            else:
+                print(f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
+                      f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
+                for b in res.get("blocked_by") or []:
+                    since = _when(b["since"]) if b.get("since") else "?"
+                    what = f"kept {b['chunks']} chunks no ref reaches" if "chunks" in b else "stopped the sweep"
+                    print(f"writer lease {b['lease']} held by {b.get('owner') or '?'} since {since} (expires "
+                          f"{_when(b['expires'])} unless renewed) {what}; run gc again once it is gone",
+                          file=sys.stderr)
         elif c == "reindex":
             res = st.reindex()
             print(json.dumps(res) if a.json else
@@ -240,7 +258,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 print(json.dumps(s))
             else:
                 print(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
-                      f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} chunks\n"
+                      f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} indexed chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
                       + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
                       + (f"\nkeyed blobs: {s['blobs']} ({_fmt(s['blob_bytes'])})" if s["blobs"] else "")
@@ -258,6 +276,8 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                               token=read_token(a.token_file))
             if a.json:
                 print(json.dumps(res))
+            elif res.get("unchanged"):
+                print(f"{res['ref']}: this store has this ref with the same content already; nothing to do")
             else:
                 per = ", ".join(f"{k} {_fmt(v['bytes'])}" for k, v in res["sources"].items())
                 print(f"{res['ref']}: {res['chunks_fetched']} of {res['chunks']} chunks fetched, "
@@ -276,8 +296,12 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             else:
                 moved = res.get("bytes_sent", res.get("bytes_fetched", 0))
                 n = res.get("chunks_sent", res.get("chunks_fetched", 0))
-                print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
-                      f"{_fmt(moved)} in {res['seconds']:.2f} s")
+                if res.get("unchanged"):
+                    where = "the server" if c == "push" else "this store"
+                    print(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
+                else:
+                    print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                          f"{_fmt(moved)} in {res['seconds']:.2f} s")
     return 0
 
 

@@ -111,6 +111,18 @@ def unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
     return out
 
 
+def ref_chunks(mchunks: Sequence[ChunkRef], items: Sequence[Item]) -> list[ChunkRef]:
+    """Every chunk a ref reaches, each once: its manifest's chunks, then its files' (first-seen order).
+    What push and pull count as a ref's ``chunks`` (and ``store stats``/``verify`` count among indexed chunks)."""
+    seen: set[bytes] = set()
+    out = []
+    for d, n in list(mchunks) + unique_chunks(items):
+        if d not in seen:
+            seen.add(d)
+            out.append((d, n))
+    return out
+
+
 def remote_refs(remote: Remote, prefix: str = "", token: bytes | str | None = None) -> list[RefInfo]:
     """The refs of a server's store whose name starts with ``prefix``."""
     with StoreSession(remote, token, 1) as s:
@@ -156,38 +168,47 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     Returns
     -------
     dict
-        ``ref``, ``chunks`` (total), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``.
+        ``ref``, ``chunks`` (every chunk the ref reaches, manifest chunks included, each once: as push
+        counts them), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``.
 
     Raises
     ------
     RefNotFoundError
         The server has no such ref.
     RefExistsError
-        The local store has ``as_name`` already and ``replace`` is False.
+        The local store has ``as_name`` already, with another manifest, and ``replace`` is False (the
+        same manifest is a no-op success: ``unchanged`` True).
     IntegrityError
         A chunk or the manifest from the server does not match its digest.
     ConnectError, AuthError
     """
     t0 = time.perf_counter()
     local_name = check_ref_name(as_name or name)
-    if not replace and store._ref_row(local_name) is not None:
-        raise RefExistsError(f"ref {local_name!r} already exists in store {store.path}")
+    mine = store._ref_row(local_name)
     with StoreSession(remote, token, streams) as s:
         info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
+        if mine is not None and mine.manifest == info.manifest:  # this very snapshot is here already
+            return {"ref": local_name, "chunks": len(ref_chunks(mine.mchunks, store.manifest(mine, touch=False))),
+                    "chunks_fetched": 0, "bytes_fetched": 0, "seconds": time.perf_counter() - t0, "unchanged": True}
+        if mine is not None and not replace:
+            raise RefExistsError(f"ref {local_name!r} already exists in store {store.label} with other content "
+                                 "(--force replaces it)")
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:
             mrefs = list(info.mchunks)
             have = lease.protect([d for d, _ in mrefs])
             got: dict[bytes, bytes] = {}
-            nbytes = _fetch(s, [r for r, h in zip(mrefs, have) if not h], writer, got)
+            mmissing = list(dict.fromkeys(r for r, h in zip(mrefs, have) if not h))
+            nbytes = _fetch(s, mmissing, writer, got)
             data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
             from .hashing import file_digest
 
             if file_digest(d for d, _ in mrefs) != info.manifest:
                 raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
             items = decode_manifest(data, f"manifest of {name!r} from {remote.host}")
-            chunks = unique_chunks(items)
+            mset = {d for d, _ in mrefs}
+            chunks = [c for c in unique_chunks(items) if c[0] not in mset]
             have = []
             for k in range(0, len(chunks), STORE_MAX_DIGESTS):
                 have += lease.protect([d for d, _ in chunks[k : k + STORE_MAX_DIGESTS]])
@@ -203,8 +224,8 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
                 pass
             raise
     store.enforce_quota(keep=local_name)
-    return {"ref": local_name, "chunks": len(chunks), "chunks_fetched": len(missing),
-            "bytes_fetched": nbytes, "seconds": time.perf_counter() - t0}
+    return {"ref": local_name, "chunks": len(mset) + len(chunks), "chunks_fetched": len(mmissing) + len(missing),
+            "bytes_fetched": nbytes, "seconds": time.perf_counter() - t0, "unchanged": False}
 
 
 def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
@@ -214,7 +235,8 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     Returns
     -------
     dict
-        ``ref``, ``chunks`` (total), ``chunks_sent``, ``bytes_sent`` (bytes), ``seconds``.
+        ``ref``, ``chunks`` (every chunk the ref reaches, manifest chunks included, each once),
+        ``chunks_sent``, ``bytes_sent`` (bytes), ``seconds``, ``unchanged`` (the server had this very ref).
 
     Raises
     ------
@@ -223,7 +245,8 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     ReadOnlyError
         The server is read-only.
     RefExistsError
-        The server has the ref already and ``replace`` is False.
+        The server has the ref already, with another manifest, and ``replace`` is False (the same
+        manifest is a no-op success: ``unchanged`` True, nothing sent).
     IntegrityError
         A local chunk is damaged (nothing is committed on the server).
     ConnectError, AuthError
@@ -235,15 +258,19 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     with StoreSession(remote, token, streams) as s:
         if s.read_only:
             raise ReadOnlyError(f"server {remote.host}:{remote.port} is read-only")
-        if not replace:  # refused now rather than after every chunk has crossed
-            try:
-                s.call("ref", {"name": remote_name})
-            except RefNotFoundError:
-                pass
-            else:
-                raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port}")
+        chunks = ref_chunks(info.mchunks, items)
+        try:
+            there = ref_from_wire(s.call("ref", {"name": remote_name}).get("ref"))
+        except RefNotFoundError:
+            there = None
+        if there is not None and there.manifest == info.manifest:
+            # the server has this very snapshot under this name already: nothing to send, nothing to change
+            return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": 0, "bytes_sent": 0,
+                    "seconds": time.perf_counter() - t0, "unchanged": True}
+        if there is not None and not replace:  # refused now rather than after every chunk has crossed
+            raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port} with "
+                                 "other content (--force replaces it)")
         lease = secrets.token_hex(16)
-        chunks = list(info.mchunks) + [c for c in unique_chunks(items) if c[0] not in {d for d, _ in info.mchunks}]
         have: list[bool] = []
         for k in range(0, len(chunks), STORE_MAX_DIGESTS):
             part = chunks[k : k + STORE_MAX_DIGESTS]
@@ -271,5 +298,5 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         if not isinstance(reply, dict) or "ref" not in reply:
             raise ConnectError("server sent no result for the commit")
     return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": len(missing), "bytes_sent": sent,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "unchanged": False}
 

@@ -635,3 +635,48 @@ def test_packs_on_an_fsspec_filesystem(tmp_path: Any) -> None:
     finally:
         if mem.exists(root.rsplit("/", 1)[0]):
             mem.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def test_cat_without_a_path_and_get_onto_an_existing_path(tmp_path: Any, capsys: Any) -> None:
+    # `store cat REF` reads the file of a single-file ref; of a directory ref it says to give a path;
+    # `store get` onto an existing path names the CLI flag, not the Python keyword
+    f = tmp_path / "one.bin"
+    f.write_bytes(os.urandom(5000))
+    d = make_tree(str(tmp_path / "tree"), files=5)
+    st = ["store", "--store", str(tmp_path / "st")]
+    assert main([*st, "put", "file", str(f)]) == 0
+    assert main([*st, "put", "dir", d]) == 0
+    capsys.readouterr()
+    with Store(str(tmp_path / "st")) as s:
+        assert s.cat("file") == f.read_bytes()
+        with pytest.raises(UsageError, match="root of ref 'dir' is a directory, not a file: give a file's path"):
+            s.cat("dir")
+        with pytest.raises(UsageError, match="path 'd0' of ref 'dir' is a directory"):
+            s.cat("dir", "d0")
+        with pytest.raises(DestinationError) as ei:
+            s.get("file", str(f))
+        assert "--force" in str(ei.value) and "replace=" not in str(ei.value)
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", *st, "cat", "file"], capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f.read_bytes()
+
+
+def test_gc_reports_the_live_leases_that_kept_chunks(tmp_path: Any, capsys: Any) -> None:
+    # a writer's lease keeps chunks no ref reaches yet; gc says which lease (owner, since, expiry) kept how many
+    src = make_tree(str(tmp_path / "src"), files=5)
+    with Store(str(tmp_path / "st")) as st:
+        st.put("a", src)
+        digests = [bytes(d) for (d,) in st._q("SELECT digest FROM chunks")]
+        lease = st.lease()
+        assert all(lease.protect(digests))
+        st.rm("a")
+        res = st.gc()
+        [b] = res["blocked_by"]
+        assert b["lease"] == lease.id and b["owner"] == f"{st.host}:{os.getpid()}" and b["chunks"] == len(digests)
+        assert b["since"] <= time.time() < b["expires"]
+        assert res["chunks_deleted"] == 0
+        assert main(["store", "--store", str(tmp_path / "st"), "gc"]) == 0
+        err = capsys.readouterr().err
+        assert f"writer lease {lease.id} held by {st.host}:{os.getpid()} since" in err and f"kept {len(digests)} chunks" in err
+        lease.release()
+        res = st.gc()
+        assert res["blocked_by"] == [] and res["chunks_deleted"] == len(digests)

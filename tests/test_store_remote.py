@@ -52,9 +52,12 @@ def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> N
         res = push_ref(a, "builds/main/1", url(node), streams=3)
         assert res["chunks"] == total and res["chunks_sent"] == total
         again = push_ref(a, "builds/main/1", url(node), as_name="builds/main/1-copy")
-        assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0
-        with pytest.raises(RefExistsError):
-            push_ref(a, "builds/main/1", url(node))
+        assert again["chunks_sent"] == 0 and again["bytes_sent"] == 0 and not again["unchanged"]
+        same = push_ref(a, "builds/main/1", url(node))  # the server has this very ref: a no-op success
+        assert same["unchanged"] and same["chunks_sent"] == 0 and same["chunks"] == total
+        a.put("other", make_tree(str(tmp_path / "other"), seed=5, files=5))
+        with pytest.raises(RefExistsError, match="other content"):  # same name, other snapshot: refused
+            push_ref(a, "other", url(node), as_name="builds/main/1")
         # a second version: 1 MiB of the big file changed
         big = os.path.join(src, "big.bin")
         with open(big, "r+b") as f:
@@ -68,9 +71,11 @@ def test_push_then_pull_sends_only_missing_chunks(tmp_path: Any, node: Any) -> N
     assert [r.name for r in remote_refs(url(node), "builds/")] == ["builds/main/1", "builds/main/1-copy", "builds/main/2"]
     with Store(tmp_path / "c") as c:
         got = pull_ref(c, "builds/main/1", url(node), streams=4)
-        assert got["chunks_fetched"] == len(old)
+        # push and pull count the same chunks: the files' and the manifest's
+        assert got["chunks"] == res["chunks"] == total and got["chunks_fetched"] == total
         got2 = pull_ref(c, "builds/main/2", url(node), streams=2)
-        assert got2["chunks_fetched"] == len(new_chunks)
+        assert got2["chunks_fetched"] == len(new_chunks) + 1 and got2["chunks"] == res2["chunks"]
+        assert pull_ref(c, "builds/main/2", url(node))["unchanged"]  # here already: a no-op success
         assert c.ref("builds/main/1").description == "v1"
         c.get("builds/main/2", str(tmp_path / "out"))
         assert snapshot(str(tmp_path / "out")) == snapshot(src)
@@ -360,3 +365,28 @@ def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
             st.get("bad/1", str(tmp_path / "got"))
         assert os.listdir(outside) == [] and not os.path.exists(tmp_path / "got")
         assert refs_to_blob(mrefs)  # the manifest itself was stored whole
+
+
+def test_cli_push_of_a_ref_already_there_and_urls_with_a_path(tmp_path: Any, node: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=5)
+    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "a")]
+    dest = f"tb5://127.0.0.1:{node.port}"
+    assert subprocess.run([*cli, "put", "r", src], capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run([*cli, "push", "r", dest], capture_output=True, timeout=60).returncode == 0
+    # the same ref again: the server has it with the same digest: exit 0, said so, nothing sent
+    r = subprocess.run([*cli, "push", "r", dest], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "same content already" in r.stdout, (r.stdout, r.stderr)
+    r = subprocess.run([*cli, "pull", "r", dest], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "same content already" in r.stdout, (r.stdout, r.stderr)
+    # another snapshot under that name is still refused (exit 2), naming --force
+    other = make_tree(str(tmp_path / "other"), seed=4, files=5)
+    assert subprocess.run([*cli, "put", "o", other], capture_output=True, timeout=60).returncode == 0
+    r = subprocess.run([*cli, "push", "o", dest, "--as", "r"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    # a path in the server URL is refused, not ignored: push, pull, ls --url and pull --from
+    for args in (["push", "r", dest + "/some/dir"], ["pull", "r", dest + "/x"], ["ls", "--url", dest + "/x"],
+                 ["pull", "r", "--from", dest + "/x"]):
+        r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "without a path" in r.stderr, (args, r.stderr)
+    with Store(str(tmp_path / "remote_store")) as rs:
+        assert [x.name for x in rs.refs()] == ["r"]

@@ -63,10 +63,8 @@ def url(seaweed: Any, request: pytest.FixtureRequest) -> str:
 
 
 def _open(seaweed: Any, url: str, tmp_path: Any, tag: str = "c", timeout: float | None = None, **kw: Any) -> ObjectStore:
-    opts = seaweed.s3fs_options()
-    if timeout is not None:  # botocore's: bounded calls, one attempt (s3fs retries a few errors on its own)
-        opts["config_kwargs"] = {"read_timeout": timeout, "connect_timeout": timeout, "retries": {"max_attempts": 1}}
-    return ObjectStore(url, storage_options=opts, cache=str(tmp_path / f"cache-{tag}"), **kw)
+    return ObjectStore(url, storage_options=seaweed.s3fs_options(), cache=str(tmp_path / f"cache-{tag}"),
+                       timeout=timeout, **kw)
 
 
 def _fs(seaweed: Any) -> Any:
@@ -228,7 +226,7 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
     with _open(seaweed, url, tmp_path, "w", pack_target=1 * MiB) as st:
         st.put("r/1", src)
     # reads: one of the two replicas' servers dies while a fresh node reads the ref; the reads go on
-    reader = _open(seaweed, url, tmp_path, "r", timeout=2)
+    reader = _open(seaweed, url, tmp_path, "r", timeout=6)
     try:
         out = str(tmp_path / "out")
         read = reader.packs.get_range
@@ -244,15 +242,35 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
         reader.get("r/1", out)
         assert len(calls) > 5
         assert snapshot(out) == snapshot(src)
+        # a get on another node while the server is down: the ref's last use is recorded in the background
+        # (and the conditional-write probe it needs is not waited for), so the get takes no longer than reads do
+        t0 = time.monotonic()
+        with _open(seaweed, url, tmp_path, "r2") as other:
+            assert other._conditional is None  # a fresh cache: nothing recorded yet
+            other.get("r/1", str(tmp_path / "out_down"))
+        assert time.monotonic() - t0 < 20
+        assert snapshot(str(tmp_path / "out_down")) == snapshot(src)
         # writes: with a replica's server gone, SeaweedFS cannot place replication 001: the put fails
-        # with an error naming the store and the cause, and nothing is referenced
+        # within the request bound (timeout 6 s: about 6 + 3 s a request) with an error naming the store,
+        # the step and the cause; nothing is referenced and no lock object is left behind
         src2 = make_tree(str(tmp_path / "src2"), seed=7, files=6)
-        reader.fs.retries = 2  # s3fs's own retries of a timed-out call (5 by default)
-        with pytest.raises(ObjectStoreError, match=f"{url}: put failed: .*timeout") as ei:
+        t0 = time.monotonic()
+        with pytest.raises(ObjectStoreError, match=f"{url}: put failed while .*timeout.*--timeout") as ei:
             reader.put("r/2", src2)
+        assert time.monotonic() - t0 < 25
         assert isinstance(ei.value, OSError) and ei.value.exit_code == 11
+        # the same through the CLI, bounded by --timeout
+        env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "--timeout", "6", "put",
+                            "r/3", src2], capture_output=True, text=True, env=env, timeout=120)
+        assert time.monotonic() - t0 < 40, r.stderr
+        assert r.returncode == 11, r.stderr
+        assert f"{url}: put failed while " in r.stderr and "--timeout" in r.stderr
         fs = _fs(seaweed)
-        assert not fs.exists(url[5:] + "/refs/r/2")
+        assert not fs.exists(url[5:] + "/refs/r/2") and not fs.exists(url[5:] + "/refs/r/3")
+        locks = [k.rsplit("/", 1)[-1] for k in fs.find(url[5:] + "/locks")]
+        assert not [k for k in locks if k.startswith(("writer-", "probe-"))], locks
         packs = {p.rsplit("/", 1)[-1] for p in fs.find(url[5:] + "/packs")}
         indexed = {p.rsplit("/", 1)[-1] for p in fs.find(url[5:] + "/index")}
         assert indexed <= packs  # every index object names a pack that is whole in place
@@ -319,8 +337,10 @@ def test_fanout_into_the_bucket_and_missing_everywhere(seaweed: Any, url: str, t
         assert pull_fanout(up, "a", [loc], as_name="b")["chunks_fetched"] == 0  # dedup in the bucket
         with pytest.raises(Tb5syncError):
             pull_fanout(loc, "nope", [up])
-        with pytest.raises(RefExistsError):
-            pull_fanout(loc, "a", [up])
+        assert pull_fanout(loc, "a", [up])["unchanged"]  # the same ref here already: a no-op success
+        up.put("z", make_tree(str(tmp_path / "src_z"), seed=9, files=3))
+        with pytest.raises(RefExistsError, match="other content"):
+            pull_fanout(loc, "z", [up], as_name="a")
     with _open(seaweed, url, tmp_path, "b") as other:
         other.get("b", str(tmp_path / "out"))
     assert snapshot(str(tmp_path / "out")) == snapshot(src)
@@ -404,3 +424,277 @@ def test_cli_storage_options_and_serve_upstream(seaweed: Any, url: str, tmp_path
         p.wait(10)
         if p.stderr is not None:
             p.stderr.close()
+
+
+def test_probe_is_recorded_once_per_store(seaweed: Any, url: str, tmp_path: Any) -> None:
+    # the conditional-write probe runs once per store (and cache): its result is recorded, later runs
+    # use it without a probe PUT, and no probe object is left in the bucket
+    src = make_tree(str(tmp_path / "src"), files=3)
+    with _open(seaweed, url, tmp_path, "p") as st:
+        assert st.conditional is True
+    with open(tmp_path / "cache-p" / "conditional.json") as f:
+        assert json.load(f)["conditional"] is True
+    with _open(seaweed, url, tmp_path, "p") as st:
+        assert st._conditional is True
+
+        def no_probe() -> bool:
+            raise AssertionError("probed again")
+
+        st._probe_conditional = no_probe  # type: ignore[method-assign]
+        st.put("x", src)
+        st.pin("x")
+        assert st.ref("x").pinned
+    assert not [k for k in _fs(seaweed).find(url[5:] + "/locks") if "/probe-" in k]
+
+
+def test_reads_never_wait_for_the_last_use_record(tmp_path: Any) -> None:
+    # recording a ref's use is a write; a read (get, cat) does not wait for it, and close waits at most
+    # TOUCH_WAIT seconds for one still running
+    from tb5sync.store import objstore
+
+    src = make_tree(str(tmp_path / "src"), files=3)
+    st = ObjectStore(f"memory://tb5-{secrets.token_hex(4)}", cache=str(tmp_path / "c"))
+    st.put("r", src)
+    st._touched.clear()
+    slow = threading.Event()
+
+    def hung_update(*a: Any, **kw: Any) -> None:
+        slow.wait(30)
+
+    st._update_ref = hung_update  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    st.get("r", str(tmp_path / "out"))
+    assert st.cat("r", "big.bin") == slurp(os.path.join(src, "big.bin"))
+    st.close()
+    assert time.monotonic() - t0 < objstore.TOUCH_WAIT + 3
+    slow.set()
+    assert snapshot(str(tmp_path / "out")) == snapshot(src)
+
+
+def test_errors_name_the_store_url(seaweed: Any, url: str, tmp_path: Any) -> None:
+    # the URL the user gave, never the local index cache directory
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    src = make_tree(str(tmp_path / "src"), files=3)
+    with _open(seaweed, url, tmp_path) as st:
+        st.put("a", src)
+        for call in (lambda: st.get("nope", str(tmp_path / "o")), lambda: st.ref("nope"), lambda: st.rm("nope"),
+                     lambda: st.pin("nope"), lambda: st.cat("nope"), lambda: st.put("a", src)):
+            with pytest.raises(Tb5syncError) as ei:
+                call()
+            assert url in str(ei.value) and str(tmp_path) not in str(ei.value), ei.value
+    for args in (["get", "nope", str(tmp_path / "o")], ["cat", "nope"], ["put", "a", src], ["rm", "nope"]):
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *args],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode != 0 and url in r.stderr and str(tmp_path / "xdg") not in r.stderr, r.stderr
+
+
+def test_wrong_credentials_and_endpoint_say_what_to_check(seaweed: Any, url: str, tmp_path: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=3)
+    bad = {**seaweed.env(), "AWS_SECRET_ACCESS_KEY": "wrong-secret", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    for args in (["ls"], ["put", "a", src]):
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *args],
+                           capture_output=True, text=True, env=bad, timeout=60)
+        assert r.returncode == 11, r.stderr
+        assert f"{url}: opening the store failed while reading the store config" in r.stderr
+        assert "AWS_ACCESS_KEY_ID" in r.stderr and "--storage-option key=" in r.stderr and "endpoint" in r.stderr
+        assert r.stderr.count("\n") == 1  # one line
+    nowhere = {**seaweed.env(), "AWS_ENDPOINT_URL": "http://127.0.0.1:1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "--timeout", "3", "ls"],
+                       capture_output=True, text=True, env=nowhere, timeout=60)
+    assert r.returncode == 11 and url in r.stderr and "endpoint" in r.stderr, r.stderr
+
+
+def test_gc_reports_the_writer_leases_that_held_it_back(seaweed: Any, url: str, tmp_path: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=3)
+    fs = _fs(seaweed)
+    with _open(seaweed, url, tmp_path) as st:
+        st.put("x", src)
+        st.rm("x")
+        since = time.time() - 5
+        fs.pipe_file(url[5:] + "/locks/writer-feedface", json.dumps({"owner": "builder7:4242:ab", "at": since,
+                                                                     "started": since}).encode())
+        res = st.gc(grace=0)
+        assert res["deferred"] == 1 and res["bytes_freed"] == 0
+        [b] = res["blocked_by"]
+        assert b["lease"] == "writer-feedface" and b["owner"] == "builder7:4242:ab" and b["since"] == since
+        assert time.time() < b["expires"] <= time.time() + 61
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "gc", "--grace", "0"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "freed 0 B" in r.stdout
+    assert "writer lease writer-feedface held by builder7:4242:ab since" in r.stderr and "expires" in r.stderr
+    assert "stopped the sweep" in r.stderr
+    fs.rm_file(url[5:] + "/locks/writer-feedface")
+    with _open(seaweed, url, tmp_path) as st:
+        res = st.gc(grace=0)
+        assert res["deferred"] == 0 and res["packs_deleted"] >= 1 and res["blocked_by"] == []
+
+
+def test_gc_removes_expired_lock_objects(seaweed: Any, url: str, tmp_path: Any, monkeypatch: Any) -> None:
+    # writer, probe and gc lock objects a killed process left expire after LEASE_TTL_OBJ and gc removes them
+    from tb5sync.store import objstore
+
+    fs = _fs(seaweed)
+    with _open(seaweed, url, tmp_path) as st:
+        for k in ("writer-aa", "probe-bb", "gc-cc"):
+            fs.pipe_file(f"{url[5:]}/locks/{k}", b"{}")
+        monkeypatch.setattr(objstore, "LEASE_TTL_OBJ", 1.0)
+        time.sleep(2.2)  # LastModified has one-second resolution
+        res = st.gc(grace=0)
+        assert res["locks_removed"] == 3 and res["deferred"] == 0
+    assert not _fs(seaweed).exists(url[5:] + "/locks/writer-aa")
+
+
+def test_verify_and_stats_count_the_same_chunks(seaweed: Any, url: str, tmp_path: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=6)
+    src2 = make_tree(str(tmp_path / "src2"), seed=3, files=4)
+    with _open(seaweed, url, tmp_path) as st:
+        st.put("a", src)
+        st.put("b", src2)
+        st.put("a2", src)  # all chunks shared with a
+        rep, stats = st.verify(), st.stats()
+        assert rep["ok"] and rep["chunks"] == stats["chunks"] > 0 and rep["frames"] == stats["chunks"]
+        assert rep["packs"] == stats["packs"]
+    # the same on a directory store, after a gc swept chunks out of packs it did not rewrite
+    with Store(str(tmp_path / "local")) as loc:
+        loc.put("a", src)
+        loc.put("b", src2)
+        loc.rm("b")
+        loc.gc(repack_below=0.0)
+        rep, stats = loc.verify(), loc.stats()
+        assert rep["ok"] and rep["chunks"] == stats["chunks"] > 0
+
+
+def test_gc_and_a_ref_commit_reusing_its_dead_chunks(seaweed: Any, url: str, tmp_path: Any) -> None:
+    # a writer W reuses chunks of packs no ref reaches any more while gc G deletes them (grace 0).
+    # 1. W starts after G's last look at the leases (while G deletes): W's commit waits for G's lock object,
+    #    then finds its packs gone and fails without writing the ref; put again, it writes them anew.
+    src = make_tree(str(tmp_path / "src"), files=5)
+    with _open(seaweed, url, tmp_path, "first") as st:
+        st.put("old", src)
+    g = _open(seaweed, url, tmp_path, "g")
+    w = _open(seaweed, url, tmp_path, "w")  # its index copy knows the packs of "old"
+    try:
+        g.rm("old")
+        waiting = threading.Event()
+        real_wait = w._wait_for_gc
+
+        def wait_for_gc() -> bool:
+            waiting.set()
+            return real_wait()
+
+        w._wait_for_gc = wait_for_gc  # type: ignore[method-assign]
+        out: list[Any] = []
+        delete = g.packs.delete
+
+        def delete_and_race(name: str) -> None:
+            if not out:
+                t = threading.Thread(target=lambda: out.append(_catch(lambda: w.put("new", src))))
+                out.append(t)
+                t.start()
+                assert waiting.wait(30)  # W is at its commit, before its pack check
+                time.sleep(0.3)
+            delete(name)
+
+        g.packs.delete = delete_and_race  # type: ignore[method-assign]
+        res = g.gc(grace=0)
+        assert res["packs_deleted"] >= 1
+        out[0].join(60)
+        assert isinstance(out[1], Tb5syncError) and "put it again" in str(out[1]), out[1]
+        assert not _fs(seaweed).exists(url[5:] + "/refs/new")
+        w.put("new", src)  # again: the chunks are written anew
+        w.get("new", str(tmp_path / "out1"))
+        assert snapshot(str(tmp_path / "out1")) == snapshot(src)
+        # 2. W commits while G marks, without waiting for G (as a writer whose commit came just before
+        #    G's lock object): G's second look finds no lease, marks the ref W wrote, deletes nothing it reaches
+        w.rm("new")
+        w2 = _open(seaweed, url, tmp_path, "w2")
+        w2._wait_for_gc = lambda: False  # type: ignore[method-assign]
+        g._hook_marked = lambda: w2.put("new2", src)  # type: ignore[method-assign]
+        g.packs.delete = delete  # type: ignore[method-assign]
+        res = g.gc(grace=0)
+        assert res["deferred"] == 0 and res["packs_deleted"] == 0, res
+        g._hook_marked = None  # type: ignore[assignment]
+        with _open(seaweed, url, tmp_path, "check") as c:
+            c.get("new2", str(tmp_path / "out2"))
+            assert c.verify()["ok"]
+        assert snapshot(str(tmp_path / "out2")) == snapshot(src)
+        w2.close()
+    finally:
+        g.close()
+        w.close()
+
+
+def _catch(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
+
+
+def test_reindex_on_the_object_store(seaweed: Any, url: str, tmp_path: Any) -> None:
+    # index objects lost or damaged, and the local cache gone: reindex reads the packs and writes them again
+    src = make_tree(str(tmp_path / "src"), files=20)
+    with _open(seaweed, url, tmp_path, "a", pack_target=1 * MiB) as st:
+        st.put("r", src)
+    fs = _fs(seaweed)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(url[5:] + "/index"))
+    assert len(names) >= 3
+    before = {n: msgpack.unpackb(fs.cat_file(f"{url[5:]}/index/{n}")) for n in names}
+    fs.rm_file(f"{url[5:]}/index/{names[0]}")
+    fs.pipe_file(f"{url[5:]}/index/{names[1]}", b"not msgpack \xc1")
+    with _open(seaweed, url, tmp_path, "b") as st:  # a fresh cache: opens despite the damaged index object
+        with pytest.raises(Tb5syncError):
+            st.get("r", str(tmp_path / "broken"))
+        res = st.reindex()
+        assert res["index_objects_written"] == 2 and res["damaged"] == 0 and res["packs"] == len(names)
+    for n in names:
+        meta = msgpack.unpackb(_fs(seaweed).cat_file(f"{url[5:]}/index/{n}"))
+        assert meta["chunks"] == before[n]["chunks"] and meta["size"] == before[n]["size"]
+        assert abs(meta["created"] - before[n]["created"]) < 120  # the pack's time, not the reindex's
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "reindex", "--json"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["index_objects_written"] == 0, r.stderr
+    with _open(seaweed, url, tmp_path, "c") as st:
+        st.get("r", str(tmp_path / "out"))
+        assert st.verify()["ok"]
+        assert st.gc()["packs_deleted"] == 0
+    assert snapshot(str(tmp_path / "out")) == snapshot(src)
+
+
+def test_fanout_warns_once_per_unusable_source(seaweed: Any, url: str, tmp_path: Any, caplog: Any) -> None:
+    src = make_tree(str(tmp_path / "src"), files=8)
+    with _open(seaweed, url, tmp_path) as up:
+        up.put("m", src)
+    dead_peer = "tb5://127.0.0.1:1"
+    no_bucket = "tb5://127.0.0.1:2"  # a second one nobody listens on
+    opts = seaweed.s3fs_options()
+    with Store(str(tmp_path / "node")) as node, caplog.at_level("WARNING", logger="tb5sync.fanout"):
+        res = pull_fanout(node, "m", [dead_peer, no_bucket, url], storage_options=opts)
+        assert res["chunks_fetched"] == res["chunks"] > 0
+        warned = [r.getMessage() for r in caplog.records if r.name == "tb5sync.fanout"]
+        assert sum(dead_peer in m for m in warned) == 1 and sum(no_bucket in m for m in warned) == 1, warned
+        node.get("m", str(tmp_path / "out"))
+        # no source can serve: one clear error naming each
+        with pytest.raises(Tb5syncError) as ei:
+            pull_fanout(node, "m", [dead_peer, no_bucket], as_name="m2", storage_options=opts)
+        assert dead_peer in str(ei.value) and no_bucket in str(ei.value)
+    assert snapshot(str(tmp_path / "out")) == snapshot(src)
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "node2"), "pull",
+                        "m", "--from", dead_peer, "--from", url], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stderr.count(dead_peer) == 1, r.stderr
+
+
+def test_cli_cat_of_a_single_file_ref_and_get_errors(seaweed: Any, url: str, tmp_path: Any) -> None:
+    env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    f = tmp_path / "one.bin"
+    f.write_bytes(os.urandom(3000))
+    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", url]
+    assert subprocess.run([*cli, "put", "f", str(f)], env=env, timeout=60).returncode == 0
+    r = subprocess.run([*cli, "cat", "f"], capture_output=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout == f.read_bytes(), r.stderr
+    r = subprocess.run([*cli, "get", "f", str(f)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 11 and "--force" in r.stderr and "replace=" not in r.stderr, r.stderr

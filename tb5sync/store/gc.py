@@ -77,7 +77,7 @@ def _blob_chunks(rows: Iterable[Any]) -> set[bytes]:
     return out
 
 
-def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
+def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
     """Collect what no ref and no live writer needs; repack sparse packs. See the module docstring.
 
     Parameters
@@ -89,14 +89,16 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
     Returns
     -------
     dict
-        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``.
+        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
+        ``blocked_by``: the live writer leases that kept chunks no ref reaches, ``{"lease", "owner"
+        (host:pid), "since", "expires" (s since the epoch, unless the writer touches it again), "chunks"}``.
 
     Raises
     ------
     IntegrityError
         A ref's manifest cannot be read (nothing is deleted then: a damaged store is not swept).
     """
-    from .store import PackWriter
+    from .store import LEASE_TTL, PackWriter
 
     with gc_lock(store):
         cache: dict[bytes, set[bytes]] = {}
@@ -119,8 +121,18 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
             for manifest, mchunks in list(db.execute("SELECT manifest, mchunks FROM refs")):
                 # refs made since the mark: read in this thread, which holds the index lock
                 marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
-            marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
             marked |= _blob_chunks(db.execute("SELECT chunks FROM blobs"))
+            # what only a live writer's lease keeps (reported: who held back what gc would have taken)
+            held: dict[str, int] = {}
+            for lid, d in db.execute("SELECT lease, digest FROM lease_chunks"):
+                if bytes(d) not in marked:
+                    held[lid] = held.get(lid, 0) + 1
+            marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
+            blocked_by = []
+            for lid, host, pid, started, touched in db.execute("SELECT id, host, pid, started, touched FROM leases"):
+                if held.get(lid):
+                    blocked_by.append({"lease": lid, "owner": f"{host}:{pid}", "since": started,
+                                       "expires": touched + LEASE_TTL, "chunks": held[lid]})
             dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
             db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])
             for (pack,) in list(db.execute("SELECT id FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM chunks)")):
@@ -192,7 +204,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, int]:
                 writer.abort()
                 lease.release()
         return {"chunks_deleted": len(dead), "packs_deleted": len(dead_packs), "packs_repacked": repacked,
-                "bytes_freed": freed, "orphans": orphans}
+                "bytes_freed": freed, "orphans": orphans, "blocked_by": blocked_by}
 
 
 def verify(store: Store) -> dict[str, Any]:
@@ -203,7 +215,9 @@ def verify(store: Store) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``{"ok": bool, "chunks": n checked, "bytes": n read, "damaged_chunks": [hex...],
+        ``{"ok": bool, "chunks": indexed chunks checked (``stats()["chunks"]`` when nothing changed meanwhile),
+        "frames": pack frames read (more than ``chunks`` when a pack holds a frame gc unindexed or a
+        chunk twice), "packs": packs read, "bytes": n read, "damaged_chunks": [hex...],
         "missing_chunks": [hex...], "bad_packs": {pack: reason}, "refs": {name: {"ok", "missing", "damaged"}}}``.
         A ref is whole when its manifest and every chunk it reaches are present and intact.
     """
@@ -217,7 +231,7 @@ def _verify(store: Store) -> dict[str, Any]:
     good: set[bytes] = set()
     damaged: set[bytes] = set()
     bad_packs: dict[str, str] = {}
-    checked = nbytes = 0
+    frames = nbytes = 0
     packs = [p for (p,) in store._q("SELECT id FROM packs")]
     for pack in packs:
         try:
@@ -228,7 +242,7 @@ def _verify(store: Store) -> dict[str, Any]:
         nbytes += len(data)
         try:
             for digest, off, n in iter_frames(data, f"pack {pack}"):
-                checked += 1
+                frames += 1
                 ok = chunk_digest(memoryview(data)[off : off + n]) == digest
                 loc = index.get(digest)
                 if loc is not None and loc[0] == pack and loc[1] == off:
@@ -253,7 +267,7 @@ def _verify(store: Store) -> dict[str, Any]:
         entry["ok"] = not (entry["missing"] or entry["damaged"])
         refs[info.name] = entry
     ok = not damaged and not missing and not bad_packs and all(r["ok"] for r in refs.values())
-    return {"ok": ok, "chunks": checked, "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
+    return {"ok": ok, "chunks": len(good) + len(damaged), "frames": frames, "packs": len(packs), "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
             "missing_chunks": sorted(d.hex() for d in missing), "bad_packs": bad_packs, "refs": refs}
 
 
@@ -262,15 +276,19 @@ def reindex(store: Store) -> dict[str, int]:
 
     Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
     rows pointing at packs that are gone are dropped. Refs are not in the packs: they stay as
-    they are. Holds the gc lock.
+    they are. Holds the gc lock. On an object store (pack storage with ``put_index``) a pack that
+    had no (readable) index object gets one, ``created`` being the pack's modification time.
 
     Returns
     -------
     dict
-        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match).
+        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match),
+        ``index_objects_written``.
     """
-    added = dropped = damaged = 0
+    added = dropped = damaged = written = 0
+    put_index = getattr(store.packs, "put_index", None)
     with gc_lock(store):
+        known = {p for (p,) in store._q("SELECT id FROM packs")}
         on_disk = store.packs.list()
         for pack, (size, _) in sorted(on_disk.items()):
             try:
@@ -285,8 +303,12 @@ def reindex(store: Store) -> dict[str, int]:
                     rows.append((digest, pack, off, n))
                 else:
                     damaged += 1
+            created = on_disk[pack][1] or time.time()
+            if put_index is not None and pack not in known:
+                put_index(pack, size, created, [[d, o, n] for d, _, o, n in rows])
+                written += 1
             with store._tx(durable=True) as db:
-                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (pack, size, created))
                 for r in rows:
                     added += db.execute("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", r).rowcount
         with store._tx(durable=True) as db:
@@ -294,7 +316,8 @@ def reindex(store: Store) -> dict[str, int]:
                 if pack not in on_disk:
                     dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
                     db.execute("DELETE FROM packs WHERE id=?", (pack,))
-    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged}
+    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged,
+            "index_objects_written": written}
 
 
 def _read_pack(store: Store, pack: str) -> bytes:

@@ -127,7 +127,7 @@ def materialise(store: object, items: list[Item], dest: str, replace: bool = Fal
     if exists and not replace:
         empty_dir = root.kind == "d" and not os.path.islink(dest) and os.path.isdir(dest) and not os.listdir(dest)
         if not empty_dir:
-            raise DestinationError(f"{dest} exists (replace=True, or --force, overwrites it)")
+            raise DestinationError(f"{dest} exists (store get --force replaces it)")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:

@@ -28,6 +28,16 @@ gc on an object store marks from every ref object and deletes only packs none of
 marked, whose index object is older than ``grace`` seconds, and only while no writer lease
 (``locks/writer-*``: every writer's :class:`ObjectLease`, rewritten while it writes) younger than ``LEASE_TTL_OBJ`` exists; the index object goes
 first, then the pack. Packs with some live chunks are kept whole (no repack on the shared tier).
+While it runs, gc holds ``locks/gc-<id>``; a writer about to commit a ref waits until no live one
+exists before it checks its packs, and gc marks again from the refs written while it marked (see
+:meth:`ObjectStore.gc`), so no ref can be written to a chunk gc deletes.
+
+Requests are bounded (``timeout``, default :data:`REQUEST_TIMEOUT` s, CLI ``--timeout``): on S3,
+botocore makes at most 3 attempts, each waiting at most ``timeout / 6`` s to connect and as long for
+each reply, with its standard backoff (at most 1 + 2 s) between them, and s3fs does not retry on
+top; a request with no answer fails after about ``timeout + 3`` s as :class:`ObjectStoreError`,
+naming the store URL and the step. Lock objects a failed or killed writer leaves (``writer-*``,
+``probe-*``, ``gc-*``) expire after ``LEASE_TTL_OBJ`` s and are removed by the next gc.
 """
 
 from __future__ import annotations
@@ -39,21 +49,22 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
 
-from ..errors import IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
+from ..errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
 from ..hashing import ChunkRef
 from .manifest import Item
-from .packs import FsspecPackStorage, iter_frames
+from .packs import FsspecPackStorage, check_name, iter_frames
 from .store import RefInfo, Store, all_digests, check_ref_name
 from .writer import Lease
 
 __all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConflictError", "ObjectStoreError",
-           "LEASE_TTL_OBJ"]
+           "LEASE_TTL_OBJ", "REQUEST_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,16 @@ LEASE_SETTLE = 0.2
 READ_TRIES = 4
 #: Default grace period of gc on an object store: packs indexed more recently are never deleted, seconds.
 GC_GRACE = 3600.0
+#: Default bound of one request to the object store with its retries, seconds (module docstring).
+REQUEST_TIMEOUT = 60.0
+#: Attempts botocore makes of one request.
+REQUEST_ATTEMPTS = 3
+#: Seconds :meth:`ObjectStore.close` waits for a last-use record still being written.
+TOUCH_WAIT = 2.0
+#: A use of a ref within this many seconds of the recorded one is not written again.
+TOUCH_EVERY = 60.0
+#: Most seconds a ref commit waits for a running gc (its ``locks/gc-*`` object) to finish.
+GC_WAIT = 600.0
 
 
 class RefConflictError(Tb5syncError, RuntimeError):
@@ -84,20 +105,82 @@ class _Precondition(Exception):
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+_AUTH_WORDS = ("forbidden", "accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch",
+               "invalidtoken", "expiredtoken", "403", "unauthorized", "nocredentials", "unable to locate credentials")
+_TIMEOUT_WORDS = ("timeout", "timed out")
+_CONNECT_WORDS = ("could not connect", "connection refused", "cannot connect", "endpointconnectionerror",
+                  "name or service not known", "nodename nor servname")
+
+
+def describe_error(store: Any, what: str, exc: BaseException) -> ObjectStoreError:
+    """An :class:`ObjectStoreError` for ``exc`` raised by the object store's client during ``what``:
+    ``"<url>: <what> failed [while <step>]: <type>: <message>[; <hint>]"``. The step is the innermost
+    :meth:`ObjectStore._doing` the error passed through; the hint says what to check for a refused
+    login (credentials, endpoint), an unreachable endpoint, or a timeout (``--timeout``)."""
+    url = getattr(store, "url", None) or getattr(store, "root", "?")
+    step = getattr(exc, "_tb5_step", None)
+    text = f"{type(exc).__name__}: {exc}".strip()
+    low = f"{text} {getattr(exc, 'response', '')}".lower()
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None:
+        low += f" {type(cause).__name__} {cause}".lower()
+    if isinstance(exc, PermissionError) or any(w in low for w in _AUTH_WORDS):
+        hint = ("the object store refused these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or --storage-option key=... --storage-option secret=...) and that the endpoint "
+                "(AWS_ENDPOINT_URL, or --storage-option endpoint_url=...) is the store's")
+    elif any(w in low for w in ("nosuchbucket", "invalidbucketname", "bucket is not valid",
+                                "bucket does not exist")):
+        hint = "check the bucket in the store URL (s3://BUCKET/PREFIX): it must exist and be a valid name"
+    elif any(w in low for w in _TIMEOUT_WORDS):
+        t = getattr(store, "timeout", None)
+        hint = (f"no answer within the request timeout ({t:g} s, {REQUEST_ATTEMPTS} attempts; --timeout S)"
+                if t else "no answer in time")
+    elif any(w in low for w in _CONNECT_WORDS) or isinstance(exc, ConnectionError):
+        hint = "cannot reach the object store: check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)"
+    else:
+        hint = ""
+    msg = f"{url}: {what} failed" + (f" while {step}" if step and step != what else "") + f": {text}"
+    return ObjectStoreError(msg + (f"; {hint}" if hint else ""))
+
+
+def _name_store(store: Any, exc: Tb5syncError) -> None:
+    """Make a store error name the store URL (once)."""
+    url = getattr(store, "url", None)
+    if url and exc.args and isinstance(exc.args[0], str) and url not in exc.args[0]:
+        exc.args = (f"{url}: {exc.args[0]}", *exc.args[1:])
+
+
+_nesting = threading.local()
+
 
 def _clear_errors(what: str) -> Callable[[_F], _F]:
-    """Errors of the object store's client (botocore, aiohttp, OSError) leave as :class:`ObjectStoreError`."""
+    """Errors of the object store's client (botocore, aiohttp, OSError) leave the outermost wrapped call as
+    :class:`ObjectStoreError` (see :func:`describe_error`: that call's ``what``, the innermost step);
+    tb5sync's own errors (but a local destination's) are made to name the store URL."""
 
     def deco(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            depth = getattr(_nesting, "depth", 0)
+            _nesting.depth = depth + 1
             try:
                 return fn(self, *args, **kw)
-            except (Tb5syncError, FileNotFoundError, KeyboardInterrupt):
+            except (DestinationError, KeyboardInterrupt):
+                raise
+            except Tb5syncError as exc:
+                _name_store(self, exc)
+                raise
+            except FileNotFoundError:
                 raise
             except Exception as exc:
-                url = getattr(self, "url", None) or getattr(self, "root", "?")
-                raise ObjectStoreError(f"{url}: {what} failed: {type(exc).__name__}: {exc}") from exc
+                if getattr(exc, "_tb5_step", None) is None:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        exc._tb5_step = what  # type: ignore[attr-defined]
+                if depth:
+                    raise  # an outer call names the operation
+                raise describe_error(self, what, exc) from exc
+            finally:
+                _nesting.depth = depth
 
         return wrapper  # type: ignore[return-value]
 
@@ -140,9 +223,11 @@ def open_store(url: str | os.PathLike[str] | None = None, storage_options: dict[
 class ObjectPackStorage(FsspecPackStorage):
     """Packs on an fsspec filesystem, each followed by its index object ``INDEX/<id>`` (see the module docstring)."""
 
-    def __init__(self, fs: object, root: str, index_root: str) -> None:
+    def __init__(self, fs: object, root: str, index_root: str, url: str = "", timeout: float | None = None) -> None:
         super().__init__(fs, root)
         self.index_root = index_root
+        self.url = url  # the store's URL, for errors
+        self.timeout = timeout
 
     @_clear_errors("writing a pack")
     def put_file(self, name: str, path: str) -> int:
@@ -150,21 +235,30 @@ class ObjectPackStorage(FsspecPackStorage):
             data = f.read()
         rows = [[d, off, n] for d, off, n in iter_frames(data, name)]
         size = super().put_file(name, path)  # whole PUT; raises on a failed upload and references nothing
-        idx = msgpack.packb({"v": 1, "size": size, "created": time.time(), "chunks": rows})
-        self.fs.pipe_file(f"{self.index_root}/{name}", idx)
+        self.put_index(name, size, time.time(), rows)
         return size
+
+    def put_index(self, name: str, size: int, created: float, rows: Sequence[Sequence[Any]]) -> None:
+        """Write the index object of pack ``name`` (``rows``: ``[digest, offset, length]`` per frame)."""
+        idx = msgpack.packb({"v": 1, "size": size, "created": created, "chunks": [list(r) for r in rows]})
+        try:
+            self.fs.pipe_file(f"{self.index_root}/{name}", idx)
+        except Exception as exc:
+            exc._tb5_step = f"writing the index object of pack {name}"  # type: ignore[attr-defined]
+            raise
 
     def get_range(self, name: str, offset: int, length: int) -> bytes:
         """As :meth:`FsspecPackStorage.get_range`, a failed read tried again ``READ_TRIES`` times in all
-        (0.2, 0.4, 0.8 s apart): a replica's server going away mid-read costs a retry, not the read."""
+        (0.2, 0.4, 0.8 s apart): a replica's server going away mid-read costs a retry, not the read.
+        A timeout is not tried again (the client's attempts are spent: the read stays within the request bound)."""
         for attempt in range(READ_TRIES):
             try:
                 return super().get_range(name, offset, length)
             except (FileNotFoundError, IntegrityError):
                 raise
-            except Exception:
-                if attempt == READ_TRIES - 1:
-                    raise
+            except Exception as exc:
+                if attempt == READ_TRIES - 1 or any(w in str(exc).lower() for w in _TIMEOUT_WORDS):
+                    raise  # a timeout has had its attempts already (the request bound): not again
                 time.sleep(0.2 * 2**attempt)
         raise AssertionError("unreachable")
 
@@ -172,6 +266,24 @@ class ObjectPackStorage(FsspecPackStorage):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(f"{self.index_root}/{name}")
         super().delete(name)
+
+    def list(self) -> dict[str, tuple[int, float]]:
+        """As :meth:`FsspecPackStorage.list`, with each pack's modification time (seconds) where the listing has it."""
+        out: dict[str, tuple[int, float]] = {}
+        with contextlib.suppress(AttributeError, TypeError):
+            self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return out
+        for p, info in found.items():
+            n = p.rstrip("/").rsplit("/", 1)[-1]
+            try:
+                check_name(n)
+            except UsageError:
+                continue
+            out[n] = (int(info.get("size") or 0), _mtime(info))
+        return out
 
 
 class ObjectStore(Store):
@@ -189,25 +301,44 @@ class ObjectStore(Store):
     pack_target, quota
         As :class:`Store`.
     conditional : bool, optional
-        Force (True) or forbid (False) conditional writes for refs; default: probed.
+        Force (True) or forbid (False) conditional writes for refs; default: probed once per store and
+        recorded in ``cache`` (``conditional.json``).
+    timeout : float, optional
+        Bound of one request with its retries, seconds (default :data:`REQUEST_TIMEOUT`; S3 only: 3
+        attempts, each waiting at most ``timeout / 6`` s to connect and per reply; module docstring).
 
     Raises
     ------
     UsageError
-        Unknown protocol (its fsspec implementation is not installed), or a config of another format.
-    OSError
-        The object store cannot be reached (fsspec's/s3fs's errors).
+        Unknown protocol (its fsspec implementation is not installed), a config of another format, or
+        a timeout that is not > 0.
+    ObjectStoreError
+        The object store cannot be reached, refuses the credentials, or does not answer in time (an
+        ``OSError``; the message names the URL, the step and what to check).
     """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None, cache: str | None = None,
-                 pack_target: int | None = None, quota: int | None = None, conditional: bool | None = None) -> None:
+                 pack_target: int | None = None, quota: int | None = None, conditional: bool | None = None,
+                 timeout: float | None = None) -> None:
         import fsspec
 
-        try:
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as exc:
-            raise UsageError(f"{url}: cannot open this store URL: {exc}") from exc
         self.url = url
+        self.timeout = float(timeout if timeout is not None else REQUEST_TIMEOUT)
+        if not self.timeout > 0:
+            raise UsageError(f"{url}: the request timeout must be > 0 seconds, got {timeout!r}")
+        opts = dict(storage_options or {})
+        if url.startswith(("s3://", "s3a://")):
+            # bounded requests (module docstring); options the caller gave win
+            per_wait = max(0.5, self.timeout / (2 * REQUEST_ATTEMPTS))
+            ck = {"connect_timeout": per_wait, "read_timeout": per_wait,
+                  "retries": {"max_attempts": REQUEST_ATTEMPTS, "mode": "standard"}}
+            opts["config_kwargs"] = {**ck, **(opts.get("config_kwargs") or {})}
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **opts)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise UsageError(f"{url}: cannot open this store URL: {exc}") from exc
+        if url.startswith(("s3://", "s3a://")) and hasattr(fs, "retries"):
+            fs.retries = 1  # botocore retries (above); s3fs would multiply them
         self.fs: Any = fs
         self.root = root.rstrip("/")
         if cache is None:
@@ -224,12 +355,50 @@ class ObjectStore(Store):
             key = f"{url}\n{endpoint}".encode()
             cache = os.path.join(base, "objstore", hashlib.sha256(key).hexdigest()[:24])
         os.makedirs(cache, exist_ok=True)
-        self._conditional = conditional
-        self._sync_config(cache, pack_target)
-        super().__init__(cache, pack_target=pack_target, quota=quota,
-                         packs=ObjectPackStorage(fs, f"{self.root}/packs", f"{self.root}/index"))
+        self.cache_dir = cache
+        self._conditional = conditional if conditional is not None else self._cached_probe()
+        self._touched: dict[str, float] = {}
+        self._touches: list[threading.Thread] = []
+        try:
+            with self._doing(f"reading the store config {self.root}/config"):
+                self._sync_config(cache, pack_target)
+            super().__init__(cache, pack_target=pack_target, quota=quota,
+                             packs=ObjectPackStorage(fs, f"{self.root}/packs", f"{self.root}/index", url, self.timeout))
+        except Tb5syncError as exc:
+            _name_store(self, exc)
+            raise
+        except Exception as exc:
+            raise describe_error(self, "opening the store", exc) from exc
         self.owner = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.sync_index()
+        self._open_sync()
+
+    @_clear_errors("opening the store")
+    def _open_sync(self) -> None:
+        with self._doing(f"listing {self.root}/index"):
+            self.sync_index()
+
+    @property
+    def label(self) -> str:
+        """The store's URL (what errors name)."""
+        return self.url
+
+    @contextlib.contextmanager
+    def _doing(self, step: str) -> Any:
+        """Record ``step`` on an error passing through (the innermost step is what the error names)."""
+        try:
+            yield
+        except Exception as exc:
+            if getattr(exc, "_tb5_step", None) is None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    exc._tb5_step = step  # type: ignore[attr-defined]
+            raise
+
+    def close(self) -> None:
+        """Wait at most ``TOUCH_WAIT`` s for last-use records still being written, then close the index."""
+        end = time.monotonic() + TOUCH_WAIT
+        for t in list(self._touches):
+            t.join(max(0.0, end - time.monotonic()))
+        super().close()
 
     def _find(self, prefix: str, detail: bool = False) -> Any:
         """Every object under ``prefix``, listed afresh (fsspec's listing cache dropped first)."""
@@ -237,6 +406,7 @@ class ObjectStore(Store):
             self.fs.invalidate_cache(prefix)
         return self.fs.find(prefix, detail=detail)
 
+    @_clear_errors("starting a writer lease")
     def lease(self, lease_id: str | None = None) -> Lease:
         """A writer's lease (:class:`ObjectLease`): also a ``locks/writer-<id>`` object that gc respects."""
         return ObjectLease(self, lease_id)
@@ -257,6 +427,12 @@ class ObjectStore(Store):
             except _Precondition:
                 pass
             data = self.fs.cat_file(key)
+        try:
+            cfg = json.loads(data)
+        except ValueError:
+            cfg = None
+        if not isinstance(cfg, dict) or cfg.get("format") != "tb5sync-store":
+            raise UsageError(f"{self.url}: {key} is not a tb5sync store config")
         local = os.path.join(cache, "config")
         tmp = local + f".{secrets.token_hex(6)}"
         with open(tmp, "wb") as f:
@@ -265,26 +441,35 @@ class ObjectStore(Store):
 
     def sync_index(self) -> dict[str, int]:
         """Copy index objects not yet in the local index, drop rows of packs gone from the store.
+        A malformed index object is skipped with a warning (``reindex`` writes it again from its pack).
 
-        Returns ``{"packs_added", "packs_dropped"}``.
+        Returns ``{"packs_added", "packs_dropped", "malformed"}``.
         """
         try:
             names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
         except FileNotFoundError:
             names = set()
         known = {r[0] for r in self._q("SELECT id FROM packs")}
-        added = 0
+        added = malformed = 0
         for name in sorted(names - known):
             try:
                 meta = msgpack.unpackb(self.fs.cat_file(f"{self.root}/index/{name}"))
+                rows = [(bytes(d), name, int(o), int(n)) for d, o, n in meta["chunks"]]
+                size, created = int(meta["size"]), float(meta["created"])
+                if meta.get("v") != 1:
+                    raise ValueError("unknown version")
             except FileNotFoundError:
                 continue
-            if not isinstance(meta, dict) or meta.get("v") != 1:
-                raise IntegrityError(f"{self.url}: index object {name} is malformed")
+            except Exception as exc:  # noqa: BLE001 - any malformed content: skipped, reindex rewrites it
+                if not isinstance(exc, (ValueError, TypeError, KeyError, msgpack.UnpackException)):
+                    raise
+                log.warning("%s: index object %s is malformed (%s); its pack is not used until "
+                            "`tb5sync store reindex` rewrites it", self.url, name, exc)
+                malformed += 1
+                continue
             with self._tx() as db:
-                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (name, meta["size"], meta["created"]))
-                db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)",
-                               [(bytes(d), name, o, n) for d, o, n in meta["chunks"]])
+                db.execute("INSERT OR IGNORE INTO packs VALUES (?,?,?)", (name, size, created))
+                db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", rows)
             added += 1
         gone = known - names
         # a pack this process is writing is indexed locally before its index object exists: keep leased ones
@@ -295,7 +480,7 @@ class ObjectStore(Store):
                 db.execute("DELETE FROM chunks WHERE pack=?", (name,))
                 db.execute("DELETE FROM packs WHERE id=?", (name,))
             dropped += 1
-        return {"packs_added": added, "packs_dropped": dropped}
+        return {"packs_added": added, "packs_dropped": dropped, "malformed": malformed}
 
     def read_chunk(self, digest: bytes) -> bytes:
         """As :meth:`Store.read_chunk`; a chunk not in the local index copy is looked up after a sync."""
@@ -343,10 +528,27 @@ class ObjectStore(Store):
 
     @property
     def conditional(self) -> bool:
-        """Whether the backend honours ``If-None-Match``/``If-Match`` on PUT (probed once; recorded in ``locks/``)."""
+        """Whether the backend honours ``If-None-Match``/``If-Match`` on PUT: probed once per store and
+        recorded in the local cache directory (``conditional.json``), so later runs do not probe again."""
         if self._conditional is None:
-            self._conditional = self._probe_conditional()
+            with self._doing("probing conditional writes (a PUT under locks/probe-*)"):
+                found = self._probe_conditional()
+            self._conditional = found
+            with contextlib.suppress(OSError):
+                tmp = os.path.join(self.cache_dir, f"conditional.json.{secrets.token_hex(6)}")
+                with open(tmp, "w") as f:
+                    json.dump({"conditional": found, "probed": time.time()}, f)
+                os.replace(tmp, os.path.join(self.cache_dir, "conditional.json"))
         return self._conditional
+
+    def _cached_probe(self) -> bool | None:
+        """The probe result recorded in the cache directory, or None."""
+        try:
+            with open(os.path.join(self.cache_dir, "conditional.json"), "rb") as f:
+                v = json.loads(f.read()).get("conditional")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return v if isinstance(v, bool) else None
 
     def _probe_conditional(self) -> bool:
         """Create-if-absent twice and If-Match with a wrong ETag: both refused means honoured. An error
@@ -452,6 +654,7 @@ class ObjectStore(Store):
         obj = self._ref_obj(name)
         return None if obj is None else _info(obj)
 
+    @_clear_errors("listing refs")
     def refs(self, prefix: str = "") -> list[RefInfo]:
         """Refs whose name starts with ``prefix``, sorted by name (one listing of ``refs/``)."""
         base = f"{self.root}/refs/"
@@ -469,9 +672,22 @@ class ObjectStore(Store):
         return out
 
     def touch(self, name: str) -> None:
-        """Record a use (best effort on an object store: the last writer's time stands)."""
+        """Record a use of ref ``name``, best effort and in the background: the caller (a read) never waits
+        for it. A use within ``TOUCH_EVERY`` s of the last one recorded (by this process, or in the ref
+        object) is not written; :meth:`close` waits at most ``TOUCH_WAIT`` s for a write still running."""
+        now = time.time()
+        with self._lock:
+            if now - self._touched.get(name, 0.0) < TOUCH_EVERY:
+                return
+            self._touched[name] = now
+            self._touches = [t for t in self._touches if t.is_alive()]
+            t = threading.Thread(target=self._touch_now, args=(name,), daemon=True, name="tb5sync-touch")
+            self._touches.append(t)
+        t.start()
+
+    def _touch_now(self, name: str) -> None:
         def fn(old: dict[str, Any] | None) -> dict[str, Any] | None:
-            if old is None or time.time() - old.get("last_used", 0) < 60:
+            if old is None or time.time() - old.get("last_used", 0) < TOUCH_EVERY:
                 return None
             return dict(old, last_used=time.time())
 
@@ -480,6 +696,7 @@ class ObjectStore(Store):
         except Exception as exc:  # a read does not fail because its use could not be recorded
             log.debug("%s: last use of %r not recorded: %s", self.url, name, exc)
 
+    @_clear_errors("removing a ref")
     def rm(self, name: str) -> None:
         """Remove ref ``name``.
 
@@ -493,6 +710,7 @@ class ObjectStore(Store):
             raise RefNotFoundError(f"no ref {name!r} in store {self.url}")
         self.fs.rm_file(key)
 
+    @_clear_errors("pinning a ref")
     def pin(self, name: str, pinned: bool = True) -> None:
         """Pin or unpin ``name`` (compare-and-swap on the ref object).
 
@@ -509,6 +727,7 @@ class ObjectStore(Store):
 
         self._update_ref(name, fn)
 
+    @_clear_errors("writing the ref")
     def commit_ref(self, lease: Lease, name: str, manifest: bytes, mchunks: Sequence[ChunkRef], items: Sequence[Item],
                    description: str | None = None, replace: bool = False, created: float | None = None) -> RefInfo:
         """Write ref object ``name`` once every chunk it reaches has an index object; release ``lease``.
@@ -523,18 +742,25 @@ class ObjectStore(Store):
             The ref kept changing under the compare-and-swap.
         """
         check_ref_name(name)
+        if isinstance(lease, ObjectLease):
+            lease._renew()  # live from here to the ref PUT: a gc starting meanwhile defers
+        waited = self._wait_for_gc()  # a gc that began before: its deletions are over (and seen below)
         needed = {d for d, _ in mchunks} | all_digests(items)
         loc = self.locate(needed)
-        if len(loc) != len(needed):
+        if len(loc) != len(needed) or waited:
             self.sync_index()
             loc = self.locate(needed)
         missing = needed - set(loc)
         if missing:
-            raise IntegrityError(f"ref {name!r}: chunk {next(iter(missing)).hex()} is not in the store")
+            why = " (a gc that ran meanwhile deleted it; put it again)" if waited else ""
+            raise IntegrityError(f"ref {name!r}: chunk {next(iter(missing)).hex()} is not in the store{why}")
         packs = {p for p, _, _ in loc.values()}
-        present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
+        with self._doing(f"listing {self.root}/index"):
+            present = {p.rstrip("/").rsplit("/", 1)[-1] for p in self._find(f"{self.root}/index")}
         if packs - present:
-            raise IntegrityError(f"ref {name!r}: pack {sorted(packs - present)[0]} is not (or no longer) in {self.url}")
+            self.sync_index()  # forget the deleted packs' chunks: putting it again writes them anew
+            raise IntegrityError(f"ref {name!r}: pack {sorted(packs - present)[0]} is not (or no longer) in {self.url}"
+                                 " (deleted by a gc meanwhile); put it again")
         now = time.time()
         obj = {"name": name, "manifest": manifest.hex(), "mchunks": [[d.hex(), n] for d, n in mchunks],
                "created": created or now, "size": sum(it.size for it in items if it.kind == "f"),
@@ -549,6 +775,27 @@ class ObjectStore(Store):
         self._update_ref(name, fn, create_only=not replace)
         lease.release()
         return _info(obj)
+
+    @_clear_errors("reading a ref")
+    def ref(self, name: str) -> RefInfo:
+        """As :meth:`Store.ref` (the ref object)."""
+        return super().ref(name)
+
+    @_clear_errors("reading a manifest")
+    def manifest(self, name_or_info: str | RefInfo, touch: bool = True) -> list[Item]:
+        """As :meth:`Store.manifest`; the use is recorded in the background (:meth:`touch`)."""
+        return super().manifest(name_or_info, touch)
+
+    @_clear_errors("cat")
+    def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None,
+            touch: bool = True) -> bytes:
+        """As :meth:`Store.cat`."""
+        return super().cat(name, path, offset, length, touch)
+
+    @_clear_errors("diff")
+    def diff(self, a: str, b: str) -> list[tuple[str, str]]:
+        """As :meth:`Store.diff`."""
+        return super().diff(a, b)
 
     @_clear_errors("put")
     def put(self, name: str, src: str | os.PathLike[str], description: str | None = None,
@@ -565,6 +812,7 @@ class ObjectStore(Store):
         """No quota on the shared tier (its size is the object store's business): nothing is evicted."""
         return []
 
+    @_clear_errors("stats")
     def stats(self) -> dict[str, Any]:
         """As :meth:`Store.stats`, refs counted from the ref objects."""
         s = super().stats()
@@ -573,108 +821,213 @@ class ObjectStore(Store):
         s["dedup_ratio"] = round(s["logical_bytes"] / s["unique_bytes"], 3) if s["unique_bytes"] else 1.0
         return s
 
-    def gc(self, repack_below: float = 0.5, grace: float = GC_GRACE) -> dict[str, int]:
+    @_clear_errors("gc")
+    def gc(self, repack_below: float = 0.5, grace: float = GC_GRACE) -> dict[str, Any]:
         """Delete packs no ref reaches (module docstring); ``repack_below`` is ignored here.
 
-        Returns ``{"chunks_deleted", "packs_deleted", "packs_repacked" (0), "orphans", "bytes_freed",
-        "deferred" (1 when a live writer lease stopped the sweep)}``.
-        """
-        res = {"chunks_deleted": 0, "packs_deleted": 0, "packs_repacked": 0, "orphans": 0, "bytes_freed": 0,
-               "deferred": 0}
-        if self._live_writers():
-            res["deferred"] = 1
-            return res
-        self.sync_index()
-        marked: set[bytes] = set()
-        for info in self.refs():
-            marked.update(d for d, _ in info.mchunks)
-            marked |= all_digests(self.manifest(info, touch=False))
-        now = time.time()
-        by_pack: dict[str, list[bytes]] = {}
-        for d, p in self._q("SELECT digest, pack FROM chunks"):
-            by_pack.setdefault(p, []).append(bytes(d))
-        created = {p: (c, s) for p, s, c in self._q("SELECT id, size, created FROM packs")}
-        dead = [p for p, ds in by_pack.items() if not any(d in marked for d in ds)
-                and now - created.get(p, (now, 0))[0] >= grace]
-        if self._live_writers():  # a writer began while we marked: its chunks may be in these packs
-            res["deferred"] = 1
-            return res
-        for p in dead:
-            self.packs.delete(p)
-            with self._tx() as db:
-                res["chunks_deleted"] += db.execute("DELETE FROM chunks WHERE pack=?", (p,)).rowcount
-                db.execute("DELETE FROM packs WHERE id=?", (p,))
-            res["packs_deleted"] += 1
-            res["bytes_freed"] += created.get(p, (0, 0))[1]
-        # packs without an index object (a writer stopped between the two PUTs), older than the grace
-        indexed = {r[0] for r in self._q("SELECT id FROM packs")}
-        for name, (size, mtime) in self.packs.list().items():
-            if name not in indexed and (mtime == 0.0 or now - mtime >= grace) and not self.fs.exists(
-                    f"{self.root}/index/{name}"):
-                if grace > 0 and mtime == 0.0:
-                    continue  # no modification time known: leave it
-                self.packs.delete(name)
-                res["orphans"] += 1
-                res["bytes_freed"] += size
-        return res
+        gc holds ``locks/gc-<id>`` while it runs (ref commits wait for it before checking their packs).
+        It does nothing while a writer lease object younger than ``LEASE_TTL_OBJ`` exists (checked before
+        and after marking); after the second check it marks again from every ref written meanwhile (their
+        writers were done before that check), so a ref committed during the mark keeps its chunks. Lock
+        objects (``writer-*``, ``probe-*``, ``gc-*``) older than ``LEASE_TTL_OBJ`` are removed.
 
-    def _live_writers(self) -> bool:
+        Returns ``{"chunks_deleted", "packs_deleted", "packs_repacked" (0), "orphans", "bytes_freed" (bytes),
+        "locks_removed", "deferred" (1 when a live writer lease stopped the sweep), "blocked_by"}``;
+        ``blocked_by`` lists the writer leases that stopped it: ``{"lease", "owner", "since", "expires"}``
+        (seconds since the epoch).
+        """
+        res: dict[str, Any] = {"chunks_deleted": 0, "packs_deleted": 0, "packs_repacked": 0, "orphans": 0,
+                               "bytes_freed": 0, "locks_removed": 0, "deferred": 0, "blocked_by": []}
+        gc_key = f"{self.root}/locks/gc-{secrets.token_hex(8)}"
+        with self._doing("writing the gc lock object"):
+            self._write_lock(gc_key)
+        try:
+            with self._doing("listing the lock objects"):
+                res["locks_removed"] = self._remove_stale_locks(keep=gc_key)
+                blockers = self._writers()
+            if blockers:
+                res.update(deferred=1, blocked_by=blockers)
+                return res
+            self.sync_index()
+            marked: set[bytes] = set()
+            seen: dict[str, bytes] = {}
+            for info in self.refs():
+                seen[info.name] = info.manifest
+                marked.update(d for d, _ in info.mchunks)
+                marked |= all_digests(self.manifest(info, touch=False))
+            if self._hook_marked is not None:
+                self._hook_marked()
+            blockers = self._writers()
+            if blockers:  # a writer began while we marked: its chunks may be in the dead packs
+                res.update(deferred=1, blocked_by=blockers)
+                return res
+            # a writer that committed while we marked is done (its lease object gone): mark what its ref reaches
+            for info in self.refs():
+                if seen.get(info.name) != info.manifest:
+                    marked.update(d for d, _ in info.mchunks)
+                    marked |= all_digests(self.manifest(info, touch=False))
+            now = time.time()
+            by_pack: dict[str, list[bytes]] = {}
+            for d, p in self._q("SELECT digest, pack FROM chunks"):
+                by_pack.setdefault(p, []).append(bytes(d))
+            created = {p: (c, s) for p, s, c in self._q("SELECT id, size, created FROM packs")}
+            dead = [p for p, ds in by_pack.items() if not any(d in marked for d in ds)
+                    and now - created.get(p, (now, 0))[0] >= grace]
+            renewed = time.monotonic()
+            for p in dead:
+                if time.monotonic() - renewed > LEASE_TTL_OBJ / 3:
+                    self._write_lock(gc_key)
+                    renewed = time.monotonic()
+                with self._doing(f"deleting pack {p}"):
+                    self.packs.delete(p)
+                with self._tx() as db:
+                    res["chunks_deleted"] += db.execute("DELETE FROM chunks WHERE pack=?", (p,)).rowcount
+                    db.execute("DELETE FROM packs WHERE id=?", (p,))
+                res["packs_deleted"] += 1
+                res["bytes_freed"] += created.get(p, (0, 0))[1]
+            # packs without an index object (a writer stopped between the two PUTs), older than the grace
+            indexed = {r[0] for r in self._q("SELECT id FROM packs")}
+            for name, (size, mtime) in self.packs.list().items():
+                if name in indexed or self.fs.exists(f"{self.root}/index/{name}"):
+                    continue
+                if mtime == 0.0 and grace > 0:
+                    continue  # no modification time known: leave it
+                if now - mtime >= grace:
+                    with self._doing(f"deleting orphan pack {name}"):
+                        self.packs.delete(name)
+                    res["orphans"] += 1
+                    res["bytes_freed"] += size
+            return res
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(gc_key)
+
+    #: Called (tests) between gc's mark and its second look at the writer leases.
+    _hook_marked: Callable[[], None] | None = None
+
+    def _write_lock(self, key: str, started: float | None = None) -> None:
+        body = {"owner": self.owner, "at": time.time(), "started": started or time.time()}
+        self.fs.pipe_file(key, json.dumps(body).encode())
+
+    def _locks(self, kind: str) -> list[dict[str, Any]]:
+        """Lock objects ``locks/<kind>-*``: ``{"key", "lease", "owner", "since", "modified", "expires", "live"}``."""
         try:
             found = self._find(f"{self.root}/locks", detail=True)
         except FileNotFoundError:
-            return False
+            return []
         now = time.time()
+        out = []
         for key, info in found.items():
-            if not key.rsplit("/", 1)[-1].startswith("writer-"):
+            base = key.rsplit("/", 1)[-1]
+            if not base.startswith(kind + "-"):
                 continue
-            mt = info.get("LastModified") or info.get("mtime") or info.get("created")
-            ts = mt.timestamp() if hasattr(mt, "timestamp") else float(mt or now)
-            if now - ts < LEASE_TTL_OBJ:
-                return True
-        return False
+            mt = _mtime(info) or now
+            entry = {"key": key, "lease": base, "owner": None, "since": None, "modified": mt,
+                     "expires": mt + LEASE_TTL_OBJ, "live": now - mt < LEASE_TTL_OBJ}
+            out.append(entry)
+        return out
 
+    def _writers(self) -> list[dict[str, Any]]:
+        """The live writer leases (``locks/writer-*`` younger than ``LEASE_TTL_OBJ``), with owner and start."""
+        out = []
+        for e in self._locks("writer"):
+            if not e["live"]:
+                continue
+            with contextlib.suppress(Exception):
+                body = json.loads(self.fs.cat_file(e["key"]))
+                e["owner"], e["since"] = body.get("owner"), body.get("started", body.get("at"))
+            out.append({k: e[k] for k in ("lease", "owner", "since", "expires")})
+        return out
+
+    def _live_writers(self) -> bool:
+        return bool(self._writers())
+
+    def _remove_stale_locks(self, keep: str = "") -> int:
+        """Remove lock objects (writer, probe, gc; not ``keep``) not renewed for ``LEASE_TTL_OBJ`` s; how many."""
+        n = 0
+        for kind in ("writer", "probe", "gc"):
+            for e in self._locks(kind):
+                if not e["live"] and e["key"].rstrip("/") != keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(e["key"])
+                        n += 1
+        return n
+
+    def _wait_for_gc(self) -> bool:
+        """Wait (at most ``GC_WAIT`` s) until no live ``locks/gc-*`` object exists; whether it had to wait.
+
+        Raises
+        ------
+        ObjectStoreError
+            A gc is still running after ``GC_WAIT`` s.
+        """
+        end = time.monotonic() + GC_WAIT
+        waited = False
+        while True:
+            live = [e for e in self._locks("gc") if e["live"]]
+            if not live:
+                return waited
+            waited = True
+            if time.monotonic() > end:
+                raise ObjectStoreError(f"{self.url}: a gc ({live[0]['lease']}) has held the store for more than "
+                                       f"{GC_WAIT:g} s; the ref was not written")
+            time.sleep(0.2)
+
+    @_clear_errors("verify")
     def verify(self) -> dict[str, Any]:
-        """Re-hash every chunk every ref reaches (reads each once from the object store)."""
-        from ..hashing import chunk_digest  # noqa: F401 - read_chunk checks each
+        """As :meth:`Store.verify` (:func:`tb5sync.store.gc.verify`): every pack read whole once, every
+        indexed chunk re-hashed, each ref's chunks accounted for. ``chunks`` counts the indexed chunks
+        checked (``stats()["chunks"]`` when nothing changed in between), ``frames`` the pack frames read."""
+        from .gc import verify
 
-        self.sync_index()
-        report: dict[str, Any] = {"refs": {}, "bad_packs": {}, "chunks": 0, "bytes": 0, "ok": True}
-        for info in self.refs():
-            missing = damaged = 0
-            try:
-                items = self.manifest(info, touch=False)
-            except IntegrityError:
-                report["refs"][info.name] = {"ok": False, "missing": 0, "damaged": 1}
-                report["ok"] = False
-                continue
-            for d in all_digests(items):
-                try:
-                    report["bytes"] += len(self.read_chunk(d))
-                    report["chunks"] += 1
-                except IntegrityError as exc:
-                    if "missing" in str(exc):
-                        missing += 1
-                    else:
-                        damaged += 1
-            report["refs"][info.name] = {"ok": not (missing or damaged), "missing": missing, "damaged": damaged}
-            report["ok"] = report["ok"] and not (missing or damaged)
-        return report
+        with self._doing(f"listing {self.root}/index"):
+            self.sync_index()
+        return verify(self)
+
+    @_clear_errors("reindex")
+    def reindex(self) -> dict[str, int]:
+        """Rebuild the local index from the packs in the bucket, and write the index object of every pack
+        that lacks one (or whose index object is malformed), with the pack's modification time as its
+        ``created``; see :func:`tb5sync.store.gc.reindex`.
+
+        Returns ``{"packs", "chunks_added", "rows_dropped", "damaged", "index_objects_written"}``.
+        """
+        from .gc import reindex
+
+        with self._doing(f"listing {self.root}/index"):
+            self.sync_index()
+        return reindex(self)
 
 
 class ObjectLease(Lease):
     """A :class:`~tb5sync.store.writer.Lease` in the local index plus a writer lease object
-    ``locks/writer-<id>`` in the store, rewritten at least every ``LEASE_TTL_OBJ / 3`` seconds while the
-    writer protects chunks, removed on release; gc sweeps nothing while a young one exists."""
+    ``locks/writer-<id>`` (JSON ``{"owner", "at", "started"}``) in the store, rewritten at least every
+    ``LEASE_TTL_OBJ / 3`` seconds while the writer protects chunks and before its ref commit, removed on
+    release (if that removal fails, the object expires after ``LEASE_TTL_OBJ`` s and gc removes it);
+    gc sweeps nothing while a young one exists.
+
+    Raises
+    ------
+    ObjectStoreError
+        The lease object cannot be written (the local lease row is dropped again).
+    """
 
     def __init__(self, store: ObjectStore, lease_id: str | None = None) -> None:
         super().__init__(store, lease_id)
         self.obj_store = store
         self.key = f"{store.root}/locks/writer-{self.id}"
         self._written = 0.0
-        self._renew()
+        self.started = time.time()
+        try:
+            self._renew()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                super().release()
+            raise
 
     def _renew(self) -> None:
-        self.obj_store.fs.pipe_file(self.key, json.dumps({"owner": self.obj_store.owner, "at": time.time()}).encode())
+        with self.obj_store._doing(f"writing the writer lease object {self.key}"):
+            self.obj_store._write_lock(self.key, self.started)
         self._written = time.monotonic()
 
     def protect(self, digests: Sequence[bytes]) -> list[bool]:
@@ -688,6 +1041,14 @@ class ObjectLease(Lease):
         finally:
             with contextlib.suppress(Exception):
                 self.obj_store.fs.rm_file(self.key)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    """Modification time (s since epoch) of a listed object, 0.0 when the listing has none."""
+    mt = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if mt is None:
+        return 0.0
+    return mt.timestamp() if hasattr(mt, "timestamp") else float(mt)
 
 
 def _info(obj: dict[str, Any]) -> RefInfo:

@@ -191,7 +191,7 @@ class Store:
         self.params: ChunkParams = PARAMS_BY_VERSION[self.config["chunk_params"]]
         self.pack_target = int(pack_target or self.config["pack_target"])
         if self.pack_target < 1024 * 1024 and pack_target is None:
-            raise UsageError(f"{self.path}/config: pack_target below 1 MiB")
+            raise UsageError(f"{self.label}/config: pack_target below 1 MiB")
         self.quota = quota if quota is not None else self.config.get("quota")
         self.packs = packs or LocalPackStorage(os.path.join(self.path, "packs"))
         self.host = os.uname().nodename
@@ -205,9 +205,15 @@ class Store:
         with self._lock:
             self._db.executescript(_SCHEMA)
 
+    @property
+    def label(self) -> str:
+        """What errors call this store: its directory (an object store: the URL the user gave)."""
+        return self.path
+
     # ---- plumbing ----------------------------------------------------------------------------
     def _load_config(self, pack_target: int | None) -> dict[str, Any]:
         cfg_path = os.path.join(self.path, "config")
+        shown = cfg_path if self.label == self.path else f"{self.label}/config"
         try:
             with open(cfg_path, "rb") as f:
                 cfg = json.loads(f.read())
@@ -227,11 +233,11 @@ class Store:
             with open(cfg_path, "rb") as f:
                 cfg = json.loads(f.read())
         except (ValueError, OSError) as exc:
-            raise UsageError(f"{cfg_path}: unreadable store config: {exc}") from exc
+            raise UsageError(f"{shown}: unreadable store config: {exc}") from exc
         if not isinstance(cfg, dict) or cfg.get("format") != "tb5sync-store" or cfg.get("version") != STORE_VERSION:
-            raise UsageError(f"{cfg_path}: not a tb5sync store of format version {STORE_VERSION}")
+            raise UsageError(f"{shown}: not a tb5sync store of format version {STORE_VERSION}")
         if cfg.get("chunk_params") not in PARAMS_BY_VERSION:
-            raise UsageError(f"{cfg_path}: unknown chunk parameter version {cfg.get('chunk_params')!r}")
+            raise UsageError(f"{shown}: unknown chunk parameter version {cfg.get('chunk_params')!r}")
         return cfg
 
     def set_quota(self, quota: int | None) -> None:
@@ -379,7 +385,7 @@ class Store:
         """
         info = self._ref_row(check_ref_name(name))
         if info is None:
-            raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+            raise RefNotFoundError(f"no ref {name!r} in store {self.label}")
         return info
 
     def refs(self, prefix: str = "") -> list[RefInfo]:
@@ -448,7 +454,7 @@ class Store:
         check_ref_name(name)
         with self._tx() as db:
             if db.execute("DELETE FROM refs WHERE name=?", (name,)).rowcount == 0:
-                raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+                raise RefNotFoundError(f"no ref {name!r} in store {self.label}")
 
     def pin(self, name: str, pinned: bool = True) -> None:
         """Pin (or unpin) ref ``name``: a pinned ref and all it reaches are never evicted.
@@ -460,7 +466,7 @@ class Store:
         check_ref_name(name)
         with self._tx() as db:
             if db.execute("UPDATE refs SET pinned=? WHERE name=?", (int(pinned), name)).rowcount == 0:
-                raise RefNotFoundError(f"no ref {name!r} in store {self.path}")
+                raise RefNotFoundError(f"no ref {name!r} in store {self.label}")
 
     def commit_ref(self, lease: Lease, name: str, manifest: bytes, mchunks: Sequence[ChunkRef], items: Sequence[Item],
                    description: str | None = None, replace: bool = False, created: float | None = None) -> RefInfo:
@@ -483,7 +489,7 @@ class Store:
         with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
             if old is not None and not replace:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
+                raise RefExistsError(f"ref {name!r} already exists in store {self.label}")
             for d in needed:
                 if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
                     raise IntegrityError(f"ref {name!r}: chunk {d.hex()} is not in the store")
@@ -516,7 +522,7 @@ class Store:
         check_ref_name(name)
         rules = ExcludeRules(tuple(exclude))
         if not replace and self._ref_row(name) is not None:
-            raise RefExistsError(f"ref {name!r} already exists in store {self.path}")
+            raise RefExistsError(f"ref {name!r} already exists in store {self.label}")
         lease = self.lease()
         writer = PackWriter(self, lease)
         small: list[tuple[Item, bytes]] = []  # small files read, waiting to be chunked and stored together
@@ -684,8 +690,21 @@ class Store:
 
     def cat(self, name: str, path: str | bytes = "", offset: int = 0, length: int | None = None,
             touch: bool = True) -> bytes:
-        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`); ``touch`` records the use."""
-        return self.read_range(self.item(name, path, touch), offset, length)
+        """Bytes of file ``path`` in ref ``name`` (see :meth:`read_range`; ``""``, the default, is the root:
+        the file of a single-file ref); ``touch`` records the use.
+
+        Raises
+        ------
+        UsageError
+            ``path`` is not a file of the ref (a directory: give a file's path).
+        """
+        it = self.item(name, path, touch)
+        if it.kind != "f":
+            what = f"path {os.fsdecode(it.path)!r}" if it.path else "the root"
+            kind = {"d": "a directory", "l": "a symlink"}.get(it.kind, "not a file")
+            raise UsageError(f"{what} of ref {name!r} is {kind}, not a file: give a file's path "
+                             "(store cat REF PATH)")
+        return self.read_range(it, offset, length)
 
     def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
         """Materialise ref ``name`` at ``dest`` atomically (see :func:`tb5sync.store.materialise.materialise`)."""
@@ -734,7 +753,7 @@ class Store:
         return delete_blob(self, key)
 
     # ---- housekeeping (gc.py) ----------------------------------------------------------------
-    def gc(self, repack_below: float = 0.5) -> dict[str, int]:
+    def gc(self, repack_below: float = 0.5) -> dict[str, Any]:
         """Sweep chunks no ref or live writer needs and repack sparse packs; see :func:`tb5sync.store.gc.gc`."""
         from .gc import gc
 
