@@ -106,7 +106,11 @@ class Generator:
             dst_errors = dst_tree.errors
             for d, mode in dst_tree.unlocked.items():  # listed after u+rx; relock gives the mode back
                 self.destination.unlocked.setdefault(d, (mode, mode | 0o500))
-            src, dst = self._changed_parts(root, src_dirs, dst_tree)
+            if rules.excludes_source(root.kind == DIR):  # rsync copies nothing, deletes nothing
+                src, dst, src_dirs, src_failed, dst_errors = [], [], [], [], []
+                root = root._replace(kind=DIR, size=0)  # counted as nothing
+            else:
+                src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
             wait([dst_scan])  # the scan never outlives the run
         same = self._compare_digests(src, dst) if self.options.checksum else None
