@@ -24,7 +24,7 @@ from .errors import DestinationError, PathError, RemoteProtocolError, SourceChan
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, plan_sync
+from .plan import Plan, dry_run_changes, name_fold, plan_sync
 from .scan import Tree
 
 __all__ = ["Generator", "Planned"]
@@ -125,7 +125,8 @@ class Generator:
         if delete and (src_failed or dst_errors):
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
-        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same)
+        fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt
+        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same, fold=fold)
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
