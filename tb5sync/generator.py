@@ -25,7 +25,7 @@ from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
 from .plan import Plan, dry_run_changes, name_fold, plan_sync
-from .scan import Tree
+from .scan import OVERFLOW, Tree
 
 __all__ = ["Generator", "Planned"]
 
@@ -122,7 +122,7 @@ class Generator:
         if delete:  # a destination directory that cannot be listed (nor unlocked): rsync's opendir failure
             for path, reason in dst_errors:
                 self.destination.fail(path, "destination", reason)
-        if delete and (src_failed or dst_errors):
+        if delete and (any(not why.startswith(OVERFLOW) for _, why in src_failed) or dst_errors):
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
         fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt

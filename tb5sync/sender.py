@@ -33,7 +33,7 @@ from ._paths import STATE_DIR, Jail, is_temp_name
 from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath, path_from_wire, show_path
-from .scan import Tree, scan_tree
+from .scan import Tree, max_path, scan_tree
 from .messages import (
     CODEC_LZ4,
     CODEC_RAW,
@@ -231,7 +231,8 @@ class Sender:
 
     def _scan_into(self, fut: Future[Tree]) -> None:
         try:
-            tree = scan_tree(self.base, self.options.rules)
+            root = self.options.exclude_root  # rsync's paths start at its transfer root: "src/..." without a slash
+            tree = scan_tree(self.base, self.options.rules, max_path=max_path(root))
             tree.digests()  # here, off the request path
             fut.set_result(tree)
         except BaseException as exc:  # delivered to whoever asks for the tree

@@ -151,21 +151,27 @@ def make_tree(base: str, seed: int = 1, files: int = 40) -> str:
 def snapshot(base: str) -> dict[str, tuple[Any, ...]]:
     """Relative path -> (kind, mode, size, mtime_ns, content or link target), without .tb5sync.
 
-    Directory mtimes are included; the base directory itself is included as ``"."``.
+    Directory mtimes are included; the base directory itself is included as ``"."``. Every
+    lookup is relative to its directory's descriptor (``os.fwalk``), so trees deeper than
+    PATH_MAX are read too.
     """
     out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(base):
+    for dirpath, dirnames, filenames, dfd in os.fwalk(base):
         dirnames[:] = [d for d in dirnames if d != ".tb5sync"]
-        for name in [".", *dirnames, *filenames] if dirpath == base else [*dirnames, *filenames]:
-            full = os.path.normpath(os.path.join(dirpath, name))
-            rel = os.path.relpath(full, base)
-            st = os.lstat(full)
+        rel_dir = os.path.relpath(dirpath, base)
+        if rel_dir == ".":
+            st = os.fstat(dfd)
+            out["."] = ("d", _stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+        for name in [*dirnames, *filenames]:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            st = os.lstat(name, dir_fd=dfd)
             if _stat.S_ISLNK(st.st_mode):
-                out[rel] = ("l", os.readlink(full), st.st_mtime_ns)
+                out[rel] = ("l", os.readlink(name, dir_fd=dfd), st.st_mtime_ns)
             elif _stat.S_ISDIR(st.st_mode):
                 out[rel] = ("d", _stat.S_IMODE(st.st_mode), st.st_mtime_ns)
             else:
-                with open(full, "rb") as f:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                with open(fd, "rb") as f:
                     data = f.read()
                 out[rel] = ("f", _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, data)
     return out

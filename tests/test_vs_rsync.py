@@ -78,16 +78,20 @@ def cp_a(src: str, dst: str) -> None:
 
 def settle(base: str, age_s: int = 5) -> None:
     """Move every mtime under ``base`` that is within the last ``age_s`` seconds back by
-    ``age_s`` seconds (keeping the sub-second part), deepest entries first."""
+    ``age_s`` seconds (keeping the sub-second part), deepest entries first (relative to
+    directory descriptors: trees deeper than PATH_MAX too)."""
     limit = time.time_ns() - age_s * 1_000_000_000
-    paths = [base]
-    for dirpath, dirnames, filenames in os.walk(base):
-        paths += [os.path.join(dirpath, n) for n in dirnames + filenames]
-    for p in sorted(paths, key=lambda q: -q.count("/")):
-        st0 = os.lstat(p)
+
+    def back(name: str, dfd: int | None) -> None:
+        st0 = os.lstat(name, dir_fd=dfd)
         if st0.st_mtime_ns > limit:
             m = st0.st_mtime_ns - age_s * 1_000_000_000
-            os.utime(p, ns=(m, m), follow_symlinks=False)
+            os.utime(name, ns=(m, m), dir_fd=dfd, follow_symlinks=False)
+
+    for _dirpath, dirnames, filenames, dfd in os.fwalk(base, topdown=False):
+        for name in filenames + dirnames:
+            back(name, dfd)
+    back(base, None)
 
 
 def digest_snapshot(base: str, ignore_mtime: Iterable[str] = ("",)) -> dict[str, tuple[Any, ...]]:
@@ -202,8 +206,8 @@ def write(path: str, data: bytes, mode: int | None = None, mtime_ns: int | None 
 
 def freeze_dirs(base: str, mtime_ns: int = T0) -> None:
     """Give every directory under ``base`` a fixed mtime (deepest first), so later edits show."""
-    for dirpath, _dirs, _files in sorted(os.walk(base), key=lambda t: -t[0].count("/")):
-        os.utime(dirpath, ns=(mtime_ns, mtime_ns))
+    for _dirpath, _dirs, _files, dfd in os.fwalk(base, topdown=False):
+        os.utime(dfd, ns=(mtime_ns, mtime_ns))
 
 
 # ---- cold copies and trailing slashes ---------------------------------------------------------
