@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ._io import write_all
+from ._io import read_into, write_all
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .entry import show_path
 from .errors import DestinationError, PathError, Tb5syncError, UsageError
@@ -878,7 +878,7 @@ def _copy_fd(src: int, dst: int, n: int) -> None:
     mv = memoryview(buf)
     off = 0
     while off < n:
-        k = os.preadv(src, [mv[: min(len(buf), n - off)]], off)
+        k = read_into(src, mv[: min(len(buf), n - off)], off)
         if k <= 0:
             raise OSError(errno.EIO, f"work file shorter than {n} bytes")
         pos = 0

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
+from ._io import read_into
 from ._paths import STATE_DIR, Jail, is_temp_name
 from .errors import RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
@@ -575,7 +576,7 @@ class Sender:
                 pos += n
                 got = 0
                 while got < n:
-                    k = os.preadv(fd, [data[got:]], off + got)
+                    k = read_into(fd, data[got:], off + got)
                     if k <= 0:
                         raise SourceChangedError(path)
                     got += k
