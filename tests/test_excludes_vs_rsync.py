@@ -11,7 +11,6 @@ import tempfile
 from typing import Any
 
 import pytest
-from conftest import have_rsync
 from test_vs_rsync import T0, Harness, assert_same, digest_snapshot, freeze_dirs, rsync, settle, write
 
 import tb5sync
@@ -32,10 +31,7 @@ PATTERNS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _tree(src: str) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import have_rsync
 from test_vs_rsync import T0, Harness, assert_same, digest_snapshot, freeze_dirs, rsync, settle, write
 
 import tb5sync
@@ -33,10 +32,7 @@ NFC, NFD = "caf\u00e9", "cafe\u0301"
 PAIRS = [("A.txt", "a.txt"), (NFD, NFC), ("D", "d"), ("sub/README", "sub/Readme")]
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _tree(src: str) -> None:

@@ -11,7 +11,6 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import make_tree, snapshot

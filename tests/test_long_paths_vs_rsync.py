@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import pytest
-from conftest import have_rsync
 from test_vs_rsync import T0, Harness, assert_same, digest_snapshot, freeze_dirs, rsync, write
 
 import tb5sync
@@ -19,10 +18,7 @@ from tb5sync.errors import PartialTransferError
 SEG = "d" * 200
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _put(dfd: int, name: str, data: bytes) -> None:

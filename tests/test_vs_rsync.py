@@ -22,7 +22,6 @@ is first moved out of the current second (:func:`settle`) to keep the reference 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
-from conftest import have_rsync, make_tree, snapshot
+from conftest import assert_same, digest_snapshot, have_rsync, make_tree, rsync, snapshot  # noqa: F401 (re-exported)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,29 +45,10 @@ S = 1_000_000_000  # one second in ns
 T0 = 1_650_000_000_123_456_789  # a fixed mtime base (ns) with a sub-second part
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 # ---- helpers -----------------------------------------------------------------------------
-
-
-def rsync(src: str, dst: str, *, delete: bool = False, exclude: Sequence[str] = (), checksum: bool = False,
-          check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``rsync -a`` local to local; raise with its stderr when ``check`` and it fails."""
-    args = ["rsync", "-a"]
-    if delete:
-        args.append("--delete")
-    args += [f"--exclude={p}" for p in exclude]
-    if checksum:
-        args.append("-c")
-    args += [src, dst]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=100, check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
-    return proc
 
 
 def cp_a(src: str, dst: str) -> None:
@@ -92,32 +72,6 @@ def settle(base: str, age_s: int = 5) -> None:
         for name in filenames + dirnames:
             back(name, dfd)
     back(base, None)
-
-
-def digest_snapshot(base: str, ignore_mtime: Iterable[str] = ("",)) -> dict[str, tuple[Any, ...]]:
-    """``snapshot(base)`` with contents replaced by their SHA-256 (readable diffs) and the
-    mtimes of ``ignore_mtime`` (paths relative to ``base``, ``""`` for ``base``) blanked."""
-    ign = {os.path.normpath(p) if p else "." for p in ignore_mtime}
-    out: dict[str, tuple[Any, ...]] = {}
-    for rel, val in snapshot(base).items():
-        if val[0] == "f":
-            val = (*val[:4], hashlib.sha256(val[4]).hexdigest())
-        if rel in ign:
-            val = (*val[:-2], None, val[-1]) if val[0] == "f" else (*val[:-1], None)
-        out[rel] = val
-    return out
-
-
-def assert_same(ref: dict[str, Any], got: dict[str, Any], route: str) -> None:
-    """Assert two digest snapshots are equal, with a short, per-path report of differences."""
-    if ref == got:
-        return
-    lines = []
-    for p in sorted(set(ref) | set(got)):
-        a, b = ref.get(p), got.get(p)
-        if a != b:
-            lines.append(f"  {p!r}: rsync={a} {route}={b}")
-    raise AssertionError(f"{route} differs from rsync -a in {len(lines)} paths:\n" + "\n".join(lines[:40]))
 
 
 class Harness:
@@ -188,10 +142,6 @@ class Harness:
             if r != "rsync":
                 assert_same(ref, digest_snapshot(self.dp[r], ign), r)
 
-
-@pytest.fixture
-def h(tmp_path: Any, server: Any) -> Harness:
-    return Harness(tmp_path, server)
 
 
 def write(path: str, data: bytes, mode: int | None = None, mtime_ns: int | None = None) -> None:
