@@ -127,6 +127,9 @@ class Generator:
             delete = False
         fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt
         plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same, fold=fold)
+        if plan.delete and self.destination.specials:  # a name the source's special file holds (rsync --no-D)
+            held = {p for p, _ in self.destination.specials}
+            plan.delete = [d for d in plan.delete if not _held(d.path, held)]
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
@@ -236,7 +239,8 @@ class Generator:
 
         A directory whose listing digest is the same on both sides has identical children
         (names, types, modes, sizes, mtimes, link targets): nothing in it changes, so its
-        children are neither fetched nor planned. Left in are the roots, every other
+        children are neither fetched nor planned (unless the destination holds a special file
+        there: those are listed as files of size -1, which no source entry matches). Left in are the roots, every other
         directory's children, and the entries of those other directories themselves (so
         that they are created, or get their mode and mtime back after their contents
         change). With ``--checksum`` nothing is skipped (contents are compared).
@@ -254,7 +258,12 @@ class Generator:
             its directories (a file below a symlink or a file).
         """
         dst_dg = dst_tree.digests() if not self.options.checksum else {}
-        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
+        # the destination's special files (FIFOs, sockets, devices) are in no listing digest:
+        # their directories are compared, and they are entries that never match (replaced, or
+        # deleted with --delete, as rsync --no-D does)
+        specials = [Entry(p, FILE, 0, -1, 0, "") for p, _ in dst_tree.skipped if p]
+        dirty = {e.path.rpartition("/")[0] for e in specials}
+        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg and p not in dirty}
         need = [p for p, _, _, _ in src_dirs if p not in same]
         fetched = self._fetch_entries(need) if need else {}
         by_parent: dict[str, dict[str, Entry]] = {}
@@ -283,7 +292,7 @@ class Generator:
             if d and d.rpartition("/")[0] in same:
                 dst.append(own_entry(d))
             dst += kids
-        return src, dst
+        return src, dst + specials
 
     def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
         """``--checksum``: for each regular file on both sides with the same size, whether the contents are equal.
@@ -451,6 +460,15 @@ class Generator:
         if self.destination.state is not None:
             self.destination.state.forget([self.destination.spath(d.path)])
         return True
+
+
+def _held(path: str, names: set[str]) -> bool:
+    """True when ``path`` or one of its parents is in ``names``."""
+    while path:
+        if path in names:
+            return True
+        path = path.rpartition("/")[0]
+    return False
 
 
 def _check_parents(src: list[Entry], same: set[str]) -> None:

@@ -258,9 +258,9 @@ def h(tmp_path: Any, server: Any) -> Any:
 
 
 def rsync(src: str, dst: str, *, delete: bool = False, exclude: Sequence[str] = (), checksum: bool = False,
-          check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``rsync -a`` local to local; raise with its stderr when ``check`` and it fails."""
-    args = ["rsync", "-a"]
+          check: bool = True, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``rsync -a [extra...]`` local to local; raise with its stderr when ``check`` and it fails."""
+    args = ["rsync", "-a", *extra]
     if delete:
         args.append("--delete")
     args += [f"--exclude={p}" for p in exclude]

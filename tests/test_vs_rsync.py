@@ -664,7 +664,9 @@ _tree = st.lists(st.one_of(_file, _dir, _link), min_size=1, max_size=14)
 
 
 def build_tree(base: str, items: list[tuple[Any, ...]], salt: int) -> None:
-    """Materialise generated items under ``base``; items clashing with earlier ones are skipped."""
+    """Materialise generated items ``(kind, relpath, size or link target, mode, mtime in s from T0)``
+    under ``base`` (kinds: ``f`` file, ``d`` directory, ``l`` symlink, ``p`` FIFO); items clashing
+    with earlier ones are skipped."""
     os.makedirs(base)
     kinds: dict[str, str] = {}
     dirs: list[tuple[str, int, int]] = []
@@ -689,6 +691,9 @@ def build_tree(base: str, items: list[tuple[Any, ...]], salt: int) -> None:
         elif kind == "d":
             os.makedirs(full)
             dirs.append((rel, mode, mtime))
+        elif kind == "p":  # a FIFO
+            os.mkfifo(full, mode)
+            os.utime(full, ns=(mtime, mtime))
         else:
             os.symlink(arg, full)
             os.utime(full, ns=(mtime, mtime), follow_symlinks=False)
