@@ -507,14 +507,26 @@ class Destination:
             if words - {"case", "unicode", "none"}:
                 raise UsageError(f"${FOLD_ENV} takes case, unicode, case,unicode or none, not {forced!r}")
             return "case" in words, "unicode" in words
-        for attempt in (lambda: self.dir_fd(""), lambda: self.parent("")[0], lambda: self.jail.fd):
+        try:
+            parts = self.parts("")
+        except (OSError, PathError):
+            return False, False
+        fd = -1
+        for k in range(len(parts), -1, -1):  # the deepest existing directory (nothing is created)
             try:
-                fd = attempt()
+                fd = self.jail.open_dir(parts[:k]) if k else os.dup(self.jail.fd)
                 break
             except (OSError, PathError):
                 continue
-        else:
+        if fd < 0:
             return False, False
+        try:
+            return self._probe_folding(fd, write)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _probe_folding(fd: int, write: bool) -> tuple[bool, bool]:
         names: list[str] = []
         probe = temp_name("tb5probe\u00e9")
         if write:
