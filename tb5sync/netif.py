@@ -157,7 +157,10 @@ class AllowList:
                 error = exc
             if "/" in item or _is_address(item.split("%")[0]) or not item:
                 raise UsageError(f"bad --allow network: {error}")
-            interface_networks(item)  # exists now, else a clear error at start
+            try:
+                interface_networks(item)  # exists now, else a clear error at start
+            except UsageError as exc:
+                raise UsageError(f"bad --allow entry {item!r}: neither a network (CIDR) nor an interface's name ({exc})") from None
             self.names.append(item)
         self._lock = threading.Lock()
         self._cache: tuple[float, list[tuple[Network, str | None]]] = (float("-inf"), [])
