@@ -20,6 +20,7 @@ A token never appears in an error message: URLs are quoted with the user part as
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -108,6 +109,11 @@ def parse_url(url: str) -> Remote | None:
         port = parts.port or DEFAULT_PORT
     except ValueError:
         raise UsageError(f"bad port in {shown!r} (expected 1..65535)") from None
+    if ":" in hostname:  # an IPv6 address in its one short form (fe80:0:0:0:0:0:0:1 -> fe80::1)
+        try:
+            hostname = str(ipaddress.IPv6Address(hostname))
+        except ValueError:
+            pass
     if zone:
         hostname = f"{hostname}%{zone}"
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
@@ -118,10 +124,18 @@ def parse_url(url: str) -> Remote | None:
 
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets, its zone percent-encoded
-    (``fe80::1%bridge0`` -> ``[fe80::1%25bridge0]``, RFC 6874); other hosts as they are."""
+    (``fe80::1%bridge0`` -> ``[fe80:0:0:0:0:0:0:1%25bridge0]``, RFC 6874); other hosts as they are.
+
+    An IPv6 address is written without ``::`` (each group, leading zeros dropped): fsspec's
+    ``open`` reads ``::`` in a URL as its chaining separator (``simplecache::tb5://...``), so a
+    URL holding one cannot be opened through ``fsspec.open``; this form can."""
     if ":" not in host:
         return host
     addr, pct, zone = host.partition("%")
+    try:
+        addr = ":".join(g.lstrip("0") or "0" for g in ipaddress.IPv6Address(addr).exploded.split(":"))
+    except ValueError:
+        pass
     return f"[{addr}%25{quote(zone, safe='')}]" if pct else f"[{addr}]"
 
 

@@ -167,6 +167,15 @@ def test_link_local_with_zone_over_a_veth(link: Link, tmp_path: Path, written: s
         res = finish(client_in_ns(link, url + "pushed/", str(tmp_path / "pulled"), timeout=20.0), 120)
         assert res["ok"], res
         assert snapshot(src) == snapshot(str(tmp_path / "pulled"))
+        # fsspec reads a URL with a zone, from the namespace (written without "::", which
+        # fsspec.open takes for its chaining separator: url_host's form)
+        code = ("import fsspec, sys; sys.stdout.buffer.write(fsspec.open(sys.argv[1], 'rb', token=sys.argv[2]).open().read())")
+        fs_url = f"tb5://{url_host('fe80::1%' + link.peer)}:{live.port}/pushed/big.bin"
+        assert "::" not in fs_url.partition("://")[2]
+        out = subprocess.run(["ip", "netns", "exec", link.ns, sys.executable, "-c", code, fs_url, TOKEN],
+                             capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+        assert out.stdout == (Path(src) / "big.bin").read_bytes()
     finally:
         live.server.stop()
     # the same peer, not in the allowed interface's subnets: refused before authentication

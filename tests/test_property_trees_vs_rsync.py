@@ -64,6 +64,7 @@ def _outcome(run: Any) -> int:
     return 0
 
 
+@pytest.mark.timeout(600)  # 15 examples take seconds; shrinking a failure takes longer
 @pytest.mark.parametrize("topology", ["local", "push", "pull"])
 @settings(max_examples=15, deadline=None, database=None, derandomize=bool(os.environ.get("CI")),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
