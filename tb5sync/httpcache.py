@@ -158,7 +158,8 @@ class HttpCache:
     read_only : bool
         Serve hits; refuse PUT and DELETE with 403.
     allow : sequence of str
-        CIDR networks clients may connect from (403 for others); empty allows all.
+        CIDR networks or interface names (:class:`tb5sync.netif.AllowList`) clients may connect
+        from (403 for others); empty allows all.
     basic : str, optional
         ``"user:password"`` for HTTP basic authentication.
     bearer : str, optional

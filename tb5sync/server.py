@@ -130,13 +130,15 @@ class Server:
     root : str or path
         Directory to serve; nothing outside it is read or written.
     host : str
-        Address to bind (default 127.0.0.1).
+        Address to bind (default 127.0.0.1), an IPv6 link-local one with its zone
+        (``fe80::1%bridge0``), or an interface's name (its address, :func:`tb5sync.netif.bind_host`).
     port : int
         TCP port; 0 picks a free one (read :attr:`port` after :meth:`start`).
     token : bytes or str or None
         Shared secret for HMAC authentication; None accepts any client (loopback use).
     allow : sequence of str
-        CIDR networks clients may connect from; empty allows all.
+        CIDR networks clients may connect from, or interface names (their subnets, IPv4 and IPv6,
+        followed as they change: :class:`tb5sync.netif.AllowList`); empty allows all.
     read_only : bool
         Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
     state_dir : str or path, optional
