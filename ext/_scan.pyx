@@ -19,6 +19,12 @@ cdef extern from *:
     #include <errno.h>
     static int tb5_errno(void) { return errno; }
     static void tb5_clear_errno(void) { errno = 0; }
+    /* the mtime's timespec: POSIX.1-2008 names it st_mtim, macOS st_mtimespec */
+    #if defined(__APPLE__) || defined(TB5_STAT_MTIMESPEC)
+    #define TB5_ST_MTIM st_mtimespec
+    #else
+    #define TB5_ST_MTIM st_mtim
+    #endif
     """
     int tb5_errno() nogil
     void tb5_clear_errno() nogil
@@ -40,7 +46,7 @@ cdef extern from "<sys/stat.h>" nogil:
     cdef struct struct_stat "stat":
         unsigned int st_mode
         long long st_size
-        timespec st_mtim
+        timespec st_mtim "TB5_ST_MTIM"  # st_mtimespec on macOS (the macro above)
     int fstatat(int dirfd, const char *pathname, struct_stat *buf, int flags)
 
 cdef extern from "<dirent.h>" nogil:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import chunking
+from ._io import portable, read_into
 from .hashing import ChunkRef, chunk_digest
 
 __all__ = ["BasisFinder", "check_copy", "start_writeback"]
@@ -49,7 +50,8 @@ def start_writeback(fd: int, off: int, n: int) -> None:
     submission happen now, in the calling thread, instead of all at once in the ``rename``
     that replaces an existing file (ext4's ``auto_da_alloc`` flushes the whole new file there:
     ~0.4 s per GiB on the development VM, on the critical path). Elsewhere, or if the call
-    fails, nothing happens. Durability is unchanged: nothing waits for the disk either way.
+    fails, nothing happens (also with ``$TB5SYNC_PORTABLE=1``). Durability is unchanged: nothing
+    waits for the disk either way.
     """
     global _sync_file_range
     if _sync_file_range is None:
@@ -64,7 +66,7 @@ def start_writeback(fd: int, off: int, n: int) -> None:
                 _sync_file_range = fn
             except (OSError, AttributeError):
                 pass
-    if _sync_file_range:
+    if _sync_file_range and not portable():
         _sync_file_range(fd, off, n, 2)  # SYNC_FILE_RANGE_WRITE; a failure only means no head start
 
 
@@ -104,7 +106,7 @@ def check_copy(src_fd: int, src_off: int, n: int, digest: bytes, dst_fd: int, ds
         Reading ``src_fd`` failed for another reason than its end, or the write failed.
     """
     view = memoryview(buf)[:n]
-    if os.preadv(src_fd, [view], src_off) != n or chunk_digest(view) != digest:
+    if read_into(src_fd, view, src_off) != n or chunk_digest(view) != digest:
         return False
     pos = dst_off
     while dst_fd >= 0 and view:

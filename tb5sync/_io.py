@@ -1,15 +1,84 @@
-"""Write-all loops, a quiet unlink, a background close: the few file helpers writers share.
+"""Write-all loops, a quiet unlink, a background close, and the portable choice of the
+Linux-only file calls: the few file helpers readers and writers share.
 
 ``os.write`` and ``os.pwrite`` may write fewer bytes than asked (a signal, a full pipe, a
 file system that splits large writes); these loops go on until every byte is written.
+
+:func:`portable` is the one switch that forces every portable path at once
+(``$TB5SYNC_PORTABLE=1``: what a system without the Linux calls gets; docs/ARCHITECTURE.md,
+"Portability"): :func:`read_into` without ``preadv``, :func:`copy_range` without
+``copy_file_range``; other modules ask it before ``sendfile``, ``sync_file_range``,
+``openat2``, ``FICLONE`` and ``TCP_USER_TIMEOUT``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
-__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later"]
+__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV"]
+
+#: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
+PORTABLE_ENV = "TB5SYNC_PORTABLE"
+
+#: errno values after which ``copy_file_range`` is given up for a read and a write (another file
+#: system, one that cannot, a kernel without it, a seccomp filter).
+_NO_COPY_RANGE = frozenset(e for e in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
+                                       getattr(errno, "ENOTSUP", None), errno.EPERM, errno.EIO) if e is not None)
+_COPY_BLOCK = 1 << 20
+
+
+def portable(specific: str | None = None) -> bool:
+    """True when ``$TB5SYNC_PORTABLE`` (or the ``specific`` variable, e.g.
+    ``TB5SYNC_JAIL_PORTABLE``) is set to anything but ``0``: take the portable path."""
+    return os.environ.get(PORTABLE_ENV, "0") not in ("", "0") or (
+        specific is not None and os.environ.get(specific, "0") not in ("", "0"))
+
+
+def read_into(fd: int, view: memoryview, off: int) -> int:
+    """Read up to ``len(view)`` bytes at offset ``off`` of ``fd`` into ``view``; returns the count (0 at the end).
+
+    ``preadv`` (straight into the buffer: Linux, macOS >= 11, the BSDs) where ``os`` has it,
+    else ``pread`` and a copy (also with :func:`portable`). May return less than asked.
+
+    Raises
+    ------
+    OSError
+        The read failed.
+    """
+    if hasattr(os, "preadv") and not portable():
+        return os.preadv(fd, [view], off)
+    data = os.pread(fd, len(view), off)
+    view[: len(data)] = data
+    return len(data)
+
+
+def copy_range(src: int, dst: int, n: int, src_off: int | None = None, dst_off: int | None = None) -> int:
+    """Copy up to ``n`` bytes from ``src`` to ``dst``; returns the count (0 at the source's end).
+
+    ``copy_file_range`` (Linux: in the kernel, a reflink where the file system shares extents)
+    where ``os`` has it, else (macOS, :func:`portable`, or a file system or kernel that refuses
+    it) a ``pread``/``pwrite`` of at most 1 MiB. ``None`` offsets use and move the file
+    offsets, as ``copy_file_range`` does.
+
+    Raises
+    ------
+    OSError
+        A read or write failed.
+    """
+    if hasattr(os, "copy_file_range") and not portable():
+        try:
+            return os.copy_file_range(src, dst, n, src_off, dst_off)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+    data = os.pread(src, min(n, _COPY_BLOCK), src_off) if src_off is not None else os.read(src, min(n, _COPY_BLOCK))
+    if dst_off is not None:
+        pwrite_all(dst, data, dst_off)
+    else:
+        write_all(dst, data)
+    return len(data)
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

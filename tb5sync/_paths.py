@@ -462,7 +462,7 @@ class Jail:
     portable : bool or None
         True: walk one component at a time even where ``openat2`` is available.
         None (default): use ``openat2`` when :func:`openat2_available`, unless
-        ``$TB5SYNC_JAIL_PORTABLE`` is set to anything but ``0``.
+        ``$TB5SYNC_JAIL_PORTABLE`` (or ``$TB5SYNC_PORTABLE``) is set to anything but ``0``.
 
     Raises
     ------
@@ -474,7 +474,8 @@ class Jail:
         self.root = root
         self._fd = os.open(root, _DIR_FLAGS)
         if portable is None:
-            portable = os.environ.get(PORTABLE_ENV, "") not in ("", "0")
+            # this variable, or $TB5SYNC_PORTABLE (tb5sync._io.portable: every portable path at once)
+            portable = any(os.environ.get(v, "") not in ("", "0") for v in (PORTABLE_ENV, "TB5SYNC_PORTABLE"))
         self._openat2 = None if portable else _openat2()
         self._local = threading.local()
         self._cached: set[int] = set()

@@ -45,12 +45,17 @@ def _read_token(path: str | None, env: bool = True) -> bytes | None:
 
 
 def _parse_bind(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6ADDR]:PORT``, a bare IPv6 address (``fe80::1%bridge0``) or an interface
+    name (``bridge0:8873``: that interface's address, :func:`tb5sync.netif.bind_host`) -> ``(host, port)``."""
     from .errors import UsageError
     from .messages import DEFAULT_PORT
+    from .netif import bind_host
 
+    if text.count(":") > 1 and not text.startswith("["):  # a bare IPv6 address, with or without a zone
+        return bind_host(text), DEFAULT_PORT
     host, sep, port = text.rpartition(":")
     if not sep:
-        return text, DEFAULT_PORT
+        return bind_host(text), DEFAULT_PORT
     host = host.strip("[]") or "127.0.0.1"
     try:
         p = int(port)
@@ -58,7 +63,7 @@ def _parse_bind(text: str) -> tuple[str, int]:
         raise UsageError(f"bad port in --bind {text!r}") from None
     if not 0 <= p <= 65535:
         raise UsageError(f"port out of range in --bind {text!r}")
-    return host, p
+    return bind_host(host), p
 
 
 class _VersionAction(argparse.Action):
@@ -99,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
     s.add_argument("root", help="directory to serve; nothing outside it is read or written")
-    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one)")
+    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name (bridge0:8873) or [fe80::1%%bridge0]")
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
-    s.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable; default: any address that can reach --bind)")
+    s.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
     s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
     s.add_argument("--store", metavar="DIR", nargs="?", const="",
@@ -135,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("http-cache", help="serve a ccache/Bazel HTTP remote cache backed by an artifact store",
                        parents=[common])
     h.add_argument("store", help="store directory (created when missing)")
-    h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one)")
-    h.add_argument("--allow", action="append", default=[], metavar="CIDR", help="client networks allowed (repeatable)")
+    h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one); HOST may be an interface name (bridge0:8080)")
+    h.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable)")
     h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
     _http_cache_options(h)
     s.add_argument("--upstream", metavar="URL",

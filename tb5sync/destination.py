@@ -21,6 +21,7 @@ stale ones (:meth:`Destination.remove_stale`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -28,15 +29,16 @@ import logging
 import os
 import stat
 import time
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ._io import write_all
+from ._io import read_into, write_all
 from ._sparse import copy_sparse, has_zero_blocks, write_sparse
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .entry import show_path
-from .errors import DestinationError, PathError, Tb5syncError
+from .errors import DestinationError, PathError, Tb5syncError, UsageError
 from .options import Failure
 from .state import TreeState
 
@@ -140,6 +142,23 @@ def _chmod_at(dfd: int, name: str, mode: int, shown: str) -> None:
         os.chmod(name, mode, dir_fd=dfd, follow_symlinks=False)
     except (NotImplementedError, ValueError):
         os.chmod(name, mode, dir_fd=dfd)  # checked above; the parent is held by its descriptor
+
+
+#: Forces what the destination is taken to ignore (``case``, ``unicode``, both, ``none``): :meth:`Destination.folding`.
+FOLD_ENV = "TB5SYNC_DEST_FOLD"
+
+
+def _same_entry(dir_fd: int, names: Sequence[str], other: Callable[[str], str]) -> bool:
+    """True when, for the first of ``names`` that ``other`` changes, both forms name one entry."""
+    for name in names:
+        alt = other(name)
+        if alt != name:
+            try:
+                return os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False),
+                                        os.stat(alt, dir_fd=dir_fd, follow_symlinks=False))
+            except FileNotFoundError:
+                return False
+    return False
 
 
 class Destination:
@@ -473,6 +492,68 @@ class Destination:
             os.rename(src_name, name, src_dir_fd=src_dfd, dst_dir_fd=dfd)
 
     # ---- the tree's shape ---------------------------------------------------------------
+    def folding(self, write: bool = True) -> tuple[bool, bool]:
+        """``(ignores case, ignores Unicode normalization)`` of the destination's directory (APFS
+        by default: both; ext4 ``casefold`` directories: both; most Linux file systems: neither).
+
+        Probed at run time in the deepest existing directory of the base (the base, its parent,
+        or the jail's root): a temporary file is made (``write``, not in a dry run) and its
+        case-swapped and NFD names looked up; without writing, the directory's existing names
+        are looked up so. ``$TB5SYNC_DEST_FOLD`` (``case``, ``unicode``, ``case,unicode`` or
+        ``none``) skips the probe and says what to assume (the planner's simulation, for tests).
+
+        Raises
+        ------
+        UsageError
+            A ``$TB5SYNC_DEST_FOLD`` word other than those.
+        """
+        forced = os.environ.get(FOLD_ENV)
+        if forced is not None:
+            words = {w.strip() for w in forced.split(",") if w.strip()}
+            if words - {"case", "unicode", "none"}:
+                raise UsageError(f"${FOLD_ENV} takes case, unicode, case,unicode or none, not {forced!r}")
+            return "case" in words, "unicode" in words
+        try:
+            parts = self.parts("")
+        except (OSError, PathError):
+            return False, False
+        fd = -1
+        for k in range(len(parts), -1, -1):  # the deepest existing directory (nothing is created)
+            try:
+                fd = self.jail.open_dir(parts[:k]) if k else os.dup(self.jail.fd)
+                break
+            except (OSError, PathError):
+                continue
+        if fd < 0:
+            return False, False
+        try:
+            return self._probe_folding(fd, write)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _probe_folding(fd: int, write: bool) -> tuple[bool, bool]:
+        names: list[str] = []
+        probe = temp_name("tb5probe\u00e9")
+        if write:
+            try:
+                before = os.fstat(fd)
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+                names = [probe]
+            except OSError:
+                pass
+        try:
+            names = names or os.listdir(fd)
+            return _same_entry(fd, names, str.swapcase), _same_entry(fd, names, lambda n: unicodedata.normalize(
+                "NFC" if unicodedata.is_normalized("NFD", n) else "NFD", n))
+        except OSError:
+            return False, False
+        finally:
+            if names and names[0] == probe:
+                os.unlink(probe, dir_fd=fd)
+                with contextlib.suppress(OSError):  # the directory's mtime as it was (a no-change run changes nothing)
+                    os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
+
     def make_base_parent(self) -> None:
         """Create the directories above the base when missing (rsync creates its destination's parent)."""
         self.parent("")
@@ -892,7 +973,7 @@ def _copy_fd(src: int, dst: int, n: int) -> None:
     mv = memoryview(buf)
     off = 0
     while off < n:
-        k = os.preadv(src, [mv[: min(len(buf), n - off)]], off)
+        k = read_into(src, mv[: min(len(buf), n - off)], off)
         if k <= 0:
             raise OSError(errno.EIO, f"work file shorter than {n} bytes")
         pos = 0

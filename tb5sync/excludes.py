@@ -260,12 +260,19 @@ class ExcludeRules:
         if not relpath:
             return False
         base = relpath.rsplit("/", 1)[-1]
-        if self.root:
-            relpath = f"{self.root}/{relpath}"
+        return self._match(f"{self.root}/{relpath}" if self.root else relpath, base, is_dir)
+
+    def excludes_source(self, is_dir: bool) -> bool:
+        """True if the source itself is excluded: given without a trailing slash, its name
+        (``root``) is a path below rsync's transfer root like any other (``--exclude=/src``
+        on ``sync src dst/``), and rsync then copies nothing."""
+        return bool(self.root) and self._match(self.root, self.root, is_dir)
+
+    def _match(self, path: str, base: str, is_dir: bool) -> bool:
         for rx, dir_only, whole in self._compiled:
             if dir_only and not is_dir:
                 continue
-            if rx.match(relpath if whole else base):
+            if rx.match(path if whole else base):
                 return True
         return False
 

@@ -68,7 +68,7 @@ from .options import SyncOptions
 from .rpc import Requester, call_direct, open_session, split_parts
 from .fsfile import TB5File, rest_of_read, join_read
 from .transport import IO_TIMEOUT, dial
-from .urls import Remote, parse_url, token_of
+from .urls import Remote, parse_url, token_of, url_host
 
 __all__ = ["TB5FileSystem", "TB5File"]  # TB5File is fsfile's, re-exported
 
@@ -294,8 +294,7 @@ class TB5FileSystem(AsyncFileSystem):
 
     def unstrip_protocol(self, name: str) -> str:
         """Full URL of ``name``: ``tb5://HOST:PORT/name``."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'tb5s' if self.tls else 'tb5'}://{host}:{self.port}/{self._strip_protocol(name)}"
+        return f"{'tb5s' if self.tls else 'tb5'}://{url_host(self.host)}:{self.port}/{self._strip_protocol(name)}"
 
     @classmethod
     def _parent(cls, path: str) -> str:

@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._io import write_all
+from ._io import copy_range, read_into, write_all
 from ._paths import STATE_DIR, Jail, claim_temp, is_temp_name, release_temp, split_request_path, temp_name
 from .errors import (
     PathError,
@@ -399,7 +399,7 @@ class FsOps:
             view = memoryview(into)[:n]
             got = 0
             while got < n:  # preadv may return short (a slow filesystem); 0 means the file shrank
-                k = os.preadv(fd, [view[got:]], s + got)
+                k = read_into(fd, view[got:], s + got)
                 if k == 0:
                     raise SourceChangedError(path)
                 got += k
@@ -577,7 +577,7 @@ class FsOps:
         try:
             n = os.fstat(src).st_size
             while n > 0:
-                k = os.copy_file_range(src, out, n)
+                k = copy_range(src, out, n)
                 if k == 0:
                     break
                 n -= k
@@ -752,7 +752,7 @@ class FsOps:
             def fill(out: int) -> None:
                 off = 0
                 while off < st.st_size:
-                    k = os.copy_file_range(fd, out, st.st_size - off, off, off)
+                    k = copy_range(fd, out, st.st_size - off, off, off)
                     if k == 0:  # the source shrank under us: never commit a short copy
                         raise SourceChangedError(src)
                     off += k

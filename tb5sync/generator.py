@@ -25,8 +25,8 @@ from .errors import DestinationError, PathError, RemoteProtocolError, SourceChan
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, plan_sync
-from .scan import Tree
+from .plan import Plan, dry_run_changes, name_fold, plan_sync
+from .scan import OVERFLOW, Tree
 
 __all__ = ["Generator", "Planned"]
 
@@ -110,7 +110,11 @@ class Generator:
             dst_errors = dst_tree.errors
             for d, mode in dst_tree.unlocked.items():  # listed after u+rx; relock gives the mode back
                 self.destination.unlocked.setdefault(d, (mode, mode | 0o500))
-            src, dst = self._changed_parts(root, src_dirs, dst_tree)
+            if rules.excludes_source(root.kind == DIR):  # rsync copies nothing, deletes nothing
+                src, dst, src_dirs, src_failed, dst_errors = [], [], [], [], []
+                root = root._replace(kind=DIR, size=0)  # counted as nothing
+            else:
+                src, dst = self._changed_parts(root, src_dirs, dst_tree)
         finally:
             wait([dst_scan])  # the scan never outlives the run
         same = self._compare_digests(src, dst) if self.options.checksum else None
@@ -122,10 +126,14 @@ class Generator:
         if delete:  # a destination directory that cannot be listed (nor unlocked): rsync's opendir failure
             for path, reason in dst_errors:
                 self.destination.fail(path, "destination", reason)
-        if delete and (src_failed or dst_errors):
+        if delete and (any(not why.startswith(OVERFLOW) for _, why in src_failed) or dst_errors):
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
-        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same)
+        fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt
+        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same, fold=fold)
+        if plan.delete and self.destination.specials:  # a name the source's special file holds (rsync --no-D)
+            held = {p for p, _ in self.destination.specials}
+            plan.delete = [d for d in plan.delete if not _held(d.path, held)]
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
@@ -241,7 +249,8 @@ class Generator:
 
         A directory whose listing digest is the same on both sides has identical children
         (names, types, modes, sizes, mtimes, link targets): nothing in it changes, so its
-        children are neither fetched nor planned. Left in are the roots, every other
+        children are neither fetched nor planned (unless the destination holds a special file
+        there: those are listed as files of size -1, which no source entry matches). Left in are the roots, every other
         directory's children, and the entries of those other directories themselves (so
         that they are created, or get their mode and mtime back after their contents
         change). With ``--checksum``, ``-H`` or ``-X`` nothing is skipped (contents, inodes,
@@ -261,7 +270,12 @@ class Generator:
         """
         o = self.options  # -H and -X: links and attributes are not in the listing digests
         dst_dg = dst_tree.digests() if not (o.checksum or o.hard_links or o.xattrs) else {}
-        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg}
+        # the destination's special files (FIFOs, sockets, devices) are in no listing digest:
+        # their directories are compared, and they are entries that never match (replaced, or
+        # deleted with --delete, as rsync --no-D does)
+        specials = [Entry(p, FILE, 0, -1, 0, "") for p, _ in dst_tree.skipped if p]
+        dirty = {e.path.rpartition("/")[0] for e in specials}
+        same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg and p not in dirty}
         need = [p for p, _, _, _ in src_dirs if p not in same]
         fetched = self._fetch_entries(need) if need else {}
         by_parent: dict[str, dict[str, Entry]] = {}
@@ -290,7 +304,7 @@ class Generator:
             if d and d.rpartition("/")[0] in same:
                 dst.append(own_entry(d))
             dst += kids
-        return src, dst
+        return src, dst + specials
 
     def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
         """``--checksum``: for each regular file on both sides with the same size, whether the contents are equal.
@@ -477,6 +491,15 @@ class Generator:
         if self.destination.state is not None:
             self.destination.state.forget([self.destination.spath(d.path)])
         return True
+
+
+def _held(path: str, names: set[str]) -> bool:
+    """True when ``path`` or one of its parents is in ``names``."""
+    while path:
+        if path in names:
+            return True
+        path = path.rpartition("/")[0]
+    return False
 
 
 def _check_parents(src: list[Entry], same: set[str]) -> None:

@@ -22,6 +22,7 @@ import blake3 as _blake3
 import xxhash
 
 from . import chunking
+from ._io import read_into as _io_read_into
 from .errors import IntegrityError, SourceChangedError, UsageError
 
 __all__ = [
@@ -349,19 +350,10 @@ def _buffer_size(n: int, window: int) -> int:
     return min(window, max(_SMALL_READ, 1 << (n - 1).bit_length()))
 
 
-def _preadv_into(fd: int, view: memoryview, off: int) -> int:
-    return os.preadv(fd, [view], off)
-
-
-def _pread_copy_into(fd: int, view: memoryview, off: int) -> int:
-    data = os.pread(fd, len(view), off)
-    view[: len(data)] = data
-    return len(data)
-
-
 #: ``read_into(fd, view, offset) -> bytes read``: ``preadv`` (one copy, Linux, macOS >= 11, the
-#: BSDs), else ``pread`` and a copy. Chosen at import; tests force the portable one.
-read_into: Callable[[int, memoryview, int], int] = _preadv_into if hasattr(os, "preadv") else _pread_copy_into
+#: BSDs), else ``pread`` and a copy (:func:`tb5sync._io.read_into`, chosen per call: ``$TB5SYNC_PORTABLE=1``
+#: forces the copy).
+read_into: Callable[[int, memoryview, int], int] = _io_read_into
 
 
 def read_exact(fd: int, view: memoryview, off: int, where: str = "") -> None:

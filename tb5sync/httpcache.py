@@ -38,7 +38,6 @@ import base64
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import re
@@ -53,6 +52,7 @@ import aiofiles
 from aiohttp import web
 
 from .errors import IntegrityError, UsageError
+from .netif import AllowList, bind_host, peer_address
 from .reapi import ActionResultError, parse_action_result, tree_files
 from .store import Store
 from .store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs, read_blob
@@ -158,7 +158,8 @@ class HttpCache:
     read_only : bool
         Serve hits; refuse PUT and DELETE with 403.
     allow : sequence of str
-        CIDR networks clients may connect from (403 for others); empty allows all.
+        CIDR networks or interface names (:class:`tb5sync.netif.AllowList`) clients may connect
+        from (403 for others); empty allows all.
     basic : str, optional
         ``"user:password"`` for HTTP basic authentication.
     bearer : str, optional
@@ -180,12 +181,9 @@ class HttpCache:
                  bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64) -> None:
         self._own_store = not isinstance(store, Store)
         self.store = Store(store) if not isinstance(store, Store) else store
-        self.host, self.port = host, port
+        self.host, self.port = bind_host(host), port  # an interface name -> its address
         self.read_only = read_only
-        try:
-            self.allow = [ipaddress.ip_network(c, strict=False) for c in allow]
-        except ValueError as exc:
-            raise UsageError(f"bad --allow network: {exc}") from exc
+        self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync.netif)
         if basic is not None and ":" not in basic:
             raise UsageError("--http-basic takes USER:PASSWORD")
         self._basic = ("Basic " + base64.b64encode(basic.encode()).decode()) if basic else None
@@ -293,15 +291,7 @@ class HttpCache:
 
     # ---- access ----
     def _allowed(self, ip: str | None) -> bool:
-        if not self.allow:
-            return True
-        try:
-            addr = ipaddress.ip_address((ip or "").split("%")[0])
-        except ValueError:
-            return False
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr in net for net in self.allow)
+        return not self.allow or (ip or "") in self.allow
 
     def _authorized(self, request: web.Request) -> bool:
         if self._basic is None and self._bearer is None:
@@ -314,8 +304,9 @@ class HttpCache:
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            if not self._allowed(request.remote):
-                return web.Response(status=403, text=f"client address {request.remote} is not allowed\n")
+            peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+            if not self._allowed(peer):
+                return web.Response(status=403, text=f"client address {peer} is not allowed\n")
             if not self._authorized(request):
                 return web.Response(status=401, text="authorization required\n",
                                     headers={"WWW-Authenticate": 'Basic realm="tb5sync"'})

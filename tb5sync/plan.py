@@ -5,13 +5,14 @@ No I/O here: the inputs are manifests, the output a :class:`Plan`.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .entry import DIR, LINK, Entry
+from .entry import DIR, LINK, Entry, show_path
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes"]
+__all__ = ["Plan", "plan_sync", "dry_run_changes", "name_fold"]
 
 @dataclass
 class Plan:
@@ -21,7 +22,10 @@ class Plan:
     (parents before children), except ``delete`` which is children first.
     ``refused`` lists ``(path, reason)`` for source entries that cannot be synced because
     the destination holds a non-empty directory where they go (rsync: "cannot delete
-    non-empty directory"); they are in no other list, and that directory is not deleted.
+    non-empty directory"), or because the destination ignores case or Unicode normalization
+    and an earlier sibling already takes the name (``A.txt`` / ``a.txt``, NFC / NFD: a
+    collision, the reason names both); they are in no other list (nor is anything below a
+    refused directory), and that directory is not deleted.
     """
 
     mkdirs: list[Entry] = field(default_factory=list)
@@ -41,6 +45,7 @@ def plan_sync(
     delete: bool = False,
     excludes: ExcludeRules = NO_RULES,
     same_content: dict[str, bool] | None = None,
+    fold: Callable[[str], str] | None = None,
 ) -> Plan:
     """Compare a source manifest with the destination's and plan the changes.
 
@@ -56,6 +61,12 @@ def plan_sync(
         ``--checksum`` mode: for files present on both sides with equal size,
         whether their content digests are equal. Files absent from the dict fall
         back to the quick check.
+    fold : callable, optional
+        The destination's view of a path when it ignores case and/or Unicode normalization
+        (:func:`name_fold`): source entries whose folded paths are equal collide (the first in
+        source order is synced, each later one refused with a reason naming both), and a
+        destination entry is matched by its folded path (``a.txt`` at the destination is the
+        source's ``A.txt``: compared, not deleted).
 
     Returns
     -------
@@ -66,10 +77,15 @@ def plan_sync(
     """
     have = {e.path: e for e in dst}
     plan = Plan()
-    src_paths = set()
+    src_paths: set[str] = set()
+    if fold is not None:
+        src, src_paths = _collisions(src, fold, plan.refused)
+        have_folded = {fold(p): d for p, d in have.items()}
     for e in src:
         src_paths.add(e.path)
         d = have.get(e.path)
+        if d is None and fold is not None:
+            d = have_folded.get(fold(e.path))
         if d is not None and d.kind != e.kind:
             if not (d.kind == DIR and e.kind == DIR):
                 plan.delete.append(d)
@@ -105,8 +121,9 @@ def plan_sync(
             else:
                 plan.unchanged += 1
     if delete:
+        folded = {fold(p) for p in src_paths} if fold is not None else set()
         for p, d in have.items():
-            if p in src_paths or p == "":
+            if p in src_paths or p == "" or (fold is not None and fold(p) in folded):
                 continue
             if excludes and (excludes.match(p, d.kind == DIR) or excludes.excluded_by_parent(p)):
                 continue
@@ -121,6 +138,48 @@ def plan_sync(
     plan.delete = uniq
     _refuse_nonempty_replacements(plan, have, src_paths)
     return plan
+
+
+def name_fold(case: bool, unicode: bool) -> Callable[[str], str] | None:
+    """How a destination that ignores case (``case``) and/or Unicode normalization (``unicode``:
+    NFC and NFD forms are one name, as on APFS and HFS+) sees a path; None when it sees bytes.
+
+    Case is folded with ``str.casefold`` (Unicode's full case folding), normalization to NFD; a
+    path that is not valid UTF-8 (surrogate escapes) folds only where its characters do.
+    """
+    if not case and not unicode:
+        return None
+
+    def fold(path: str) -> str:
+        if unicode:
+            path = unicodedata.normalize("NFD", path)
+        return unicodedata.normalize("NFD", path.casefold()) if case else path
+
+    return fold
+
+
+def _collisions(src: Iterable[Entry], fold: Callable[[str], str], refused: list[tuple[str, str]]) -> tuple[list[Entry], set[str]]:
+    """The source entries a folding destination can hold (the first of each folded path, in source
+    order, nothing below a refused directory) and every source path; each collision is appended
+    to ``refused`` as ``(path, reason)``."""
+    first: dict[str, str] = {}
+    dropped: list[str] = []  # refused directories (their descendants are left out silently)
+    kept: list[Entry] = []
+    paths: set[str] = set()
+    for e in src:
+        paths.add(e.path)
+        if any(e.path.startswith(r + "/") for r in dropped):
+            continue
+        key = fold(e.path)
+        other = first.setdefault(key, e.path)
+        if other == e.path:
+            kept.append(e)
+            continue
+        refused.append((e.path, f"collides with {show_path(other)}: the destination does not tell their names apart "
+                                "(it ignores case or Unicode normalization); not synced"))
+        if e.kind == DIR:
+            dropped.append(e.path)
+    return kept, paths
 
 
 def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import xxhash
 
 from . import chunking
+from ._io import read_into
 from .chunking import ChunkParams
 from .errors import RemoteProtocolError, UsageError
 
@@ -240,7 +241,7 @@ def fill_copies(buf: memoryview, fd: int, copies: list[tuple[int, int, int]]) ->
     for at, src, n in copies:
         got = 0
         while got < n:
-            k = os.preadv(fd, [buf[at + got : at + n]], src + got)
+            k = read_into(fd, buf[at + got : at + n], src + got)
             if k <= 0:
                 raise OSError(f"basis ended at {src + got} bytes while copying a sub-chunk")
             got += k

@@ -19,9 +19,25 @@ from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Extras", "scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION"]
+__all__ = ["Extras", "scan", "scan_tree", "special_kind", "Tree", "listing_digest", "listdir_stat", "py_listdir_stat", "SCAN_IMPLEMENTATION",
+           "PATH_MAX", "OVERFLOW", "max_path"]
 
 log = logging.getLogger(__name__)
+
+#: rsync's MAXPATHLEN on Linux (bytes with the NUL): the longest path below a transfer root a
+#: source lists. A constant, so that both ends of a transfer agree whatever their own PATH_MAX
+#: (macOS's is 1024; every path here is opened relative to a directory descriptor anyway).
+PATH_MAX = 4096
+
+#: The start of the reason given for an entry left out for its path's length (rsync's words). Such
+#: an entry is a failure (exit 23) but, as in rsync, not an I/O error that stops deletions.
+OVERFLOW = "filename overflows max-path len"
+
+
+def max_path(root: str) -> int:
+    """The longest path (bytes) below a source given as ``root`` (its name when given without a
+    trailing slash: rsync's paths then start with ``root/``; else ``""``) that rsync sends."""
+    return PATH_MAX - 1 - (len(root.encode("utf-8", "surrogateescape")) + 1 if root else 0)
 
 _tuple_new = tuple.__new__  # builds an Entry without NamedTuple's Python-level __new__ (the scan's hot loop)
 
@@ -261,8 +277,14 @@ def scan_tree(
     missing_ok: bool = False,
     unlock: bool = False,
     extras: Extras | None = None,
+    max_path: int = 0,
 ) -> Tree:
     """Scan like :func:`scan` (recursively) and keep each directory's listing.
+
+    ``max_path`` (a source's scan; bytes, 0 for no limit): an entry whose path below the base is
+    longer is left out (with what is below it) and named in ``errors`` as rsync's sender names
+    it ("filename overflows max-path len by N"), so the run goes on and exits 23; the sender
+    passes :data:`PATH_MAX` - 1 less the bytes its transfer root adds (``src/`` without a slash).
 
     ``unlock`` (a destination's scan): a directory this process owns but may not list (no
     ``u+r``/``u+x``, a non-root user's) is given ``u+rx`` and listed, as rsync makes its way
@@ -290,7 +312,7 @@ def scan_tree(
     unlocked: dict[str, int] | None = {} if unlock else None
     temps: list[str] = []
     tree = Tree([], children, errors=errors, skipped=skipped, temps=temps)
-    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree)
+    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree, max_path)
     tree.unlocked = unlocked or {}
     if extras is not None and extras.hard_links:
         groups = [paths for paths in extras.inodes.values() if len(paths) > 1]
@@ -348,6 +370,7 @@ def _scan(
     unlocked: dict[str, int] | None = None,
     extras: Extras | None = None,
     tree: Tree | None = None,
+    max_path: int = 0,
 ) -> list[Entry]:
     base = os.fspath(base)
     try:
@@ -381,7 +404,7 @@ def _scan(
             if extras is not None and extras.links:
                 fst = os.fstat(fd)
                 extras.ancestors = [(fst.st_dev, fst.st_ino)]
-            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked, extras, tree)
+            _walk(base, "", excludes, out, children, recursive, temps, fd, errors, skipped, unlocked, extras, tree, max_path)
         finally:
             os.close(fd)
     return out
@@ -465,6 +488,7 @@ def _walk(
     unlocked: dict[str, int] | None = None,
     extras: Extras | None = None,
     tree: Tree | None = None,
+    max_path: int = 0,
 ) -> None:
     """Append ``full``'s contents to ``out`` in depth-first order (each subdirectory's right after it).
 
@@ -522,6 +546,11 @@ def _walk(
                 fmt, followed = m & 0o170000, True
         if excludes and excludes.match(r, fmt == stat.S_IFDIR):
             continue
+        if max_path and len(r) * 4 > max_path and (over := len(r.encode("utf-8", "surrogateescape")) - max_path) > 0:
+            if errors is None:
+                raise OSError(errno.ENAMETOOLONG, f"{OVERFLOW} by {over}", dpre + name)
+            errors.append((r, f"{OVERFLOW} by {over}"))
+            continue
         if extras is not None and tree is not None:
             if extras.hard_links and fmt == stat.S_IFREG:
                 try:
@@ -572,7 +601,7 @@ def _walk(
                 if extras is not None and extras.links:
                     cst = os.fstat(cfd)
                     extras.ancestors.append((cst.st_dev, cst.st_ino))
-                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked, extras, tree)
+                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked, extras, tree, max_path)
             except FileNotFoundError:
                 continue
             finally:

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 import lz4.block
 
 from . import chunking, refine
+from ._io import read_into
 from ._paths import STATE_DIR, Jail, check_in_root, is_temp_name
 from .errors import PathError, RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
 from .entry import Entry, check_relpath, path_from_wire, show_path
-from .scan import Extras, Tree, scan_tree
+from .scan import Extras, Tree, max_path, scan_tree
 from .messages import (
     CODEC_LZ4,
     CODEC_RAW,
@@ -269,7 +270,8 @@ class Sender:
 
     def _scan_into(self, fut: Future[Tree]) -> None:
         try:
-            tree = scan_tree(self.base, self.options.rules, extras=Extras.from_options(self.options, self.root))
+            root = self.options.exclude_root  # rsync's paths start at its transfer root: "src/..." without a slash
+            tree = scan_tree(self.base, self.options.rules, extras=Extras.from_options(self.options, self.root), max_path=max_path(root))
             tree.digests()  # here, off the request path
             fut.set_result(tree)
         except BaseException as exc:  # delivered to whoever asks for the tree
@@ -620,7 +622,7 @@ class Sender:
                 pos += n
                 got = 0
                 while got < n:
-                    k = os.preadv(fd, [data[got:]], off + got)
+                    k = read_into(fd, data[got:], off + got)
                     if k <= 0:
                         raise SourceChangedError(path)
                     got += k

@@ -23,7 +23,6 @@ the peer); the server itself keeps serving.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import secrets
@@ -50,6 +49,7 @@ from .errors import (
 from .fsops import FsOps, Pages
 from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
+from .netif import AllowList, bind_host, peer_address
 from .scan import scan
 from .options import WIRE_OPTIONS, SyncOptions
 from .protocol import FrameType
@@ -130,13 +130,15 @@ class Server:
     root : str or path
         Directory to serve; nothing outside it is read or written.
     host : str
-        Address to bind (default 127.0.0.1).
+        Address to bind (default 127.0.0.1), an IPv6 link-local one with its zone
+        (``fe80::1%bridge0``), or an interface's name (its address, :func:`tb5sync.netif.bind_host`).
     port : int
         TCP port; 0 picks a free one (read :attr:`port` after :meth:`start`).
     token : bytes or str or None
         Shared secret for HMAC authentication; None accepts any client (loopback use).
     allow : sequence of str
-        CIDR networks clients may connect from; empty allows all.
+        CIDR networks clients may connect from, or interface names (their subnets, IPv4 and IPv6,
+        followed as they change: :class:`tb5sync.netif.AllowList`); empty allows all.
     read_only : bool
         Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
     state_dir : str or path, optional
@@ -237,15 +239,12 @@ class Server:
         if not os.path.isdir(root):
             raise UsageError(f"server root is not a directory: {root}")
         self.root = root
-        self.host = host
+        self.host = bind_host(host)  # an interface name -> its address (tb5sync.netif)
         self._port = port
         self.token = token.encode() if isinstance(token, str) else token
         if self.token == b"":
             raise UsageError("the token is empty")
-        try:
-            self.allow = [ipaddress.ip_network(c, strict=False) for c in allow]
-        except ValueError as exc:
-            raise UsageError(f"bad --allow network: {exc}") from exc
+        self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync.netif)
         for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions),
                             ("max_unauthenticated_per_address", max_unauthenticated_per_address)):
             if not isinstance(value, int) or value < 1:
@@ -396,7 +395,7 @@ class Server:
         log.warning(msg, *args)
 
     def _accepted(self, conn: socket.socket, addr: Any) -> None:
-        ip = str(addr[0])
+        ip = peer_address(addr)  # with its zone when link-local (fe80::2%bridge0)
         if not self._allowed(ip):  # refused before a thread exists
             self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
             self._refuse(conn, AuthError(f"client address {ip} is not allowed"))
@@ -497,15 +496,7 @@ class Server:
 
     # ---- one connection ---------------------------------------------------------------
     def _allowed(self, ip: str) -> bool:
-        if not self.allow:
-            return True
-        try:
-            addr = ipaddress.ip_address(ip.split("%")[0])
-        except ValueError:
-            return False
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr in net for net in self.allow)
+        return not self.allow or (ip or "") in self.allow
 
     def _authenticated(self, ip: str) -> None:
         """``ip``'s connection is no longer pending authentication (it passed, or it ended)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import protocol as P
 from ._buffers import BufferPool
+from ._io import portable
 from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
@@ -48,6 +49,8 @@ KEEPALIVE = 15.0
 #: errno values that mean "the link timed out" (keepalive probes or TCP_USER_TIMEOUT expired).
 _TIMEOUT_ERRNOS = frozenset({errno.ETIMEDOUT})
 _TLS_SEND_BLOCK = 1 << 20
+#: sendfile errors after which a channel sends its file parts by pread + send instead
+_NO_SENDFILE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None)) if e is not None)
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -83,14 +86,16 @@ def set_keepalive(sock: socket.socket, idle: float | None, user_timeout: float |
     -----
     Portable: the option names are looked up at run time. Linux has ``TCP_KEEPIDLE``;
     macOS names the same option ``TCP_KEEPALIVE``; where neither exists only
-    ``SO_KEEPALIVE`` is set (the system's default timings then apply).
+    ``SO_KEEPALIVE`` is set (the system's default timings then apply). ``$TB5SYNC_PORTABLE=1``
+    looks up only the macOS names and sets no ``TCP_USER_TIMEOUT``.
     """
     done: list[str] = []
     if idle is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         done.append("SO_KEEPALIVE")
         secs = max(1, int(idle))
-        for names, value in ((("TCP_KEEPIDLE", "TCP_KEEPALIVE"), secs), (("TCP_KEEPINTVL",), max(1, secs // 3)), (("TCP_KEEPCNT",), 3)):
+        idle_names = ("TCP_KEEPALIVE",) if portable() else ("TCP_KEEPIDLE", "TCP_KEEPALIVE")  # macOS's name only
+        for names, value in ((idle_names, secs), (("TCP_KEEPINTVL",), max(1, secs // 3)), (("TCP_KEEPCNT",), 3)):
             for name in names:
                 opt = getattr(socket, name, None)
                 if opt is None:
@@ -101,7 +106,7 @@ def set_keepalive(sock: socket.socket, idle: float | None, user_timeout: float |
                 except OSError:
                     pass
                 break
-    opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+    opt = None if portable() else getattr(socket, "TCP_USER_TIMEOUT", None)  # Linux only
     if user_timeout is not None and opt is not None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, opt, max(1, int(user_timeout * 1000)))
@@ -188,6 +193,9 @@ class Channel:
         self.hide_root: str | None = None
         self.max_payload = P.MAX_PAYLOAD
         self.tls = isinstance(sock, ssl.SSLSocket)
+        #: file parts go out by pread + send (no os.sendfile here, $TB5SYNC_PORTABLE, or a file
+        #: system that refused it once)
+        self._no_sendfile = not hasattr(os, "sendfile") or portable()
         self.idle_timeout = idle_timeout
         if io_timeout == "keep":
             self.io_timeout: float | None = sock.gettimeout()
@@ -248,7 +256,7 @@ class Channel:
         """
         off, left = part.offset, part.length
         while left:
-            if self.tls:  # sendfile would bypass the TLS record layer
+            if self.tls or self._no_sendfile:  # sendfile would bypass the TLS record layer
                 data = os.pread(part.fd.fd, min(left, _TLS_SEND_BLOCK), off)
                 k = len(data)
                 if k:
@@ -259,6 +267,11 @@ class Channel:
                 except BlockingIOError:  # the socket has a timeout, so it is non-blocking
                     if not _wait_fd(self.sock.fileno(), True, self.io_timeout):
                         raise TimeoutError("sendfile made no progress") from None
+                    continue
+                except OSError as exc:  # a file (system) sendfile cannot read: nothing was sent
+                    if exc.errno not in _NO_SENDFILE:
+                        raise
+                    self._no_sendfile = True
                     continue
             if k <= 0:
                 log.info("file ended %d bytes early while being sent; padding the frame", left)

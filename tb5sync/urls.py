@@ -8,6 +8,9 @@ CLI, the API and fsspec accept the same forms:
     Plain TCP; the token comes from the caller or ``$TB5SYNC_TOKEN``.
 ``tb5s://HOST[:PORT]/PATH``
     The same over TLS (the server runs with ``--tls-cert``/``--tls-key``).
+``tb5://[fe80::1%25bridge0]:8873/PATH``
+    An IPv6 link-local address with its zone (the interface), percent-encoded as RFC 6874
+    writes it (``%25``); a raw ``%`` is accepted too. ``Remote.host`` holds ``fe80::1%bridge0``.
 ``tb5://TOKEN@HOST/...``, ``tb5://USER:TOKEN@HOST/...``
     The token in the URL (percent-encoded where needed; the user name is ignored).
     Visible in process lists and shell history: prefer a token file or the environment.
@@ -17,15 +20,16 @@ A token never appears in an error message: URLs are quoted with the user part as
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from .errors import UsageError
 from .messages import DEFAULT_PORT
 
-__all__ = ["Remote", "parse_url", "token_of", "redact_url", "SCHEMES"]
+__all__ = ["Remote", "parse_url", "token_of", "redact_url", "url_host", "SCHEMES"]
 
 #: URL schemes: plain TCP and TLS.
 SCHEMES = ("tb5", "tb5s")
@@ -54,6 +58,9 @@ class Remote:
 _USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*:/*)(?P<user>[^/@]*)@")
 
 
+_ZONED = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\[\]]*\[)(?P<addr>[^\]/%]*)%(?P<zone>[^\]/]*)(?P<tail>\].*)$", re.S)
+
+
 def redact_url(url: str) -> str:
     """``url`` with any user part (``TOKEN@``, ``USER:TOKEN@``) replaced by ``***@``."""
     return _USERINFO.sub(lambda m: m.group("head") + "***@", url, count=1)
@@ -62,7 +69,8 @@ def redact_url(url: str) -> str:
 def parse_url(url: str) -> Remote | None:
     """Parse ``tb5[s]://[TOKEN@]HOST[:PORT]/PATH``; None for a local path.
 
-    ``[v6addr]:port`` is accepted. The port defaults to 8873.
+    ``[v6addr]:port`` is accepted, with a zone: ``[fe80::1%25bridge0]`` (RFC 6874) or
+    ``[fe80::1%bridge0]``; ``Remote.host`` is then ``fe80::1%bridge0``. The port defaults to 8873.
 
     Raises
     ------
@@ -79,6 +87,14 @@ def parse_url(url: str) -> Remote | None:
             raise UsageError(f"{shown!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
                              f"write ./{shown} for a local path)")
         return None
+    zone = ""
+    zoned = _ZONED.match(url)
+    if zoned:  # an IPv6 zone: RFC 6874's "%25" + percent-encoded name, or a raw "%"
+        zone = zoned["zone"]
+        zone = unquote(zone[2:]) if zone.startswith("25") else zone
+        if not zone or not zoned["addr"] or any(c in zone for c in "%/[]@") or not zone.isprintable():
+            raise UsageError(f"bad IPv6 zone in {shown!r} (expected tb5://[fe80::1%25IFACE]/PATH)")
+        url = zoned["head"] + zoned["addr"] + zoned["tail"]  # urlsplit checks the address alone
     try:
         parts = urlsplit(url)
         hostname = parts.hostname
@@ -93,10 +109,34 @@ def parse_url(url: str) -> Remote | None:
         port = parts.port or DEFAULT_PORT
     except ValueError:
         raise UsageError(f"bad port in {shown!r} (expected 1..65535)") from None
+    if ":" in hostname:  # an IPv6 address in its one short form (fe80:0:0:0:0:0:0:1 -> fe80::1)
+        try:
+            hostname = str(ipaddress.IPv6Address(hostname))
+        except ValueError:
+            pass
+    if zone:
+        hostname = f"{hostname}%{zone}"
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     secret = parts.password if parts.password is not None else parts.username
     token = unquote(secret).encode() if secret else None
     return Remote(hostname, port, path, token, parts.scheme == "tb5s")
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets, its zone percent-encoded
+    (``fe80::1%bridge0`` -> ``[fe80:0:0:0:0:0:0:1%25bridge0]``, RFC 6874); other hosts as they are.
+
+    An IPv6 address is written without ``::`` (each group, leading zeros dropped): fsspec's
+    ``open`` reads ``::`` in a URL as its chaining separator (``simplecache::tb5://...``), so a
+    URL holding one cannot be opened through ``fsspec.open``; this form can."""
+    if ":" not in host:
+        return host
+    addr, pct, zone = host.partition("%")
+    try:
+        addr = ":".join(g.lstrip("0") or "0" for g in ipaddress.IPv6Address(addr).exploded.split(":"))
+    except ValueError:
+        pass
+    return f"[{addr}%25{quote(zone, safe='')}]" if pct else f"[{addr}]"
 
 
 def token_of(token: bytes | str | None, remote: Remote | None = None) -> bytes | None:

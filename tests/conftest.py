@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -151,21 +154,27 @@ def make_tree(base: str, seed: int = 1, files: int = 40) -> str:
 def snapshot(base: str) -> dict[str, tuple[Any, ...]]:
     """Relative path -> (kind, mode, size, mtime_ns, content or link target), without .tb5sync.
 
-    Directory mtimes are included; the base directory itself is included as ``"."``.
+    Directory mtimes are included; the base directory itself is included as ``"."``. Every
+    lookup is relative to its directory's descriptor (``os.fwalk``), so trees deeper than
+    PATH_MAX are read too.
     """
     out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(base):
+    for dirpath, dirnames, filenames, dfd in os.fwalk(base):
         dirnames[:] = [d for d in dirnames if d != ".tb5sync"]
-        for name in [".", *dirnames, *filenames] if dirpath == base else [*dirnames, *filenames]:
-            full = os.path.normpath(os.path.join(dirpath, name))
-            rel = os.path.relpath(full, base)
-            st = os.lstat(full)
+        rel_dir = os.path.relpath(dirpath, base)
+        if rel_dir == ".":
+            st = os.fstat(dfd)
+            out["."] = ("d", _stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+        for name in [*dirnames, *filenames]:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            st = os.lstat(name, dir_fd=dfd)
             if _stat.S_ISLNK(st.st_mode):
-                out[rel] = ("l", os.readlink(full), st.st_mtime_ns)
+                out[rel] = ("l", os.readlink(name, dir_fd=dfd), st.st_mtime_ns)
             elif _stat.S_ISDIR(st.st_mode):
                 out[rel] = ("d", _stat.S_IMODE(st.st_mode), st.st_mtime_ns)
             else:
-                with open(full, "rb") as f:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                with open(fd, "rb") as f:
                     data = f.read()
                 out[rel] = ("f", _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, data)
     return out
@@ -228,3 +237,75 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
             raise AssertionError(f"not within {timeout} s: {what}")
         _time.sleep(0.02)
     return _time.monotonic() - t0
+
+
+# --- comparing with rsync (the reference of every *_vs_rsync module) ----------------------------
+
+
+@pytest.fixture
+def need_rsync() -> None:
+    """Skips a test when rsync is not installed (``pytestmark = pytest.mark.usefixtures("need_rsync")``)."""
+    if not have_rsync():
+        pytest.skip("rsync is not installed")
+
+
+@pytest.fixture
+def h(tmp_path: Any, server: Any) -> Any:
+    """A :class:`test_vs_rsync.Harness`: one scenario on the rsync, local, push and pull routes."""
+    from test_vs_rsync import Harness
+
+    return Harness(tmp_path, server)
+
+
+def rsync(src: str, dst: str, *, delete: bool = False, exclude: Sequence[str] = (), checksum: bool = False,
+          check: bool = True, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``rsync -a [extra...]`` local to local; raise with its stderr when ``check`` and it fails."""
+    args = ["rsync", "-a", *extra]
+    if delete:
+        args.append("--delete")
+    args += [f"--exclude={p}" for p in exclude]
+    if checksum:
+        args.append("-c")
+    args += [src, dst]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=100, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def digest_snapshot(base: str, ignore_mtime: Iterable[str] = ("",)) -> dict[str, tuple[Any, ...]]:
+    """``snapshot(base)`` with contents replaced by their SHA-256 (readable diffs) and the
+    mtimes of ``ignore_mtime`` (paths relative to ``base``, ``""`` for ``base``) blanked."""
+    ign = {os.path.normpath(p) if p else "." for p in ignore_mtime}
+    out: dict[str, tuple[Any, ...]] = {}
+    for rel, val in snapshot(base).items():
+        if val[0] == "f":
+            val = (*val[:4], hashlib.sha256(val[4]).hexdigest())
+        if rel in ign:
+            val = (*val[:-2], None, val[-1]) if val[0] == "f" else (*val[:-1], None)
+        out[rel] = val
+    return out
+
+
+def assert_same(ref: dict[str, Any], got: dict[str, Any], route: str) -> None:
+    """Assert two digest snapshots are equal, with a short, per-path report of differences."""
+    if ref == got:
+        return
+    lines = []
+    for p in sorted(set(ref) | set(got)):
+        a, b = ref.get(p), got.get(p)
+        if a != b:
+            lines.append(f"  {p!r}: rsync={a} {route}={b}")
+    raise AssertionError(f"{route} differs from rsync -a in {len(lines)} paths:\n" + "\n".join(lines[:40]))
+
+
+def local_agrees_with_rsync(src: str, tmp: str, what: str = "local") -> None:
+    """``rsync -a SRC/ TMP/ref`` and ``tb5sync.sync(SRC/, TMP/mine)`` give the same tree, and a
+    second sync transfers nothing (the property tests' one comparison)."""
+    import tb5sync
+
+    ref, mine = os.path.join(tmp, "ref"), os.path.join(tmp, "mine")
+    rsync(src + "/", ref)
+    tb5sync.sync(src + "/", mine)
+    assert_same(digest_snapshot(ref), digest_snapshot(mine), what)
+    assert tb5sync.sync(src + "/", mine).files_transferred == 0

@@ -11,7 +11,6 @@ import tempfile
 from typing import Any
 
 import pytest
-from conftest import have_rsync
 from test_vs_rsync import T0, Harness, assert_same, digest_snapshot, freeze_dirs, rsync, settle, write
 
 import tb5sync
@@ -32,10 +31,7 @@ PATTERNS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _tree(src: str) -> None:
@@ -67,14 +63,26 @@ def test_pattern_like_rsync(pattern: str, slash: bool) -> None:
         assert_same(digest_snapshot(ref, ignore), digest_snapshot(mine, ignore), f"local {pattern!r}")
 
 
-@pytest.mark.xfail(strict=True, reason="a pattern that excludes the source itself (rsync then copies nothing) is not applied")
-def test_pattern_excluding_the_source_itself(tmp_path: Any) -> None:
-    src = os.path.join(str(tmp_path), "sp", "src")
-    _tree(src)
-    ref, mine = os.path.join(str(tmp_path), "ref"), os.path.join(str(tmp_path), "mine")
-    rsync(src, ref + "/", exclude=["/src"])
-    tb5sync.sync(src, mine + "/", exclude=["/src"])
-    assert_same(digest_snapshot(ref, ("",)), digest_snapshot(mine, ("",)), "local '/src'")
+
+@pytest.mark.parametrize("patterns", [["/src"], ["src"], ["src/"], ["s*c"], ["/*"], ["*/", "keep"], ["/top.excl"]])
+@pytest.mark.parametrize("spec", [("src", "dst/"), ("src", "new"), ("src/top.excl", "dst/"), ("src/top.excl", "nf")],
+                         ids=["dir-into", "dir-as", "file-into", "file-as"])
+def test_pattern_excluding_the_source_itself(tmp_path: Any, server: Any, patterns: list[str], spec: tuple[str, str]) -> None:
+    """A source given without a trailing slash is a name below rsync's transfer root, so a
+    pattern can exclude it: rsync then copies nothing (it still makes a destination named with a
+    trailing slash) and, with --delete, deletes nothing. Local, push and pull, on a prefilled
+    destination."""
+    h = Harness(tmp_path, server)
+    _tree(h.src)
+    tpl = str(tmp_path / "tpl")
+    write(os.path.join(tpl, "keep", "x"), b"keep", 0o644, T0)
+    write(os.path.join(tpl, "dst", "src", "old.txt"), b"old", 0o644, T0)
+    write(os.path.join(tpl, "dst", "top.excl"), b"old file", 0o644, T0)
+    write(os.path.join(tpl, "new", "stale"), b"stale", 0o644, T0)
+    freeze_dirs(tpl, T0)
+    h.prepare(tpl)
+    h.run(spec[0], spec[1], delete=True, exclude=patterns)
+    h.check(ignore_mtime=["dst", "dst/src", "new", "nf"])
 
 
 @pytest.mark.parametrize("slash", [True, False], ids=["slash", "noslash"])

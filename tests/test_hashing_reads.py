@@ -45,7 +45,7 @@ def _expected(data: bytes, params: chunking.ChunkParams) -> list[tuple[bytes, in
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each way of reading into a buffer: preadv where the system has it, and the portable pread + copy."""
     if request.param == "pread-copy":
-        monkeypatch.setattr(hashing, "read_into", hashing._pread_copy_into)
+        monkeypatch.setenv("TB5SYNC_PORTABLE", "1")  # tb5sync._io.read_into: pread and a copy
     elif not hasattr(os, "preadv"):
         pytest.skip("no preadv here (the portable path is tested)")
     return str(request.param)

@@ -11,10 +11,10 @@ import tempfile
 from typing import Any
 
 import pytest
-from conftest import have_rsync
+from conftest import local_agrees_with_rsync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_vs_rsync import T0, Harness, assert_same, digest_snapshot, rsync, write
+from test_vs_rsync import T0, Harness, rsync, write
 
 import tb5sync
 from tb5sync._paths import NAME_MAX, is_temp_name, temp_name
@@ -39,15 +39,8 @@ NAMES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
-
-@pytest.fixture
-def h(tmp_path: Any, server: Any) -> Harness:
-    return Harness(tmp_path, server)
 
 
 def _names_tree(src: str, salt: bytes) -> None:
@@ -131,8 +124,4 @@ def test_property_any_byte_name_like_rsync(names: list[bytes]) -> None:
         for i, raw in enumerate(names):
             write(os.path.join(src, fsname(raw)), raw, 0o644, T0 + i)
         os.utime(src, ns=(T0, T0))
-        ref, mine = os.path.join(tmp, "ref"), os.path.join(tmp, "mine")
-        rsync(src + "/", ref)
-        tb5sync.sync(src + "/", mine)
-        assert_same(digest_snapshot(ref), digest_snapshot(mine), "local")
-        assert tb5sync.sync(src + "/", mine).files_transferred == 0
+        local_agrees_with_rsync(src, tmp)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import have_rsync, slurp, start_server
+from conftest import slurp, start_server
 from test_vs_rsync import ROUTES, Harness, T0, assert_same, cp_a, digest_snapshot, freeze_dirs, settle, write
 
 import tb5sync
@@ -31,15 +31,8 @@ from tb5sync.errors import PartialTransferError, SourceChangedError, VanishedSou
 from tb5sync.options import Failure, SyncStats
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
-
-@pytest.fixture
-def h(tmp_path: Any, server: Any) -> Harness:
-    return Harness(tmp_path, server)
 
 
 def rsync_rc(args: list[str], user: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,17 +9,14 @@ import os
 import shutil
 
 import pytest
-from conftest import have_rsync, start_server
+from conftest import start_server
 from test_partial_vs_rsync import NobodyServer, _chown_tree, _unprivileged, cli, rsync_rc, shared_tmp  # noqa: F401
 from test_vs_rsync import T0, assert_same, cp_a, digest_snapshot, freeze_dirs, write
 
 S = 1_000_000_000
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _lock(base: str) -> None:

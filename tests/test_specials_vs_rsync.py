@@ -15,15 +15,11 @@ import subprocess
 from typing import Any
 
 import pytest
-from conftest import have_rsync
 from test_partial_vs_rsync import cli
 from test_vs_rsync import T0, Harness, assert_same, cp_a, digest_snapshot, freeze_dirs, settle, write
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 def _specials_tree(src: str) -> None:

@@ -9,10 +9,10 @@ import tempfile
 from typing import Any
 
 import pytest
-from conftest import have_rsync
+from conftest import local_agrees_with_rsync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_vs_rsync import Harness, assert_same, digest_snapshot, rsync, write
+from test_vs_rsync import Harness, rsync, write
 
 import tb5sync
 from tb5sync import scan
@@ -31,15 +31,8 @@ MTIMES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
-
-@pytest.fixture
-def h(tmp_path: Any, server: Any) -> Harness:
-    return Harness(tmp_path, server)
 
 
 def _stored(path: str, ns: int) -> int:
@@ -101,11 +94,7 @@ def test_property_any_stored_mtime_round_trips(mtimes: list[int]) -> None:
         _stored(os.path.join(src, "d"), mtimes[0])
         if scan.cy_listdir_stat is not None:
             assert sorted(scan.cy_listdir_stat(os.path.join(src, "d"))) == sorted(scan.py_listdir_stat(os.path.join(src, "d")))
-        ref, mine = os.path.join(tmp, "ref"), os.path.join(tmp, "mine")
-        rsync(src + "/", ref)
-        tb5sync.sync(src + "/", mine)
-        assert_same(digest_snapshot(ref), digest_snapshot(mine), "local")
-        assert tb5sync.sync(src + "/", mine).files_transferred == 0
+        local_agrees_with_rsync(src, tmp)
 
 
 def test_state_keeps_integers_past_64_bits_and_old_rows(tmp_path: Any) -> None:

@@ -22,7 +22,6 @@ is first moved out of the current second (:func:`settle`) to keep the reference 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
@@ -35,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
-from conftest import have_rsync, make_tree, snapshot
+from conftest import assert_same, digest_snapshot, have_rsync, make_tree, rsync, snapshot  # noqa: F401 (re-exported)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,29 +45,10 @@ S = 1_000_000_000  # one second in ns
 T0 = 1_650_000_000_123_456_789  # a fixed mtime base (ns) with a sub-second part
 
 
-@pytest.fixture(autouse=True)
-def _need_rsync() -> None:
-    if not have_rsync():
-        pytest.skip("rsync is not installed")
+pytestmark = pytest.mark.usefixtures("need_rsync")  # conftest: skipped without rsync
 
 
 # ---- helpers -----------------------------------------------------------------------------
-
-
-def rsync(src: str, dst: str, *, delete: bool = False, exclude: Sequence[str] = (), checksum: bool = False,
-          check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``rsync -a`` local to local; raise with its stderr when ``check`` and it fails."""
-    args = ["rsync", "-a"]
-    if delete:
-        args.append("--delete")
-    args += [f"--exclude={p}" for p in exclude]
-    if checksum:
-        args.append("-c")
-    args += [src, dst]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=100, check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
-    return proc
 
 
 def cp_a(src: str, dst: str) -> None:
@@ -78,42 +58,20 @@ def cp_a(src: str, dst: str) -> None:
 
 def settle(base: str, age_s: int = 5) -> None:
     """Move every mtime under ``base`` that is within the last ``age_s`` seconds back by
-    ``age_s`` seconds (keeping the sub-second part), deepest entries first."""
+    ``age_s`` seconds (keeping the sub-second part), deepest entries first (relative to
+    directory descriptors: trees deeper than PATH_MAX too)."""
     limit = time.time_ns() - age_s * 1_000_000_000
-    paths = [base]
-    for dirpath, dirnames, filenames in os.walk(base):
-        paths += [os.path.join(dirpath, n) for n in dirnames + filenames]
-    for p in sorted(paths, key=lambda q: -q.count("/")):
-        st0 = os.lstat(p)
+
+    def back(name: str, dfd: int | None) -> None:
+        st0 = os.lstat(name, dir_fd=dfd)
         if st0.st_mtime_ns > limit:
             m = st0.st_mtime_ns - age_s * 1_000_000_000
-            os.utime(p, ns=(m, m), follow_symlinks=False)
+            os.utime(name, ns=(m, m), dir_fd=dfd, follow_symlinks=False)
 
-
-def digest_snapshot(base: str, ignore_mtime: Iterable[str] = ("",)) -> dict[str, tuple[Any, ...]]:
-    """``snapshot(base)`` with contents replaced by their SHA-256 (readable diffs) and the
-    mtimes of ``ignore_mtime`` (paths relative to ``base``, ``""`` for ``base``) blanked."""
-    ign = {os.path.normpath(p) if p else "." for p in ignore_mtime}
-    out: dict[str, tuple[Any, ...]] = {}
-    for rel, val in snapshot(base).items():
-        if val[0] == "f":
-            val = (*val[:4], hashlib.sha256(val[4]).hexdigest())
-        if rel in ign:
-            val = (*val[:-2], None, val[-1]) if val[0] == "f" else (*val[:-1], None)
-        out[rel] = val
-    return out
-
-
-def assert_same(ref: dict[str, Any], got: dict[str, Any], route: str) -> None:
-    """Assert two digest snapshots are equal, with a short, per-path report of differences."""
-    if ref == got:
-        return
-    lines = []
-    for p in sorted(set(ref) | set(got)):
-        a, b = ref.get(p), got.get(p)
-        if a != b:
-            lines.append(f"  {p!r}: rsync={a} {route}={b}")
-    raise AssertionError(f"{route} differs from rsync -a in {len(lines)} paths:\n" + "\n".join(lines[:40]))
+    for _dirpath, dirnames, filenames, dfd in os.fwalk(base, topdown=False):
+        for name in filenames + dirnames:
+            back(name, dfd)
+    back(base, None)
 
 
 class Harness:
@@ -185,10 +143,6 @@ class Harness:
                 assert_same(ref, digest_snapshot(self.dp[r], ign), r)
 
 
-@pytest.fixture
-def h(tmp_path: Any, server: Any) -> Harness:
-    return Harness(tmp_path, server)
-
 
 def write(path: str, data: bytes, mode: int | None = None, mtime_ns: int | None = None) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -202,8 +156,8 @@ def write(path: str, data: bytes, mode: int | None = None, mtime_ns: int | None 
 
 def freeze_dirs(base: str, mtime_ns: int = T0) -> None:
     """Give every directory under ``base`` a fixed mtime (deepest first), so later edits show."""
-    for dirpath, _dirs, _files in sorted(os.walk(base), key=lambda t: -t[0].count("/")):
-        os.utime(dirpath, ns=(mtime_ns, mtime_ns))
+    for _dirpath, _dirs, _files, dfd in os.fwalk(base, topdown=False):
+        os.utime(dfd, ns=(mtime_ns, mtime_ns))
 
 
 # ---- cold copies and trailing slashes ---------------------------------------------------------
@@ -710,7 +664,9 @@ _tree = st.lists(st.one_of(_file, _dir, _link), min_size=1, max_size=14)
 
 
 def build_tree(base: str, items: list[tuple[Any, ...]], salt: int) -> None:
-    """Materialise generated items under ``base``; items clashing with earlier ones are skipped."""
+    """Materialise generated items ``(kind, relpath, size or link target, mode, mtime in s from T0)``
+    under ``base`` (kinds: ``f`` file, ``d`` directory, ``l`` symlink, ``p`` FIFO); items clashing
+    with earlier ones are skipped."""
     os.makedirs(base)
     kinds: dict[str, str] = {}
     dirs: list[tuple[str, int, int]] = []
@@ -735,6 +691,9 @@ def build_tree(base: str, items: list[tuple[Any, ...]], salt: int) -> None:
         elif kind == "d":
             os.makedirs(full)
             dirs.append((rel, mode, mtime))
+        elif kind == "p":  # a FIFO
+            os.mkfifo(full, mode)
+            os.utime(full, ns=(mtime, mtime))
         else:
             os.symlink(arg, full)
             os.utime(full, ns=(mtime, mtime), follow_symlinks=False)

@@ -16,6 +16,7 @@ import stat
 import sys
 from collections.abc import Iterable
 
+from .._io import portable
 from .._paths import temp_name
 from ..errors import DestinationError, IntegrityError
 from .manifest import Item
@@ -27,8 +28,8 @@ _FICLONE = 0x40049409  # _IOW(0x94, 9, int), linux/fs.h
 
 
 def reflink_supported() -> bool:
-    """Whether cloning is attempted: Linux, unless ``TB5SYNC_NO_REFLINK=1`` forces the portable copy."""
-    return sys.platform.startswith("linux") and os.environ.get("TB5SYNC_NO_REFLINK", "") != "1"
+    """Whether cloning is attempted: Linux, unless ``TB5SYNC_NO_REFLINK=1`` or ``TB5SYNC_PORTABLE=1`` forces the portable copy."""
+    return sys.platform.startswith("linux") and not portable("TB5SYNC_NO_REFLINK")
 
 
 def _clone(src_fd: int, dst_fd: int) -> bool:
