@@ -340,43 +340,69 @@ def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) 
     assert outs[0] == outs[1]
 
 
-# --- the AVX-512 lanes of the Cython core ----------------------------------------------------
-# The Cython core rolls 8 blocks of 4 KiB side by side when the CPU has AVX-512 and a search
-# range is at least 32 KiB long (so only parameter sets with avg_size - min_size >= 32 KiB use
-# them). These tests compare the lanes with the scalar loop of the same build and with the
-# pure-Python reference; on a CPU without AVX-512 both sides are the scalar loop.
+# --- the lane kernels of the Cython core -----------------------------------------------------
+# The Cython core rolls several blocks of 4 KiB side by side (a "lane kernel": AVX-512 on x86-64
+# CPUs that have it, NEON on arm64, portable interleaved C everywhere) when a search range is at
+# least one round long. These tests run every kernel usable on this CPU and compare it with the
+# one-lane loop of the same build ("one", the portable path forced) and with the pure-Python
+# reference.
 
 MID = ChunkParams(version=0, min_size=4096, avg_size=128 * 1024, max_size=512 * 1024)
 LANE_BLOCK = 4096
-LANES = 8
+KERNEL_LANES = {"interleaved": 4, "neon": 4, "avx512": 9}
 
 
-@pytest.fixture(scope="module")
-def cdc(cy_chunker: ChunkerImpl) -> Iterator[ModuleType]:
-    """``tb5sync._cdc`` with its lanes setting restored after the test."""
+@pytest.fixture(scope="module", params=sorted(KERNEL_LANES))
+def cdc(cy_chunker: ChunkerImpl, request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """``tb5sync._cdc`` with the lane kernel ``request.param`` (skipped where unusable), restored after."""
     from tb5sync import _cdc
 
-    prev = _cdc.set_vector_lanes(True)
+    if request.param not in _cdc.lane_kernels():
+        pytest.skip(f"lane kernel {request.param} not usable on this CPU")
+    prev = _cdc.set_lane_kernel(request.param)
     yield _cdc
-    _cdc.set_vector_lanes(prev)
+    _cdc.set_lane_kernel(prev)
 
 
 def scalar_and_lanes(cdc: ModuleType, data: bytes, params: ChunkParams, final: bool = True) -> tuple[list[int], list[int]]:
-    cdc.set_vector_lanes(False)
-    scalar = cdc.cut_points(data, params, final)
-    cdc.set_vector_lanes(True)
+    kernel = cdc.set_lane_kernel("one")
+    try:
+        scalar = cdc.cut_points(data, params, final)
+    finally:
+        cdc.set_lane_kernel(kernel)
     return scalar, cdc.cut_points(data, params, final)
 
 
 def test_lanes_setting(cdc: ModuleType) -> None:
-    assert cdc.vector_lanes() in (1, LANES)
-    if cdc.vector_lanes() == LANES:
-        assert cdc.set_vector_lanes(False) is True
-        assert cdc.vector_lanes() == 1
+    kernel = cdc.lane_kernel()
+    assert cdc.vector_lanes() == KERNEL_LANES[kernel]
+    assert cdc.set_vector_lanes(False) is True
+    assert cdc.lane_kernel() == "one" and cdc.vector_lanes() == 1
+    assert cdc.set_vector_lanes(True) is False
+    assert cdc.lane_kernel() == cdc.lane_kernels()[-1]
+    assert cdc.set_lane_kernel(kernel) == cdc.lane_kernels()[-1]
+    with pytest.raises(UsageError, match="not available"):
+        cdc.set_lane_kernel("sse9")
+    assert cdc.lane_kernel() == kernel
+
+
+def test_best_kernel_by_platform(cy_chunker: ChunkerImpl) -> None:
+    """The default kernel is the platform's vector one where it exists (NEON is part of arm64)."""
+    import platform
+
+    from tb5sync import _cdc
+
+    kernels = _cdc.lane_kernels()
+    assert kernels[:2] == ["one", "interleaved"]
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        assert "neon" in kernels
+    else:
+        assert "neon" not in kernels
 
 
 def test_lanes_cut_in_every_lane(cdc: ModuleType) -> None:
-    """On 32 MiB the lanes find cuts in each of the 8 blocks of a round, all where the scalar loop does."""
+    """On 32 MiB the lanes find cuts in each block of a round, all where the scalar loop does."""
+    lanes_n = cdc.vector_lanes()
     data = blake3.blake3(b"tb5sync-lanes").digest(length=32 << 20)
     scalar, lanes = scalar_and_lanes(cdc, data, MID)
     assert lanes == scalar
@@ -389,10 +415,10 @@ def test_lanes_cut_in_every_lane(cdc: ModuleType) -> None:
         first = start + MID.min_size if cut - start <= MID.avg_size else start + MID.avg_size
         range_len = (MID.avg_size - MID.min_size) if first == start + MID.min_size else (MID.max_size - MID.avg_size)
         off = cut - 1 - first
-        if off < range_len - range_len % (LANES * LANE_BLOCK):
-            seen.add(off // LANE_BLOCK % LANES)
+        if off < range_len - range_len % (lanes_n * LANE_BLOCK):
+            seen.add(off // LANE_BLOCK % lanes_n)
         start = cut
-    assert seen == set(range(LANES))
+    assert seen == set(range(lanes_n))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
