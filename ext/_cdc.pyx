@@ -102,8 +102,8 @@ cdef extern from *:
        before it, and reports the first cut in offset order, so the cut points are those of the
        one-lane loop. Kernels (tb5_kernel):
          0 "one"          the one-lane loop only (_roll), the reference every kernel is tested against
-         1 "interleaved"  portable C, 4 scalar lanes interleaved (instruction-level parallelism)
-         2 "neon"         aarch64 only: 4 lanes, NEON shift/add/test, table loads scalar
+         1 "interleaved"  portable C, 2 scalar lanes interleaved, two bytes per step (instruction-level parallelism)
+         2 "neon"         aarch64 only: the interleaved kernel's 2 lanes in one NEON register, table loads scalar
          3 "avx512"       x86-64 with AVX-512 F+BW: 8 vector lanes (gathers) plus 1 scalar lane */
     #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     #include <immintrin.h>
@@ -160,7 +160,7 @@ cdef extern from *:
     static Py_ssize_t tb5_kernel_lanes(int k) {
         switch (k) {
         case TB5_K_AVX512: return TB5_LANES + 1;
-        case TB5_K_NEON: case TB5_K_INTERLEAVED: return 4;
+        case TB5_K_NEON: case TB5_K_INTERLEAVED: return 2;
         default: return 1;
         }
     }
@@ -202,33 +202,51 @@ cdef extern from *:
         return -1;  /* not reached: some bit of hit is set */
     }
 
-    /* Portable kernel: cut search over [*i_io, end) in rounds of 4 blocks, 4 scalar lanes
-       interleaved so the serial shift-add chains overlap; the caller guarantees
-       *i_io >= TB5_WARM. Returns the first cut's end offset, or -1 with (*i_io, *fp_io) moved
-       to the end of the last whole round. */
+    /* Two-lane kernels (interleaved, NEON): lane 1 hit and lane 0 did not (a0 = lane 0's
+       block). half 0: the hit is after byte j (the first half of a two-byte step, where f0 is
+       lane 0's state after byte j shifted left by one, see _roll); half 1: after byte j + 1
+       (f0 exact). Lane 0 holds earlier offsets, so it is finished first. Returns the cut's end
+       offset relative to a0. */
+    static Py_ssize_t tb5_resolve2(const unsigned char* a0, Py_ssize_t j, int half, uint64_t f0,
+                                   uint64_t mask) {
+        Py_ssize_t r;
+        if (half == 0) {
+            f0 += TB5_GEAR[a0[j + 1]];  /* complete lane 0's step */
+            if ((f0 & mask) == 0) return j + 2;
+        }
+        r = tb5_lane_rest(a0, j + 2, TB5_BLOCK, mask, &f0);
+        return r >= 0 ? r : TB5_BLOCK + j + 1 + half;
+    }
+
+    /* Portable kernel: cut search over [*i_io, end) in rounds of 2 blocks, 2 scalar lanes
+       interleaved, each rolling two bytes per step as _roll does (FastCDC 2020), so two serial
+       shift-add chains overlap (about 1.5x the one-lane loop on an x86-64 core); the caller
+       guarantees *i_io >= TB5_WARM. Returns the first cut's end offset, or -1 with
+       (*i_io, *fp_io) moved to the end of the last whole round. */
     static Py_ssize_t tb5_roll_interleaved(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
                                            uint64_t mask, uint64_t* fp_io) {
-        const Py_ssize_t round = 4 * (Py_ssize_t)TB5_BLOCK;
+        const Py_ssize_t round = 2 * (Py_ssize_t)TB5_BLOCK;
+        const uint64_t mask_ls = mask << 1;
         Py_ssize_t i = *i_io, j;
-        uint64_t f[4];
         while (end - i >= round) {
             const unsigned char* a = p + i;
-            const unsigned char *a1 = a + TB5_BLOCK, *a2 = a + 2 * TB5_BLOCK, *a3 = a + 3 * TB5_BLOCK;
-            uint64_t f0 = *fp_io, f1 = tb5_warm(a1), f2 = tb5_warm(a2), f3 = tb5_warm(a3);
-            for (j = 0; j < TB5_BLOCK; j++) {
-                f0 = (f0 << 1) + TB5_GEAR[a[j]];
-                f1 = (f1 << 1) + TB5_GEAR[a1[j]];
-                f2 = (f2 << 1) + TB5_GEAR[a2[j]];
-                f3 = (f3 << 1) + TB5_GEAR[a3[j]];
-                if (__builtin_expect(((f0 & mask) == 0) | ((f1 & mask) == 0) |
-                                     ((f2 & mask) == 0) | ((f3 & mask) == 0), 0)) {
-                    unsigned hit = ((f0 & mask) == 0) | (((f1 & mask) == 0) << 1) |
-                                   (((f2 & mask) == 0) << 2) | ((unsigned)((f3 & mask) == 0) << 3);
-                    f[0] = f0; f[1] = f1; f[2] = f2; f[3] = f3;
-                    return i + tb5_resolve(a, j, hit, 4, mask, f);
+            const unsigned char* a1 = a + TB5_BLOCK;
+            uint64_t f0 = *fp_io, f1 = tb5_warm(a1);
+            for (j = 0; j < TB5_BLOCK; j += 2) {
+                f0 = (f0 << 2) + TB5_GEAR_LS[a[j]];
+                f1 = (f1 << 2) + TB5_GEAR_LS[a1[j]];
+                if (__builtin_expect(((f0 & mask_ls) == 0) | ((f1 & mask_ls) == 0), 0)) {
+                    if ((f0 & mask_ls) == 0) return i + j + 1;
+                    return i + tb5_resolve2(a, j, 0, f0, mask);
+                }
+                f0 += TB5_GEAR[a[j + 1]];
+                f1 += TB5_GEAR[a1[j + 1]];
+                if (__builtin_expect(((f0 & mask) == 0) | ((f1 & mask) == 0), 0)) {
+                    if ((f0 & mask) == 0) return i + j + 2;
+                    return i + tb5_resolve2(a, j, 1, f0, mask);
                 }
             }
-            *fp_io = f3;
+            *fp_io = f1;
             i += round;
         }
         *i_io = i;
@@ -236,38 +254,38 @@ cdef extern from *:
     }
 
     #if TB5_HAVE_NEON
-    /* NEON kernel (Apple silicon): the portable kernel's 4 lanes held in two uint64x2_t, the
-       shift-add and the mask test done two lanes per instruction, one any-lane test per step.
-       The table has 256 64-bit entries, beyond NEON's byte-table lookups, so its loads stay
-       scalar. */
+    /* NEON kernel (Apple silicon): the portable kernel's two lanes in one uint64x2_t, the
+       shift-add and the mask test of both lanes one instruction each, one any-lane test per
+       half step. The table has 256 64-bit entries, beyond NEON's byte-table lookups, so its
+       loads stay scalar. */
     static Py_ssize_t tb5_roll_neon(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
                                     uint64_t mask, uint64_t* fp_io) {
-        const Py_ssize_t round = 4 * (Py_ssize_t)TB5_BLOCK;
-        const uint64x2_t vmask = vdupq_n_u64(mask);
+        const Py_ssize_t round = 2 * (Py_ssize_t)TB5_BLOCK;
+        const uint64_t mask_ls = mask << 1;
+        const uint64x2_t vmask = vdupq_n_u64(mask), vmask_ls = vdupq_n_u64(mask_ls);
         Py_ssize_t i = *i_io, j;
-        uint64_t f[4];
+        uint64_t f0;
         while (end - i >= round) {
             const unsigned char* a = p + i;
-            const unsigned char *a1 = a + TB5_BLOCK, *a2 = a + 2 * TB5_BLOCK, *a3 = a + 3 * TB5_BLOCK;
-            uint64x2_t v01 = vcombine_u64(vcreate_u64(*fp_io), vcreate_u64(tb5_warm(a1)));
-            uint64x2_t v23 = vcombine_u64(vcreate_u64(tb5_warm(a2)), vcreate_u64(tb5_warm(a3)));
-            for (j = 0; j < TB5_BLOCK; j++) {
-                uint64x2_t g01 = vcombine_u64(vld1_u64(&TB5_GEAR[a[j]]), vld1_u64(&TB5_GEAR[a1[j]]));
-                uint64x2_t g23 = vcombine_u64(vld1_u64(&TB5_GEAR[a2[j]]), vld1_u64(&TB5_GEAR[a3[j]]));
-                v01 = vaddq_u64(vshlq_n_u64(v01, 1), g01);
-                v23 = vaddq_u64(vshlq_n_u64(v23, 1), g23);
-                uint64x2_t z = vorrq_u64(vceqzq_u64(vandq_u64(v01, vmask)),
-                                         vceqzq_u64(vandq_u64(v23, vmask)));
-                if (__builtin_expect(vmaxvq_u32(vreinterpretq_u32_u64(z)) != 0, 0)) {
-                    unsigned hit;
-                    vst1q_u64(f, v01);
-                    vst1q_u64(f + 2, v23);
-                    hit = ((f[0] & mask) == 0) | (((f[1] & mask) == 0) << 1) |
-                          (((f[2] & mask) == 0) << 2) | ((unsigned)((f[3] & mask) == 0) << 3);
-                    return i + tb5_resolve(a, j, hit, 4, mask, f);
+            const unsigned char* a1 = a + TB5_BLOCK;
+            uint64x2_t v = vcombine_u64(vcreate_u64(*fp_io), vcreate_u64(tb5_warm(a1)));
+            for (j = 0; j < TB5_BLOCK; j += 2) {
+                v = vaddq_u64(vshlq_n_u64(v, 2),
+                              vcombine_u64(vld1_u64(&TB5_GEAR_LS[a[j]]), vld1_u64(&TB5_GEAR_LS[a1[j]])));
+                /* vtstq: all ones where (lane & mask) != 0, so a zero word means a hit */
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(vtstq_u64(v, vmask_ls))) == 0, 0)) {
+                    f0 = vgetq_lane_u64(v, 0);
+                    if ((f0 & mask_ls) == 0) return i + j + 1;
+                    return i + tb5_resolve2(a, j, 0, f0, mask);
+                }
+                v = vaddq_u64(v, vcombine_u64(vld1_u64(&TB5_GEAR[a[j + 1]]), vld1_u64(&TB5_GEAR[a1[j + 1]])));
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(vtstq_u64(v, vmask))) == 0, 0)) {
+                    f0 = vgetq_lane_u64(v, 0);
+                    if ((f0 & mask) == 0) return i + j + 2;
+                    return i + tb5_resolve2(a, j, 1, f0, mask);
                 }
             }
-            *fp_io = vgetq_lane_u64(v23, 1);
+            *fp_io = vgetq_lane_u64(v, 1);
             i += round;
         }
         *i_io = i;

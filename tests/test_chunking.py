@@ -349,7 +349,7 @@ def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) 
 
 MID = ChunkParams(version=0, min_size=4096, avg_size=128 * 1024, max_size=512 * 1024)
 LANE_BLOCK = 4096
-KERNEL_LANES = {"interleaved": 4, "neon": 4, "avx512": 9}
+KERNEL_LANES = {"interleaved": 2, "neon": 2, "avx512": 9}
 
 
 @pytest.fixture(scope="module", params=sorted(KERNEL_LANES))
@@ -520,4 +520,4 @@ def test_neon_kernel_compiles_for_arm64(tmp_path: Path) -> None:
     include = sysconfig.get_paths()["include"]
     subprocess.run([cc, "-c", "-O2", "-I", include, str(source), "-o", str(obj)], check=True, timeout=240)
     asm = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True, timeout=60).stdout
-    assert "umaxv" in asm  # the NEON kernel's any-lane test is there
+    assert "uminv" in asm  # the NEON kernel's any-lane test is there
