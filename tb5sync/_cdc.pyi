@@ -8,7 +8,7 @@ from typing_extensions import Buffer
 
 from tb5sync.chunking import ChunkParams
 
-__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes", "lane_kernels", "lane_kernel", "set_lane_kernel"]
+__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes", "lane_kernels", "lane_kernel", "set_lane_kernel", "default_lane_kernel"]
 
 def cut_points(buf: Buffer, params: ChunkParams = ..., final: bool = True) -> list[int]:
     """Chunk end offsets (bytes, exclusive) of ``buf``; see ``tb5sync.chunking.py_cut_points``."""
@@ -21,6 +21,9 @@ def set_vector_lanes(enabled: bool) -> bool:
 
 def lane_kernels() -> list[str]:
     """Lane kernels usable on this CPU: "one", "interleaved", and "neon" (arm64) or "avx512" (x86-64 with AVX-512)."""
+
+def default_lane_kernel() -> str:
+    """The lane kernel chosen at import: $TB5SYNC_LANE_KERNEL if usable, else the fastest one measured."""
 
 def lane_kernel() -> str:
     """The lane kernel in use."""

@@ -379,11 +379,30 @@ def test_lanes_setting(cdc: ModuleType) -> None:
     assert cdc.set_vector_lanes(False) is True
     assert cdc.lane_kernel() == "one" and cdc.vector_lanes() == 1
     assert cdc.set_vector_lanes(True) is False
-    assert cdc.lane_kernel() == cdc.lane_kernels()[-1]
-    assert cdc.set_lane_kernel(kernel) == cdc.lane_kernels()[-1]
+    assert cdc.lane_kernel() == cdc.default_lane_kernel() != "one"
+    assert cdc.set_lane_kernel(kernel) == cdc.default_lane_kernel()
     with pytest.raises(UsageError, match="not available"):
         cdc.set_lane_kernel("sse9")
     assert cdc.lane_kernel() == kernel
+
+
+@pytest.mark.parametrize("name", ["one", "interleaved", "avx512", "neon", "bogus"])
+def test_lane_kernel_from_environment(cy_chunker: ChunkerImpl, name: str) -> None:
+    """$TB5SYNC_LANE_KERNEL picks the kernel at import when usable here; otherwise the import measures."""
+    import subprocess
+    import sys
+
+    from tb5sync import _cdc
+
+    code = "from tb5sync import _cdc; print(_cdc.default_lane_kernel(), _cdc.lane_kernel())"
+    env = {**os.environ, "TB5SYNC_LANE_KERNEL": name}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)
+    default, current = out.stdout.split()
+    assert default == current
+    if name in _cdc.lane_kernels():
+        assert default == name
+    else:
+        assert default in _cdc.lane_kernels() and default != "one"
 
 
 def test_best_kernel_by_platform(cy_chunker: ChunkerImpl) -> None:
@@ -503,21 +522,69 @@ def test_parallel_bad_arguments(cut_pool: ThreadPoolExecutor) -> None:
     assert chunking.parallel_cut_points(b"abc", SMALL, True, 3, None) == [3]
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kernels_header(directory: Path) -> Path:
+    """Write ``kernels.h`` (the gear table and the lane kernels' C, cut from the sources) for
+    tests/lane_kernels_check.c; return the directory."""
+
+    def block(text: str, marker: str) -> str:
+        start = text.index(marker)
+        return text[start : text.index('"""', start)]
+
+    gear = block((ROOT / "ext" / "_gear.pxi").read_text(), "#include <stdint.h>")
+    kernels = block((ROOT / "ext" / "_cdc.pyx").read_text(), "    /* Lane kernels of the cut search")
+    (directory / "kernels.h").write_text(gear + "\n" + kernels)
+    return directory
+
+
+def run_kernel_check(cc: str, tmp_path: Path, runner: list[str], extra: list[str]) -> str:
+    """Build tests/lane_kernels_check.c with ``cc`` and run it (through ``runner``); its output."""
+    import subprocess
+
+    exe = tmp_path / "check"
+    inc = kernels_header(tmp_path)
+    subprocess.run([cc, "-O2", *extra, "-I", str(inc), str(ROOT / "tests" / "lane_kernels_check.c"), "-o", str(exe)],
+                   check=True, timeout=240)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 @pytest.mark.timeout(300)
-def test_neon_kernel_compiles_for_arm64(tmp_path: Path) -> None:
-    """The generated C of the chunker, NEON kernel included, compiles for aarch64 (Apple silicon's
-    instruction set) with a cross compiler where one is installed (gcc-aarch64-linux-gnu)."""
+def test_lane_kernels_in_c_agree_with_one_lane(tmp_path: Path) -> None:
+    """Every lane kernel usable here, called directly on 4,000 ranges (masks of 8..19 bits, so
+    many cuts, some ranges with zero runs), gives the one-lane loop's cut or end state."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = run_kernel_check(cc, tmp_path, [], [])
+    assert "ok 1 4000" in out  # the portable interleaved kernel, always
+    from tb5sync import _cdc
+
+    if "avx512" in _cdc.lane_kernels():
+        assert "ok 3 4000" in out
+
+
+@pytest.mark.timeout(300)
+def test_neon_kernel_under_arm64_emulation(tmp_path: Path) -> None:
+    """The NEON kernel (Apple silicon's path), cross-compiled for aarch64 and run under qemu where
+    both are installed (gcc-aarch64-linux-gnu, qemu-user), agrees with the one-lane loop; so do the
+    portable kernel built for aarch64, and the generated ext/_cdc.c compiles for aarch64."""
     import shutil
     import subprocess
     import sysconfig
 
     cc = shutil.which("aarch64-linux-gnu-gcc")
-    objdump = shutil.which("aarch64-linux-gnu-objdump")
-    source = Path(__file__).resolve().parent.parent / "ext" / "_cdc.c"
-    if cc is None or objdump is None or not source.exists():
-        pytest.skip("needs aarch64-linux-gnu-gcc and the Cython-generated ext/_cdc.c (an in-place build)")
-    obj = tmp_path / "cdc.o"
-    include = sysconfig.get_paths()["include"]
-    subprocess.run([cc, "-c", "-O2", "-I", include, str(source), "-o", str(obj)], check=True, timeout=240)
-    asm = subprocess.run([objdump, "-d", str(obj)], check=True, capture_output=True, text=True, timeout=60).stdout
-    assert "uminv" in asm  # the NEON kernel's any-lane test is there
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    out = run_kernel_check(cc, tmp_path, [qemu], ["-static"])
+    assert "ok 1 4000" in out and "ok 2 4000" in out
+    source = ROOT / "ext" / "_cdc.c"  # left by an in-place build
+    if source.exists():
+        include = sysconfig.get_paths()["include"]
+        subprocess.run([cc, "-fsyntax-only", "-O2", "-I", include, str(source)], check=True, timeout=240)
