@@ -171,7 +171,14 @@ cdef extern from *:
     static inline Py_ssize_t tb5_lane_rest(const unsigned char* p, Py_ssize_t j, Py_ssize_t stop,
                                            uint64_t mask, uint64_t* f) {
         uint64_t fp = *f;
-        for (; j < stop; j++) {
+        const uint64_t mask_ls = mask << 1;
+        for (; j + 2 <= stop; j += 2) {  /* two bytes per step, as _roll */
+            fp = (fp << 2) + TB5_GEAR_LS[p[j]];
+            if ((fp & mask_ls) == 0) return j + 1;
+            fp += TB5_GEAR[p[j + 1]];
+            if ((fp & mask) == 0) return j + 2;
+        }
+        if (j < stop) {
             fp = (fp << 1) + TB5_GEAR[p[j]];
             if ((fp & mask) == 0) return j + 1;
         }
@@ -382,6 +389,7 @@ cdef extern from *:
     Py_ssize_t TB5_BLOCK
     Py_ssize_t TB5_WARM
     int TB5_K_ONE
+    int TB5_K_INTERLEAVED
     int tb5_kernel_ok(int k) noexcept nogil
     int tb5_best_kernel() noexcept nogil
     Py_ssize_t tb5_kernel_lanes(int k) noexcept nogil
@@ -478,8 +486,9 @@ cdef inline Py_ssize_t _roll_fast(const unsigned char* p, Py_ssize_t i, Py_ssize
     at any offset depends only on the 64 bytes before it and can be rebuilt from them. A lane
     kernel (the C block above) rolls several blocks of 4 KiB side by side, each block's start
     state rebuilt from the 64 bytes before it; the first cut in offset order wins, so the cut
-    points are exactly those of the one-byte loop. Ranges shorter than a round, and what is
-    left after the last whole round, go to ``_roll``.
+    points are exactly those of the one-byte loop. What is left after the last whole round
+    goes through the interleaved kernel's smaller rounds, the rest (and short ranges) to
+    ``_roll``.
     """
     cdef Py_ssize_t cut
     cdef int k = _kernel
@@ -487,6 +496,11 @@ cdef inline Py_ssize_t _roll_fast(const unsigned char* p, Py_ssize_t i, Py_ssize
         cut = tb5_roll_kernel(k, p, &i, end, mask, fp_io)
         if cut != -1:
             return cut
+        # what is left after the last whole round (up to 36 KiB for AVX-512) in smaller rounds
+        if k != TB5_K_INTERLEAVED and end - i >= tb5_kernel_lanes(TB5_K_INTERLEAVED) * TB5_BLOCK:
+            cut = tb5_roll_kernel(TB5_K_INTERLEAVED, p, &i, end, mask, fp_io)
+            if cut != -1:
+                return cut
     return _roll(p, i, end, mask, fp_io)
 
 
