@@ -33,20 +33,18 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ._diskbench import disk_rates
-from .client import pull, push
+from .client import measure_rtt, measure_tcp, pull, push
 from .entry import path_to_wire
-from .errors import ConnectError, ReadOnlyError, RemoteProtocolError, UsageError
+from .errors import ReadOnlyError, RemoteProtocolError, UsageError
 from .options import SyncOptions
-from .protocol import FrameType, decode_data
-from .rpc import Requester, call_direct, open_session, reply_of
+from .protocol import FrameType
+from .rpc import call_direct, open_session
 from .transport import IO_TIMEOUT, Channel, dial
 from .urls import Remote, token_of
 
@@ -66,107 +64,6 @@ def _dial(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | N
 
 def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds if seconds > 0 else 0.0
-
-
-def measure_rtt(r: Remote, token: bytes | None, pings: int, timeout: float | None = IO_TIMEOUT,
-                tls_ca: str | None = None) -> dict[str, Any]:
-    """``pings`` round trips of the ``ping`` request: ``{"count", "median_us", "p99_us", "min_us"}`` (microseconds)."""
-    ch = _dial(r, token, timeout, tls_ca)
-    try:
-        open_session(ch, {"op": "ping"})
-        req = Requester([ch])
-        try:
-            rtts = []
-            for _ in range(pings):
-                t = time.perf_counter()
-                req.call("ping", {})
-                rtts.append((time.perf_counter() - t) * 1e6)
-        finally:
-            req.close(bye=True)
-    finally:
-        ch.close()
-    rtts.sort()
-    p99 = rtts[min(len(rtts) - 1, max(0, -(-99 * len(rtts) // 100) - 1))]
-    return {"count": len(rtts), "median_us": statistics.median(rtts), "p99_us": p99, "min_us": rtts[0]}
-
-
-def measure_tcp(r: Remote, token: bytes | None, streams: int, nbytes: int, direction: str,
-                timeout: float | None = IO_TIMEOUT, tls_ca: str | None = None) -> dict[str, Any]:
-    """Raw throughput over ``streams`` connections, ``nbytes`` in all: ``direction`` ``"down"``
-    (server to client, ``source`` sessions) or ``"up"`` (``sink`` sessions).
-
-    Returns ``{"streams", "direction", "bytes", "seconds", "bytes_per_s"}``; the time runs from
-    the moment every stream is open to the last byte (down) or the server's receipt (up).
-    """
-    per = max(1, nbytes // streams)
-    chans: list[Channel] = []
-    errors: list[BaseException] = []
-    got = [0] * streams
-    start = threading.Barrier(streams + 1)
-    zeros = memoryview(bytes(_BLOCK))
-
-    def down(i: int, c: Channel) -> None:
-        while True:
-            fr = c.recv_frame()
-            if fr is None:
-                raise ConnectError("server closed a source stream early")
-            if fr[0].type is FrameType.BYE:
-                return
-            if fr[0].type is not FrameType.DATA:
-                reply_of(*fr)  # raises the server's error
-                raise RemoteProtocolError(f"source stream: expected DATA, got {fr[0].type.name}")
-            got[i] += len(decode_data(fr[1])[1])
-
-    def up(i: int, c: Channel) -> None:
-        left = per
-        while left:
-            n = min(left, _BLOCK)
-            c.send_data(0, {}, [zeros[:n]])
-            left -= n
-        body = open_session_reply(c)
-        got[i] = int(body.get("bytes", 0))
-
-    def run(i: int, c: Channel) -> None:
-        try:
-            start.wait()
-            (down if direction == "down" else up)(i, c)
-        except BaseException as exc:  # reported after the join
-            errors.append(exc)
-
-    if direction not in ("down", "up"):
-        raise UsageError(f"direction must be 'down' or 'up', not {direction!r}")
-    try:
-        for _ in range(streams):
-            c = _dial(r, token, timeout, tls_ca)
-            chans.append(c)
-            open_session(c, {"op": "source" if direction == "down" else "sink", "bytes": per})
-        threads = [threading.Thread(target=run, args=(i, c), name="tb5-bench", daemon=True) for i, c in enumerate(chans)]
-        for t in threads:
-            t.start()
-        start.wait()
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        dt = time.perf_counter() - t0
-    finally:
-        for c in chans:
-            c.close()
-    if errors:
-        raise errors[0]
-    total = sum(got)
-    return {"streams": streams, "direction": direction, "bytes": total, "seconds": dt, "bytes_per_s": _rate(total, dt)}
-
-
-def open_session_reply(ch: Channel) -> dict[str, Any]:
-    """The next RESPONSE on ``ch`` (the ``sink`` session's final count), or the server's error."""
-    fr = ch.recv_frame()
-    if fr is None:
-        raise ConnectError("server closed the connection before answering")
-    header, payload = fr
-    if header.type not in (FrameType.RESPONSE, FrameType.ERROR):
-        raise RemoteProtocolError(f"expected RESPONSE, got {header.type.name}")
-    body: dict[str, Any] = reply_of(header, payload)
-    return body
 
 
 def server_disk(r: Remote, token: bytes | None, size: int, timeout: float | None = IO_TIMEOUT,

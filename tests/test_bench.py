@@ -217,3 +217,15 @@ def test_verdict_names_the_lowest_ceiling() -> None:
     assert verdict(result(5e9, 1e9, 6e9), 4)["bound"] == "disk"
     v = verdict(result(5e9, 6e9, 1e9), 4)
     assert v["bound"] == "cpu" and v["direction"] == "push" and "cpu" in v["why"]
+
+
+def test_bench_link_api(server: LiveServer) -> None:
+    """The older ``client.bench_link`` (RTT and raw TCP down per stream count), now over the same
+    measurements as ``tb5sync bench``."""
+    from tb5sync.client import bench_link
+
+    lines = list(bench_link("127.0.0.1", server.port, seconds=0.1))
+    assert len(lines) == 1 + len(STREAM_COUNTS)
+    assert lines[0].startswith("rtt: median ") and "p99" in lines[0]
+    for n, line in zip(STREAM_COUNTS, lines[1:]):
+        assert line.startswith(f"raw TCP, {n} stream") and f"{n * 256} MiB" in line
