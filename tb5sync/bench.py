@@ -41,7 +41,7 @@ from typing import Any
 from ._diskbench import disk_rates
 from .client import measure_rtt, measure_tcp, pull, push
 from .entry import path_to_wire
-from .errors import ReadOnlyError, RemoteProtocolError, UsageError
+from .errors import DestinationError, ReadOnlyError, RemoteProtocolError, UsageError
 from .options import SyncOptions
 from .protocol import FrameType
 from .rpc import call_direct, open_session
@@ -108,7 +108,19 @@ def sync_round_trip(r: Remote, token: bytes | None, directory: str, size: int, s
     Returns ``{"push": {...}, "pull": {...}}`` with ``bytes``, ``seconds``, ``bytes_per_s`` and
     ``wire_bytes`` each; the file is removed on both sides afterwards (a failure to remove
     it on the server is reported in ``"cleanup"``).
+
+    Raises
+    ------
+    DestinationError
+        ``directory`` has less than twice ``size`` plus 256 MiB free.
     """
+    from ._diskbench import FREE_MARGIN
+
+    st = os.statvfs(directory)
+    if st.f_bavail * st.f_frsize < 2 * size + FREE_MARGIN:  # the file and its pulled copy
+        raise DestinationError(f"sync test in {directory}: {(st.f_bavail * st.f_frsize) >> 20} MiB free, the test needs "
+                               f"{(2 * size + FREE_MARGIN) >> 20} MiB (the file, its pulled copy and a margin); "
+                               "choose a smaller size")
     work = tempfile.mkdtemp(prefix=".tb5sync-bench-", dir=directory)
     name = f".tb5sync-bench-{secrets.token_hex(8)}"
     remote_path = (r.path.rstrip("/") + "/" + name) if r.path.strip("/") else name

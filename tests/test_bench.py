@@ -190,6 +190,23 @@ def test_disk_rates_free_space_and_errors(tmp_path: Path, monkeypatch: pytest.Mo
     assert leftovers(str(tmp_path)) == []
 
 
+def test_sync_test_needs_free_space(server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tb5sync.bench import sync_round_trip
+    from tb5sync.errors import DestinationError
+
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st: Any) -> None:
+            self.f_frsize = st.f_frsize
+            self.f_bavail = 10
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny(real(p)))
+    with pytest.raises(DestinationError, match="choose a smaller size"):
+        sync_round_trip(parse_url(server.url()), None, str(tmp_path), 2 * 1024 * 1024, 2)
+    assert leftovers(str(tmp_path), server.root) == []
+
+
 def test_disk_rates_portable_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without posix_fadvise (macOS has none; F_NOCACHE is macOS-only) the portable path runs: the
     read may be cached and the result says so; with it (Linux) the read is cold."""
