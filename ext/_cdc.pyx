@@ -104,7 +104,7 @@ cdef extern from *:
        one-lane loop. Kernels (tb5_kernel):
          0 "one"          the one-lane loop only (_roll), the reference every kernel is tested against
          1 "interleaved"  portable C, 2 scalar lanes interleaved, two bytes per step (instruction-level parallelism)
-         2 "neon"         aarch64 only: the interleaved kernel's 2 lanes in one NEON register, table loads scalar
+         2 "neon"         aarch64 only: 4 lanes of two-byte steps in two NEON registers, table loads scalar
          3 "avx512"       x86-64 with AVX-512 F+BW: 8 vector lanes (gathers) plus 1 scalar lane */
     #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     #include <immintrin.h>
@@ -161,7 +161,8 @@ cdef extern from *:
     static Py_ssize_t tb5_kernel_lanes(int k) {
         switch (k) {
         case TB5_K_AVX512: return TB5_LANES + 1;
-        case TB5_K_NEON: case TB5_K_INTERLEAVED: return 2;
+        case TB5_K_NEON: return 4;
+        case TB5_K_INTERLEAVED: return 2;
         default: return 1;
         }
     }
@@ -210,20 +211,26 @@ cdef extern from *:
         return -1;  /* not reached: some bit of hit is set */
     }
 
-    /* Two-lane kernels (interleaved, NEON): lane 1 hit and lane 0 did not (a0 = lane 0's
-       block). half 0: the hit is after byte j (the first half of a two-byte step, where f0 is
-       lane 0's state after byte j shifted left by one, see _roll); half 1: after byte j + 1
-       (f0 exact). Lane 0 holds earlier offsets, so it is finished first. Returns the cut's end
-       offset relative to a0. */
-    static Py_ssize_t tb5_resolve2(const unsigned char* a0, Py_ssize_t j, int half, uint64_t f0,
-                                   uint64_t mask) {
+    /* Lane kernels rolling two bytes per step (interleaved, NEON): lane k is the first lane with
+       a hit, after byte j of each block (half 0: the first half of a step, where a lane holds its
+       state shifted left by one, see _roll) or after byte j + 1 (half 1). Lanes before k hold
+       earlier offsets, so each is finished in order first (its step completed, then the rest of
+       its block) from its state f[m]. Returns the cut's end offset relative to a (lane 0's block). */
+    static Py_ssize_t tb5_resolve_half(const unsigned char* a, Py_ssize_t j, int half, int k,
+                                       const uint64_t* f, uint64_t mask) {
+        int m;
         Py_ssize_t r;
-        if (half == 0) {
-            f0 += TB5_GEAR[a0[j + 1]];  /* complete lane 0's step */
-            if ((f0 & mask) == 0) return j + 2;
+        for (m = 0; m < k; m++) {
+            const unsigned char* am = a + (Py_ssize_t)m * TB5_BLOCK;
+            uint64_t fm = f[m];
+            if (half == 0) {
+                fm += TB5_GEAR[am[j + 1]];  /* complete lane m's step */
+                if ((fm & mask) == 0) return (Py_ssize_t)m * TB5_BLOCK + j + 2;
+            }
+            r = tb5_lane_rest(am, j + 2, TB5_BLOCK, mask, &fm);
+            if (r >= 0) return (Py_ssize_t)m * TB5_BLOCK + r;
         }
-        r = tb5_lane_rest(a0, j + 2, TB5_BLOCK, mask, &f0);
-        return r >= 0 ? r : TB5_BLOCK + j + 1 + half;
+        return (Py_ssize_t)k * TB5_BLOCK + j + 1 + half;
     }
 
     /* Portable kernel: cut search over [*i_io, end) in rounds of 2 blocks, 2 scalar lanes
@@ -245,13 +252,13 @@ cdef extern from *:
                 f1 = (f1 << 2) + TB5_GEAR_LS[a1[j]];
                 if (__builtin_expect(((f0 & mask_ls) == 0) | ((f1 & mask_ls) == 0), 0)) {
                     if ((f0 & mask_ls) == 0) return i + j + 1;
-                    return i + tb5_resolve2(a, j, 0, f0, mask);
+                    return i + tb5_resolve_half(a, j, 0, 1, &f0, mask);
                 }
                 f0 += TB5_GEAR[a[j + 1]];
                 f1 += TB5_GEAR[a1[j + 1]];
                 if (__builtin_expect(((f0 & mask) == 0) | ((f1 & mask) == 0), 0)) {
                     if ((f0 & mask) == 0) return i + j + 2;
-                    return i + tb5_resolve2(a, j, 1, f0, mask);
+                    return i + tb5_resolve_half(a, j, 1, 1, &f0, mask);
                 }
             }
             *fp_io = f1;
@@ -262,38 +269,50 @@ cdef extern from *:
     }
 
     #if TB5_HAVE_NEON
-    /* NEON kernel (Apple silicon): the portable kernel's two lanes in one uint64x2_t, the
-       shift-add and the mask test of both lanes one instruction each, one any-lane test per
-       half step. The table has 256 64-bit entries, beyond NEON's byte-table lookups, so its
-       loads stay scalar. */
+    /* NEON kernel (Apple silicon): 4 lanes rolling two bytes per step in two uint64x2_t (the
+       shift-add and the mask test of two lanes one instruction each; two registers so their
+       latencies overlap), one any-lane test per half step. The table has 256 64-bit entries,
+       beyond NEON's byte-table lookups, so its loads stay scalar. Whether it beats the
+       interleaved kernel depends on the core: the import measures both. */
+    static inline unsigned tb5_hits4(const uint64_t* f, uint64_t mask) {
+        return ((f[0] & mask) == 0) | (((f[1] & mask) == 0) << 1) | (((f[2] & mask) == 0) << 2) |
+               ((unsigned)((f[3] & mask) == 0) << 3);
+    }
+
     static Py_ssize_t tb5_roll_neon(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
                                     uint64_t mask, uint64_t* fp_io) {
-        const Py_ssize_t round = 2 * (Py_ssize_t)TB5_BLOCK;
+        const Py_ssize_t round = 4 * (Py_ssize_t)TB5_BLOCK;
         const uint64_t mask_ls = mask << 1;
         const uint64x2_t vmask = vdupq_n_u64(mask), vmask_ls = vdupq_n_u64(mask_ls);
         Py_ssize_t i = *i_io, j;
-        uint64_t f0;
+        uint64_t f[4];
         while (end - i >= round) {
             const unsigned char* a = p + i;
-            const unsigned char* a1 = a + TB5_BLOCK;
-            uint64x2_t v = vcombine_u64(vcreate_u64(*fp_io), vcreate_u64(tb5_warm(a1)));
+            const unsigned char *a1 = a + TB5_BLOCK, *a2 = a + 2 * TB5_BLOCK, *a3 = a + 3 * TB5_BLOCK;
+            uint64x2_t v01 = vcombine_u64(vcreate_u64(*fp_io), vcreate_u64(tb5_warm(a1)));
+            uint64x2_t v23 = vcombine_u64(vcreate_u64(tb5_warm(a2)), vcreate_u64(tb5_warm(a3)));
             for (j = 0; j < TB5_BLOCK; j += 2) {
-                v = vaddq_u64(vshlq_n_u64(v, 2),
-                              vcombine_u64(vld1_u64(&TB5_GEAR_LS[a[j]]), vld1_u64(&TB5_GEAR_LS[a1[j]])));
+                v01 = vaddq_u64(vshlq_n_u64(v01, 2),
+                                vcombine_u64(vld1_u64(&TB5_GEAR_LS[a[j]]), vld1_u64(&TB5_GEAR_LS[a1[j]])));
+                v23 = vaddq_u64(vshlq_n_u64(v23, 2),
+                                vcombine_u64(vld1_u64(&TB5_GEAR_LS[a2[j]]), vld1_u64(&TB5_GEAR_LS[a3[j]])));
                 /* vtstq: all ones where (lane & mask) != 0, so a zero word means a hit */
-                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(vtstq_u64(v, vmask_ls))) == 0, 0)) {
-                    f0 = vgetq_lane_u64(v, 0);
-                    if ((f0 & mask_ls) == 0) return i + j + 1;
-                    return i + tb5_resolve2(a, j, 0, f0, mask);
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(
+                        vandq_u64(vtstq_u64(v01, vmask_ls), vtstq_u64(v23, vmask_ls)))) == 0, 0)) {
+                    vst1q_u64(f, v01);
+                    vst1q_u64(f + 2, v23);
+                    return i + tb5_resolve_half(a, j, 0, __builtin_ctz(tb5_hits4(f, mask_ls)), f, mask);
                 }
-                v = vaddq_u64(v, vcombine_u64(vld1_u64(&TB5_GEAR[a[j + 1]]), vld1_u64(&TB5_GEAR[a1[j + 1]])));
-                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(vtstq_u64(v, vmask))) == 0, 0)) {
-                    f0 = vgetq_lane_u64(v, 0);
-                    if ((f0 & mask) == 0) return i + j + 2;
-                    return i + tb5_resolve2(a, j, 1, f0, mask);
+                v01 = vaddq_u64(v01, vcombine_u64(vld1_u64(&TB5_GEAR[a[j + 1]]), vld1_u64(&TB5_GEAR[a1[j + 1]])));
+                v23 = vaddq_u64(v23, vcombine_u64(vld1_u64(&TB5_GEAR[a2[j + 1]]), vld1_u64(&TB5_GEAR[a3[j + 1]])));
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(
+                        vandq_u64(vtstq_u64(v01, vmask), vtstq_u64(v23, vmask)))) == 0, 0)) {
+                    vst1q_u64(f, v01);
+                    vst1q_u64(f + 2, v23);
+                    return i + tb5_resolve_half(a, j, 1, __builtin_ctz(tb5_hits4(f, mask)), f, mask);
                 }
             }
-            *fp_io = vgetq_lane_u64(v, 1);
+            *fp_io = vgetq_lane_u64(v23, 1);
             i += round;
         }
         *i_io = i;
@@ -464,7 +483,7 @@ def _calibrate():
 
 def vector_lanes():
     """Number of gear-hash lanes the cut search runs side by side now: 9 with AVX-512 (8 in
-    a vector register, 1 scalar), 4 with NEON or the interleaved kernel, 1 with ``"one"``."""
+    a vector register, 1 scalar), 4 with NEON, 2 with the interleaved kernel, 1 with ``"one"``."""
     return tb5_kernel_lanes(_kernel)
 
 

@@ -14,7 +14,7 @@ def cut_points(buf: Buffer, params: ChunkParams = ..., final: bool = True) -> li
     """Chunk end offsets (bytes, exclusive) of ``buf``; see ``tb5sync.chunking.py_cut_points``."""
 
 def vector_lanes() -> int:
-    """Gear-hash lanes the cut search runs side by side now: 9 (AVX-512), 4 (NEON, interleaved), 1 ("one")."""
+    """Gear-hash lanes the cut search runs side by side now: 9 (AVX-512), 4 (NEON), 2 (interleaved), 1 ("one")."""
 
 def set_vector_lanes(enabled: bool) -> bool:
     """Use the fastest lane kernel (True) or the one-lane loop (False); return the previous setting."""

@@ -349,7 +349,7 @@ def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) 
 
 MID = ChunkParams(version=0, min_size=4096, avg_size=128 * 1024, max_size=512 * 1024)
 LANE_BLOCK = 4096
-KERNEL_LANES = {"interleaved": 2, "neon": 2, "avx512": 9}
+KERNEL_LANES = {"interleaved": 2, "neon": 4, "avx512": 9}
 
 
 @pytest.fixture(scope="module", params=sorted(KERNEL_LANES))
