@@ -215,6 +215,8 @@ def test_disk_rates_portable_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         res = _diskbench.disk_rates(tmp_path, 2 * 1024 * 1024)
         assert res["cold"] and res["method"] == "fadvise"
     monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")  # macOS has no posix_fadvise: F_NOCACHE instead
+    assert _diskbench.cache_drop_method() == "nocache"
     monkeypatch.setattr(sys, "platform", "linux")  # not darwin: no F_NOCACHE either
     assert _diskbench.cache_drop_method() == "none"
     res = _diskbench.disk_rates(tmp_path, 2 * 1024 * 1024)
