@@ -5,7 +5,8 @@ Same names, signatures and cut points as the pure-Python reference in ``tb5sync.
 whose docstrings (and the module docstring there, for the chunking rules) are the
 documentation; see also ``tb5sync/_cdc.pyi``. The hot loop runs without the GIL over a
 ``const unsigned char[::1]`` view, so read-only buffers (``bytes``, read-only ``mmap``) work,
-and rolls two bytes per step (FastCDC 2020) with results identical to the one-byte loop.
+and rolls two bytes per step (FastCDC 2020) with results identical to the one-byte loop;
+long ranges go through a lane kernel (AVX-512, NEON, or portable interleaved C; see _roll_fast).
 """
 
 from libc.stdint cimport uint64_t
@@ -15,7 +16,8 @@ from tb5sync.errors import UsageError
 
 include "_gear.pxi"
 
-__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes"]
+__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes", "lane_kernels", "lane_kernel", "set_lane_kernel",
+           "default_lane_kernel"]
 
 from tb5sync._params import DEFAULT_PARAMS, ChunkParams
 
@@ -96,30 +98,73 @@ cdef inline Py_ssize_t _roll(const unsigned char* p, Py_ssize_t i, Py_ssize_t en
 
 cdef extern from *:
     """
-    /* AVX-512 rolling of 8 lanes at once; see _roll_fast's docstring. x86-64 with GCC or
-       Clang only; elsewhere (and on CPUs without AVX-512) tb5_roll_lanes is never called. */
+    /* Lane kernels of the cut search; see _roll_fast's docstring. Each rolls several blocks of
+       TB5_BLOCK bytes side by side, each block's start state rebuilt from the TB5_WARM bytes
+       before it, and reports the first cut in offset order, so the cut points are those of the
+       one-lane loop. Kernels (tb5_kernel):
+         0 "one"          the one-lane loop only (_roll), the reference every kernel is tested against
+         1 "interleaved"  portable C, 2 scalar lanes interleaved, two bytes per step (instruction-level parallelism)
+         2 "neon"         aarch64 only: 4 lanes of two-byte steps in two NEON registers, table loads scalar
+         3 "avx512"       x86-64 with AVX-512 F+BW: 8 vector lanes (gathers) plus 1 scalar lane */
     #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     #include <immintrin.h>
-    #define TB5_HAVE_LANES 1
+    #define TB5_HAVE_AVX512 1
     #else
-    #define TB5_HAVE_LANES 0
+    #define TB5_HAVE_AVX512 0
+    #endif
+    #if defined(__aarch64__) && defined(__ARM_NEON)
+    #include <arm_neon.h>
+    #define TB5_HAVE_NEON 1
+    #else
+    #define TB5_HAVE_NEON 0
     #endif
     #define TB5_LANES 8
     #define TB5_BLOCK 4096
     #define TB5_WARM 64
+    #define TB5_K_ONE 0
+    #define TB5_K_INTERLEAVED 1
+    #define TB5_K_NEON 2
+    #define TB5_K_AVX512 3
 
-    static int tb5_lanes_ok = -1;
+    static int tb5_avx512_ok = -1;
 
     static int tb5_lanes_supported(void) {
-    #if TB5_HAVE_LANES
-        if (tb5_lanes_ok < 0) {
+    #if TB5_HAVE_AVX512
+        if (tb5_avx512_ok < 0) {
             __builtin_cpu_init();
-            tb5_lanes_ok = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) ? 1 : 0;
+            tb5_avx512_ok = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) ? 1 : 0;
         }
-        return tb5_lanes_ok;
+        return tb5_avx512_ok;
     #else
         return 0;
     #endif
+    }
+
+    /* Is kernel k usable on this CPU? */
+    static int tb5_kernel_ok(int k) {
+        switch (k) {
+        case TB5_K_ONE: case TB5_K_INTERLEAVED: return 1;
+        case TB5_K_NEON: return TB5_HAVE_NEON;
+        case TB5_K_AVX512: return tb5_lanes_supported();
+        default: return 0;
+        }
+    }
+
+    /* The fastest kernel usable here (AVX-512 where present, NEON on arm64, else interleaved). */
+    static int tb5_best_kernel(void) {
+        if (tb5_kernel_ok(TB5_K_AVX512)) return TB5_K_AVX512;
+        if (tb5_kernel_ok(TB5_K_NEON)) return TB5_K_NEON;
+        return TB5_K_INTERLEAVED;
+    }
+
+    /* Lanes a kernel rolls side by side; the bytes one round covers is this times TB5_BLOCK. */
+    static Py_ssize_t tb5_kernel_lanes(int k) {
+        switch (k) {
+        case TB5_K_AVX512: return TB5_LANES + 1;
+        case TB5_K_NEON: return 4;
+        case TB5_K_INTERLEAVED: return 2;
+        default: return 1;
+        }
     }
 
     /* Roll one lane over p[j:stop] from state *f, one byte per step; return the end offset
@@ -127,7 +172,14 @@ cdef extern from *:
     static inline Py_ssize_t tb5_lane_rest(const unsigned char* p, Py_ssize_t j, Py_ssize_t stop,
                                            uint64_t mask, uint64_t* f) {
         uint64_t fp = *f;
-        for (; j < stop; j++) {
+        const uint64_t mask_ls = mask << 1;
+        for (; j + 2 <= stop; j += 2) {  /* two bytes per step, as _roll */
+            fp = (fp << 2) + TB5_GEAR_LS[p[j]];
+            if ((fp & mask_ls) == 0) return j + 1;
+            fp += TB5_GEAR[p[j + 1]];
+            if ((fp & mask) == 0) return j + 2;
+        }
+        if (j < stop) {
             fp = (fp << 1) + TB5_GEAR[p[j]];
             if ((fp & mask) == 0) return j + 1;
         }
@@ -135,22 +187,161 @@ cdef extern from *:
         return -1;
     }
 
-    #if TB5_HAVE_LANES
-    /* Cut search over [*i_io, end) in rounds of TB5_LANES blocks of TB5_BLOCK bytes, lane k
-       rolling block k; the caller guarantees *i_io >= TB5_WARM. Returns the first cut's end
-       offset, or -1 with (*i_io, *fp_io) moved to the end of the last whole round. */
+    /* State of a lane starting at p[0] (the fingerprint after the TB5_WARM bytes before it). */
+    static inline uint64_t tb5_warm(const unsigned char* p) {
+        uint64_t fp = 0;
+        Py_ssize_t j;
+        for (j = -TB5_WARM; j < 0; j++) fp = (fp << 1) + TB5_GEAR[p[j]];
+        return fp;
+    }
+
+    /* A hit at step j of a round of `lanes` blocks starting at a: lanes before the first hit
+       lane hold earlier offsets, so they are finished in order first. hit: bit k set when lane
+       k's state after byte j is a cut; f[k]: lane k's state after byte j. Returns the cut's
+       end offset relative to a. */
+    static Py_ssize_t tb5_resolve(const unsigned char* a, Py_ssize_t j, unsigned hit, int lanes,
+                                  uint64_t mask, uint64_t* f) {
+        int k;
+        Py_ssize_t r;
+        for (k = 0; k < lanes; k++) {
+            if (hit & (1u << k)) return (Py_ssize_t)k * TB5_BLOCK + j + 1;
+            r = tb5_lane_rest(a + (Py_ssize_t)k * TB5_BLOCK, j + 1, TB5_BLOCK, mask, &f[k]);
+            if (r >= 0) return (Py_ssize_t)k * TB5_BLOCK + r;
+        }
+        return -1;  /* not reached: some bit of hit is set */
+    }
+
+    /* Lane kernels rolling two bytes per step (interleaved, NEON): lane k is the first lane with
+       a hit, after byte j of each block (half 0: the first half of a step, where a lane holds its
+       state shifted left by one, see _roll) or after byte j + 1 (half 1). Lanes before k hold
+       earlier offsets, so each is finished in order first (its step completed, then the rest of
+       its block) from its state f[m]. Returns the cut's end offset relative to a (lane 0's block). */
+    static Py_ssize_t tb5_resolve_half(const unsigned char* a, Py_ssize_t j, int half, int k,
+                                       const uint64_t* f, uint64_t mask) {
+        int m;
+        Py_ssize_t r;
+        for (m = 0; m < k; m++) {
+            const unsigned char* am = a + (Py_ssize_t)m * TB5_BLOCK;
+            uint64_t fm = f[m];
+            if (half == 0) {
+                fm += TB5_GEAR[am[j + 1]];  /* complete lane m's step */
+                if ((fm & mask) == 0) return (Py_ssize_t)m * TB5_BLOCK + j + 2;
+            }
+            r = tb5_lane_rest(am, j + 2, TB5_BLOCK, mask, &fm);
+            if (r >= 0) return (Py_ssize_t)m * TB5_BLOCK + r;
+        }
+        return (Py_ssize_t)k * TB5_BLOCK + j + 1 + half;
+    }
+
+    /* Portable kernel: cut search over [*i_io, end) in rounds of 2 blocks, 2 scalar lanes
+       interleaved, each rolling two bytes per step as _roll does (FastCDC 2020), so two serial
+       shift-add chains overlap (about 1.5x the one-lane loop on an x86-64 core); the caller
+       guarantees *i_io >= TB5_WARM. Returns the first cut's end offset, or -1 with
+       (*i_io, *fp_io) moved to the end of the last whole round. */
+    static Py_ssize_t tb5_roll_interleaved(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                                           uint64_t mask, uint64_t* fp_io) {
+        const Py_ssize_t round = 2 * (Py_ssize_t)TB5_BLOCK;
+        const uint64_t mask_ls = mask << 1;
+        Py_ssize_t i = *i_io, j;
+        while (end - i >= round) {
+            const unsigned char* a = p + i;
+            const unsigned char* a1 = a + TB5_BLOCK;
+            uint64_t f0 = *fp_io, f1 = tb5_warm(a1);
+            for (j = 0; j < TB5_BLOCK; j += 2) {
+                f0 = (f0 << 2) + TB5_GEAR_LS[a[j]];
+                f1 = (f1 << 2) + TB5_GEAR_LS[a1[j]];
+                if (__builtin_expect(((f0 & mask_ls) == 0) | ((f1 & mask_ls) == 0), 0)) {
+                    if ((f0 & mask_ls) == 0) return i + j + 1;
+                    return i + tb5_resolve_half(a, j, 0, 1, &f0, mask);
+                }
+                f0 += TB5_GEAR[a[j + 1]];
+                f1 += TB5_GEAR[a1[j + 1]];
+                if (__builtin_expect(((f0 & mask) == 0) | ((f1 & mask) == 0), 0)) {
+                    if ((f0 & mask) == 0) return i + j + 2;
+                    return i + tb5_resolve_half(a, j, 1, 1, &f0, mask);
+                }
+            }
+            *fp_io = f1;
+            i += round;
+        }
+        *i_io = i;
+        return -1;
+    }
+
+    #if TB5_HAVE_NEON
+    /* NEON kernel (Apple silicon): 4 lanes rolling two bytes per step in two uint64x2_t (the
+       shift-add and the mask test of two lanes one instruction each; two registers so their
+       latencies overlap), one any-lane test per half step. The table has 256 64-bit entries,
+       beyond NEON's byte-table lookups, so its loads stay scalar. Whether it beats the
+       interleaved kernel depends on the core: the import measures both. */
+    static inline unsigned tb5_hits4(const uint64_t* f, uint64_t mask) {
+        return ((f[0] & mask) == 0) | (((f[1] & mask) == 0) << 1) | (((f[2] & mask) == 0) << 2) |
+               ((unsigned)((f[3] & mask) == 0) << 3);
+    }
+
+    static Py_ssize_t tb5_roll_neon(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                                    uint64_t mask, uint64_t* fp_io) {
+        const Py_ssize_t round = 4 * (Py_ssize_t)TB5_BLOCK;
+        const uint64_t mask_ls = mask << 1;
+        const uint64x2_t vmask = vdupq_n_u64(mask), vmask_ls = vdupq_n_u64(mask_ls);
+        Py_ssize_t i = *i_io, j;
+        uint64_t f[4];
+        while (end - i >= round) {
+            const unsigned char* a = p + i;
+            const unsigned char *a1 = a + TB5_BLOCK, *a2 = a + 2 * TB5_BLOCK, *a3 = a + 3 * TB5_BLOCK;
+            uint64x2_t v01 = vcombine_u64(vcreate_u64(*fp_io), vcreate_u64(tb5_warm(a1)));
+            uint64x2_t v23 = vcombine_u64(vcreate_u64(tb5_warm(a2)), vcreate_u64(tb5_warm(a3)));
+            for (j = 0; j < TB5_BLOCK; j += 2) {
+                v01 = vaddq_u64(vshlq_n_u64(v01, 2),
+                                vcombine_u64(vld1_u64(&TB5_GEAR_LS[a[j]]), vld1_u64(&TB5_GEAR_LS[a1[j]])));
+                v23 = vaddq_u64(vshlq_n_u64(v23, 2),
+                                vcombine_u64(vld1_u64(&TB5_GEAR_LS[a2[j]]), vld1_u64(&TB5_GEAR_LS[a3[j]])));
+                /* vtstq: all ones where (lane & mask) != 0, so a zero word means a hit */
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(
+                        vandq_u64(vtstq_u64(v01, vmask_ls), vtstq_u64(v23, vmask_ls)))) == 0, 0)) {
+                    vst1q_u64(f, v01);
+                    vst1q_u64(f + 2, v23);
+                    return i + tb5_resolve_half(a, j, 0, __builtin_ctz(tb5_hits4(f, mask_ls)), f, mask);
+                }
+                v01 = vaddq_u64(v01, vcombine_u64(vld1_u64(&TB5_GEAR[a[j + 1]]), vld1_u64(&TB5_GEAR[a1[j + 1]])));
+                v23 = vaddq_u64(v23, vcombine_u64(vld1_u64(&TB5_GEAR[a2[j + 1]]), vld1_u64(&TB5_GEAR[a3[j + 1]])));
+                if (__builtin_expect(vminvq_u32(vreinterpretq_u32_u64(
+                        vandq_u64(vtstq_u64(v01, vmask), vtstq_u64(v23, vmask)))) == 0, 0)) {
+                    vst1q_u64(f, v01);
+                    vst1q_u64(f + 2, v23);
+                    return i + tb5_resolve_half(a, j, 1, __builtin_ctz(tb5_hits4(f, mask)), f, mask);
+                }
+            }
+            *fp_io = vgetq_lane_u64(v23, 1);
+            i += round;
+        }
+        *i_io = i;
+        return -1;
+    }
+    #else
+    static Py_ssize_t tb5_roll_neon(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                                    uint64_t mask, uint64_t* fp_io) {
+        return -1;
+    }
+    #endif
+
+    #if TB5_HAVE_AVX512
+    /* AVX-512 kernel: rounds of TB5_LANES + 1 blocks; lanes 0..7 roll blocks 0..7 in one
+       vector register (table lookups by gather), lane 8 rolls block 8 as a scalar beside them
+       (it uses the integer ports the gathers leave idle: about 15% more bytes per round on a
+       Sapphire Rapids core). */
     __attribute__((target("avx512f,avx512bw")))
     static Py_ssize_t tb5_roll_lanes(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
                                      uint64_t mask, uint64_t* fp_io) {
-        const Py_ssize_t round = (Py_ssize_t)TB5_LANES * TB5_BLOCK;
+        const Py_ssize_t round = (Py_ssize_t)(TB5_LANES + 1) * TB5_BLOCK;
         const __m512i vmask = _mm512_set1_epi64((long long)mask);
         __m512i pick[8];  /* pick[s]: byte s of each 64-bit lane, zero-extended (vpshufb) */
         const __m512i offs = _mm512_set_epi64(7LL * TB5_BLOCK, 6LL * TB5_BLOCK, 5LL * TB5_BLOCK,
                                               4LL * TB5_BLOCK, 3LL * TB5_BLOCK, 2LL * TB5_BLOCK,
                                               1LL * TB5_BLOCK, 0);
         Py_ssize_t i = *i_io, j, r;
-        int s, k;
-        uint64_t f[TB5_LANES];
+        int s;
+        uint64_t f[TB5_LANES + 1], f8;
         __m512i v, g, fv;
         __mmask8 hit;
         for (s = 0; s < 8; s++)
@@ -160,9 +351,11 @@ cdef extern from *:
                                         (long long)(0x8080808080808000ULL | (unsigned)s));
         while (end - i >= round) {
             const unsigned char* a = p + i;
-            /* Lane 0 goes on from the running state; lanes 1..7 rebuild theirs from the
+            const unsigned char* a8 = a + (Py_ssize_t)TB5_LANES * TB5_BLOCK;
+            /* Lane 0 goes on from the running state; lanes 1..8 rebuild theirs from the
                TB5_WARM bytes before their block (untested: those offsets are lane k-1's). */
             fv = _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, (long long)*fp_io);
+            f8 = tb5_warm(a8);
             for (j = -TB5_WARM; j < 0; j += 8) {
                 v = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFE, offs, a + j, 1);
                 for (s = 0; s < 8; s++) {
@@ -177,22 +370,18 @@ cdef extern from *:
                     g = _mm512_i64gather_epi64(
                         _mm512_shuffle_epi8(v, pick[s]), TB5_GEAR, 8);
                     fv = _mm512_add_epi64(_mm512_slli_epi64(fv, 1), g);
+                    f8 = (f8 << 1) + TB5_GEAR[a8[j + s]];
                     hit = _mm512_testn_epi64_mask(fv, vmask);
-                    if (__builtin_expect(hit != 0, 0)) {
-                        /* Lanes before the first hit lane hold earlier offsets: finish them
-                           in order, then the hit itself. */
+                    if (__builtin_expect((hit != 0) | ((f8 & mask) == 0), 0)) {
                         _mm512_storeu_si512((void*)f, fv);
-                        for (k = 0; k < TB5_LANES; k++) {
-                            if (hit & (1u << k)) return i + (Py_ssize_t)k * TB5_BLOCK + j + s + 1;
-                            r = tb5_lane_rest(a + (Py_ssize_t)k * TB5_BLOCK, j + s + 1, TB5_BLOCK,
-                                              mask, &f[k]);
-                            if (r >= 0) return i + (Py_ssize_t)k * TB5_BLOCK + r;
-                        }
+                        f[TB5_LANES] = f8;
+                        r = tb5_resolve(a, j + s, (unsigned)hit | ((unsigned)((f8 & mask) == 0) << TB5_LANES),
+                                        TB5_LANES + 1, mask, f);
+                        return i + r;
                     }
                 }
             }
-            _mm512_storeu_si512((void*)f, fv);
-            *fp_io = f[TB5_LANES - 1];
+            *fp_io = f8;
             i += round;
         }
         *i_io = i;
@@ -204,52 +393,133 @@ cdef extern from *:
         return -1;
     }
     #endif
+
+    /* Kernel k over [*i_io, end); see the kernels above. */
+    static inline Py_ssize_t tb5_roll_kernel(int k, const unsigned char* p, Py_ssize_t* i_io,
+                                             Py_ssize_t end, uint64_t mask, uint64_t* fp_io) {
+        switch (k) {
+        case TB5_K_AVX512: return tb5_roll_lanes(p, i_io, end, mask, fp_io);
+        case TB5_K_NEON: return tb5_roll_neon(p, i_io, end, mask, fp_io);
+        case TB5_K_INTERLEAVED: return tb5_roll_interleaved(p, i_io, end, mask, fp_io);
+        default: return -1;
+        }
+    }
     """
-    Py_ssize_t TB5_LANES
     Py_ssize_t TB5_BLOCK
     Py_ssize_t TB5_WARM
-    int tb5_lanes_supported() noexcept nogil
-    Py_ssize_t tb5_roll_lanes(const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
-                              uint64_t mask, uint64_t* fp_io) noexcept nogil
+    int TB5_K_ONE
+    int TB5_K_INTERLEAVED
+    int tb5_kernel_ok(int k) noexcept nogil
+    int tb5_best_kernel() noexcept nogil
+    Py_ssize_t tb5_kernel_lanes(int k) noexcept nogil
+    Py_ssize_t tb5_roll_kernel(int k, const unsigned char* p, Py_ssize_t* i_io, Py_ssize_t end,
+                               uint64_t mask, uint64_t* fp_io) noexcept nogil
 
 
-cdef bint _use_lanes = tb5_lanes_supported() != 0
+#: The lane kernels by name, in the order of their numbers in the C code above.
+_KERNELS = ("one", "interleaved", "neon", "avx512")
+
+cdef int _best = tb5_best_kernel()
+cdef int _kernel = _best
+
+
+def lane_kernels():
+    """Names of the lane kernels usable on this CPU (``"one"``, ``"interleaved"``, and
+    ``"neon"`` on arm64 / ``"avx512"`` on x86-64 with AVX-512 F+BW), slowest first."""
+    return [name for k, name in enumerate(_KERNELS) if tb5_kernel_ok(k)]
+
+
+def default_lane_kernel():
+    """Name of the kernel chosen at import (see ``_calibrate``): what ``set_vector_lanes(True)`` restores."""
+    return _KERNELS[_best]
+
+
+def lane_kernel():
+    """Name of the kernel the cut search uses now (the one chosen at import unless set)."""
+    return _KERNELS[_kernel]
+
+
+def set_lane_kernel(name):
+    """Use the kernel ``name`` (one of :func:`lane_kernels`); returns the previous name.
+
+    For tests and benchmarks: every kernel gives the same cut points. Raises UsageError for a
+    name that is unknown or not usable on this CPU.
+    """
+    global _kernel
+    prev = _KERNELS[_kernel]
+    if name not in _KERNELS or not tb5_kernel_ok(_KERNELS.index(name)):
+        raise UsageError(f"lane kernel {name!r} is not available here; have {lane_kernels()}")
+    _kernel = _KERNELS.index(name)
+    return prev
+
+
+def _calibrate():
+    """Choose the default lane kernel: ``$TB5SYNC_LANE_KERNEL`` if it names a usable one, else
+    the fastest usable vector or interleaved kernel measured on 256 KiB (a few runs each,
+    about a millisecond; which is faster depends on the core: on arm64 NEON against the
+    interleaved scalar lanes, on x86-64 AVX-512 against them). All give the same cut points."""
+    global _best, _kernel
+    import os
+    import time
+
+    forced = os.environ.get("TB5SYNC_LANE_KERNEL")
+    if forced in _KERNELS and tb5_kernel_ok(_KERNELS.index(forced)):
+        _best = _kernel = _KERNELS.index(forced)
+        return
+    candidates = [k for k in range(1, len(_KERNELS)) if tb5_kernel_ok(k)]
+    if len(candidates) < 2:
+        return
+    buf = os.urandom(256 * 1024)
+    rare = ChunkParams(version=0, min_size=64, avg_size=1 << 30, max_size=1 << 31)  # ~no cut in 256 KiB
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(3):
+        for k in candidates:
+            _kernel = k
+            t = time.perf_counter()
+            cut_points(buf, rare)
+            best[k] = min(best[k], time.perf_counter() - t)
+    _best = _kernel = min(candidates, key=best.__getitem__)
 
 
 def vector_lanes():
-    """Number of gear-hash lanes the cut search runs side by side on this CPU: 8 with AVX-512, else 1."""
-    return TB5_LANES if _use_lanes else 1
+    """Number of gear-hash lanes the cut search runs side by side now: 9 with AVX-512 (8 in
+    a vector register, 1 scalar), 4 with NEON, 2 with the interleaved kernel, 1 with ``"one"``."""
+    return tb5_kernel_lanes(_kernel)
 
 
 def set_vector_lanes(bint enabled):
-    """Turn the AVX-512 lanes on or off (for tests and benchmarks); returns the previous setting.
-
-    Turning them on is ignored on a CPU without AVX-512. The cut points are the same either way.
-    """
-    global _use_lanes
-    cdef bint prev = _use_lanes
-    _use_lanes = enabled and tb5_lanes_supported() != 0
+    """Turn the lane kernels on (the one chosen at import) or off (the one-lane loop); returns
+    the previous setting. The cut points are the same either way."""
+    global _kernel
+    cdef bint prev = _kernel != TB5_K_ONE
+    _kernel = _best if enabled else TB5_K_ONE
     return prev
 
 
 cdef inline Py_ssize_t _roll_fast(const unsigned char* p, Py_ssize_t i, Py_ssize_t end,
                                   uint64_t mask, uint64_t* fp_io) noexcept nogil:
-    """Like ``_roll``, but long ranges go 8 lanes at a time through ``tb5_roll_lanes`` first.
+    """Like ``_roll``, but long ranges go several lanes at a time through a lane kernel first.
 
-    The gear hash is a serial chain (each step needs the previous state), which caps a scalar
+    The gear hash is a serial chain (each step needs the previous state), which caps a one-lane
     loop near one byte per cycle. Each step shifts the 64-bit state left by one, so the state
-    at any offset depends only on the 64 bytes before it and can be rebuilt from them. With
-    AVX-512, ``tb5_roll_lanes`` rolls 8 blocks of 4 KiB side by side in one vector register
-    (table lookups by gather), each block's start state rebuilt from the 64 bytes before it;
-    the first cut in offset order wins, so the cut points are exactly those of the one-byte
-    loop. Ranges shorter than 32 KiB, and what is left after the last whole round, go to
+    at any offset depends only on the 64 bytes before it and can be rebuilt from them. A lane
+    kernel (the C block above) rolls several blocks of 4 KiB side by side, each block's start
+    state rebuilt from the 64 bytes before it; the first cut in offset order wins, so the cut
+    points are exactly those of the one-byte loop. What is left after the last whole round
+    goes through the interleaved kernel's smaller rounds, the rest (and short ranges) to
     ``_roll``.
     """
     cdef Py_ssize_t cut
-    if _use_lanes and end - i >= TB5_LANES * TB5_BLOCK and i >= TB5_WARM:
-        cut = tb5_roll_lanes(p, &i, end, mask, fp_io)
+    cdef int k = _kernel
+    if k != TB5_K_ONE and end - i >= tb5_kernel_lanes(k) * TB5_BLOCK and i >= TB5_WARM:
+        cut = tb5_roll_kernel(k, p, &i, end, mask, fp_io)
         if cut != -1:
             return cut
+        # what is left after the last whole round (up to 36 KiB for AVX-512) in smaller rounds
+        if k != TB5_K_INTERLEAVED and end - i >= tb5_kernel_lanes(TB5_K_INTERLEAVED) * TB5_BLOCK:
+            cut = tb5_roll_kernel(TB5_K_INTERLEAVED, p, &i, end, mask, fp_io)
+            if cut != -1:
+                return cut
     return _roll(p, i, end, mask, fp_io)
 
 
@@ -413,3 +683,6 @@ cdef class Chunker:
         self._pos = 0
         self._fp = 0
         return cuts
+
+
+_calibrate()

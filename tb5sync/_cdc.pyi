@@ -8,16 +8,28 @@ from typing_extensions import Buffer
 
 from tb5sync.chunking import ChunkParams
 
-__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes"]
+__all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes", "lane_kernels", "lane_kernel", "set_lane_kernel", "default_lane_kernel"]
 
 def cut_points(buf: Buffer, params: ChunkParams = ..., final: bool = True) -> list[int]:
     """Chunk end offsets (bytes, exclusive) of ``buf``; see ``tb5sync.chunking.py_cut_points``."""
 
 def vector_lanes() -> int:
-    """Gear-hash lanes the cut search runs side by side on this CPU: 8 with AVX-512, else 1."""
+    """Gear-hash lanes the cut search runs side by side now: 9 (AVX-512), 4 (NEON), 2 (interleaved), 1 ("one")."""
 
 def set_vector_lanes(enabled: bool) -> bool:
-    """Turn the AVX-512 lanes on or off (ignored without AVX-512); return the previous setting."""
+    """Use the fastest lane kernel (True) or the one-lane loop (False); return the previous setting."""
+
+def lane_kernels() -> list[str]:
+    """Lane kernels usable on this CPU: "one", "interleaved", and "neon" (arm64) or "avx512" (x86-64 with AVX-512)."""
+
+def default_lane_kernel() -> str:
+    """The lane kernel chosen at import: $TB5SYNC_LANE_KERNEL if usable, else the fastest one measured."""
+
+def lane_kernel() -> str:
+    """The lane kernel in use."""
+
+def set_lane_kernel(name: str) -> str:
+    """Use kernel ``name`` (UsageError if unusable here); return the previous one. Cut points never change."""
 
 class Chunker:
     """Streaming chunker; see ``tb5sync.chunking.PyChunker``."""

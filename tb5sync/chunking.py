@@ -404,10 +404,12 @@ _warned = False
 
 
 def implementation_note() -> str:
-    """A short description of the chunker in use: ``"Cython chunker"``, ``"pure-Python chunker
+    """A short description of the chunker in use: ``"Cython chunker (lane kernel NAME)"``, ``"pure-Python chunker
     (TB5SYNC_PUREPYTHON=1)"`` or ``"pure-Python chunker: tb5sync._cdc is not built"``."""
     if IMPLEMENTATION == "cython":
-        return "Cython chunker"
+        from tb5sync import _cdc
+
+        return f"Cython chunker (lane kernel {_cdc.lane_kernel()})"
     if cy_cut_points is not None:
         return "pure-Python chunker (TB5SYNC_PUREPYTHON=1)"
     return "pure-Python chunker: tb5sync._cdc is not built (no C compiler at install?)"

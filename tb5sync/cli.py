@@ -1,4 +1,4 @@
-"""The ``tb5sync`` command: serve, sync, ls, bench. Thin over the library.
+"""The ``tb5sync`` command: serve, sync, ls, bench, store, http-cache. Thin over the library.
 
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
@@ -185,10 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
     l_.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
     timeout_opts(l_)
 
-    b = sub.add_parser("bench", help="link test: RTT and raw TCP throughput against a server", parents=[common])
-    b.add_argument("host", help="HOST[:PORT] of a tb5sync server")
-    b.add_argument("--seconds", type=float, default=2.0, help="seconds per throughput measurement")
-    b.add_argument("--token-file")
+    b = sub.add_parser("bench", parents=[common],
+                       help="what bounds a transfer with a server: RTT, raw TCP (1-8 streams, both ways), "
+                            "disks at both ends, CPU, a real push and pull; then a verdict (link, disk or cpu)")
+    b.add_argument("host", metavar="URL", help="tb5://[TOKEN@]HOST[:PORT] of a running, writable tb5sync serve "
+                                               "(HOST[:PORT] alone also works)")
+    b.add_argument("--size", default="256M", metavar="SIZE",
+                   help="bytes of the disk tests' files and of the pushed and pulled file (default 256M; e.g. 64M, 2G)")
+    b.add_argument("--tcp-size", default="1G", metavar="SIZE", help="bytes per raw TCP measurement (default 1G)")
+    b.add_argument("--pings", type=int, default=1000, metavar="N", help="round trips of the RTT test (default 1000)")
+    b.add_argument("--dir", default=".", metavar="DIR",
+                   help="where this node's disk test and the sync test's local files go, removed after (default .)")
+    b.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams of the push and pull (default 4)")
+    b.add_argument("--json", action="store_true", help="print the figures and the verdict as one JSON object")
+    b.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # old option: --tcp-size now
+    b.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+    timeout_opts(b)
 
     from .storecli import add_store_parser
 
@@ -376,11 +388,27 @@ def _cmd_ls(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from .client import bench_link
+    from .bench import format_report, run_bench
+    from .storecli import parse_size
+    from .urls import Remote, parse_url
 
-    host, port = _parse_bind(a.host)
-    for line in bench_link(host, port, token=_read_token(a.token_file), seconds=a.seconds):
-        print(line, flush=True)
+    r = parse_url(a.host) if "://" in a.host else None
+    if r is None:  # the older HOST[:PORT] form
+        host, port = _parse_bind(a.host)
+        r = Remote(host.strip("[]"), port, "")
+
+    def say(line: str) -> None:
+        if not a.json:
+            print(f"  ... {line}", file=sys.stderr, flush=True)
+
+    res = run_bench(r, token=_read_token(a.token_file, env=False), size=parse_size(a.size), tcp_bytes=parse_size(a.tcp_size),
+                    pings=a.pings, directory=a.dir, streams=a.streams, timeout=a.timeout or None, tls_ca=a.tls_ca,
+                    progress=say)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for line in format_report(res):
+            print(line)
     return 0
 
 

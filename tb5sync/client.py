@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,8 @@ from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
 from .messages import PUSH_CLIENT_METHODS
-from .rpc import Requester, open_session, serve
+from .protocol import FrameType, decode_data
+from .rpc import Requester, open_session, reply_of, serve
 from .transport import IO_TIMEOUT, Channel, dial
 from .urls import Remote, parse_url, token_of
 
@@ -28,10 +31,13 @@ if TYPE_CHECKING:
     from .receiver import ProgressFn
     from .state import TreeState
 
+#: Bytes per DATA frame of a ``sink`` session (raw TCP test, client to server).
+_BENCH_BLOCK = 4 * 1024 * 1024
+
 # The receiver and the state store (sqlite3) are imported where a pull or a local sync needs
 # them: a push's client, whose start-up is part of every no-change re-run, never does.
 
-__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "local_state"]  # Remote, parse_url: urls', re-exported
+__all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "measure_rtt", "measure_tcp", "local_state"]  # Remote, parse_url: urls', re-exported
 
 
 def _connect(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | os.PathLike[str] | None) -> Channel:
@@ -342,66 +348,137 @@ def ls(
     return [Entry.from_wire(e) for e in resp.get("entries", [])]
 
 
-def bench_link(host: str, port: int, *, token: bytes | str | None = None, seconds: float = 2.0) -> Iterator[str]:
-    """Link test against a server: round-trip time, then raw TCP throughput per stream count.
+def _rate(nbytes: int, seconds: float) -> float:
+    """Bytes per second (0 for no time)."""
+    return nbytes / seconds if seconds > 0 else 0.0
 
-    Yields one human-readable line per measurement. Raw throughput uses the
-    server's ``source`` op: DATA frames of zeros, no disk and no hashing, so it
-    shows what the link and the framing can carry.
+
+def measure_rtt(r: Remote, token: bytes | None, pings: int, timeout: float | None = IO_TIMEOUT,
+                tls_ca: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``pings`` round trips of the ``ping`` request: ``{"count", "median_us", "p99_us", "min_us"}`` (microseconds)."""
+    ch = _connect(r, token, timeout, tls_ca)
+    try:
+        open_session(ch, {"op": "ping"})
+        req = Requester([ch])
+        try:
+            rtts = []
+            for _ in range(pings):
+                t = time.perf_counter()
+                req.call("ping", {})
+                rtts.append((time.perf_counter() - t) * 1e6)
+        finally:
+            req.close(bye=True)
+    finally:
+        ch.close()
+    rtts.sort()
+    p99 = rtts[min(len(rtts) - 1, max(0, -(-99 * len(rtts) // 100) - 1))]
+    return {"count": len(rtts), "median_us": statistics.median(rtts), "p99_us": p99, "min_us": rtts[0]}
+
+
+def measure_tcp(r: Remote, token: bytes | None, streams: int, nbytes: int, direction: str,
+                timeout: float | None = IO_TIMEOUT, tls_ca: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Raw throughput over ``streams`` connections, ``nbytes`` in all: ``direction`` ``"down"``
+    (server to client, ``source`` sessions) or ``"up"`` (``sink`` sessions).
+
+    Returns ``{"streams", "direction", "bytes", "seconds", "bytes_per_s"}``; the time runs from
+    the moment every stream is open to the last byte (down) or the server's receipt (up).
+    """
+    per = max(1, nbytes // streams)
+    chans: list[Channel] = []
+    errors: list[BaseException] = []
+    got = [0] * streams
+    start = threading.Barrier(streams + 1)
+    zeros = memoryview(bytes(_BENCH_BLOCK))
+
+    def down(i: int, c: Channel) -> None:
+        while True:
+            fr = c.recv_frame()
+            if fr is None:
+                raise ConnectError("server closed a source stream early")
+            if fr[0].type is FrameType.BYE:
+                return
+            if fr[0].type is not FrameType.DATA:
+                reply_of(*fr)  # raises the server's error
+                raise RemoteProtocolError(f"source stream: expected DATA, got {fr[0].type.name}")
+            got[i] += len(decode_data(fr[1])[1])
+
+    def up(i: int, c: Channel) -> None:
+        left = per
+        while left:
+            n = min(left, _BENCH_BLOCK)
+            c.send_data(0, {}, [zeros[:n]])
+            left -= n
+        body = open_session_reply(c)
+        got[i] = int(body.get("bytes", 0))
+
+    def run(i: int, c: Channel) -> None:
+        try:
+            start.wait()
+            (down if direction == "down" else up)(i, c)
+        except BaseException as exc:  # reported after the join
+            errors.append(exc)
+
+    if direction not in ("down", "up"):
+        raise UsageError(f"direction must be 'down' or 'up', not {direction!r}")
+    try:
+        for _ in range(streams):
+            c = _connect(r, token, timeout, tls_ca)
+            chans.append(c)
+            open_session(c, {"op": "source" if direction == "down" else "sink", "bytes": per})
+        threads = [threading.Thread(target=run, args=(i, c), name="tb5-bench", daemon=True) for i, c in enumerate(chans)]
+        for t in threads:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+    finally:
+        for c in chans:
+            c.close()
+    if errors:
+        raise errors[0]
+    total = sum(got)
+    return {"streams": streams, "direction": direction, "bytes": total, "seconds": dt, "bytes_per_s": _rate(total, dt)}
+
+
+def open_session_reply(ch: Channel) -> dict[str, Any]:
+    """The next RESPONSE on ``ch`` (the ``sink`` session's final count), or the server's error."""
+    fr = ch.recv_frame()
+    if fr is None:
+        raise ConnectError("server closed the connection before answering")
+    header, payload = fr
+    if header.type not in (FrameType.RESPONSE, FrameType.ERROR):
+        raise RemoteProtocolError(f"expected RESPONSE, got {header.type.name}")
+    body: dict[str, Any] = reply_of(header, payload)
+    return body
+
+
+def bench_link(host: str, port: int, *, token: bytes | str | None = None, seconds: float = 2.0) -> Iterator[str]:
+    """Link test against a server: round-trip time, then raw TCP throughput from the server per
+    stream count (1, 2, 4, 8). ``tb5sync bench`` (:mod:`tb5sync.bench`) measures more.
+
+    Yields one human-readable line per measurement. ``seconds``: the round trips go on for at
+    most that long (and at least 10); each throughput measurement moves 256 MiB per stream.
 
     Raises
     ------
     ConnectError, AuthError
     """
-    import statistics
-    import time
-
+    r = Remote(host, port, "")
     tok = token_of(token)
-    ch = dial(host, port, tok)
-    try:
-        open_session(ch, {"op": "ping"})
-        req = Requester([ch])
-        rtts = []
-        deadline = time.perf_counter() + min(seconds, 1.0)
-        while time.perf_counter() < deadline or len(rtts) < 10:
-            t = time.perf_counter()
-            req.call("ping", {})
-            rtts.append(time.perf_counter() - t)
-        req.close(bye=True)
-    finally:
-        ch.close()
-    yield f"rtt: median {statistics.median(rtts) * 1e6:.0f} us over {len(rtts)} round trips"
+    pings = 10
+    t = time.perf_counter()
+    rtt = measure_rtt(r, tok, pings)
+    per_ping = (time.perf_counter() - t) / pings
+    more = int(max(0.0, min(seconds, 1.0) - per_ping * pings) / max(per_ping, 1e-6))
+    if more:
+        rtt = measure_rtt(r, tok, pings + more)
+    yield f"rtt: median {rtt['median_us']:.0f} us, p99 {rtt['p99_us']:.0f} us over {rtt['count']} round trips"
     for streams in (1, 2, 4, 8):
-        # size the transfer from a short probe so each measurement lasts about `seconds`
-        per = 256 * 1024 * 1024
-        chans = []
-        try:
-            for _ in range(streams):
-                c = dial(host, port, tok)
-                chans.append(c)
-            got = [0] * streams
-            t0 = time.perf_counter()
-            threads = []
-
-            def drain(i: int, c: Channel) -> None:
-                open_session(c, {"op": "source", "bytes": per})
-                while True:
-                    fr = c.recv_frame()
-                    if fr is None or fr[0].type.name == "BYE":
-                        return
-                    got[i] += fr[0].length
-
-            for i, c in enumerate(chans):
-                t = threading.Thread(target=drain, args=(i, c), daemon=True)
-                t.start()
-                threads.append(t)
-            for t in threads:
-                t.join()
-            dt = time.perf_counter() - t0
-        finally:
-            for c in chans:
-                c.close()
-        yield f"raw TCP, {streams} stream{'s' if streams > 1 else ''}: {sum(got) / dt / 1e9:.2f} GB/s ({_fmt(sum(got))} in {dt:.2f} s)"
+        res = measure_tcp(r, tok, streams, streams * 256 * 1024 * 1024, "down")
+        yield (f"raw TCP, {streams} stream{'s' if streams > 1 else ''}: {res['bytes_per_s'] / 1e9:.2f} GB/s "
+               f"({_fmt(res['bytes'])} in {res['seconds']:.2f} s)")
 
 
 def _fmt(n: int) -> str:

@@ -1,7 +1,7 @@
 """The wire vocabulary: every request method, who answers it, the codecs and the limits.
 
 Sans-IO, like :mod:`tb5sync.protocol` below it: no sockets, no files. A session is opened
-with an OPEN frame (``{"op": "push" | "pull" | "fs" | "ls" | "ping" | "join" | "source", ...}``,
+with an OPEN frame (``{"op": "push" | "pull" | "fs" | "ls" | "ping" | "join" | "source" | "sink" | "disk" | "store", ...}``,
 see :mod:`tb5sync.server`), then carries REQUEST frames ``{"m": method, "a": {args}}`` answered
 by RESPONSE (a dict) or DATA (``(meta, parts)``) frames. The method sets below are the only
 lists of what each session answers; servers, links and clients import them from here.
@@ -92,6 +92,12 @@ DATA_METHODS: Final = frozenset({"read_ranges", "read_files"})
 READ_METHODS: Final = frozenset({"sub_chunks"})
 #: The ``ping`` session's only request (``tb5sync bench``).
 PING_METHODS: Final = frozenset({"ping"})
+#: Most bytes one ``source`` (server sends) or ``sink`` (server discards) session of
+#: ``tb5sync bench`` may move: 64 GiB.
+BENCH_MAX_BYTES: Final = 1 << 36
+#: Most bytes of the temporary file of one ``disk`` session (``tb5sync bench``): 64 GiB, and never
+#: more than the free space of the server's state directory less 256 MiB.
+BENCH_MAX_DISK: Final = 1 << 36
 
 #: Requests the fs session (``tb5://`` through fsspec) answers.
 FS_METHODS: Final = frozenset(

@@ -40,14 +40,16 @@ from .errors import (
     AuthError,
     BusyError,
     ConnectError,
+    DestinationError,
     PathError,
     ReadOnlyError,
     RemoteNotFoundError,
+    RemoteProtocolError,
     Tb5syncError,
     UsageError,
 )
 from .fsops import FsOps, Pages
-from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
+from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
@@ -66,7 +68,6 @@ __all__ = ["Server"]
 log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT = 30.0
-_SOURCE_MAX = 1 << 36
 _SOURCE_BLOCK = 4 * 1024 * 1024
 #: accept() errors that mean "out of descriptors or memory": wait, do not spin.
 _ACCEPT_BACKOFF_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -282,6 +283,7 @@ class Server:
         self._open_sessions = 0
         self._pages = Pages()
         self._lock = threading.Lock()
+        self._disk_lock = threading.Lock()  # one disk test at a time
         self._conns: set[Channel] = set()
         self._handlers: set[threading.Thread] = set()
         self._sock: socket.socket | None = None
@@ -646,6 +648,12 @@ class Server:
         if op == "source":
             self._source(ch, msg.get("bytes"))
             return False
+        if op == "sink":
+            self._sink(ch, msg.get("bytes"))
+            return False
+        if op == "disk":
+            self._disk(ch, msg.get("bytes"))
+            return False
         options = SyncOptions.from_wire(msg.get("options", {}))
         streams = msg.get("streams", 1)
         if not isinstance(streams, int) or not 1 <= streams <= 64:
@@ -712,8 +720,8 @@ class Server:
 
     def _source(self, ch: Channel, nbytes: object) -> None:
         """Link test: send ``nbytes`` of zeros in DATA frames (no disk, no hashing), then BYE."""
-        if not isinstance(nbytes, int) or not 0 <= nbytes <= _SOURCE_MAX:
-            raise UsageError(f"source bytes must be 0..{_SOURCE_MAX}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
+            raise UsageError(f"source bytes must be 0..{BENCH_MAX_BYTES}")
         ch.send_control(FrameType.RESPONSE, 0, {})
         block = bytes(_SOURCE_BLOCK)
         while nbytes > 0:
@@ -721,6 +729,51 @@ class Server:
             ch.send_data(0, {}, [memoryview(block)[:n]])
             nbytes -= n
         ch.send_control(FrameType.BYE, 0, {})
+
+    def _sink(self, ch: Channel, nbytes: object) -> None:
+        """Link test, client to server: read DATA frames carrying ``nbytes`` (their bodies, after
+        the meta map) and drop them (no disk, no hashing); answer ``{"bytes": received}``. A frame other than DATA, or more bytes than
+        announced, is a protocol error."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
+            raise UsageError(f"sink bytes must be 0..{BENCH_MAX_BYTES}")
+        ch.send_control(FrameType.RESPONSE, 0, {})
+        got = 0
+        while got < nbytes:
+            fr = ch.recv_frame()
+            if fr is None:
+                raise ConnectError(f"sink: the client closed after {got} of {nbytes} bytes")
+            header, payload = fr
+            if header.type is not FrameType.DATA:
+                raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
+            got += len(P.decode_data(payload)[1])
+        if got != nbytes:
+            raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
+        ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
+
+    def _disk(self, ch: Channel, nbytes: object) -> None:
+        """Disk test (``tb5sync bench``): write, read back cold and remove a temporary file of
+        ``nbytes`` in the state directory (:func:`tb5sync._diskbench.disk_rates`); answer its figures.
+        Refused on a read-only server; one at a time (``BusyError`` for a second)."""
+        from ._diskbench import MIN_SIZE, disk_rates
+
+        if self.read_only:
+            raise ReadOnlyError("server is read-only; its disk test would write a file")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not MIN_SIZE <= nbytes <= BENCH_MAX_DISK:
+            raise UsageError(f"disk test bytes must be {MIN_SIZE}..{BENCH_MAX_DISK}")
+        if not self._disk_lock.acquire(blocking=False):
+            raise BusyError("server busy: another disk test is running; try again later")
+        try:
+            try:
+                try:
+                    os.makedirs(self.state.state_dir, mode=0o700, exist_ok=True)
+                except OSError as exc:
+                    raise DestinationError(f"disk test: cannot create {self.state.state_dir}: {exc.strerror or exc}") from exc
+                res = disk_rates(self.state.state_dir, nbytes)
+            except DestinationError as exc:  # the message would show the state directory's path
+                raise DestinationError(hide_root(str(exc), self.root)) from None
+        finally:
+            self._disk_lock.release()
+        ch.send_control(FrameType.RESPONSE, 0, res)
 
     def _rel(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)

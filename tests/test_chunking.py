@@ -340,43 +340,88 @@ def test_streaming_twins_agree(cy_chunker: ChunkerImpl, data: bytes, step: int) 
     assert outs[0] == outs[1]
 
 
-# --- the AVX-512 lanes of the Cython core ----------------------------------------------------
-# The Cython core rolls 8 blocks of 4 KiB side by side when the CPU has AVX-512 and a search
-# range is at least 32 KiB long (so only parameter sets with avg_size - min_size >= 32 KiB use
-# them). These tests compare the lanes with the scalar loop of the same build and with the
-# pure-Python reference; on a CPU without AVX-512 both sides are the scalar loop.
+# --- the lane kernels of the Cython core -----------------------------------------------------
+# The Cython core rolls several blocks of 4 KiB side by side (a "lane kernel": AVX-512 on x86-64
+# CPUs that have it, NEON on arm64, portable interleaved C everywhere) when a search range is at
+# least one round long. These tests run every kernel usable on this CPU and compare it with the
+# one-lane loop of the same build ("one", the portable path forced) and with the pure-Python
+# reference.
 
 MID = ChunkParams(version=0, min_size=4096, avg_size=128 * 1024, max_size=512 * 1024)
 LANE_BLOCK = 4096
-LANES = 8
+KERNEL_LANES = {"interleaved": 2, "neon": 4, "avx512": 9}
 
 
-@pytest.fixture(scope="module")
-def cdc(cy_chunker: ChunkerImpl) -> Iterator[ModuleType]:
-    """``tb5sync._cdc`` with its lanes setting restored after the test."""
+@pytest.fixture(scope="module", params=sorted(KERNEL_LANES))
+def cdc(cy_chunker: ChunkerImpl, request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """``tb5sync._cdc`` with the lane kernel ``request.param`` (skipped where unusable), restored after."""
     from tb5sync import _cdc
 
-    prev = _cdc.set_vector_lanes(True)
+    if request.param not in _cdc.lane_kernels():
+        pytest.skip(f"lane kernel {request.param} not usable on this CPU")
+    prev = _cdc.set_lane_kernel(request.param)
     yield _cdc
-    _cdc.set_vector_lanes(prev)
+    _cdc.set_lane_kernel(prev)
 
 
 def scalar_and_lanes(cdc: ModuleType, data: bytes, params: ChunkParams, final: bool = True) -> tuple[list[int], list[int]]:
-    cdc.set_vector_lanes(False)
-    scalar = cdc.cut_points(data, params, final)
-    cdc.set_vector_lanes(True)
+    kernel = cdc.set_lane_kernel("one")
+    try:
+        scalar = cdc.cut_points(data, params, final)
+    finally:
+        cdc.set_lane_kernel(kernel)
     return scalar, cdc.cut_points(data, params, final)
 
 
 def test_lanes_setting(cdc: ModuleType) -> None:
-    assert cdc.vector_lanes() in (1, LANES)
-    if cdc.vector_lanes() == LANES:
-        assert cdc.set_vector_lanes(False) is True
-        assert cdc.vector_lanes() == 1
+    kernel = cdc.lane_kernel()
+    assert cdc.vector_lanes() == KERNEL_LANES[kernel]
+    assert cdc.set_vector_lanes(False) is True
+    assert cdc.lane_kernel() == "one" and cdc.vector_lanes() == 1
+    assert cdc.set_vector_lanes(True) is False
+    assert cdc.lane_kernel() == cdc.default_lane_kernel() != "one"
+    assert cdc.set_lane_kernel(kernel) == cdc.default_lane_kernel()
+    with pytest.raises(UsageError, match="not available"):
+        cdc.set_lane_kernel("sse9")
+    assert cdc.lane_kernel() == kernel
+
+
+@pytest.mark.parametrize("name", ["one", "interleaved", "avx512", "neon", "bogus"])
+def test_lane_kernel_from_environment(cy_chunker: ChunkerImpl, name: str) -> None:
+    """$TB5SYNC_LANE_KERNEL picks the kernel at import when usable here; otherwise the import measures."""
+    import subprocess
+    import sys
+
+    from tb5sync import _cdc
+
+    code = "from tb5sync import _cdc; print(_cdc.default_lane_kernel(), _cdc.lane_kernel())"
+    env = {**os.environ, "TB5SYNC_LANE_KERNEL": name}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=60)
+    default, current = out.stdout.split()
+    assert default == current
+    if name in _cdc.lane_kernels():
+        assert default == name
+    else:
+        assert default in _cdc.lane_kernels() and default != "one"
+
+
+def test_best_kernel_by_platform(cy_chunker: ChunkerImpl) -> None:
+    """The default kernel is the platform's vector one where it exists (NEON is part of arm64)."""
+    import platform
+
+    from tb5sync import _cdc
+
+    kernels = _cdc.lane_kernels()
+    assert kernels[:2] == ["one", "interleaved"]
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        assert "neon" in kernels
+    else:
+        assert "neon" not in kernels
 
 
 def test_lanes_cut_in_every_lane(cdc: ModuleType) -> None:
-    """On 32 MiB the lanes find cuts in each of the 8 blocks of a round, all where the scalar loop does."""
+    """On 32 MiB the lanes find cuts in each block of a round, all where the scalar loop does."""
+    lanes_n = cdc.vector_lanes()
     data = blake3.blake3(b"tb5sync-lanes").digest(length=32 << 20)
     scalar, lanes = scalar_and_lanes(cdc, data, MID)
     assert lanes == scalar
@@ -389,10 +434,10 @@ def test_lanes_cut_in_every_lane(cdc: ModuleType) -> None:
         first = start + MID.min_size if cut - start <= MID.avg_size else start + MID.avg_size
         range_len = (MID.avg_size - MID.min_size) if first == start + MID.min_size else (MID.max_size - MID.avg_size)
         off = cut - 1 - first
-        if off < range_len - range_len % (LANES * LANE_BLOCK):
-            seen.add(off // LANE_BLOCK % LANES)
+        if off < range_len - range_len % (lanes_n * LANE_BLOCK):
+            seen.add(off // LANE_BLOCK % lanes_n)
         start = cut
-    assert seen == set(range(LANES))
+    assert seen == set(range(lanes_n))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -475,3 +520,71 @@ def test_parallel_bad_arguments(cut_pool: ThreadPoolExecutor) -> None:
         chunking.parallel_cut_points("text", SMALL, True, 2, cut_pool)  # type: ignore[arg-type]
     assert chunking.parallel_cut_points(b"", SMALL, True, 3, cut_pool) == []
     assert chunking.parallel_cut_points(b"abc", SMALL, True, 3, None) == [3]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kernels_header(directory: Path) -> Path:
+    """Write ``kernels.h`` (the gear table and the lane kernels' C, cut from the sources) for
+    tests/lane_kernels_check.c; return the directory."""
+
+    def block(text: str, marker: str) -> str:
+        start = text.index(marker)
+        return text[start : text.index('"""', start)]
+
+    gear = block((ROOT / "ext" / "_gear.pxi").read_text(), "#include <stdint.h>")
+    kernels = block((ROOT / "ext" / "_cdc.pyx").read_text(), "    /* Lane kernels of the cut search")
+    (directory / "kernels.h").write_text(gear + "\n" + kernels)
+    return directory
+
+
+def run_kernel_check(cc: str, tmp_path: Path, runner: list[str], extra: list[str]) -> str:
+    """Build tests/lane_kernels_check.c with ``cc`` and run it (through ``runner``); its output."""
+    import subprocess
+
+    exe = tmp_path / "check"
+    inc = kernels_header(tmp_path)
+    subprocess.run([cc, "-O2", *extra, "-I", str(inc), str(ROOT / "tests" / "lane_kernels_check.c"), "-o", str(exe)],
+                   check=True, timeout=240)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_lane_kernels_in_c_agree_with_one_lane(tmp_path: Path) -> None:
+    """Every lane kernel usable here, called directly on 4,000 ranges (masks of 8..19 bits, so
+    many cuts, some ranges with zero runs), gives the one-lane loop's cut or end state."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = run_kernel_check(cc, tmp_path, [], [])
+    assert "ok 1 4000" in out  # the portable interleaved kernel, always
+    from tb5sync import _cdc
+
+    if "avx512" in _cdc.lane_kernels():
+        assert "ok 3 4000" in out
+
+
+@pytest.mark.timeout(300)
+def test_neon_kernel_under_arm64_emulation(tmp_path: Path) -> None:
+    """The NEON kernel (Apple silicon's path), cross-compiled for aarch64 and run under qemu where
+    both are installed (gcc-aarch64-linux-gnu, qemu-user), agrees with the one-lane loop; so do the
+    portable kernel built for aarch64, and the generated ext/_cdc.c compiles for aarch64."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    out = run_kernel_check(cc, tmp_path, [qemu], ["-static"])
+    assert "ok 1 4000" in out and "ok 2 4000" in out
+    source = ROOT / "ext" / "_cdc.c"  # left by an in-place build
+    if source.exists():
+        include = sysconfig.get_paths()["include"]
+        subprocess.run([cc, "-fsyntax-only", "-O2", "-I", include, str(source)], check=True, timeout=240)
