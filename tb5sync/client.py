@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
+from .errors import ConnectError, RemoteProtocolError, SourceNotFoundError, Tb5syncError, UsageError
 from ._paths import follow_slash
 from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
 from .options import Failure, SyncOptions, SyncStats
@@ -47,6 +47,7 @@ def _open_streams(
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
+        _check_known(r, msg, resp)
         if opened is not None:
             opened()
         sid = resp.get("session")
@@ -59,6 +60,25 @@ def _open_streams(
             c.close()
         raise
     return chans, resp
+
+
+def _check_known(r: Remote, msg: dict[str, Any], resp: dict[str, Any]) -> None:
+    """Refuse a server that does not list, in its OPEN reply, every rsync option this sync sets
+    (an older tb5sync would ignore it: a --max-delete ignored deletes everything). Raised before
+    any request is served, so such a server changes nothing.
+
+    Raises
+    ------
+    UsageError
+        Naming the options and the server.
+    """
+    opts = msg.get("options")
+    if not isinstance(opts, dict):
+        return
+    missing = SyncOptions.from_wire(opts).unknown_to(resp.get("options"))
+    if missing:
+        raise UsageError(f"the server at {r.host}:{r.port} does not support {', '.join(missing)} (an older tb5sync): "
+                         "upgrade it, or leave the option out")
 
 
 def default_state_dir(root: str) -> str | None:
@@ -216,14 +236,14 @@ def push(
 
     Raises
     ------
-    RemoteNotFoundError
-        ``src`` does not exist.
+    SourceNotFoundError
+        ``src`` does not exist (a ``RemoteNotFoundError`` too, as it was raised before).
     ConnectError, AuthError, ReadOnlyError, PathError, DestinationError, ...
         As reported by the connection or the server.
     """
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
-        raise RemoteNotFoundError(f"source does not exist: {src}")
+        raise SourceNotFoundError(f"local source does not exist: {src}")
     src_abs = follow_slash(src_abs, src)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
@@ -274,7 +294,13 @@ def push(
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
-    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped")}
+    fields = {k: v for k, v in stats.items()
+              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized")}
+    itemized = stats.get("itemized", [])
+    if not (isinstance(itemized, list) and all(isinstance(x, str) for x in itemized)):
+        raise RemoteProtocolError("the server's itemized changes are malformed")
+    # rsync's sending side shows a transferred file as sent: "<f", where the receiver shows ">f"
+    fields["itemized"] = tuple("<" + x[1:] if x.startswith(">") else x for x in itemized)
     skipped = stats.get("skipped", [])
     if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
         raise RemoteProtocolError("the server's skipped entries are malformed")

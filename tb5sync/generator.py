@@ -24,7 +24,7 @@ from .errors import DestinationError, PathError, RemoteProtocolError, SourceChan
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, plan_sync
+from .plan import Plan, dry_run_changes, itemize_lines, plan_sync
 from .scan import Tree
 
 __all__ = ["Generator", "Planned"]
@@ -96,7 +96,6 @@ class Generator:
         RemoteProtocolError, UsageError
             A malformed or unsafe listing from the sender.
         """
-        rules = self.options.rules
         try:
             root, src_dirs, src_failed = self._fetch_summary()
             try:
@@ -121,7 +120,10 @@ class Generator:
         if delete and (src_failed or dst_errors):
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
-        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same)
+        o = self.options
+        plan = plan_sync(src, dst, delete=delete, excludes=o.dest_rules, same_content=same, size_only=o.size_only,
+                         update=o.update, ignore_existing=o.ignore_existing, max_delete=o.max_delete,
+                         itemize=o.itemize, dry_run=o.dry_run)
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
@@ -146,8 +148,19 @@ class Generator:
             seconds=time.perf_counter() - t0,
             failures=tuple(self.destination.failures),
             skipped=tuple(self.destination.specials),
+            deletes_skipped=plan.deletes_skipped,
+            itemized=tuple(itemize_lines(plan.items, self.options.exclude_root)),
             extra={"plan": plan, "changes": dry_run_changes(plan, src)},
         )
+
+    def itemized(self, planned: Planned) -> tuple[str, ...]:
+        """The ``--itemize-changes`` lines of a run of ``planned`` that is over: the plan's items
+        but those of entries that failed (named in the failures instead)."""
+        if not planned.plan.items:
+            return ()
+        failed = {f.path for f in self.destination.failures} | set(self.destination.changed)
+        items = [(c, e) for c, e in planned.plan.items if e.path not in failed]
+        return tuple(itemize_lines(items, self.options.exclude_root))
 
     def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]], list[tuple[str, str]]]:
         """The source's root entry, its directory summaries ``(path, digest, files, bytes)`` (all

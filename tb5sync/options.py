@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
-__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES"]
+__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "RSYNC_OPTIONS", "known_options", "parse_rate"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
@@ -48,6 +49,28 @@ class SyncOptions:
         entries is flushed after its renames, before the run reports success; so a file
         reported as synced survives a power cut. Off by default (as in rsync): a crash
         can then lose recent files, but never leaves a partial file at a final path.
+
+    The rsync options below are the "second half" block (see :data:`RSYNC_OPTIONS`); each is
+    off at its default, and a server that does not know one refuses the session instead of
+    ignoring it (:meth:`unknown_to`).
+
+    delete_excluded : bool
+        Also delete excluded entries at the destination (rsync ``--delete-excluded``; implies
+        ``delete``).
+    max_delete : int or None
+        At most this many deletions (rsync ``--max-delete=N``, 0 = none); the rest are skipped,
+        counted in :attr:`SyncStats.deletes_skipped` (exit 25). None: no limit.
+    itemize : bool
+        Record one rsync ``--itemize-changes`` line per change (``SyncStats.itemized``).
+    update : bool
+        Skip regular files whose destination copy is newer (rsync ``-u``).
+    ignore_existing : bool
+        Skip every destination entry that exists, but directories (rsync ``--ignore-existing``).
+    size_only : bool
+        Quick check by size alone (rsync ``--size-only``).
+    bwlimit : int
+        Bytes per second the sender puts on the wire, all streams of the session together
+        (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited.
     """
 
     delete: bool = False
@@ -58,8 +81,22 @@ class SyncOptions:
     streams: int = 4
     exclude_root: str = ""
     fsync: bool = False
+    # -- rsync options, second half (defaults: off) --
+    delete_excluded: bool = False
+    max_delete: int | None = None
+    itemize: bool = False
+    update: bool = False
+    ignore_existing: bool = False
+    size_only: bool = False
+    bwlimit: int = 0
 
     def __post_init__(self) -> None:
+        if self.delete_excluded and not self.delete:
+            object.__setattr__(self, "delete", True)  # rsync: --delete-excluded implies --delete
+        if self.max_delete is not None and (isinstance(self.max_delete, bool) or not isinstance(self.max_delete, int) or self.max_delete < 0):
+            raise UsageError(f"max_delete must be an integer >= 0 or None, not {self.max_delete!r}")
+        if isinstance(self.bwlimit, bool) or not isinstance(self.bwlimit, int) or self.bwlimit < 0:
+            raise UsageError(f"bwlimit must be bytes per second, an integer >= 0, not {self.bwlimit!r}")
         if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
             raise UsageError(f"exclude_root must be a single name, not {self.exclude_root!r}")
         if self.compress not in COMPRESS_MODES:
@@ -75,6 +112,21 @@ class SyncOptions:
         from .excludes import ExcludeRules
 
         return ExcludeRules(self.excludes, self.exclude_root)
+
+    @property
+    def dest_rules(self) -> ExcludeRules:
+        """The rules that hide and protect destination entries: none with ``delete_excluded``."""
+        from .excludes import NO_RULES
+
+        return NO_RULES if self.delete_excluded else self.rules
+
+    def unknown_to(self, known: object) -> list[str]:
+        """The rsync options of :data:`RSYNC_OPTIONS` set here (not at their default) that a
+        server's list of ``known`` option names (its OPEN reply's ``"options"``; absent from an
+        older server's: None) lacks, as CLI flags."""
+        names = set(known) if isinstance(known, list) else set()
+        return [flag for name, flag in RSYNC_OPTIONS.items()
+                if getattr(self, name) != _DEFAULTS[name] and name not in names]
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly dict of these options."""
@@ -98,10 +150,24 @@ class SyncOptions:
             raise UsageError("excludes must be a list of strings")
         if isinstance(kw.get("exclude_root"), bytes):
             kw["exclude_root"] = path_from_wire(kw["exclude_root"])
-        for k in ("delete", "checksum", "dry_run", "fsync"):
+        for k in ("delete", "checksum", "dry_run", "fsync", "delete_excluded", "itemize", "update", "ignore_existing", "size_only"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)
+
+
+#: SyncOptions fields a server must know to honour (name -> the CLI flag); an older server that
+#: does not list one in its OPEN reply is refused by the client (see SyncOptions.unknown_to).
+RSYNC_OPTIONS = {
+    "delete_excluded": "--delete-excluded", "max_delete": "--max-delete", "itemize": "--itemize-changes",
+    "update": "--update", "ignore_existing": "--ignore-existing", "size_only": "--size-only", "bwlimit": "--bwlimit",
+}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SyncOptions)}
+
+
+def known_options() -> list[str]:
+    """Every SyncOptions field name: what a server lists in its OPEN reply (``"options"``)."""
+    return [f.name for f in dataclasses.fields(SyncOptions)]
 
 
 @dataclass(frozen=True)
@@ -200,6 +266,12 @@ class SyncStats:
         ``(path, what)`` of the source's special files (``what``: ``"fifo"``, ``"socket"``,
         ``"character device"``, ``"block device"``): not synced, as rsync without ``-D``
         skips them, and named on every route (not failures).
+    deletes_skipped : int
+        Deletions left undone by ``max_delete`` (rsync: "Deletions stopped due to
+        --max-delete limit (N skipped)", exit 25).
+    itemized : tuple of str
+        With ``itemize``: rsync ``--itemize-changes`` lines (``">f+++++++++ path"``,
+        ``"*deleting   path"``, ...), paths relative to the transfer root as rsync prints them.
     """
 
     files_total: int = 0
@@ -214,6 +286,8 @@ class SyncStats:
     seconds: float = 0.0
     failures: tuple[Failure, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
+    deletes_skipped: int = 0
+    itemized: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -227,7 +301,39 @@ class SyncStats:
 
     @property
     def exit_code(self) -> int:
-        """rsync's exit status for this result: 0, 24 (only vanished source files) or 23 (some entries failed)."""
-        if not self.failures:
-            return 0
-        return 24 if all(f.vanished for f in self.failures) else 23
+        """rsync's exit status for this result, its precedence too: 23 (some entries failed),
+        24 (only vanished source files), 25 (``max_delete`` stopped deletions) or 0."""
+        if self.failures:
+            return 24 if all(f.vanished for f in self.failures) else 23
+        return 25 if self.deletes_skipped else 0
+
+
+_RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:([bkmgtp])(i?b)?)?", re.IGNORECASE)
+_UNITS = {"b": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_rate(text: str) -> int:
+    """rsync's ``--bwlimit=RATE`` in bytes per second.
+
+    A number (fractions allowed) in KiB/s, or with a suffix: ``b`` bytes, ``K``/``M``/``G``/``T``/``P``
+    (powers of 1024, also written ``KiB``...; ``KB``, ``MB``... are powers of 1000); case does not
+    matter; ``0`` (or empty) is no limit. Source: rsync's ``parse_size_arg`` (options.c).
+
+    Raises
+    ------
+    UsageError
+        Not of that form, or a limit below 512 bytes per second (rsync: "too small").
+    """
+    t = text.strip()
+    if not t:
+        return 0
+    m = _RATE.fullmatch(t)
+    if m is None:
+        raise UsageError(f"--bwlimit={text} is invalid (a number of KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G)")
+    number, unit, tail = m.groups()
+    power = _UNITS[(unit or "k").lower()]
+    base = 1000 if tail is not None and tail.lower() == "b" and power else 1024
+    rate = int(float(number) * base**power)
+    if 0 < rate < 512:
+        raise UsageError(f"--bwlimit={text} is too small (min: 512 bytes per second, or 0 for unlimited)")
+    return rate

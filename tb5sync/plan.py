@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .entry import DIR, LINK, Entry
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes"]
+__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines"]
 
 @dataclass
 class Plan:
@@ -22,6 +22,10 @@ class Plan:
     ``refused`` lists ``(path, reason)`` for source entries that cannot be synced because
     the destination holds a non-empty directory where they go (rsync: "cannot delete
     non-empty directory"); they are in no other list, and that directory is not deleted.
+    ``deletes_skipped`` counts the deletions ``max_delete`` left out, ``kept_dirs`` the
+    directories that then stay non-empty (rsync: "cannot delete non-empty directory");
+    ``items`` (with ``itemize``) is ``(code, entry)`` per change, ``code`` rsync's 11-character
+    ``YXcstpoguax`` string (see :func:`itemize_lines`), deletions first.
     """
 
     mkdirs: list[Entry] = field(default_factory=list)
@@ -32,6 +36,10 @@ class Plan:
     dirs: list[Entry] = field(default_factory=list)
     unchanged: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)
+    # -- rsync options, second half --
+    deletes_skipped: int = 0
+    kept_dirs: list[str] = field(default_factory=list)
+    items: list[tuple[str, Entry]] = field(default_factory=list)
 
 
 def plan_sync(
@@ -41,6 +49,12 @@ def plan_sync(
     delete: bool = False,
     excludes: ExcludeRules = NO_RULES,
     same_content: dict[str, bool] | None = None,
+    size_only: bool = False,
+    update: bool = False,
+    ignore_existing: bool = False,
+    max_delete: int | None = None,
+    itemize: bool = False,
+    dry_run: bool = False,
 ) -> Plan:
     """Compare a source manifest with the destination's and plan the changes.
 
@@ -56,6 +70,18 @@ def plan_sync(
         ``--checksum`` mode: for files present on both sides with equal size,
         whether their content digests are equal. Files absent from the dict fall
         back to the quick check.
+    size_only, update, ignore_existing : bool
+        rsync's ``--size-only`` (a file of the same size is unchanged; its mode and mtime are
+        still set), ``-u`` (a regular file whose destination copy is newer is left alone) and
+        ``--ignore-existing`` (an existing destination entry is left alone, but a directory
+        where the source has one; the source's entries below a non-directory left in place
+        are refused: "Not a directory").
+    max_delete : int or None
+        At most this many deletions of entries missing at the source, in rsync's order (see
+        :func:`_limit_deletes`); replacements of another type are not counted.
+    itemize, dry_run : bool
+        Fill ``items`` (rsync ``-i``); in a dry run a transferred file shows no ``t`` (rsync
+        reports it only once the file's time is set).
 
     Returns
     -------
@@ -67,9 +93,25 @@ def plan_sync(
     have = {e.path: e for e in dst}
     plan = Plan()
     src_paths = set()
+    left: list[str] = []  # destination non-directories left in place where the source has a directory
+    items: list[tuple[str, Entry]] = []
+
+    def item(code: str, e: Entry) -> None:
+        if itemize:
+            items.append((code, e))
+
     for e in src:
         src_paths.add(e.path)
         d = have.get(e.path)
+        if left and _below(e.path, left):
+            plan.refused.append((e.path, "Not a directory: a destination entry kept by --ignore-existing is in the way"))
+            continue
+        if d is not None and (ignore_existing and not (e.kind == DIR and d.kind == DIR)
+                              or update and e.kind == FILE and d.kind == FILE and d.mtime_ns > e.mtime_ns):
+            plan.unchanged += 1  # left as it is (rsync: "exists" / "is newer")
+            if e.kind == DIR:
+                left.append(e.path)
+            continue
         if d is not None and d.kind != e.kind:
             if not (d.kind == DIR and e.kind == DIR):
                 plan.delete.append(d)
@@ -78,30 +120,43 @@ def plan_sync(
             plan.dirs.append(e)
             if d is None:
                 plan.mkdirs.append(e)
-            elif d.mode != e.mode:
-                plan.meta.append(e)
+                item("cd+++++++++", e)
+            else:
+                if d.mode != e.mode:
+                    plan.meta.append(e)
+                if d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                    item(_attrs(".d", d, e, size=False), e)
         elif e.kind == LINK:
             if d is None or d.target != e.target:
                 if d is not None:
                     plan.delete.append(d)
+                    item(_attrs("cLc", d, e, size=False, mode=False), e)
+                else:
+                    item("cL+++++++++", e)
                 plan.links.append(e)
             else:
                 if d.mtime_ns != e.mtime_ns:
                     plan.meta.append(e)
+                    item(_attrs(".L.", d, e, size=False, mode=False), e)
                 plan.unchanged += 1
         else:
             if d is None:
                 plan.files.append(e)
+                item(">f+++++++++", e)
                 continue
             if same_content is not None and e.path in same_content:
                 changed = d.size != e.size or not same_content[e.path]
+            elif size_only:
+                changed = d.size != e.size
             else:
                 changed = d.size != e.size or d.mtime_ns != e.mtime_ns
             if changed:
                 plan.files.append(e)
+                item(_attrs(">fc" if same_content is not None else ">f.", d, e, time=not dry_run), e)
             elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
                 plan.meta.append(e)
                 plan.unchanged += 1
+                item(_attrs(".f.", d, e, size=False), e)
             else:
                 plan.unchanged += 1
     if delete:
@@ -110,7 +165,11 @@ def plan_sync(
                 continue
             if excludes and (excludes.match(p, d.kind == DIR) or excludes.excluded_by_parent(p)):
                 continue
+            if left and _below(p, left):
+                continue  # inside a destination directory kept where the source has a non-directory
             plan.delete.append(d)
+    if max_delete is not None:
+        _limit_deletes(plan, have, src_paths, max_delete)
     # children before parents; de-duplicate
     seen: set[str] = set()
     uniq = []
@@ -120,7 +179,69 @@ def plan_sync(
             uniq.append(d)
     plan.delete = uniq
     _refuse_nonempty_replacements(plan, have, src_paths)
+    if itemize:
+        refused = {p for p, _ in plan.refused}
+        plan.items = [("*deleting", d) for d in plan.delete if d.path not in src_paths]
+        plan.items += [(c, e) for c, e in items if e.path not in refused]
     return plan
+
+
+def _below(path: str, tops: list[str]) -> bool:
+    """Whether ``path`` is strictly inside one of the directories ``tops``."""
+    return any(path.startswith(t + "/") if t else path != "" for t in tops)
+
+
+def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, time: bool = True, mode: bool = True) -> str:
+    """rsync's ``YXcstpoguax`` for an existing entry ``d`` becoming ``e``: ``head`` gives the first
+    characters (``YX`` and, when given, ``c``), then ``s``, ``t`` and ``p`` where they differ (and are
+    asked for); owner, group, atime, ACL and xattr columns stay ``.`` (not synced)."""
+    code = head if len(head) == 3 else head + "."
+    code += "s" if size and d.size != e.size else "."
+    code += "t" if time and d.mtime_ns != e.mtime_ns else "."
+    code += "p" if mode and d.mode != e.mode else "."
+    return code + "....."
+
+
+def _limit_deletes(plan: Plan, have: dict[str, Entry], src_paths: set[str], limit: int) -> None:
+    """Keep at most ``limit`` of the planned deletions of entries missing at the source, chosen as
+    rsync ``--max-delete`` chooses them, and count the rest in ``plan.deletes_skipped``.
+
+    rsync (delete.c, ``--delete-during``) deletes directory by directory as it walks the source's
+    directories (depth first, in name order); in each, the extraneous entries in reverse name
+    order, a directory's contents before the directory. Once ``limit`` are deleted, each further
+    entry is skipped and counted, but a directory left non-empty (its contents skipped or
+    protected) is named in ``plan.kept_dirs`` and not counted. Replacements (an entry of another
+    type at a source path) are neither limited nor counted.
+    """
+    gone = [d for d in plan.delete if d.path not in src_paths]
+    extraneous = {d.path: d for d in gone}
+    kids: dict[str, list[str]] = {}
+    for p in have:
+        if p:
+            kids.setdefault(p.rpartition("/")[0], []).append(p)
+
+    def key(p: str) -> tuple[bytes, ...]:
+        return tuple(c.encode("utf-8", "surrogateescape") for c in p.split("/"))
+
+    order: list[str] = []
+
+    def visit(dir_path: str) -> None:  # the extraneous entries of one directory, rsync's order
+        for p in sorted((q for q in kids.get(dir_path, ()) if q in extraneous), key=key, reverse=True):
+            if extraneous[p].kind == DIR:
+                visit(p)
+            order.append(p)
+
+    for dir_path in sorted((p for p in src_paths if p not in extraneous and p in kids), key=key):
+        visit(dir_path)
+    deleted: set[str] = set()
+    for p in order:
+        if extraneous[p].kind == DIR and any(q not in deleted for q in kids.get(p, ())):
+            plan.kept_dirs.append(p)
+        elif len(deleted) >= limit:
+            plan.deletes_skipped += 1
+        else:
+            deleted.add(p)
+    plan.delete = [d for d in plan.delete if d.path in src_paths or d.path in deleted]
 
 
 def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str]) -> None:
@@ -170,3 +291,29 @@ def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
 def _source_order(src: list[Entry]) -> Callable[[str], int]:
     order = {e.path: i for i, e in enumerate(src)}
     return lambda p: order.get(p, len(order))
+
+
+def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = False) -> list[str]:
+    """rsync ``--itemize-changes`` lines of ``items`` (``Plan.items``).
+
+    Paths are shown as rsync shows them: relative to the transfer root (``root_name``, the
+    source's name when it had no trailing slash, before each path; the base itself as
+    ``root_name`` or ``.``), directories with a trailing ``/``, symlinks with ``-> target``;
+    names that are not valid UTF-8 with ``\\xNN`` escapes. A deletion is ``*deleting`` padded to
+    11 characters. In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
+    the sending side.
+    """
+    from .entry import show_path
+
+    out = []
+    for code, e in items:
+        path = f"{root_name}/{e.path}" if root_name and e.path else (e.path or root_name or ".")
+        if e.kind == DIR:
+            path += "/"
+        line = f"{code:<11} {show_path(path)}"
+        if e.kind == LINK and code != "*deleting":
+            line += f" -> {show_path(e.target or '')}"
+        if push and code.startswith(">"):
+            line = "<" + line[1:]
+        out.append(line)
+    return out

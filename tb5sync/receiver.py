@@ -164,7 +164,7 @@ class Receiver:
         # Scan the destination while the sender scans the source (they overlap on two cores).
         dst_fut = (
             self._dst_scan if self._dst_scan is not None
-            else scan_in_background(self.dest, self.options.rules, unlock=not self.options.dry_run)
+            else scan_in_background(self.dest, self.options.dest_rules, unlock=not self.options.dry_run)
         )
         generator = Generator(self.link, self.destination, self.options, self.params)
         try:
@@ -199,6 +199,8 @@ class Receiver:
             seconds=time.perf_counter() - t0,
             failures=(*self.destination.failures, *self.destination.vanished()),
             skipped=tuple(self.destination.specials),
+            deletes_skipped=planned.plan.deletes_skipped,
+            itemized=generator.itemized(planned),
             **self.destination.stats,
         )
 

@@ -51,7 +51,7 @@ from .fsops import FsOps, Pages
 from .messages import DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .scan import scan
-from .options import SyncOptions
+from .options import SyncOptions, known_options
 from .protocol import FrameType
 from .links import RemoteLink
 from .receiver import Receiver, dest_base, scan_in_background
@@ -751,7 +751,7 @@ class Server:
             s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind})
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": known_options()})
             self._serve_sender(ch, s)
         finally:
             self._end_session(sid, s)
@@ -797,8 +797,8 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.rules, unlock=not options.dry_run)
-        ch.send_control(FrameType.RESPONSE, 0, {"session": sid})
+        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run)
+        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
         requester: Requester | None = None
         try:
             with s.joined:
