@@ -161,8 +161,9 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
+        fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
-        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh).run()
         return _on_server(stats, "source")
     finally:
         requester.close(bye=True)

@@ -116,6 +116,9 @@ class Receiver:
     dst_scan : Future of Tree, optional
         A scan of ``dest`` already running (:func:`scan_in_background` with the same
         exclude rules); by default :meth:`run` starts one.
+    fresh_base : bool
+        ``dest`` did not exist before the caller made it (a local destination's state root):
+        it is itemized as created (``cd+++++++++``), as rsync shows a directory it made.
     """
 
     def __init__(
@@ -128,8 +131,10 @@ class Receiver:
         progress: ProgressFn | None = None,
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
         dst_scan: Future[Tree] | None = None,
+        fresh_base: bool = False,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
+        self.fresh_base = fresh_base
         self._dst_scan = dst_scan
         self.link = link
         self.options = options
@@ -169,6 +174,9 @@ class Receiver:
         generator = Generator(self.link, self.destination, self.options, self.params)
         try:
             planned = generator.make_plan(dst_fut)
+            if self.fresh_base:
+                items = planned.plan.items
+                planned.plan.items = [("cd+++++++++", e) if e.path == "" and e.kind == DIR else (c, e) for c, e in items]
             if self.options.dry_run:
                 return generator.dry_run(planned, t0)
             try:

@@ -273,12 +273,13 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
+    fresh = not os.path.lexists(dest)
     state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
     sender = Sender(src_abs, options)
     sender.prepare()
     link = LocalLink(sender)
     try:
-        return Receiver(dest, link, options, state, prefix, progress).run()
+        return Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()
     finally:
         link.close()
         state.close()
