@@ -342,11 +342,13 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     else:
         for line in stats.itemized:  # -i: rsync's lines, dry run or not
             print(line)
-        if changes is not None:  # -n: the change list, as rsync -n -v lists it
+        if changes is not None:  # -n: the change list, as rsync -n -v lists it (directories with a /)
+            dirs = set(changes.get("dirs", []))
+            targets = dict(zip(changes.get("links", []), changes.get("targets", [])))
             for path in changes.get("delete", []):
-                print(f"deleting {path}")
+                print(f"deleting {path}{'/' if path in dirs else ''}")
             for path in changes.get("transfer", []):
-                print(path)
+                print(f"{path}/" if path in dirs else f"{path} -> {targets[path]}" if path in targets else path)
     if a.stats and not a.json:
         secs = stats.seconds or 1e-9
         prefix = "would transfer" if a.dry_run else "transferred"

@@ -123,7 +123,7 @@ class Generator:
         o = self.options
         plan = plan_sync(src, dst, delete=delete, excludes=o.dest_rules, same_content=same, size_only=o.size_only,
                          update=o.update, ignore_existing=o.ignore_existing, max_delete=o.max_delete,
-                         itemize=o.itemize, dry_run=o.dry_run)
+                         itemize=o.itemize)
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)

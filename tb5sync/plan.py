@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .entry import DIR, LINK, Entry
+from .entry import DIR, FILE, LINK, Entry
 from .excludes import NO_RULES, ExcludeRules
 
 __all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines"]
@@ -54,7 +54,6 @@ def plan_sync(
     ignore_existing: bool = False,
     max_delete: int | None = None,
     itemize: bool = False,
-    dry_run: bool = False,
 ) -> Plan:
     """Compare a source manifest with the destination's and plan the changes.
 
@@ -79,9 +78,8 @@ def plan_sync(
     max_delete : int or None
         At most this many deletions of entries missing at the source, in rsync's order (see
         :func:`_limit_deletes`); replacements of another type are not counted.
-    itemize, dry_run : bool
-        Fill ``items`` (rsync ``-i``); in a dry run a transferred file shows no ``t`` (rsync
-        reports it only once the file's time is set).
+    itemize : bool
+        Fill ``items`` (rsync ``-i``).
 
     Returns
     -------
@@ -152,7 +150,7 @@ def plan_sync(
                 changed = d.size != e.size or d.mtime_ns != e.mtime_ns
             if changed:
                 plan.files.append(e)
-                item(_attrs(">fc" if same_content is not None else ">f.", d, e, time=not dry_run), e)
+                item(_attrs(">fc" if same_content is not None else ">f.", d, e), e)
             elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
                 plan.meta.append(e)
                 plan.unchanged += 1
@@ -191,13 +189,13 @@ def _below(path: str, tops: list[str]) -> bool:
     return any(path.startswith(t + "/") if t else path != "" for t in tops)
 
 
-def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, time: bool = True, mode: bool = True) -> str:
+def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, mode: bool = True) -> str:
     """rsync's ``YXcstpoguax`` for an existing entry ``d`` becoming ``e``: ``head`` gives the first
     characters (``YX`` and, when given, ``c``), then ``s``, ``t`` and ``p`` where they differ (and are
     asked for); owner, group, atime, ACL and xattr columns stay ``.`` (not synced)."""
     code = head if len(head) == 3 else head + "."
     code += "s" if size and d.size != e.size else "."
-    code += "t" if time and d.mtime_ns != e.mtime_ns else "."
+    code += "t" if d.mtime_ns != e.mtime_ns else "."
     code += "p" if mode and d.mode != e.mode else "."
     return code + "....."
 
@@ -279,13 +277,18 @@ def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
     Returns
     -------
     dict
-        ``{"transfer": [...], "delete": [...]}``: directories, files and symlinks that would be
+        ``{"transfer": [...], "delete": [...], "dirs": [...], "links": [...], "targets": [...]}``: directories, files and symlinks that would be
         created or updated (in source order; a directory whose only change is its mode or mtime
         is not listed), and entries that would be deleted (children first; an entry replaced by
-        one of another kind is listed under both).
+        one of another kind is listed under both); ``"dirs"``: the directories among both lists
+        (rsync prints them with a trailing ``/``); ``"links"`` and ``"targets"``: the symlinks to
+        be made and their targets, side by side (rsync prints ``link -> target``).
     """
     transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
-    return {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+    dirs = sorted({e.path for e in (*plan.mkdirs, *plan.delete) if e.kind == DIR and e.path})
+    links = [e for e in plan.links if e.path]
+    return {"transfer": transfer, "delete": [d.path for d in plan.delete], "dirs": dirs,
+            "links": [e.path for e in links], "targets": [e.target or "" for e in links]}
 
 
 def _source_order(src: list[Entry]) -> Callable[[str], int]:
