@@ -205,8 +205,9 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src_paths: set[str], limi
     rsync ``--max-delete`` chooses them, and count the rest in ``plan.deletes_skipped``.
 
     rsync (delete.c, ``--delete-during``) deletes directory by directory as it walks the source's
-    directories (depth first, in name order); in each, the extraneous entries in reverse name
-    order, a directory's contents before the directory. Once ``limit`` are deleted, each further
+    directories (depth first, in name order); in each, the extraneous entries in reverse file-list
+    order (directories, then other entries, each by name backwards), a directory's contents
+    before the directory. Once ``limit`` are deleted, each further
     entry is skipped and counted, but a directory left non-empty (its contents skipped or
     protected) is named in ``plan.kept_dirs`` and not counted. Replacements (an entry of another
     type at a source path) are neither limited nor counted.
@@ -224,7 +225,10 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src_paths: set[str], limi
     order: list[str] = []
 
     def visit(dir_path: str) -> None:  # the extraneous entries of one directory, rsync's order
-        for p in sorted((q for q in kids.get(dir_path, ()) if q in extraneous), key=key, reverse=True):
+        # rsync's file-list order (protocol >= 29): a directory's non-directories by name, then
+        # its directories by name; deletions walk it backwards
+        here = (q for q in kids.get(dir_path, ()) if q in extraneous)
+        for p in sorted(here, key=lambda q: (extraneous[q].kind == DIR, key(q)), reverse=True):
             if extraneous[p].kind == DIR:
                 visit(p)
             order.append(p)

@@ -21,9 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import tempfile
+
 import pytest
 from conftest import make_tree, slurp, start_server
-from test_vs_rsync import ROUTES, T0, Harness, S, cp_a, freeze_dirs, settle, write
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_vs_rsync import (T0, Harness, S, _tree, assert_same, build_tree, cp_a, digest_snapshot, freeze_dirs, settle,
+                           write)
 
 import tb5sync
 from tb5sync.errors import PartialTransferError, UsageError
@@ -520,3 +525,49 @@ def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any) -> None:
     with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
     assert any(ln.startswith("files:") and "would transfer" in ln for ln in with_stats.stdout.splitlines())
     assert sorted(os.listdir(dst)) == ["old.txt"]
+
+
+# ---- property test: random trees, random options, local -> local ------------------------------
+
+_option = st.sampled_from([
+    ("--update", {"update": True}), ("--ignore-existing", {"ignore_existing": True}),
+    ("--size-only", {"size_only": True}), ("--checksum", {"checksum": True}),
+    ("--delete-excluded --exclude=a", {"delete_excluded": True, "exclude": ["a"]}),
+    ("--delete-excluded --exclude=dd/", {"delete_excluded": True, "exclude": ["dd/"]}),
+    *((f"--delete --max-delete={n}", {"delete": True, "max_delete": n}) for n in (0, 1, 2, 3)),
+    ("--delete --update --size-only", {"delete": True, "update": True, "size_only": True}),
+])
+
+
+def _unescape(text: str) -> str:
+    """rsync writes a non-ASCII byte of a name as ``\\#ooo`` (octal)."""
+    return re.sub(rb"\\#([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), text.encode()).decode()
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(src_items=_tree, dst_items=_tree, option=_option, dry=st.booleans())
+def test_property_options_local_equal_rsync(src_items: list[Any], dst_items: list[Any], option: tuple[str, dict[str, Any]],
+                                            dry: bool) -> None:
+    """The tree, the exit code and the itemized lines of ``rsync -a -i [-n] OPTION`` on random
+    trees, against tb5sync's, local to local."""
+    args, kw = option
+    with tempfile.TemporaryDirectory(prefix="tb5-opts-") as tmp:
+        src = os.path.join(tmp, "src")
+        build_tree(src, src_items, salt=1)
+        ref, mine = os.path.join(tmp, "ref"), os.path.join(tmp, "mine")
+        build_tree(ref, dst_items, salt=2)
+        cp_a(ref, mine)
+        proc = subprocess.run(["rsync", "-a", "-i", *(["-n"] if dry else []), *args.split(), src + "/", ref],
+                              capture_output=True, text=True, timeout=100, check=False)
+        assert proc.returncode in (0, 23, 25), proc.stderr
+        try:
+            st_, code = tb5sync.sync(src + "/", mine, itemize_changes=True, dry_run=dry, **kw), 0
+        except PartialTransferError as exc:
+            st_, code = exc.stats, exc.exit_code
+        assert code == proc.returncode, (proc.stdout, proc.stderr, st_.itemized)
+        # a directory kept after some deletions in it (max-delete) has "now" as its mtime on both sides
+        kept = {p for p, v in digest_snapshot(ref, ()).items() if v[0] == "d" and not os.path.isdir(os.path.join(src, p))}
+        assert_same(digest_snapshot(ref, kept), digest_snapshot(mine, kept), "local")
+        if code != 23:  # where an entry failed, rsync may still itemize it
+            assert sorted(st_.itemized) == sorted(items_of(_unescape(proc.stdout))), proc.stdout
