@@ -74,7 +74,7 @@ def plan_sync(
         still set), ``-u`` (a regular file whose destination copy is newer is left alone) and
         ``--ignore-existing`` (an existing destination entry is left alone, but a directory
         where the source has one; the source's entries below a non-directory left in place
-        are refused: "Not a directory").
+        are refused: "Not a directory", and it gets the directory's mtime, as in rsync).
     max_delete : int or None
         At most this many deletions of entries missing at the source, in rsync's order (see
         :func:`_limit_deletes`); replacements of another type are not counted.
@@ -109,6 +109,10 @@ def plan_sync(
             plan.unchanged += 1  # left as it is (rsync: "exists" / "is newer")
             if e.kind == DIR:
                 left.append(e.path)
+                if d.kind in (FILE, LINK) and d.mtime_ns != e.mtime_ns:
+                    # rsync's pass that sets directory times still gives the entry kept there the
+                    # source directory's mtime (its mode stays): so does this plan
+                    plan.meta.append(d._replace(mtime_ns=e.mtime_ns))
             continue
         if d is not None and d.kind != e.kind:
             if not (d.kind == DIR and e.kind == DIR):
