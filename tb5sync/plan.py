@@ -88,6 +88,7 @@ def plan_sync(
         are equal; in checksum mode, when size and content digest are equal.
         An entry whose type differs is deleted first, then recreated.
     """
+    src = list(src)
     have = {e.path: e for e in dst}
     plan = Plan()
     src_paths = set()
@@ -171,7 +172,7 @@ def plan_sync(
                 continue  # inside a destination directory kept where the source has a non-directory
             plan.delete.append(d)
     if max_delete is not None:
-        _limit_deletes(plan, have, src_paths, max_delete)
+        _limit_deletes(plan, have, src, max_delete)
     # children before parents; de-duplicate
     seen: set[str] = set()
     uniq = []
@@ -204,41 +205,65 @@ def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, mode: bool = Tru
     return code + "....."
 
 
-def _limit_deletes(plan: Plan, have: dict[str, Entry], src_paths: set[str], limit: int) -> None:
+def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: int) -> None:
     """Keep at most ``limit`` of the planned deletions of entries missing at the source, chosen as
     rsync ``--max-delete`` chooses them, and count the rest in ``plan.deletes_skipped``.
 
-    rsync (delete.c, ``--delete-during``) deletes directory by directory as it walks the source's
-    directories (depth first, in name order); in each, the extraneous entries in reverse file-list
-    order (directories, then other entries, each by name backwards), a directory's contents
-    before the directory. Once ``limit`` are deleted, each further
-    entry is skipped and counted, but a directory left non-empty (its contents skipped or
-    protected) is named in ``plan.kept_dirs`` and not counted. Replacements (an entry of another
-    type at a source path) are neither limited nor counted.
+    rsync's order (generator.c and delete.c, ``--delete-during``, incremental recursion): the
+    base's extraneous entries first; then, directory by directory (depth first), each source
+    entry of the directory in file-list order (its non-directories by name, then its
+    directories by name): where it replaces a destination directory, that directory's contents
+    ("making room"), and where it is a directory, its extraneous entries; only then the
+    directories' own lists. Within one destination directory, entries go in reverse file-list
+    order, a directory's contents before it. Once ``limit`` are deleted, each further entry is
+    skipped and counted, but a directory left non-empty (contents skipped or protected) stays
+    (``plan.kept_dirs``, not counted; one in the way of a replacement makes that replacement
+    refused). The replaced entries themselves are neither limited nor counted.
     """
-    gone = [d for d in plan.delete if d.path not in src_paths]
-    extraneous = {d.path: d for d in gone}
+    src_paths = {e.path for e in src}
+    extraneous = {d.path: d for d in plan.delete if d.path not in src_paths}
     kids: dict[str, list[str]] = {}
     for p in have:
         if p:
             kids.setdefault(p.rpartition("/")[0], []).append(p)
+    src_kids: dict[str, list[Entry]] = {}
+    for e in src:
+        if e.path:
+            src_kids.setdefault(e.path.rpartition("/")[0], []).append(e)
 
-    def key(p: str) -> tuple[bytes, ...]:
-        return tuple(c.encode("utf-8", "surrogateescape") for c in p.split("/"))
+    def name(p: str) -> bytes:
+        return p.rpartition("/")[2].encode("utf-8", "surrogateescape")
+
+    def flist(kind: str, p: str) -> tuple[bool, bytes]:  # rsync's file-list order within a directory
+        return kind == DIR, name(p)
 
     order: list[str] = []
 
-    def visit(dir_path: str) -> None:  # the extraneous entries of one directory, rsync's order
-        # rsync's file-list order (protocol >= 29): a directory's non-directories by name, then
-        # its directories by name; deletions walk it backwards
-        here = (q for q in kids.get(dir_path, ()) if q in extraneous)
-        for p in sorted(here, key=lambda q: (extraneous[q].kind == DIR, key(q)), reverse=True):
+    def delete_in(dir_path: str) -> None:  # the extraneous entries of one destination directory
+        here = [q for q in kids.get(dir_path, ()) if q in extraneous]
+        for p in sorted(here, key=lambda q: flist(extraneous[q].kind, q), reverse=True):
             if extraneous[p].kind == DIR:
-                visit(p)
+                delete_in(p)
             order.append(p)
 
-    for dir_path in sorted((p for p in src_paths if p not in extraneous and p in kids), key=key):
-        visit(dir_path)
+    done: set[str] = set()
+
+    def walk(dir_path: str) -> None:  # one source directory's list
+        done.add(dir_path)
+        entries = sorted(src_kids.get(dir_path, ()), key=lambda e: flist(e.kind, e.path))
+        for e in entries:
+            d = have.get(e.path)
+            if d is not None and d.kind == DIR:
+                delete_in(e.path)  # its extraneous entries, or (another type replacing it) all of them
+        for e in entries:
+            if e.kind == DIR:
+                walk(e.path)
+
+    delete_in("")
+    walk("")
+    for e in sorted((e for e in src if e.kind == DIR and e.path not in done), key=lambda e: e.path):
+        if e.path not in done:
+            walk(e.path)  # a directory listed below an unchanged one (its parent's list was not fetched)
     deleted: set[str] = set()
     for p in order:
         if extraneous[p].kind == DIR and any(q not in deleted for q in kids.get(p, ())):

@@ -66,6 +66,8 @@ class Opts(Harness):
                                    capture_output=True, text=True, timeout=100, check=False)
                 assert p.returncode in (0, 23, 25), p.stderr
                 out[r] = (p.returncode, items_of(p.stdout))
+                m = re.search(r"--max-delete limit \((\d+) skipped\)", p.stderr)
+                self.rsync_skipped = int(m.group(1)) if m else 0
                 continue
             if r == "pull":
                 self.stage_pull()
@@ -192,7 +194,32 @@ def test_max_delete(h: Opts, tmp_path: Any, n: int) -> None:
     if out["rsync"][1]:
         same_items(out)
     skipped = {r: h.stats[r].deletes_skipped for r in ("local", "push", "pull")}
-    assert (out["rsync"][0] == 25) == all(skipped.values()), skipped
+    assert set(skipped.values()) == {h.rsync_skipped}, skipped  # the number rsync prints
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3])
+def test_max_delete_counts_what_a_replacement_clears(h: Opts, tmp_path: Any, n: int) -> None:
+    """A symlink or file replacing a destination directory: rsync deletes that directory's
+    contents first, counted and limited (the directory itself is not), in its walk's order; a
+    directory left non-empty is not replaced ("could not make way", exit 23)."""
+    write(os.path.join(h.src, "a", "a"), b"", 0o644, T0)
+    os.symlink("a", os.path.join(h.src, "b"))
+    write(os.path.join(h.src, "c"), b"now a file", 0o644, T0)
+    freeze_dirs(h.src, T0)
+
+    def extras(dst: str) -> None:
+        shutil.rmtree(dst)
+        for p in ("a/a/a", "b/a", "b/c", "c/x", "a/z"):
+            write(os.path.join(dst, p), p.encode(), 0o644, T0)
+
+    _template(h, tmp_path, extras)
+    out = h.go("src/", "dst", ["--delete", f"--max-delete={n}", "-i"], delete=True, max_delete=n, itemize_changes=True)
+    h.check(ignore_mtime=("dst/a/a", "dst/b", "dst/c"))
+    same_codes(out)
+    if out["rsync"][0] != 23:
+        same_items(out)
+    skipped = {r: h.stats[r].deletes_skipped for r in ("local", "push", "pull")}
+    assert set(skipped.values()) == {h.rsync_skipped}, skipped
 
 
 def test_max_delete_message_and_count_match_rsync(h: Opts, tmp_path: Any) -> None:
@@ -584,6 +611,8 @@ def test_property_options_local_equal_rsync(src_items: list[Any], dst_items: lis
         except PartialTransferError as exc:
             st_, code = exc.stats, exc.exit_code
         assert code == proc.returncode, (proc.stdout, proc.stderr, st_.itemized)
+        m = re.search(r"--max-delete limit \((\d+) skipped\)", proc.stderr)
+        assert st_.deletes_skipped == (int(m.group(1)) if m else 0), proc.stderr
         # a directory kept after some deletions in it (max-delete) has "now" as its mtime on both sides
         kept = {p for p, v in digest_snapshot(ref, ()).items() if v[0] == "d" and not os.path.isdir(os.path.join(src, p))}
         assert_same(digest_snapshot(ref, kept), digest_snapshot(mine, kept), "local")
