@@ -217,8 +217,9 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: 
     directories' own lists. Within one destination directory, entries go in reverse file-list
     order, a directory's contents before it. Once ``limit`` are deleted, each further entry is
     skipped and counted, but a directory left non-empty (contents skipped or protected) stays
-    (``plan.kept_dirs``, not counted; one in the way of a replacement makes that replacement
-    refused). The replaced entries themselves are neither limited nor counted.
+    (``plan.kept_dirs``; one in the way of a replacement makes that replacement refused), and is
+    counted only inside a directory being cleared (rsync's ``delete_dir_contents`` checks the
+    limit before its ``rmdir``; ``delete_in_dir`` looks at the contents first). The replaced entries themselves are neither limited nor counted.
     """
     src_paths = {e.path for e in src}
     extraneous = {d.path: d for d in plan.delete if d.path not in src_paths}
@@ -237,14 +238,14 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: 
     def flist(kind: str, p: str) -> tuple[bool, bytes]:  # rsync's file-list order within a directory
         return kind == DIR, name(p)
 
-    order: list[str] = []
+    order: list[tuple[str, bool]] = []  # (path, nested: inside a directory being cleared)
 
-    def delete_in(dir_path: str) -> None:  # the extraneous entries of one destination directory
+    def delete_in(dir_path: str, nested: bool) -> None:  # the extraneous entries of one destination directory
         here = [q for q in kids.get(dir_path, ()) if q in extraneous]
         for p in sorted(here, key=lambda q: flist(extraneous[q].kind, q), reverse=True):
             if extraneous[p].kind == DIR:
-                delete_in(p)
-            order.append(p)
+                delete_in(p, True)
+            order.append((p, nested))
 
     done: set[str] = set()
 
@@ -254,22 +255,25 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: 
         for e in entries:
             d = have.get(e.path)
             if d is not None and d.kind == DIR:
-                delete_in(e.path)  # its extraneous entries, or (another type replacing it) all of them
+                delete_in(e.path, e.kind != DIR)  # its extraneous entries, or (replaced) all of them
         for e in entries:
             if e.kind == DIR:
                 walk(e.path)
 
-    delete_in("")
+    delete_in("", False)
     walk("")
     for e in sorted((e for e in src if e.kind == DIR and e.path not in done), key=lambda e: e.path):
         if e.path not in done:
             walk(e.path)  # a directory listed below an unchanged one (its parent's list was not fetched)
     deleted: set[str] = set()
-    for p in order:
-        if extraneous[p].kind == DIR and any(q not in deleted for q in kids.get(p, ())):
-            plan.kept_dirs.append(p)
+    for p, nested in order:
+        full = extraneous[p].kind == DIR and any(q not in deleted for q in kids.get(p, ()))
+        if full and not nested:
+            plan.kept_dirs.append(p)  # rsync: "cannot delete non-empty directory", not counted
         elif len(deleted) >= limit:
-            plan.deletes_skipped += 1
+            plan.deletes_skipped += 1  # inside a directory being cleared, even a non-empty one counts
+        elif full:
+            plan.kept_dirs.append(p)
         else:
             deleted.add(p)
     plan.delete = [d for d in plan.delete if d.path in src_paths or d.path in deleted]
