@@ -582,7 +582,7 @@ def _unescape(text: str) -> str:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("TB5SYNC_OPTION_EXAMPLES", "60")), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(src_items=_tree, dst_items=_tree, option=_option, dry=st.booleans())
 def test_property_options_local_equal_rsync(src_items: list[Any], dst_items: list[Any], option: tuple[str, dict[str, Any]],
                                             dry: bool) -> None:
