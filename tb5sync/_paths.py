@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .errors import PathError, RemoteNotFoundError, UsageError
+from .errors import PathError, RemoteNotFoundError, SourceNotFoundError, UsageError
 
 __all__ = [
     "STATE_DIR",
@@ -135,7 +135,8 @@ def follow_slash(full: str, given: str, root: str | None = None) -> str:
     Raises
     ------
     RemoteNotFoundError
-        ``link/`` whose target does not exist.
+        ``link/`` whose target does not exist: a served one (with ``root``); a local one raises
+        its subclass ``SourceNotFoundError``.
     UsageError
         ``link/`` whose target is not a directory (POSIX's ENOTDIR).
     PathError
@@ -146,6 +147,8 @@ def follow_slash(full: str, given: str, root: str | None = None) -> str:
     try:
         st = os.stat(full)
     except FileNotFoundError:
+        if root is None:
+            raise SourceNotFoundError(f"local source {given!r} is a symlink to nothing") from None
         raise RemoteNotFoundError(f"source {given!r} is a symlink to nothing") from None
     if not stat.S_ISDIR(st.st_mode):
         raise UsageError(f"source {given!r}: not a directory (a trailing slash names a directory)")

@@ -534,10 +534,13 @@ def test_old_server_refuses_instead_of_ignoring(tmp_path: Any, monkeypatch: Any,
 def test_missing_local_source_says_so(tmp_path: Any, server: Any) -> None:
     """A missing local source is a FileNotFoundError whose class and message name the local
     source (still catchable as the RemoteNotFoundError it used to be), locally and in a push."""
+    os.symlink("nowhere", tmp_path / "dangling")
     for dst in (str(tmp_path / "d"), server.url("d")):
         with pytest.raises(tb5sync.SourceNotFoundError, match="local source does not exist") as ei:
             tb5sync.sync(str(tmp_path / "nope"), dst)
         assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, tb5sync.RemoteNotFoundError)
+        with pytest.raises(tb5sync.SourceNotFoundError, match="local source .* is a symlink to nothing"):
+            tb5sync.sync(str(tmp_path / "dangling") + "/", dst)
     r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(tmp_path / "nope"), str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 23 and "local source does not exist" in r.stderr
