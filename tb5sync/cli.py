@@ -333,7 +333,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
         print(f"tb5sync: Deletions stopped due to --max-delete limit ({stats.deletes_skipped} skipped)", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run and not a.itemize_changes else None
     if changes is not None:  # names that are not valid UTF-8 printed with \xNN escapes
-        changes = {k: [show_path(p) for p in v] for k, v in changes.items()}
+        changes = {k: v if k == "lines" else [show_path(p) for p in v] for k, v in changes.items()}
     if a.json:
         out = stats.as_dict()
         if changes is not None:
@@ -342,13 +342,15 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     else:
         for line in stats.itemized:  # -i: rsync's lines, dry run or not
             print(line)
-        if changes is not None:  # -n: the change list, as rsync -n -v lists it (directories with a /)
-            dirs = set(changes.get("dirs", []))
-            targets = dict(zip(changes.get("links", []), changes.get("targets", [])))
-            for path in changes.get("delete", []):
-                print(f"deleting {path}{'/' if path in dirs else ''}")
-            for path in changes.get("transfer", []):
-                print(f"{path}/" if path in dirs else f"{path} -> {targets[path]}" if path in targets else path)
+        if changes is not None:  # -n: the change list, as rsync -n -v lists it
+            if "lines" in changes:
+                for line in changes["lines"]:
+                    print(line)
+            else:  # an older server's push: the paths only
+                for path in changes.get("delete", []):
+                    print(f"deleting {path}")
+                for path in changes.get("transfer", []):
+                    print(path)
     if a.stats and not a.json:
         secs = stats.seconds or 1e-9
         prefix = "would transfer" if a.dry_run else "transferred"

@@ -123,7 +123,7 @@ class Generator:
         o = self.options
         plan = plan_sync(src, dst, delete=delete, excludes=o.dest_rules, same_content=same, size_only=o.size_only,
                          update=o.update, ignore_existing=o.ignore_existing, max_delete=o.max_delete,
-                         itemize=o.itemize)
+                         itemize=o.itemize or o.dry_run)  # a dry run's list is made from the items
         for path, reason in plan.refused:
             self.destination.fail(path, "destination", reason)
         files_total = sum(d[2] for d in src_dirs) + (root.kind == FILE)
@@ -149,8 +149,8 @@ class Generator:
             failures=tuple(self.destination.failures),
             skipped=tuple(self.destination.specials),
             deletes_skipped=plan.deletes_skipped,
-            itemized=tuple(itemize_lines(plan.items, self.options.exclude_root)),
-            extra={"plan": plan, "changes": dry_run_changes(plan, src)},
+            itemized=tuple(itemize_lines(plan.items, self.options.exclude_root)) if self.options.itemize else (),
+            extra={"plan": plan, "changes": dry_run_changes(plan, src, self.options.exclude_root)},
         )
 
     def itemized(self, planned: Planned) -> tuple[str, ...]:

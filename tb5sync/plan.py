@@ -308,24 +308,28 @@ def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths:
     plan.links = [e for e in plan.links if e.path not in refused]
 
 
-def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
+def dry_run_changes(plan: Plan, src: list[Entry], root_name: str = "") -> dict[str, list[str]]:
     """What a dry run would change, as rsync ``-n -v`` lists it: paths relative to the destination base.
 
     Returns
     -------
     dict
-        ``{"transfer": [...], "delete": [...], "dirs": [...], "links": [...], "targets": [...]}``: directories, files and symlinks that would be
-        created or updated (in source order; a directory whose only change is its mode or mtime
-        is not listed), and entries that would be deleted (children first; an entry replaced by
-        one of another kind is listed under both); ``"dirs"``: the directories among both lists
-        (rsync prints them with a trailing ``/``); ``"links"`` and ``"targets"``: the symlinks to
-        be made and their targets, side by side (rsync prints ``link -> target``).
+        ``{"transfer": [...], "delete": [...], "lines": [...]}``: directories, files and
+        symlinks that would be created or updated (in source order; a directory whose only change
+        is its mode or mtime is not listed), and entries that would be deleted (children first;
+        an entry replaced by one of another kind is listed under both); ``lines`` (when the plan
+        has ``items``) is what ``rsync -n -v`` prints: ``deleting PATH``, then each entry created,
+        each file sent, each symlink changed and each directory whose mode or mtime changes
+        (rsync's "significant" items: not a file's or a symlink's attributes alone), relative to
+        the transfer root as :func:`itemize_lines` shows them, without the change codes.
     """
     transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
-    dirs = sorted({e.path for e in (*plan.mkdirs, *plan.delete) if e.kind == DIR and e.path})
-    links = [e for e in plan.links if e.path]
-    return {"transfer": transfer, "delete": [d.path for d in plan.delete], "dirs": dirs,
-            "links": [e.path for e in links], "targets": [e.target or "" for e in links]}
+    out = {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+    if plan.items:
+        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>" or e.kind == DIR]
+        out["lines"] = [("deleting " if c == "*deleting" else "") + line[12:]
+                        for (c, _), line in zip(shown, itemize_lines(shown, root_name))]
+    return out
 
 
 def _source_order(src: list[Entry]) -> Callable[[str], int]:

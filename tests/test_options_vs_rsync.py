@@ -549,22 +549,35 @@ def test_missing_local_source_says_so(tmp_path: Any, server: Any) -> None:
     assert not isinstance(ei2.value, tb5sync.SourceNotFoundError)
 
 
-def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any) -> None:
-    """``-n`` prints the change list (rsync -n -v's names), no statistics unless --stats."""
+@pytest.mark.parametrize("slash", [True, False], ids=["src-slash", "src-noslash"])
+@pytest.mark.parametrize("exists", [True, False], ids=["dst-exists", "dst-new"])
+def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any, server: Any, slash: bool, exists: bool) -> None:
+    """``-n`` prints the change list rsync -n -v prints (no statistics unless --stats), local and
+    in a push."""
     src = str(tmp_path / "src")
     _small_tree(src)
+    settle(src)
     dst = str(tmp_path / "dst")
-    write(os.path.join(dst, "old.txt"), b"old", 0o644, T0)
-    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", src + "/", dst], capture_output=True, text=True,
+    if exists:
+        write(os.path.join(dst, "old.txt"), b"old", 0o644, T0)
+        if not slash:
+            write(os.path.join(dst, "src", "old.txt"), b"old", 0o644, T0)
+        cp_a(dst, os.path.join(server.root, "dst"))
+    s = src + "/" if slash else src
+    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", s, dst], capture_output=True, text=True,
                          timeout=60, check=True)
-    names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size"))]
-    cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", src + "/", dst]
-    got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
-    assert sorted(ln for ln in got.stdout.splitlines() if ln != "./") == sorted(ln for ln in names if ln != "./")
-    assert not any(ln.startswith("files:") for ln in got.stdout.splitlines())
-    with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
-    assert any(ln.startswith("files:") and "would transfer" in ln for ln in with_stats.stdout.splitlines())
-    assert sorted(os.listdir(dst)) == ["old.txt"]
+    want = sorted(ln for ln in ref.stdout.splitlines()[1:]
+                  if ln and not ln.startswith(("sent ", "total size", "created directory ")))
+    for target in (dst, server.url("dst")):
+        cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", s, target]
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+        assert sorted(got.stdout.splitlines()) == want, target
+        with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
+        assert any(ln.startswith("files:") and "would transfer" in ln for ln in with_stats.stdout.splitlines())
+    if exists:  # nothing changed
+        assert sorted(os.listdir(dst)) == (["old.txt", "src"] if not slash else ["old.txt"])
+    else:
+        assert not os.path.exists(dst) and not os.path.exists(os.path.join(server.root, "dst"))
 
 
 # ---- property test: random trees, random options, local -> local ------------------------------
