@@ -1,5 +1,5 @@
-"""Write-all loops, a quiet unlink, a background close, and the portable choice of the
-Linux-only file calls: the few file helpers readers and writers share.
+"""Write-all loops, a quiet unlink, a background close, a rate limit, and the portable choice of
+the Linux-only file calls: the few file helpers readers and writers share.
 
 ``os.write`` and ``os.pwrite`` may write fewer bytes than asked (a signal, a full pipe, a
 file system that splits large writes); these loops go on until every byte is written.
@@ -17,7 +17,7 @@ import errno
 import os
 import threading
 
-__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV"]
+__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV", "RateLimit"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
 PORTABLE_ENV = "TB5SYNC_PORTABLE"
@@ -126,3 +126,43 @@ def close_later(fd: int) -> None:
     must not use ``fd`` again.
     """
     threading.Thread(target=os.close, args=(fd,), name="tb5-release", daemon=True).start()
+
+
+class RateLimit:
+    """At most ``rate`` bytes per second, shared by every thread that calls :meth:`take`.
+
+    Each :meth:`take` books its bytes on one timeline (the time the link would need at
+    ``rate``, after what was booked before) and sleeps until its slot ends, less a burst
+    allowance of 50 ms; so N bytes taken by any number of threads take at least about
+    N / rate seconds in all. rsync's ``--bwlimit`` sleeps the same way after each write
+    (io.c, ``sleep_for_bwlimit``).
+
+    Parameters
+    ----------
+    rate : int
+        Bytes per second, > 0.
+    """
+
+    BURST = 0.05  # seconds of slack a caller may run ahead of the timeline
+
+    def __init__(self, rate: int) -> None:
+        import time
+
+        self.rate = rate
+        self._clock = time.monotonic
+        self._sleep = time.sleep
+        self._lock = threading.Lock()
+        self._free = self._clock()  # when the bytes booked so far will have gone out
+
+    def take(self, nbytes: int) -> float:
+        """Book ``nbytes`` and sleep until they are due; returns the seconds slept."""
+        if nbytes <= 0:
+            return 0.0
+        with self._lock:
+            now = self._clock()
+            self._free = max(self._free, now) + nbytes / self.rate
+            wait = self._free - now - self.BURST
+        if wait > 0:
+            self._sleep(wait)
+            return wait
+        return 0.0

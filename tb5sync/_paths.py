@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .errors import PathError, RemoteNotFoundError, UsageError
+from .errors import PathError, RemoteNotFoundError, SourceNotFoundError, UsageError
 
 __all__ = [
     "STATE_DIR",
@@ -137,7 +137,8 @@ def follow_slash(full: str, given: str, root: str | None = None, *, follow: bool
     Raises
     ------
     RemoteNotFoundError
-        ``link/`` whose target does not exist.
+        ``link/`` whose target does not exist: a served one (with ``root``); a local one raises
+        its subclass ``SourceNotFoundError``.
     UsageError
         ``link/`` whose target is not a directory (POSIX's ENOTDIR).
     PathError
@@ -148,6 +149,8 @@ def follow_slash(full: str, given: str, root: str | None = None, *, follow: bool
     try:
         st = os.stat(full)
     except FileNotFoundError:
+        if root is None:
+            raise SourceNotFoundError(f"local source {given!r} is a symlink to nothing") from None
         raise RemoteNotFoundError(f"source {given!r} is a symlink to nothing") from None
     except OSError as exc:
         raise RemoteNotFoundError(f"source {given!r}: {exc.strerror}") from None

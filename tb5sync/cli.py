@@ -179,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--state-dir", metavar="DIR",
                    help="scan cache, chunk index and partial files of a local or pulled destination "
                         "(default: in the user's cache directory, keyed by the destination's device and inode)")
+    # -- rsync options, second half --
+    y.add_argument("--delete-excluded", action="store_true", help="also delete excluded files at the destination (implies --delete)")
+    y.add_argument("--max-delete", type=int, default=None, metavar="N",
+                   help="delete at most N entries (0: none), then skip the rest and exit 25, as rsync")
+    y.add_argument("-i", "--itemize-changes", action="store_true",
+                   help="print one rsync-style line per change (YXcstpoguax, e.g. '>f+++++++++ path', '*deleting   path')")
+    y.add_argument("-u", "--update", action="store_true", help="skip files that are newer at the destination")
+    y.add_argument("--ignore-existing", action="store_true", help="skip updating entries that exist at the destination")
+    y.add_argument("--size-only", action="store_true", help="skip files that match in size, whatever their mtime")
+    y.add_argument("--bwlimit", default=None, metavar="RATE",
+                   help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
     l_ = sub.add_parser("ls", help="list a remote directory")
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
@@ -325,6 +336,13 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             token=_read_token(a.token_file, env=False),
             timeout=a.timeout or None,
             tls_ca=a.tls_ca,
+            delete_excluded=a.delete_excluded,
+            max_delete=None if a.max_delete is None else max(0, a.max_delete),  # rsync: a negative N is 0
+            itemize_changes=a.itemize_changes,
+            update=a.update,
+            ignore_existing=a.ignore_existing,
+            size_only=a.size_only,
+            bwlimit=a.bwlimit,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -337,20 +355,29 @@ def _cmd_sync(a: argparse.Namespace) -> int:
         print(f"tb5sync: skipping non-regular file {show_path(path) or '.'!r} ({what})", file=sys.stderr)
     for f in stats.failures:  # one line per entry not synced, as rsync names them
         print(f"tb5sync: {f.line()}", file=sys.stderr)
-    changes = stats.extra.get("changes") if a.dry_run else None
+    if stats.deletes_skipped:  # rsync's words
+        print(f"tb5sync: Deletions stopped due to --max-delete limit ({stats.deletes_skipped} skipped)", file=sys.stderr)
+    changes = stats.extra.get("changes") if a.dry_run and not a.itemize_changes else None
     if changes is not None:  # names that are not valid UTF-8 printed with \xNN escapes
-        changes = {k: [show_path(p) for p in v] for k, v in changes.items()}
+        changes = {k: v if k == "lines" else [show_path(p) for p in v] for k, v in changes.items()}
     if a.json:
         out = stats.as_dict()
         if changes is not None:
             out["changes"] = changes
         print(json.dumps(out))
-    elif a.stats or a.dry_run:
-        if changes is not None:  # as rsync -n -v lists them
-            for path in changes.get("delete", []):
-                print(f"deleting {path}")
-            for path in changes.get("transfer", []):
-                print(path)
+    else:
+        for line in stats.itemized:  # -i: rsync's lines, dry run or not
+            print(line)
+        if changes is not None:  # -n: the change list, as rsync -n -v lists it
+            if "lines" in changes:
+                for line in changes["lines"]:
+                    print(line)
+            else:  # an older server's push: the paths only
+                for path in changes.get("delete", []):
+                    print(f"deleting {path}")
+                for path in changes.get("transfer", []):
+                    print(path)
+    if a.stats and not a.json:
         secs = stats.seconds or 1e-9
         prefix = "would transfer" if a.dry_run else "transferred"
         deleted = "would delete" if a.dry_run else "deleted"
@@ -360,8 +387,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
               f"({_fmt_bytes(stats.bytes_matched)} of them matched in the basis), reused {stats.chunks_reused}")
         print(f"time: {stats.seconds:.3f} s, {stats.bytes_transferred / secs / 1e9:.2f} GB/s")
     if partial is not None:
-        what = ("some files vanished before they could be transferred" if partial.exit_code == 24
-                else "some files/attrs were not transferred (see previous errors)")  # rsync's words
+        what = {24: "some files vanished before they could be transferred",
+                25: "the --max-delete limit stopped deletions"}.get(
+            partial.exit_code, "some files/attrs were not transferred (see previous errors)")  # rsync's words
         print(f"tb5sync: error: {what} (code {partial.exit_code})", file=sys.stderr)
         return partial.exit_code
     return 0

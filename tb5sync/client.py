@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import ConnectError, RemoteNotFoundError, RemoteProtocolError, Tb5syncError, UsageError
+from .errors import ConnectError, RemoteProtocolError, SourceNotFoundError, Tb5syncError, UsageError
 from ._paths import follow_slash
 from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
 from .options import Failure, SyncOptions, SyncStats
@@ -53,8 +53,7 @@ def _open_streams(
     chans = [ch0]
     try:
         resp = open_session(ch0, {**msg, "streams": streams})
-        if isinstance(msg.get("options"), dict):  # never an option the server would ignore
-            _check_known(SyncOptions.from_wire(msg["options"]), resp, r)
+        _check_known(r, msg, resp)
         if opened is not None:
             opened()
         sid = resp.get("session")
@@ -69,20 +68,23 @@ def _open_streams(
     return chans, resp
 
 
-def _check_known(options: SyncOptions, resp: dict[str, Any], r: Remote) -> None:
-    """Refuse to go on with a server that does not read every option set in ``options``.
+def _check_known(r: Remote, msg: dict[str, Any], resp: dict[str, Any]) -> None:
+    """Refuse a server that does not list, in its OPEN reply, every rsync option this sync sets
+    (an older tb5sync would ignore it: a --max-delete ignored deletes everything). Raised before
+    any request is served, so such a server changes nothing.
 
     Raises
     ------
     UsageError
         Naming the options (their rsync flags) and the server.
     """
-    from .options import LINK_OPTIONS
-
-    missing = options.unsupported(resp.get("options"))
+    opts = msg.get("options")
+    if not isinstance(opts, dict):
+        return
+    missing = SyncOptions.from_wire(opts).unknown_to(resp.get("options"))
     if missing:
-        flags = ", ".join(LINK_OPTIONS[m][0] if m in LINK_OPTIONS else "--" + m.replace("_", "-") for m in missing)
-        raise UsageError(f"the server at {r.host}:{r.port} does not support {flags}: upgrade tb5sync there")
+        raise UsageError(f"the server at {r.host}:{r.port} does not support {', '.join(missing)}: upgrade tb5sync there "
+                         "(an older version would ignore it), or leave the option out")
 
 
 def default_state_dir(root: str) -> str | None:
@@ -165,8 +167,9 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
+        fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
-        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress).run()
+        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh).run()
         return _on_server(stats, "source")
     finally:
         requester.close(bye=True)
@@ -240,14 +243,14 @@ def push(
 
     Raises
     ------
-    RemoteNotFoundError
-        ``src`` does not exist.
+    SourceNotFoundError
+        ``src`` does not exist (a ``RemoteNotFoundError`` too, as it was raised before).
     ConnectError, AuthError, ReadOnlyError, PathError, DestinationError, ...
         As reported by the connection or the server.
     """
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
-        raise RemoteNotFoundError(f"source does not exist: {src}")
+        raise SourceNotFoundError(f"local source does not exist: {src}")
     src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     sender = Sender(src_abs, options, zero_copy=True)  # its replies go out through sockets only
@@ -298,7 +301,13 @@ def push(
     stats = res.get("stats")
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
-    fields = {k: v for k, v in stats.items() if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped")}
+    fields = {k: v for k, v in stats.items()
+              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized")}
+    itemized = stats.get("itemized", [])
+    if not (isinstance(itemized, list) and all(isinstance(x, str) for x in itemized)):
+        raise RemoteProtocolError("the server's itemized changes are malformed")
+    # rsync's sending side shows a transferred file as sent: "<f", where the receiver shows ">f"
+    fields["itemized"] = tuple("<" + x[1:] if x.startswith(">") else x for x in itemized)
     skipped = stats.get("skipped", [])
     if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
         raise RemoteProtocolError("the server's skipped entries are malformed")

@@ -513,6 +513,20 @@ class Destination:
             if words - {"case", "unicode", "none"}:
                 raise UsageError(f"${FOLD_ENV} takes case, unicode, case,unicode or none, not {forced!r}")
             return "case" in words, "unicode" in words
+        if not write and self._jail is None and not os.path.isdir(self.root):
+            # a dry run into a root that does not exist yet: look in its deepest existing
+            # ancestor, creating nothing (opening the jail would create the root)
+            up = os.path.abspath(self.root)
+            while not os.path.isdir(up) and os.path.dirname(up) != up:
+                up = os.path.dirname(up)
+            try:
+                fd = os.open(up, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                return False, False
+            try:
+                return self._probe_folding(fd, False)
+            finally:
+                os.close(fd)
         try:
             parts = self.parts("")
         except (OSError, PathError):

@@ -29,6 +29,8 @@ __all__ = [
     "LinkTimeoutError",
     "PathError",
     "RemoteNotFoundError",
+    "SourceNotFoundError",
+    "DeleteLimitError",
     "ReadOnlyError",
     "IntegrityError",
     "SourceChangedError",
@@ -149,6 +151,14 @@ class RemoteNotFoundError(Tb5syncError, FileNotFoundError):
     exit_code = 23
 
 
+class SourceNotFoundError(RemoteNotFoundError):
+    """A local source path does not exist (a ``FileNotFoundError``, exit 23).
+
+    It derives from :class:`RemoteNotFoundError` only so that code written when
+    :func:`tb5sync.sync` raised that class for every missing source still catches it.
+    """
+
+
 class ReadOnlyError(Tb5syncError, PermissionError):
     """A write was attempted on a server started with ``--read-only``."""
 
@@ -227,6 +237,18 @@ class VanishedSourceError(PartialTransferError, SourceChangedError):
         self.path = self.failures[0].path if self.failures else ""
         names = ", ".join(f.path for f in self.failures[:10]) + (" ..." if len(self.failures) > 10 else "")
         self.args = (f"source files vanished or kept changing during transfer: {names}",)
+
+
+class DeleteLimitError(PartialTransferError):
+    """``max_delete`` stopped deletions and nothing else went wrong (rsync's exit 25, "the
+    --max-delete limit stopped deletions"); ``stats.deletes_skipped`` counts the deletions left
+    undone. Everything else was synced."""
+
+    exit_code = 25
+
+    def __init__(self, stats: Any) -> None:
+        PartialTransferError.__init__(self, stats)
+        self.args = (f"deletions stopped due to the --max-delete limit ({stats.deletes_skipped} skipped)",)
 
 
 class RemoteError(Tb5syncError):
@@ -359,8 +381,12 @@ def error_from_remote(kind: str, message: str, errno_: int | None = None) -> Tb5
 
 
 def partial_error(stats: Any) -> PartialTransferError:
-    """The error for statistics with failures: :class:`VanishedSourceError` (exit 24) when only
-    source files vanished, else :class:`PartialTransferError` (exit 23), as rsync chooses."""
+    """The error for statistics with failures or skipped deletions, by rsync's precedence:
+    :class:`PartialTransferError` (exit 23) when some entry failed other than by vanishing,
+    :class:`VanishedSourceError` (exit 24) when only source files vanished, else
+    :class:`DeleteLimitError` (exit 25, ``max_delete`` stopped deletions)."""
+    if not stats.failures and getattr(stats, "deletes_skipped", 0):
+        return DeleteLimitError(stats)
     if stats.failures and all(f.vanished for f in stats.failures):
         return VanishedSourceError(stats)
     return PartialTransferError(stats)

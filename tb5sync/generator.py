@@ -25,7 +25,7 @@ from .errors import DestinationError, PathError, RemoteProtocolError, SourceChan
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, name_fold, plan_sync
+from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
 
 __all__ = ["Generator", "Planned"]
@@ -130,7 +130,10 @@ class Generator:
             log.warning("IO error encountered -- skipping file deletion")
             delete = False
         fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt
-        plan = plan_sync(src, dst, delete=delete, excludes=rules, same_content=same, fold=fold)
+        o = self.options
+        plan = plan_sync(src, dst, delete=delete, excludes=o.dest_rules, same_content=same, fold=fold, size_only=o.size_only,
+                         update=o.update, ignore_existing=o.ignore_existing, max_delete=o.max_delete,
+                         itemize=o.itemize or o.dry_run)  # a dry run's list is made from the items
         if plan.delete and self.destination.specials:  # a name the source's special file holds (rsync --no-D)
             held = {p for p, _ in self.destination.specials}
             plan.delete = [d for d in plan.delete if not _held(d.path, held)]
@@ -158,8 +161,19 @@ class Generator:
             seconds=time.perf_counter() - t0,
             failures=tuple(self.destination.failures),
             skipped=tuple(self.destination.specials),
-            extra={"plan": plan, "changes": dry_run_changes(plan, src)},
+            deletes_skipped=plan.deletes_skipped,
+            itemized=tuple(itemize_lines(plan.items, self.options.exclude_root)) if self.options.itemize else (),
+            extra={"plan": plan, "changes": dry_run_changes(plan, src, self.options.exclude_root)},
         )
+
+    def itemized(self, planned: Planned) -> tuple[str, ...]:
+        """The ``--itemize-changes`` lines of a run of ``planned`` that is over: the plan's items
+        but those of entries that failed (named in the failures instead)."""
+        if not planned.plan.items:
+            return ()
+        failed = {f.path for f in self.destination.failures} | set(self.destination.changed)
+        items = [(c, e) for c, e in planned.plan.items if e.path not in failed]
+        return tuple(itemize_lines(items, self.options.exclude_root))
 
     def _fetch_summary(self) -> tuple[Entry, list[tuple[str, bytes, int, int]], list[tuple[str, str]]]:
         """The source's root entry, its directory summaries ``(path, digest, files, bytes)`` (all

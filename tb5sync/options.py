@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,8 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
-__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS"]
+__all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS",
+           "RSYNC_OPTIONS", "known_options", "parse_rate"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
@@ -95,6 +97,28 @@ class SyncOptions:
     link_dest : tuple of str
         rsync's ``--link-dest DIR`` (repeatable, at most 20): unchanged files are hard-linked
         from DIR (relative DIR: relative to the destination directory; on the receiving side).
+
+    The rsync options below are the "second half" block (see :data:`RSYNC_OPTIONS`); each is
+    off at its default, and a server that does not know one refuses the session instead of
+    ignoring it (:meth:`unknown_to`).
+
+    delete_excluded : bool
+        Also delete excluded entries at the destination (rsync ``--delete-excluded``; implies
+        ``delete``).
+    max_delete : int or None
+        At most this many deletions (rsync ``--max-delete=N``, 0 = none); the rest are skipped,
+        counted in :attr:`SyncStats.deletes_skipped` (exit 25). None: no limit.
+    itemize : bool
+        Record one rsync ``--itemize-changes`` line per change (``SyncStats.itemized``).
+    update : bool
+        Skip regular files whose destination copy is newer (rsync ``-u``).
+    ignore_existing : bool
+        Skip every destination entry that exists, but directories (rsync ``--ignore-existing``).
+    size_only : bool
+        Quick check by size alone (rsync ``--size-only``).
+    bwlimit : int
+        Bytes per second the sender puts on the wire, all streams of the session together
+        (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited.
     """
 
     delete: bool = False
@@ -114,8 +138,22 @@ class SyncOptions:
     safe_links: bool = False
     link_dest: tuple[str, ...] = ()
     # ---- end of the -H -S -X -L block
+    # -- rsync options, second half (defaults: off) --
+    delete_excluded: bool = False
+    max_delete: int | None = None
+    itemize: bool = False
+    update: bool = False
+    ignore_existing: bool = False
+    size_only: bool = False
+    bwlimit: int = 0
 
     def __post_init__(self) -> None:
+        if self.delete_excluded and not self.delete:
+            object.__setattr__(self, "delete", True)  # rsync: --delete-excluded implies --delete
+        if self.max_delete is not None and (isinstance(self.max_delete, bool) or not isinstance(self.max_delete, int) or self.max_delete < 0):
+            raise UsageError(f"max_delete must be an integer >= 0 or None, not {self.max_delete!r}")
+        if isinstance(self.bwlimit, bool) or not isinstance(self.bwlimit, int) or self.bwlimit < 0:
+            raise UsageError(f"bwlimit must be bytes per second, an integer >= 0, not {self.bwlimit!r}")
         if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
             raise UsageError(f"exclude_root must be a single name, not {self.exclude_root!r}")
         if self.compress not in COMPRESS_MODES:
@@ -132,6 +170,19 @@ class SyncOptions:
         from .excludes import ExcludeRules
 
         return ExcludeRules(self.excludes, self.exclude_root)
+
+    @property
+    def dest_rules(self) -> ExcludeRules:
+        """The rules that hide and protect destination entries: none with ``delete_excluded``."""
+        from .excludes import NO_RULES
+
+        return NO_RULES if self.delete_excluded else self.rules
+
+    def unknown_to(self, known: object) -> list[str]:
+        """The options set here (not at their defaults) that a server's list of ``known`` option
+        names (its OPEN reply's ``"options"``; absent from an older server's: None) lacks, as
+        CLI flags (see :meth:`unsupported`)."""
+        return [option_flag(name) for name in self.unsupported(known)]
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-friendly dict of these options."""
@@ -169,7 +220,8 @@ class SyncOptions:
             kw["exclude_root"] = path_from_wire(kw["exclude_root"])
         if isinstance(kw.get("link_dest"), (list, tuple)):
             kw["link_dest"] = tuple(path_from_wire(d) if isinstance(d, (str, bytes)) else d for d in kw["link_dest"])
-        for k in ("delete", "checksum", "dry_run", "fsync", *LINK_OPTIONS):
+        for k in ("delete", "checksum", "dry_run", "fsync", *LINK_OPTIONS,
+                  "delete_excluded", "itemize", "update", "ignore_existing", "size_only"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)
@@ -178,6 +230,25 @@ class SyncOptions:
 #: The option names this version reads: a server's OPEN reply lists them, so that a client
 #: never sends an option a server would silently ignore (:meth:`SyncOptions.unsupported`).
 WIRE_OPTIONS = tuple(f.name for f in dataclasses.fields(SyncOptions))
+
+#: The rsync options of the second half (name -> the CLI flag), for messages (see
+#: :meth:`SyncOptions.unknown_to`).
+RSYNC_OPTIONS = {
+    "delete_excluded": "--delete-excluded", "max_delete": "--max-delete", "itemize": "--itemize-changes",
+    "update": "--update", "ignore_existing": "--ignore-existing", "size_only": "--size-only", "bwlimit": "--bwlimit",
+}
+
+
+def option_flag(name: str) -> str:
+    """The CLI flag of the :class:`SyncOptions` field ``name`` (``"hard_links"`` -> ``"-H/--hard-links"``)."""
+    if name in LINK_OPTIONS:
+        return LINK_OPTIONS[name][0]
+    return RSYNC_OPTIONS.get(name, "--" + name.replace("_", "-"))
+
+
+def known_options() -> list[str]:
+    """Every SyncOptions field name: what a server lists in its OPEN reply (``"options"``)."""
+    return list(WIRE_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -276,6 +347,12 @@ class SyncStats:
         ``(path, what)`` of the source's special files (``what``: ``"fifo"``, ``"socket"``,
         ``"character device"``, ``"block device"``): not synced, as rsync without ``-D``
         skips them, and named on every route (not failures).
+    deletes_skipped : int
+        Deletions left undone by ``max_delete`` (rsync: "Deletions stopped due to
+        --max-delete limit (N skipped)", exit 25).
+    itemized : tuple of str
+        With ``itemize``: rsync ``--itemize-changes`` lines (``">f+++++++++ path"``,
+        ``"*deleting   path"``, ...), paths relative to the transfer root as rsync prints them.
     """
 
     files_total: int = 0
@@ -290,6 +367,8 @@ class SyncStats:
     seconds: float = 0.0
     failures: tuple[Failure, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
+    deletes_skipped: int = 0
+    itemized: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -303,7 +382,39 @@ class SyncStats:
 
     @property
     def exit_code(self) -> int:
-        """rsync's exit status for this result: 0, 24 (only vanished source files) or 23 (some entries failed)."""
-        if not self.failures:
-            return 0
-        return 24 if all(f.vanished for f in self.failures) else 23
+        """rsync's exit status for this result, its precedence too: 23 (some entries failed),
+        24 (only vanished source files), 25 (``max_delete`` stopped deletions) or 0."""
+        if self.failures:
+            return 24 if all(f.vanished for f in self.failures) else 23
+        return 25 if self.deletes_skipped else 0
+
+
+_RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:([bkmgtp])(i?b)?)?", re.IGNORECASE)
+_UNITS = {"b": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_rate(text: str) -> int:
+    """rsync's ``--bwlimit=RATE`` in bytes per second.
+
+    A number (fractions allowed) in KiB/s, or with a suffix: ``b`` bytes, ``K``/``M``/``G``/``T``/``P``
+    (powers of 1024, also written ``KiB``...; ``KB``, ``MB``... are powers of 1000); case does not
+    matter; ``0`` (or empty) is no limit. Source: rsync's ``parse_size_arg`` (options.c).
+
+    Raises
+    ------
+    UsageError
+        Not of that form, or a limit below 512 bytes per second (rsync: "too small").
+    """
+    t = text.strip()
+    if not t:
+        return 0
+    m = _RATE.fullmatch(t)
+    if m is None:
+        raise UsageError(f"--bwlimit={text} is invalid (a number of KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G)")
+    number, unit, tail = m.groups()
+    power = _UNITS[(unit or "k").lower()]
+    base = 1000 if tail is not None and tail.lower() == "b" and power else 1024
+    rate = int(float(number) * base**power)
+    if 0 < rate < 512:
+        raise UsageError(f"--bwlimit={text} is too small (min: 512 bytes per second, or 0 for unlimited)")
+    return rate

@@ -9,10 +9,10 @@ import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .entry import DIR, LINK, Entry, show_path
+from .entry import DIR, FILE, LINK, Entry, show_path
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes", "name_fold"]
+__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold"]
 
 @dataclass
 class Plan:
@@ -26,6 +26,10 @@ class Plan:
     and an earlier sibling already takes the name (``A.txt`` / ``a.txt``, NFC / NFD: a
     collision, the reason names both); they are in no other list (nor is anything below a
     refused directory), and that directory is not deleted.
+    ``deletes_skipped`` counts the deletions ``max_delete`` left out, ``kept_dirs`` the
+    directories that then stay non-empty (rsync: "cannot delete non-empty directory");
+    ``items`` (with ``itemize``) is ``(code, entry)`` per change, ``code`` rsync's 11-character
+    ``YXcstpoguax`` string (see :func:`itemize_lines`), deletions first.
     """
 
     mkdirs: list[Entry] = field(default_factory=list)
@@ -36,6 +40,10 @@ class Plan:
     dirs: list[Entry] = field(default_factory=list)
     unchanged: int = 0
     refused: list[tuple[str, str]] = field(default_factory=list)
+    # -- rsync options, second half --
+    deletes_skipped: int = 0
+    kept_dirs: list[str] = field(default_factory=list)
+    items: list[tuple[str, Entry]] = field(default_factory=list)
 
 
 def plan_sync(
@@ -46,6 +54,11 @@ def plan_sync(
     excludes: ExcludeRules = NO_RULES,
     same_content: dict[str, bool] | None = None,
     fold: Callable[[str], str] | None = None,
+    size_only: bool = False,
+    update: bool = False,
+    ignore_existing: bool = False,
+    max_delete: int | None = None,
+    itemize: bool = False,
 ) -> Plan:
     """Compare a source manifest with the destination's and plan the changes.
 
@@ -67,6 +80,17 @@ def plan_sync(
         source order is synced, each later one refused with a reason naming both), and a
         destination entry is matched by its folded path (``a.txt`` at the destination is the
         source's ``A.txt``: compared, not deleted).
+    size_only, update, ignore_existing : bool
+        rsync's ``--size-only`` (a file of the same size is unchanged; its mode and mtime are
+        still set), ``-u`` (a regular file whose destination copy is newer is left alone) and
+        ``--ignore-existing`` (an existing destination entry is left alone, but a directory
+        where the source has one; the source's entries below a non-directory left in place
+        are refused: "Not a directory", and it gets the directory's mtime, as in rsync).
+    max_delete : int or None
+        At most this many deletions of entries missing at the source, in rsync's order (see
+        :func:`_limit_deletes`); replacements of another type are not counted.
+    itemize : bool
+        Fill ``items`` (rsync ``-i``).
 
     Returns
     -------
@@ -75,17 +99,38 @@ def plan_sync(
         are equal; in checksum mode, when size and content digest are equal.
         An entry whose type differs is deleted first, then recreated.
     """
+    src = list(src)
     have = {e.path: e for e in dst}
     plan = Plan()
     src_paths: set[str] = set()
     if fold is not None:
         src, src_paths = _collisions(src, fold, plan.refused)
         have_folded = {fold(p): d for p, d in have.items()}
+    left: list[str] = []  # destination non-directories left in place where the source has a directory
+    items: list[tuple[str, Entry]] = []
+
+    def item(code: str, e: Entry) -> None:
+        if itemize:
+            items.append((code, e))
+
     for e in src:
         src_paths.add(e.path)
         d = have.get(e.path)
         if d is None and fold is not None:
             d = have_folded.get(fold(e.path))
+        if left and _below(e.path, left):
+            plan.refused.append((e.path, "Not a directory: a destination entry kept by --ignore-existing is in the way"))
+            continue
+        if d is not None and (ignore_existing and not (e.kind == DIR and d.kind == DIR)
+                              or update and e.kind == FILE and d.kind == FILE and d.mtime_ns > e.mtime_ns):
+            plan.unchanged += 1  # left as it is (rsync: "exists" / "is newer")
+            if e.kind == DIR:
+                left.append(e.path)
+                if d.kind in (FILE, LINK) and d.mtime_ns != e.mtime_ns:
+                    # rsync's pass that sets directory times still gives the entry kept there the
+                    # source directory's mtime (its mode stays): so does this plan
+                    plan.meta.append(d._replace(mtime_ns=e.mtime_ns))
+            continue
         if d is not None and d.kind != e.kind:
             if not (d.kind == DIR and e.kind == DIR):
                 plan.delete.append(d)
@@ -94,30 +139,43 @@ def plan_sync(
             plan.dirs.append(e)
             if d is None:
                 plan.mkdirs.append(e)
-            elif d.mode != e.mode:
-                plan.meta.append(e)
+                item("cd+++++++++", e)
+            else:
+                if d.mode != e.mode:
+                    plan.meta.append(e)
+                if d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                    item(_attrs(".d", d, e, size=False), e)
         elif e.kind == LINK:
             if d is None or d.target != e.target:
                 if d is not None:
                     plan.delete.append(d)
+                    item(_attrs("cLc", d, e, size=False, mode=False), e)
+                else:
+                    item("cL+++++++++", e)
                 plan.links.append(e)
             else:
                 if d.mtime_ns != e.mtime_ns:
                     plan.meta.append(e)
+                    item(_attrs(".L.", d, e, size=False, mode=False), e)
                 plan.unchanged += 1
         else:
             if d is None:
                 plan.files.append(e)
+                item(">f+++++++++", e)
                 continue
             if same_content is not None and e.path in same_content:
                 changed = d.size != e.size or not same_content[e.path]
+            elif size_only:
+                changed = d.size != e.size
             else:
                 changed = d.size != e.size or d.mtime_ns != e.mtime_ns
             if changed:
                 plan.files.append(e)
+                item(_attrs(">fc" if same_content is not None else ">f.", d, e), e)
             elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
                 plan.meta.append(e)
                 plan.unchanged += 1
+                item(_attrs(".f.", d, e, size=False), e)
             else:
                 plan.unchanged += 1
     if delete:
@@ -127,7 +185,11 @@ def plan_sync(
                 continue
             if excludes and (excludes.match(p, d.kind == DIR) or excludes.excluded_by_parent(p)):
                 continue
+            if left and _below(p, left):
+                continue  # inside a destination directory kept where the source has a non-directory
             plan.delete.append(d)
+    if max_delete is not None:
+        _limit_deletes(plan, have, src, max_delete)
     # children before parents; de-duplicate
     seen: set[str] = set()
     uniq = []
@@ -137,6 +199,10 @@ def plan_sync(
             uniq.append(d)
     plan.delete = uniq
     _refuse_nonempty_replacements(plan, have, src_paths)
+    if itemize:
+        refused = {p for p, _ in plan.refused}
+        plan.items = [("*deleting", d) for d in plan.delete if d.path not in src_paths]
+        plan.items += [(c, e) for c, e in items if e.path not in refused]
     return plan
 
 
@@ -182,6 +248,96 @@ def _collisions(src: Iterable[Entry], fold: Callable[[str], str], refused: list[
     return kept, paths
 
 
+def _below(path: str, tops: list[str]) -> bool:
+    """Whether ``path`` is strictly inside one of the directories ``tops``."""
+    return any(path.startswith(t + "/") if t else path != "" for t in tops)
+
+
+def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, mode: bool = True) -> str:
+    """rsync's ``YXcstpoguax`` for an existing entry ``d`` becoming ``e``: ``head`` gives the first
+    characters (``YX`` and, when given, ``c``), then ``s``, ``t`` and ``p`` where they differ (and are
+    asked for); owner, group, atime, ACL and xattr columns stay ``.`` (not synced)."""
+    code = head if len(head) == 3 else head + "."
+    code += "s" if size and d.size != e.size else "."
+    code += "t" if d.mtime_ns != e.mtime_ns else "."
+    code += "p" if mode and d.mode != e.mode else "."
+    return code + "....."
+
+
+def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: int) -> None:
+    """Keep at most ``limit`` of the planned deletions of entries missing at the source, chosen as
+    rsync ``--max-delete`` chooses them, and count the rest in ``plan.deletes_skipped``.
+
+    rsync's order (generator.c and delete.c, ``--delete-during``, incremental recursion): the
+    base's extraneous entries first; then, directory by directory (depth first), each source
+    entry of the directory in file-list order (its non-directories by name, then its
+    directories by name): where it replaces a destination directory, that directory's contents
+    ("making room"), and where it is a directory, its extraneous entries; only then the
+    directories' own lists. Within one destination directory, entries go in reverse file-list
+    order, a directory's contents before it. Once ``limit`` are deleted, each further entry is
+    skipped and counted, but a directory left non-empty (contents skipped or protected) stays
+    (``plan.kept_dirs``; one in the way of a replacement makes that replacement refused), and is
+    counted only inside a directory being cleared (rsync's ``delete_dir_contents`` checks the
+    limit before its ``rmdir``; ``delete_in_dir`` looks at the contents first). The replaced entries themselves are neither limited nor counted.
+    """
+    src_paths = {e.path for e in src}
+    extraneous = {d.path: d for d in plan.delete if d.path not in src_paths}
+    kids: dict[str, list[str]] = {}
+    for p in have:
+        if p:
+            kids.setdefault(p.rpartition("/")[0], []).append(p)
+    src_kids: dict[str, list[Entry]] = {}
+    for e in src:
+        if e.path:
+            src_kids.setdefault(e.path.rpartition("/")[0], []).append(e)
+
+    def name(p: str) -> bytes:
+        return p.rpartition("/")[2].encode("utf-8", "surrogateescape")
+
+    def flist(kind: str, p: str) -> tuple[bool, bytes]:  # rsync's file-list order within a directory
+        return kind == DIR, name(p)
+
+    order: list[tuple[str, bool]] = []  # (path, nested: inside a directory being cleared)
+
+    def delete_in(dir_path: str, nested: bool) -> None:  # the extraneous entries of one destination directory
+        here = [q for q in kids.get(dir_path, ()) if q in extraneous]
+        for p in sorted(here, key=lambda q: flist(extraneous[q].kind, q), reverse=True):
+            if extraneous[p].kind == DIR:
+                delete_in(p, True)
+            order.append((p, nested))
+
+    done: set[str] = set()
+
+    def walk(dir_path: str) -> None:  # one source directory's list
+        done.add(dir_path)
+        entries = sorted(src_kids.get(dir_path, ()), key=lambda e: flist(e.kind, e.path))
+        for e in entries:
+            d = have.get(e.path)
+            if d is not None and d.kind == DIR:
+                delete_in(e.path, e.kind != DIR)  # its extraneous entries, or (replaced) all of them
+        for e in entries:
+            if e.kind == DIR:
+                walk(e.path)
+
+    delete_in("", False)
+    walk("")
+    for e in sorted((e for e in src if e.kind == DIR and e.path not in done), key=lambda e: e.path):
+        if e.path not in done:
+            walk(e.path)  # a directory listed below an unchanged one (its parent's list was not fetched)
+    deleted: set[str] = set()
+    for p, nested in order:
+        full = extraneous[p].kind == DIR and any(q not in deleted for q in kids.get(p, ()))
+        if full and not nested:
+            plan.kept_dirs.append(p)  # rsync: "cannot delete non-empty directory", not counted
+        elif len(deleted) >= limit:
+            plan.deletes_skipped += 1  # inside a directory being cleared, even a non-empty one counts
+        elif full:
+            plan.kept_dirs.append(p)
+        else:
+            deleted.add(p)
+    plan.delete = [d for d in plan.delete if d.path in src_paths or d.path in deleted]
+
+
 def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str]) -> None:
     """Take out of ``plan`` each non-directory that would replace a directory which stays non-empty.
 
@@ -211,21 +367,56 @@ def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths:
     plan.links = [e for e in plan.links if e.path not in refused]
 
 
-def dry_run_changes(plan: Plan, src: list[Entry]) -> dict[str, list[str]]:
+def dry_run_changes(plan: Plan, src: list[Entry], root_name: str = "") -> dict[str, list[str]]:
     """What a dry run would change, as rsync ``-n -v`` lists it: paths relative to the destination base.
 
     Returns
     -------
     dict
-        ``{"transfer": [...], "delete": [...]}``: directories, files and symlinks that would be
-        created or updated (in source order; a directory whose only change is its mode or mtime
-        is not listed), and entries that would be deleted (children first; an entry replaced by
-        one of another kind is listed under both).
+        ``{"transfer": [...], "delete": [...], "lines": [...]}``: directories, files and
+        symlinks that would be created or updated (in source order; a directory whose only change
+        is its mode or mtime is not listed), and entries that would be deleted (children first;
+        an entry replaced by one of another kind is listed under both); ``lines`` (when the plan
+        has ``items``) is what ``rsync -n -v`` prints: ``deleting PATH``, then each entry created,
+        each file sent, each symlink changed and each directory whose mode or mtime changes
+        (rsync's "significant" items: not a file's or a symlink's attributes alone), relative to
+        the transfer root as :func:`itemize_lines` shows them, without the change codes.
     """
     transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
-    return {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+    out = {"transfer": transfer, "delete": [d.path for d in plan.delete]}
+    if plan.items:
+        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>" or e.kind == DIR]
+        out["lines"] = [("deleting " if c == "*deleting" else "") + line[12:]
+                        for (c, _), line in zip(shown, itemize_lines(shown, root_name))]
+    return out
 
 
 def _source_order(src: list[Entry]) -> Callable[[str], int]:
     order = {e.path: i for i, e in enumerate(src)}
     return lambda p: order.get(p, len(order))
+
+
+def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = False) -> list[str]:
+    """rsync ``--itemize-changes`` lines of ``items`` (``Plan.items``).
+
+    Paths are shown as rsync shows them: relative to the transfer root (``root_name``, the
+    source's name when it had no trailing slash, before each path; the base itself as
+    ``root_name`` or ``.``), directories with a trailing ``/``, symlinks with ``-> target``;
+    names that are not valid UTF-8 with ``\\xNN`` escapes. A deletion is ``*deleting`` padded to
+    11 characters. In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
+    the sending side.
+    """
+    from .entry import show_path
+
+    out = []
+    for code, e in items:
+        path = f"{root_name}/{e.path}" if root_name and e.path else (e.path or root_name or ".")
+        if e.kind == DIR:
+            path += "/"
+        line = f"{code:<11} {show_path(path)}"
+        if e.kind == LINK and code != "*deleting":
+            line += f" -> {show_path(e.target or '')}"
+        if push and code.startswith(">"):
+            line = "<" + line[1:]
+        out.append(line)
+    return out

@@ -118,6 +118,9 @@ class Receiver:
         exclude rules); by default :meth:`run` starts one.
     link_dest_root : str, optional
         On a server, its ROOT: every ``--link-dest`` directory must lie inside it.
+    fresh_base : bool
+        ``dest`` did not exist before the caller made it (a local destination's state root):
+        it is itemized as created (``cd+++++++++``), as rsync shows a directory it made.
     """
 
     def __init__(
@@ -131,8 +134,10 @@ class Receiver:
         params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
         dst_scan: Future[Tree] | None = None,
         link_dest_root: str | None = None,
+        fresh_base: bool = False,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
+        self.fresh_base = fresh_base
         self._dst_scan = dst_scan
         self.link = link
         self.options = options
@@ -168,11 +173,14 @@ class Receiver:
         # Scan the destination while the sender scans the source (they overlap on two cores).
         dst_fut = (
             self._dst_scan if self._dst_scan is not None
-            else scan_in_background(self.dest, self.options.rules, unlock=not self.options.dry_run)
+            else scan_in_background(self.dest, self.options.dest_rules, unlock=not self.options.dry_run)
         )
         generator = Generator(self.link, self.destination, self.options, self.params)
         try:
             planned = generator.make_plan(dst_fut)
+            if self.fresh_base:
+                items = planned.plan.items
+                planned.plan.items = [("cd+++++++++", e) if e.path == "" and e.kind == DIR else (c, e) for c, e in items]
             if self.options.dry_run:
                 return generator.dry_run(planned, t0)
             try:
@@ -203,6 +211,8 @@ class Receiver:
             seconds=time.perf_counter() - t0,
             failures=(*self.destination.failures, *self.destination.vanished()),
             skipped=tuple(self.destination.specials),
+            deletes_skipped=planned.plan.deletes_skipped,
+            itemized=generator.itemized(planned),
             **self.destination.stats,
         )
 

@@ -53,6 +53,7 @@ from .messages import (
 from .messages import SENDER_MAX_READ as MAX_READ
 from .options import SyncOptions
 from ._buffers import ReadBuffers
+from ._io import RateLimit
 from ._parts import FileRange, SharedFd, close_parts
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ class Sender:
         self._acc_lock = threading.Lock()
         self._read_bufs = ReadBuffers(16)
         self.zero_copy = zero_copy
+        self._rate = RateLimit(options.bwlimit) if options.bwlimit else None  # --bwlimit, all streams
         try:
             st = os.lstat(base)
         except FileNotFoundError:
@@ -534,6 +536,7 @@ class Sender:
                 parts.append(wire)
                 meta_parts.append((len(data), len(wire), codec))
             self._check_unchanged(fd, path, size, mtime_ns)
+            self._pace(meta_parts)
             return RangesMeta(meta_parts).to_wire(), parts
         finally:
             os.close(fd)
@@ -569,6 +572,11 @@ class Sender:
             if shared.users == 0 and shared.fd >= 0:  # no FileRange ever took it
                 os.close(fd)
                 shared.fd = -1
+        try:
+            self._pace(meta_parts)
+        except BaseException:
+            close_parts(parts)
+            raise
         return RangesMeta(meta_parts).to_wire(), parts
 
     def sub_chunks(self, path: str, ranges: list[list[int]], size: int, mtime_ns: int, params: list[int]) -> dict[str, Any]:
@@ -709,7 +717,13 @@ class Sender:
             wire, codec = encode_part(data, self.options.compress)
             files.append(FileInfo(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), refs, len(wire), codec))
             parts.append(wire)
+        self._pace([(0, len(p), 0) for p in parts])
         return FilesMeta(files, failed).to_wire(), parts
+
+    def _pace(self, meta_parts: list[tuple[int, int, int]]) -> None:
+        """``--bwlimit``: wait until the wire bytes of a reply (``[raw, wire, codec]`` per part) are due."""
+        if self._rate is not None:
+            self._rate.take(sum(m[1] for m in meta_parts))
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):

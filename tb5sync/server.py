@@ -53,7 +53,7 @@ from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS,
 from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
-from .options import WIRE_OPTIONS, SyncOptions
+from .options import SyncOptions, known_options
 from .protocol import FrameType
 from .links import RemoteLink
 from .receiver import Receiver, dest_base, scan_in_background
@@ -795,7 +795,7 @@ class Server:
             s.sender.prepare()  # scan while the client joins its other streams
             kind = kind_of(base)
             s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": list(WIRE_OPTIONS)})
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": known_options()})
             self._serve_sender(ch, s)
         finally:
             self._end_session(sid, s)
@@ -841,8 +841,8 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.rules, unlock=not options.dry_run)
-        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": list(WIRE_OPTIONS)})
+        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run)
+        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
         requester: Requester | None = None
         try:
             with s.joined:

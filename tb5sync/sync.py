@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from typing import TYPE_CHECKING
 
-from .errors import ArgumentTypeError, RemoteNotFoundError, UsageError, partial_error
+from .errors import ArgumentTypeError, SourceNotFoundError, UsageError, partial_error
 from .options import SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -47,6 +47,14 @@ def sync(
     copy_unsafe_links: bool = False,
     safe_links: bool = False,
     link_dest: Sequence[str | os.PathLike[str]] = (),
+    # -- rsync options, second half --
+    delete_excluded: bool = False,
+    max_delete: int | None = None,
+    itemize_changes: bool = False,
+    update: bool = False,
+    ignore_existing: bool = False,
+    size_only: bool = False,
+    bwlimit: int | float | str | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -103,6 +111,26 @@ def sync(
         (size, mtime, mode) in one of these directories is hard-linked from it. A relative
         directory is relative to the destination directory; on a push it is on the server and
         must lie inside its ROOT.
+    delete_excluded : bool
+        Also delete excluded entries at the destination (rsync ``--delete-excluded``; implies
+        ``delete``).
+    max_delete : int or None
+        Delete at most this many entries (rsync ``--max-delete=N``; 0: none); the rest are
+        skipped and :class:`~tb5sync.errors.DeleteLimitError` (exit 25) is raised at the end,
+        everything else synced. None: no limit.
+    itemize_changes : bool
+        Fill ``SyncStats.itemized`` with rsync ``-i`` lines (``">f+++++++++ path"``...).
+    update : bool
+        Leave regular files whose destination copy is newer alone (rsync ``-u``).
+    ignore_existing : bool
+        Leave every existing destination entry alone but directories (rsync ``--ignore-existing``).
+    size_only : bool
+        Files of the same size are unchanged whatever their mtime (rsync ``--size-only``; their
+        mode and mtime are still set).
+    bwlimit : int, float, str or None
+        The rate the sender puts on the wire, all streams together, in rsync's units: a number is
+        KiB/s, a str may carry a suffix (``"512b"``, ``"100K"``, ``"4M"``, ``"1.5G"``; ``"4MB"`` =
+        4,000,000 B/s); 0 or None: unlimited.
 
     Returns
     -------
@@ -115,8 +143,14 @@ def sync(
         patterns); the message names the argument. (Also a ``UsageError``.)
     UsageError
         Bad arguments (both sides remote, bad URL, bad option values).
+    SourceNotFoundError
+        The local source does not exist (also a ``RemoteNotFoundError``, the class raised
+        for any missing source before).
     RemoteNotFoundError
-        The source does not exist.
+        The remote source does not exist.
+    DeleteLimitError
+        (A ``PartialTransferError``, exit code 25.) ``max_delete`` stopped deletions;
+        ``stats.deletes_skipped`` says how many were left.
     ConnectError, AuthError, VersionMismatchError, PathError, ReadOnlyError
         From the server.
     PartialTransferError
@@ -133,6 +167,7 @@ def sync(
     _check_arguments(src, dst, delete, exclude, checksum, dry_run, streams, compress, progress, token, state_dir)
     links = _check_link_arguments(hard_links=hard_links, sparse=sparse, xattrs=xattrs, copy_links=copy_links,
                                   copy_unsafe_links=copy_unsafe_links, safe_links=safe_links, link_dest=link_dest)
+    rate = _check_rsync_options(delete_excluded, max_delete, itemize_changes, update, ignore_existing, size_only, bwlimit)
     from .chunking import warn_if_pure_python
 
     warn_if_pure_python()
@@ -148,6 +183,13 @@ def sync(
         streams=DEFAULT_STREAMS if streams is None else streams,
         fsync=fsync,
         **links,
+        delete_excluded=delete_excluded,
+        max_delete=max_delete,
+        itemize=itemize_changes,
+        update=update,
+        ignore_existing=ignore_existing,
+        size_only=size_only,
+        bwlimit=rate,
     )
     from .client import parse_url, pull, push
     from .entry import source_name
@@ -164,9 +206,47 @@ def sync(
         stats = push(src_s, rdst, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
     else:
         stats = _local(src_s, dst_s, options, progress, sdir)
-    if stats.failures:
+    if stats.exit_code:
         raise partial_error(stats)
     return stats
+
+
+def _check_rsync_options(
+    delete_excluded: object, max_delete: object, itemize_changes: object, update: object,
+    ignore_existing: object, size_only: object, bwlimit: object,
+) -> int:
+    """Check the rsync options' arguments of :func:`sync`; returns ``bwlimit`` in bytes per second.
+
+    Raises
+    ------
+    TypeError
+        (an :class:`ArgumentTypeError`) An argument of the wrong type, named.
+    ValueError
+        (a :class:`UsageError`) ``max_delete`` below 0, or a ``bwlimit`` rsync would refuse.
+    """
+    from .options import parse_rate
+
+    for name, v in (("delete_excluded", delete_excluded), ("itemize_changes", itemize_changes), ("update", update),
+                    ("ignore_existing", ignore_existing), ("size_only", size_only)):
+        if not isinstance(v, bool):
+            raise ArgumentTypeError(f"sync(): {name} must be a bool, not {type(v).__name__} {v!r:.80}")
+    if max_delete is not None:
+        if isinstance(max_delete, bool) or not isinstance(max_delete, int):
+            raise ArgumentTypeError(f"sync(): max_delete must be an int or None, not {type(max_delete).__name__} {max_delete!r:.80}")
+        if max_delete < 0:
+            raise UsageError(f"sync(): max_delete must be 0 or more (0: no deletions), not {max_delete}")
+    if bwlimit is None:
+        return 0
+    if isinstance(bwlimit, bool) or not isinstance(bwlimit, (int, float, str)):
+        raise ArgumentTypeError(f"sync(): bwlimit must be a number of KiB/s or a str such as '4M', not {type(bwlimit).__name__} {bwlimit!r:.80}")
+    if isinstance(bwlimit, (int, float)) and not (bwlimit >= 0 and bwlimit < float("inf")):
+        raise UsageError(f"sync(): bwlimit must be 0 or more KiB/s, not {bwlimit}")
+    if isinstance(bwlimit, str):
+        return parse_rate(bwlimit)
+    rate = int(bwlimit * 1024)
+    if 0 < rate < 512:
+        raise UsageError(f"sync(): bwlimit {bwlimit} KiB/s is too small (min: 0.5, or 0 for unlimited)")
+    return rate
 
 
 def _check_arguments(
@@ -238,19 +318,20 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
 
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
-        raise RemoteNotFoundError(f"source does not exist: {src}")
+        raise SourceNotFoundError(f"local source does not exist: {src}")
     src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
+    fresh = not os.path.lexists(dest)
     state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
     sender = Sender(src_abs, options)
     sender.prepare()
     link = LocalLink(sender)
     try:
-        return Receiver(dest, link, options, state, prefix, progress).run()
+        return Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()
     finally:
         link.close()
         state.close()

@@ -481,7 +481,7 @@ def test_old_server_refused_not_ignored(tmp_path: Any, monkeypatch: pytest.Monke
     """A server that does not list an option in its OPEN reply (one older than it) makes the client fail, naming it."""
     import tb5sync.server as srv
 
-    monkeypatch.setattr(srv, "WIRE_OPTIONS", BASE_OPTIONS)
+    monkeypatch.setattr(srv, "known_options", lambda: list(BASE_OPTIONS))
     live = start_server(str(tmp_path / "old"))
     try:
         src = str(tmp_path / "src")

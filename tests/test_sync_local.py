@@ -304,5 +304,8 @@ def test_cli_dry_run_prints_the_paths(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "deleting old.txt" in lines and "a.txt" in lines
-    assert any(ln.startswith("files:") and "1 would delete" in ln for ln in lines)
+    assert not any(ln.startswith("files:") for ln in lines)  # as rsync -n: the list, no statistics
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--stats", "--delete", f"{src}/", str(dst)],
+                       capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert any(ln.startswith("files:") and "1 would delete" in ln for ln in r.stdout.splitlines())
     assert sorted(os.listdir(dst)) == ["old.txt"]
