@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 SMALL_FILE = 4 * 1024 * 1024
 #: Most files per small-file batch (one ``read_files`` request).
 BATCH_FILES = 2048
+#: The first small-file batch's bytes and files; each next batch may hold twice as many, up to
+#: :data:`~tb5sync.largefile.BATCH_BYTES` and :data:`BATCH_FILES`.
+FIRST_BATCH_BYTES = 512 * 1024
+FIRST_BATCH_FILES = 32
 
 
 def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
@@ -271,15 +275,23 @@ class Receiver:
 
     # ---- small files ------------------------------------------------------------------
     def _fetch_small(self, files: list[Entry]) -> None:
+        """Fetch and write the small files ``files``: ``read_files`` batches, a window of them in flight.
+
+        The first batches are small (:data:`FIRST_BATCH_BYTES`, doubling up to
+        :data:`~tb5sync.largefile.BATCH_BYTES`) so that writing starts while the sender still
+        reads: a cold push of 2,000 files waited ~140 ms for a first 8 MiB batch.
+        """
         batches: list[list[Entry]] = []
         cur: list[Entry] = []
         size = 0
+        limit, nlimit = FIRST_BATCH_BYTES, FIRST_BATCH_FILES
         for e in files:
             cur.append(e)
             size += e.size
-            if size >= BATCH_BYTES or len(cur) >= BATCH_FILES:
+            if size >= limit or len(cur) >= nlimit:
                 batches.append(cur)
                 cur, size = [], 0
+                limit, nlimit = min(2 * limit, BATCH_BYTES), min(2 * nlimit, BATCH_FILES)
         if cur:
             batches.append(cur)
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
