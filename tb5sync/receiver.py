@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -52,7 +53,7 @@ from . import chunking
 from ._replies import decode_part
 from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
-from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
+from .errors import DestinationError, PathError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
 from .excludes import ExcludeRules
 from .generator import Generator, Planned
 from .messages import FilesMeta
@@ -62,12 +63,18 @@ from .options import SyncOptions, SyncStats
 from .scan import Tree, scan_tree
 from .state import TreeState
 
-__all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "ProgressFn"]
+__all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "DELTA_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
 #: Files below this size (bytes) travel whole, batched, without a chunk-list round trip.
 SMALL_FILE = 4 * 1024 * 1024
+#: Files from this size (bytes) up that exist at the destination (a basis) travel as a delta
+#: (:mod:`tb5sync.largefile`: chunk list, chunks and sub-chunks of the basis reused) instead of
+#: whole: a touch of a 2 MB file sends a chunk list, not 2 MB. Below it a delta's round trips
+#: cost more than the bytes they save on a fast link (loopback, 100 files: a touch of 256 KiB
+#: files took 2.1 ms a file as deltas and 0.8 ms whole; of 1 MiB files 3.9 and 2.0 ms).
+DELTA_FILE = 1024 * 1024
 #: Most files per small-file batch (one ``read_files`` request).
 BATCH_FILES = 2048
 #: The first small-file batch's bytes and files; each next batch may hold twice as many, up to
@@ -247,14 +254,29 @@ class Receiver:
 
             followers = link_groups(generator.src_hardlinks, planned.src)
             files = [e for e in files if e.path not in followers]
-        small = [e for e in files if e.size < SMALL_FILE]
-        large = [e for e in files if e.size >= SMALL_FILE]
+        small: list[Entry] = []
+        large: list[Entry] = []
+        for e in files:  # a changed file with a basis here travels as a delta from DELTA_FILE up
+            (large if e.size >= SMALL_FILE or (e.size >= DELTA_FILE and self._has_basis(e.path)) else small).append(e)
         self._fetch_small(small)
         for e in large:
             self._fetch_large_retrying(e)
         if followers:
             self._link_followers(followers)
         generator.finish(plan, planned.src)
+
+    def _has_basis(self, rel: str) -> bool:
+        """Whether the destination holds a regular, non-empty file at ``rel`` (a basis for a delta).
+
+        Looked up through the jail (no symlink followed); any error is a no: the whole file is
+        sent, and the write meets (and names) the error."""
+        dest = self.destination
+        try:
+            dfd, name = dest.parent(rel)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (OSError, PathError):
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size > 0
 
     def _link_followers(self, followers: dict[str, str]) -> None:
         """``-H``: make each path of ``followers`` a hard link to its group's first path (already
