@@ -223,7 +223,9 @@ class Destination:
     -----
     Not thread-safe, and with no lock: only the thread that runs
     :meth:`tb5sync.receiver.Receiver.run` updates it (commits small files, settles reused
-    chunks, writes fetched and rebuilt chunks). The other threads of a large-file job do
+    chunks, writes fetched and rebuilt chunks), or the receiver's one writer thread running
+    :meth:`write_files` while the run thread calls nothing here but :meth:`flush_records`
+    (which touches only the kept rows and the state). The other threads of a large-file job do
     not touch it: the planner thread only builds chunks from basis sub-chunks (the run
     thread verifies, writes and counts them), the chunk-list helper only asks for pieces,
     the hash pool only runs checked copies. :attr:`state` (a

@@ -39,6 +39,7 @@ Invariants kept here (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -46,8 +47,8 @@ import stat
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 from . import chunking
 from ._replies import decode_part
@@ -81,6 +82,16 @@ BATCH_FILES = 2048
 #: :data:`~tb5sync.largefile.BATCH_BYTES` and :data:`BATCH_FILES`.
 FIRST_BATCH_BYTES = 512 * 1024
 FIRST_BATCH_FILES = 32
+
+
+class _Written(NamedTuple):
+    """A small-file batch handed to the writer thread: its files ``(entry, chunk list)`` in
+    order, the reply's parts (recycled once written) and the future of
+    :meth:`~tb5sync.destination.Destination.write_files`'s results."""
+
+    todo: list[tuple[Entry, list[tuple[bytes, int]]]]
+    parts: list[Any]
+    future: Future[list[Any]]
 
 
 def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
@@ -318,37 +329,45 @@ class Receiver:
             batches.append(cur)
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
-        it = iter(batches)
-        for b in it:
-            inflight.append((b, self.link.submit("read_files", paths=[e.path for e in b])))
-            if len(inflight) >= window:
-                self._commit_small_batch(*inflight.popleft())
-        while inflight:
-            self._commit_small_batch(*inflight.popleft())
+        pending: _Written | None = None
+        # One writer thread: batch k is written (GIL released) while this thread waits for,
+        # checks and verifies batch k + 1. Only one of the two touches the destination at a time:
+        # the writer inside write_files, this thread before submitting and after settling.
+        with ThreadPoolExecutor(1, thread_name_prefix="tb5-write") as writer:
+            try:
+                for b in batches:
+                    inflight.append((b, self.link.submit("read_files", paths=[e.path for e in b])))
+                    if len(inflight) >= window:
+                        pending = self._commit_small_batch(*inflight.popleft(), writer, pending)
+                while inflight:
+                    pending = self._commit_small_batch(*inflight.popleft(), writer, pending)
+                self._settle_small(pending)
+            except BaseException:
+                if pending is not None and not pending.future.cancel():
+                    with contextlib.suppress(BaseException):  # what it wrote is counted and kept in the state
+                        self._settle_small(pending)
+                raise
 
-    def _commit_small_batch(self, batch: list[Entry], fut: Future[Any]) -> None:
-        """Verify and write the files of one ``read_files`` reply.
+    def _commit_small_batch(self, batch: list[Entry], fut: Future[Any], writer: ThreadPoolExecutor, pending: _Written | None) -> _Written:
+        """Verify the files of one ``read_files`` reply, settle the batch before (``pending``), then
+        hand this one to ``writer``; returns it, to be settled by the next call or :meth:`_settle_small`.
 
         Every file's chunks are verified first (BLAKE3; a mismatch stops the run before any file
         of the batch is written), then the batch is written by
         :meth:`~tb5sync.destination.Destination.write_files`: one call of the Cython writer with
-        the GIL released, so the link's threads receive the next batches meanwhile. One thread
-        writes: creating files from several threads was measured slower (ext4 contends on the
-        same locks: rwsem spinning in the profile).
+        the GIL released, so the link's threads receive, and this thread verifies, the next
+        batches meanwhile. One batch is written at a time: creating files from several threads
+        was measured slower (ext4 contends on the same locks: rwsem spinning in the profile).
         """
         meta, parts = fut.result()
         fm = FilesMeta.from_wire(meta, [e.path for e in batch])
-        dest = self.destination
         pi = 0
         todo: list[tuple[Entry, list[tuple[bytes, int]]]] = []
         writes: list[tuple[str, Any, int, int]] = []
+        missing: list[tuple[Entry, str | None]] = []
         for i, (e, info) in enumerate(zip(batch, fm.files)):
             if info is None:
-                if i in fm.failed:
-                    dest.fail(e.path, "source", fm.failed[i])
-                else:
-                    log.warning("source file vanished or kept changing: %s", e.path)
-                    dest.changed.append(e.path)
+                missing.append((e, fm.failed.get(i)))
                 continue
             if pi >= len(parts):
                 raise RemoteProtocolError("read_files reply has fewer parts than files")
@@ -363,8 +382,25 @@ class Receiver:
             verify_chunks(pieces, e.path, parallel=False)
             todo.append((e, refs))
             writes.append((e.path, mv, mode, mtime_ns))
-        results = dest.write_files(writes)
-        for (e, refs), res in zip(todo, results):
+        self._settle_small(pending)  # the batch before: its failures and rows first, in order
+        dest = self.destination
+        for e, reason in missing:
+            if reason is not None:
+                dest.fail(e.path, "source", reason)
+            else:
+                log.warning("source file vanished or kept changing: %s", e.path)
+                dest.changed.append(e.path)
+        written = _Written(todo, parts, writer.submit(dest.write_files, writes))
+        dest.flush_records(min_rows=1024)  # the rows settled so far, while the writer writes (the state locks on its own)
+        return written
+
+    def _settle_small(self, written: _Written | None) -> None:
+        """Wait for a batch handed to the writer; name its failures, keep its scan-cache rows, count it."""
+        if written is None:
+            return
+        results = written.future.result()
+        dest = self.destination
+        for (e, refs), res in zip(written.todo, results):
             if isinstance(res, OSError):
                 dest.fail(e.path, "destination", res)
                 continue
@@ -373,9 +409,7 @@ class Receiver:
             dest.stats["bytes_transferred"] += res[0]
             dest.stats["chunks_sent"] += len(refs)
             dest.tick(res[0])
-        del writes, todo
-        self.link.recycle(parts)
-        dest.flush_records(min_rows=4096)
+        self.link.recycle(written.parts)
 
     # ---- large files ------------------------------------------------------------------
     def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:
