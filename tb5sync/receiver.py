@@ -43,12 +43,14 @@ import contextlib
 import errno
 import logging
 import os
+import queue
 import stat
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, NamedTuple, TypeVar
 
 from . import chunking
 from ._replies import decode_part
@@ -67,6 +69,8 @@ from .state import TreeState
 __all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "DELTA_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Files below this size (bytes) travel whole, batched, without a chunk-list round trip.
 SMALL_FILE = 4 * 1024 * 1024
@@ -92,6 +96,57 @@ class _Written(NamedTuple):
     todo: list[tuple[Entry, list[tuple[bytes, int]]]]
     parts: list[Any]
     future: Future[list[Any]]
+
+
+class _Writer:
+    """One thread running submitted calls in order (the receiver's small-file writer, ``tb5-write``).
+
+    Unlike a ``ThreadPoolExecutor``, :meth:`close` joins the thread whenever it was started, even
+    when a ``KeyboardInterrupt`` cut :meth:`start` short, and finishes the join if one cuts the
+    join short (then raises it): a batch the Cython writer is writing (it cannot be interrupted)
+    is always finished, its temporary names renamed, before the process can exit.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tb5-write", daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the thread after what was submitted before; its future."""
+        fut: Future[T] = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # delivered through the future
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        """Let the thread finish what was submitted and stop; wait for it. Safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        interrupted: BaseException | None = None
+        while self._thread.ident is not None and self._thread.is_alive():
+            try:
+                self._thread.join()
+            except KeyboardInterrupt as exc:  # finish the join: no half-written batch at exit
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
 
 
 def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
@@ -164,6 +219,8 @@ class Receiver:
         self.params = params
         self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
         self.link_dest_root = link_dest_root
+        #: the small-file batch handed to the writer thread and not settled yet (:meth:`_settle_small`)
+        self._unsettled: _Written | None = None
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -329,28 +386,32 @@ class Receiver:
             batches.append(cur)
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
-        pending: _Written | None = None
+        self._unsettled = None
         # One writer thread: batch k is written (GIL released) while this thread waits for,
         # checks and verifies batch k + 1. Only one of the two touches the destination at a time:
         # the writer inside write_files, this thread before submitting and after settling.
-        with ThreadPoolExecutor(1, thread_name_prefix="tb5-write") as writer:
-            try:
-                for b in batches:
-                    inflight.append((b, self.link.submit("read_files", paths=[e.path for e in b])))
-                    if len(inflight) >= window:
-                        pending = self._commit_small_batch(*inflight.popleft(), writer, pending)
-                while inflight:
-                    pending = self._commit_small_batch(*inflight.popleft(), writer, pending)
-                self._settle_small(pending)
-            except BaseException:
-                if pending is not None and not pending.future.cancel():
-                    with contextlib.suppress(BaseException):  # what it wrote is counted and kept in the state
-                        self._settle_small(pending)
-                raise
+        writer = _Writer()
+        try:
+            writer.start()
+            for b in batches:
+                inflight.append((b, self.link.submit("read_files", paths=[e.path for e in b])))
+                if len(inflight) >= window:
+                    self._commit_small_batch(*inflight.popleft(), writer)
+            while inflight:
+                self._commit_small_batch(*inflight.popleft(), writer)
+            self._settle_small()
+        except BaseException:
+            if self._unsettled is not None and not self._unsettled.future.cancel():
+                writer.close()  # the batch being written is finished, then counted and kept in the state
+                with contextlib.suppress(BaseException):
+                    self._settle_small()
+            raise
+        finally:
+            writer.close()
 
-    def _commit_small_batch(self, batch: list[Entry], fut: Future[Any], writer: ThreadPoolExecutor, pending: _Written | None) -> _Written:
-        """Verify the files of one ``read_files`` reply, settle the batch before (``pending``), then
-        hand this one to ``writer``; returns it, to be settled by the next call or :meth:`_settle_small`.
+    def _commit_small_batch(self, batch: list[Entry], fut: Future[Any], writer: _Writer) -> None:
+        """Verify the files of one ``read_files`` reply, settle the batch before, then hand this one
+        to ``writer`` (it is settled by the next call or the last :meth:`_settle_small`).
 
         Every file's chunks are verified first (BLAKE3; a mismatch stops the run before any file
         of the batch is written), then the batch is written by
@@ -382,7 +443,7 @@ class Receiver:
             verify_chunks(pieces, e.path, parallel=False)
             todo.append((e, refs))
             writes.append((e.path, mv, mode, mtime_ns))
-        self._settle_small(pending)  # the batch before: its failures and rows first, in order
+        self._settle_small()  # the batch before: its failures and rows first, in order
         dest = self.destination
         for e, reason in missing:
             if reason is not None:
@@ -390,12 +451,13 @@ class Receiver:
             else:
                 log.warning("source file vanished or kept changing: %s", e.path)
                 dest.changed.append(e.path)
-        written = _Written(todo, parts, writer.submit(dest.write_files, writes))
+        self._unsettled = _Written(todo, parts, writer.submit(dest.write_files, writes))
         dest.flush_records(min_rows=1024)  # the rows settled so far, while the writer writes (the state locks on its own)
-        return written
 
-    def _settle_small(self, written: _Written | None) -> None:
-        """Wait for a batch handed to the writer; name its failures, keep its scan-cache rows, count it."""
+    def _settle_small(self) -> None:
+        """Wait for the batch last handed to the writer (if not settled yet); name its failures,
+        keep its scan-cache rows, count it. Each batch is settled once."""
+        written, self._unsettled = self._unsettled, None
         if written is None:
             return
         results = written.future.result()
