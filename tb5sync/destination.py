@@ -42,7 +42,7 @@ from .errors import DestinationError, PathError, Tb5syncError, UsageError
 from .options import Failure
 from .state import TreeState
 
-__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE", "FATAL_ERRNOS"]
+__all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE", "FATAL_ERRNOS", "WRITE_IMPLEMENTATION", "Committed"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,21 @@ STALE_GRACE = 10.0
 _DIR_CACHE = 64
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+# The one import site that picks the small-file writer (TB5SYNC_PUREPYTHON=1 forces Python):
+# the Cython batch writer (ext/_write.pyx) or :meth:`Destination.write_file` once per file.
+_cy_write_files: Callable[..., list[Any]] | None
+try:
+    from ._write import write_files as _cy_write_files
+except ImportError:
+    _cy_write_files = None
+if os.environ.get("TB5SYNC_PUREPYTHON") == "1":
+    _cy_write_files = None
+#: ``"cython"`` or ``"python"``: which writer :meth:`Destination.write_files` uses.
+WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
+
+#: ``(st_size, st_mtime_ns, st_ino)`` of a file just committed (what its scan-cache row keeps).
+Committed = tuple[int, int, int]
 _NEW_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 
@@ -208,7 +223,9 @@ class Destination:
     -----
     Not thread-safe, and with no lock: only the thread that runs
     :meth:`tb5sync.receiver.Receiver.run` updates it (commits small files, settles reused
-    chunks, writes fetched and rebuilt chunks). The other threads of a large-file job do
+    chunks, writes fetched and rebuilt chunks), or the receiver's one writer thread running
+    :meth:`write_files` while the run thread calls nothing here but :meth:`flush_records`
+    (which touches only the kept rows and the state). The other threads of a large-file job do
     not touch it: the planner thread only builds chunks from basis sub-chunks (the run
     thread verifies, writes and counts them), the chunk-list helper only asks for pieces,
     the hash pool only runs checked copies. :attr:`state` (a
@@ -648,6 +665,87 @@ class Destination:
         return self.jail.open_file(spath, _READ_FLAGS)
 
     # ---- new files ----------------------------------------------------------------------
+    def write_files(self, files: Sequence[tuple[str, bytes | bytearray | memoryview, int, int]]) -> list[Committed | OSError]:
+        """Write a batch of small files, each as :meth:`write_file` does (through :meth:`writable`).
+
+        Parameters
+        ----------
+        files : sequence of (str, bytes-like, int, int)
+            ``(rel, data, mode, mtime_ns)`` per file: its path relative to :attr:`base`, its bytes
+            (already verified), its permission bits and its mtime (ns).
+
+        Returns
+        -------
+        list of Committed or OSError
+            Per file, in order: ``(st_size, st_mtime_ns, st_ino)`` as committed, or the error that
+            kept it from being written (its path named; the caller decides: :meth:`fail`).
+
+        Notes
+        -----
+        With the Cython writer (:data:`WRITE_IMPLEMENTATION`) the whole batch is one call with the
+        GIL released (the network threads receive the next batches meanwhile), every call relative
+        to the jail's directory descriptors (``openat`` ``O_CREAT|O_EXCL|O_NOFOLLOW``, ``write``,
+        ``fchmod``, ``futimens``, ``renameat``). A file it cannot write (any errno: a read-only
+        directory, an empty directory in the way, a full disk) is taken again by the Python path,
+        which makes the directory writable, replaces the empty directory or raises exactly as
+        before. ``-S`` (sparse) writes take the Python path.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink (the run stops; nothing is written through it).
+        Tb5syncError
+            Raised by the Python path (not returned).
+        """
+        out: list[Committed | OSError | None] = [None] * len(files)
+        redo: list[int] = []
+        if _cy_write_files is not None and not self.sparse:
+            batch: list[tuple[int, bytes, bytes, Any, int, int]] = []
+            where: list[tuple[int, str]] = []
+            fds: dict[str, int] = {}
+            try:
+                for i, (rel, data, mode, mtime_ns) in enumerate(files):
+                    head = rel.rpartition("/")[0] if rel else "\0.."
+                    dfd = fds.get(head)
+                    try:
+                        if dfd is None:
+                            # a duplicate: the destination's descriptor cache may close its own
+                            # (least recently used) while this batch's directories are opened
+                            dfd = fds[head] = os.dup(self.parent(rel)[0])
+                        name = rel.rpartition("/")[2] if rel else self.parent(rel)[1]
+                    except OSError as exc:
+                        if isinstance(exc, Tb5syncError):
+                            raise
+                        redo.append(i)  # the Python path meets (and names) the same error
+                        continue
+                    bname = os.fsencode(name)
+                    batch.append((dfd, os.fsencode(temp_name(name)), bname, data, mode & 0o7777, mtime_ns))
+                    where.append((i, head))
+                results = _cy_write_files(batch, self.fsync)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            for (i, head), res in zip(where, results):
+                if isinstance(res, int):
+                    redo.append(i)
+                else:
+                    out[i] = res
+                    self._dirty.add(head)
+            redo.sort()
+        else:
+            redo = list(range(len(files)))
+        for i in redo:
+            rel, data, mode, mtime_ns = files[i]
+            try:
+                st = self.writable(rel, lambda rel=rel, data=data, mode=mode, mtime_ns=mtime_ns: self.write_file(rel, data, mode, mtime_ns))
+            except OSError as exc:
+                if isinstance(exc, Tb5syncError):
+                    raise
+                out[i] = exc
+                continue
+            out[i] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        return out  # type: ignore[return-value]
+
     @_names_path
     def write_file(self, rel: str, data: bytes | bytearray | memoryview, mode: int, mtime_ns: int) -> os.stat_result:
         """Write ``data`` to a temporary file beside ``rel``, give it ``mode`` and ``mtime_ns``, rename it over ``rel``.
@@ -949,19 +1047,24 @@ class Destination:
             self.progress(self.done_bytes, self.total_bytes)
 
     # ---- scan cache -------------------------------------------------------------------
-    def record(self, rel: str, st: os.stat_result, refs: Sequence[tuple[bytes, int]]) -> None:
+    def record(self, rel: str, st: os.stat_result | Committed, refs: Sequence[tuple[bytes, int]]) -> None:
         """Keep the scan-cache row of the file ``rel`` just committed (``st`` from its fd) until :meth:`flush_records`.
 
         Parameters
         ----------
         rel : str
             Path relative to :attr:`base`.
-        st : os.stat_result
-            The committed file's size, mtime and inode.
+        st : os.stat_result or Committed
+            The committed file's size, mtime and inode (a stat result, or the tuple
+            ``(st_size, st_mtime_ns, st_ino)`` :meth:`write_files` gives).
         refs : sequence of (bytes, int)
             Its chunk list ``(digest, length)``, in order.
         """
-        self._records.append((self.spath(rel), st.st_size, st.st_mtime_ns, st.st_ino, refs))
+        if isinstance(st, tuple) and not isinstance(st, os.stat_result):
+            size, mtime_ns, ino = st
+        else:
+            size, mtime_ns, ino = st.st_size, st.st_mtime_ns, st.st_ino
+        self._records.append((self.spath(rel), size, mtime_ns, ino, refs))
 
     def flush_records(self, min_rows: int = 0) -> None:
         """Write the kept rows to the scan cache if at least ``min_rows`` are waiting (all, by default).

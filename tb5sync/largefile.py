@@ -53,6 +53,8 @@ PIECE_BYTES = 64 * 1024 * 1024
 PIECES_AHEAD = 3
 #: Reused chunks being read, checked and copied at once per large file (one max-size buffer each).
 COPY_INFLIGHT = 6
+#: A basis from this size (bytes) up is closed on a thread of its own after the commit.
+CLOSE_LATER_BYTES = 64 * 1024 * 1024
 #: Bytes of a large file's work file after which the writeback of the part settled so far is started.
 WRITEBACK_BYTES = 32 * 1024 * 1024
 #: Groups in a row without one sub-chunk found in the basis after which a file's remaining
@@ -154,9 +156,10 @@ class LargeFileJob:
             basis, self.basis = self.basis, None
             if basis is not None:
                 log.debug("basis of %s: %d bytes cut to re-align", self.rel, basis.cut_bytes)
-                if committed:
+                if committed and basis.size >= CLOSE_LATER_BYTES:
                     # The rename unlinked the basis: this close frees its blocks and pages (~0.25 s
-                    # per GiB on the development VM's ext4), work that need not delay the reply.
+                    # per GiB on the development VM's ext4), work that need not delay the reply
+                    # (a smaller basis is closed here: starting a thread costs more).
                     close_later(basis.fd)
                 else:
                     os.close(basis.fd)
@@ -321,7 +324,8 @@ class LargeFileJob:
         """
         fd, basis, all_refs, dest = self.fd, self.basis, self.all_refs, self.destination
         pool = hash_pool()
-        bufs = [bytearray(self.params.max_size) for _ in range(COPY_INFLIGHT)]
+        # a chunk is at most max_size and at most the file: a 300 KiB file needs no 6 x 4 MiB of zeroed buffers
+        bufs = [bytearray(min(self.params.max_size, max(self.size, 1))) for _ in range(COPY_INFLIGHT)]
         opened: dict[str, int] = {}
         pending: deque[tuple[int, int, bytes, int, Future[bool] | None, bytearray | None]] = deque()
         cur: list[tuple[int, int, bytes]] = []

@@ -298,23 +298,24 @@ class TreeState:
         Returns the file digests, in order.
         """
         digests = []
+        last: dict[str | bytes, int] = {}  # a path listed twice keeps its last row, as one statement per file did
+        for i, (rel, _size, _mtime_ns, _ino, refs) in enumerate(items):
+            digests.append(file_digest(d for d, _ in refs))
+            last[_db_path(rel)] = i
+        files, chunks = [], []
+        for path, i in last.items():
+            _rel, size, mtime_ns, ino, refs = items[i]
+            files.append((path, size, _db_int(mtime_ns), _db_int(ino), self.params.version, digests[i], refs_to_blob(refs)))
+            off = 0
+            for d, n in refs:
+                chunks.append((d, path, off, n))
+                off += n
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for rel, size, mtime_ns, ino, refs in items:
-                digest = file_digest(d for d, _ in refs)
-                digests.append(digest)
-                path = _db_path(rel)
-                self._db.execute("DELETE FROM chunks WHERE path=?", (path,))
-                self._db.execute(
-                    "INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
-                    (path, size, _db_int(mtime_ns), _db_int(ino), self.params.version, digest, refs_to_blob(refs)),
-                )
-                rows = []
-                off = 0
-                for d, n in refs:
-                    rows.append((d, path, off, n))
-                    off += n
-                self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", rows)
+            # one prepared statement each for the whole batch, not three per file
+            self._db.executemany("DELETE FROM chunks WHERE path=?", [(p,) for p in last])
+            self._db.executemany("INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)", files)
+            self._db.executemany("INSERT INTO chunks VALUES (?,?,?,?)", chunks)
         return digests
 
     def forget(self, paths: Sequence[str]) -> None:

@@ -309,3 +309,25 @@ def local_agrees_with_rsync(src: str, tmp: str, what: str = "local") -> None:
     tb5sync.sync(src + "/", mine)
     assert_same(digest_snapshot(ref), digest_snapshot(mine), what)
     assert tb5sync.sync(src + "/", mine).files_transferred == 0
+
+
+# --- the small-file writer (tb5sync.destination / tb5sync._write) -----------------------------
+
+
+@pytest.fixture(params=["cython", "python"])
+def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``; skipped when
+    not built, failed under TB5SYNC_REQUIRE_CYTHON=1) and :meth:`Destination.write_file` per file."""
+    from tb5sync import destination
+
+    if request.param == "python":
+        monkeypatch.setattr(destination, "_cy_write_files", None)
+    elif destination._cy_write_files is None:
+        try:
+            from tb5sync._write import write_files
+        except ImportError:
+            if require_cython():
+                pytest.fail("tb5sync._write is not built but TB5SYNC_REQUIRE_CYTHON=1")
+            pytest.skip("tb5sync._write is not built")
+        monkeypatch.setattr(destination, "_cy_write_files", write_files)  # TB5SYNC_PUREPYTHON=1 run: both still
+    return request.param

@@ -352,3 +352,75 @@ def test_chunk_index_recovers_from_copies_deleted_behind_its_back(tmp_path, serv
     for name in ("kk_a", "kk_b"):
         with open(os.path.join(server.root, name, "u"), "rb") as f:
             assert f.read() == (src / "u").read_bytes()
+
+
+# ---- small changed files travel as deltas (receiver.DELTA_FILE) --------------------------------
+
+
+def _rsync_bytes_sent(src: str, dst: str) -> int:
+    """rsync's "Total bytes sent" for ``rsync -a --no-whole-file --stats SRC/ DST/`` (local rsync
+    copies whole files unless told not to; the delta algorithm is what a remote rsync runs)."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["rsync", "-a", "--no-whole-file", "--stats", src + "/", dst + "/"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    m = re.search(r"Total bytes sent: ([\d,.]+)", out)
+    assert m, out
+    return int(m.group(1).replace(",", "").replace(".", ""))
+
+
+@pytest.mark.parametrize("edit", ["touch", "change100"])
+def test_changed_2mb_file_travels_as_a_delta(tmp_path: Any, need_rsync: None, edit: str) -> None:
+    """A 2 MB file that exists at the destination, touched or with 100 bytes changed, pushed
+    to a server: the client's wire bytes stay within 10x of what rsync sends for the same
+    edit, far below the file's 2 MB; the result is the source's file."""
+    from conftest import start_server
+
+    from tb5sync.receiver import DELTA_FILE, SMALL_FILE
+
+    size = 2_000_000
+    assert DELTA_FILE <= size < SMALL_FILE
+    rng = random.Random(5)
+    data = bytearray(rng.randbytes(size))
+    src, ref = str(tmp_path / "src"), str(tmp_path / "ref")
+    os.makedirs(src)
+    with open(os.path.join(src, "f"), "wb") as f:
+        f.write(data)
+    live = start_server(str(tmp_path / "root"))
+    try:
+        first = tb5sync.sync(src + "/", live.url("d/"))
+        assert first.wire_bytes > size  # the first copy travels whole
+        _rsync_bytes_sent(src, ref)
+        if edit == "touch":
+            os.utime(os.path.join(src, "f"), ns=(2_000_000_000 * 10**9, 2_000_000_000 * 10**9))
+        else:
+            data[1_000_000:1_000_100] = rng.randbytes(100)
+            with open(os.path.join(src, "f"), "wb") as f:
+                f.write(data)
+            os.utime(os.path.join(src, "f"), ns=(1_900_000_000 * 10**9, 1_900_000_000 * 10**9))  # another second: rsync's quick check
+        stats = tb5sync.sync(src + "/", live.url("d/"))
+        rsync_sent = _rsync_bytes_sent(src, ref)
+        with open(os.path.join(live.root, "d", "f"), "rb") as f:
+            assert f.read() == bytes(data)
+        assert os.stat(os.path.join(live.root, "d", "f")).st_mtime_ns == os.stat(os.path.join(src, "f")).st_mtime_ns
+    finally:
+        live.server.stop()
+    assert stats.files_transferred == 1 and stats.chunks_reused >= 1, stats
+    assert stats.wire_bytes <= 10 * rsync_sent, (stats.wire_bytes, rsync_sent)
+    assert stats.wire_bytes < size // 50, stats.wire_bytes
+
+
+def test_changed_file_below_the_delta_size_travels_whole(tmp_path: Any) -> None:
+    """Below DELTA_FILE a changed file is sent whole in a batch (no chunk-list round trip)."""
+    from tb5sync.receiver import DELTA_FILE
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    os.makedirs(src)
+    data = os.urandom(DELTA_FILE // 2)
+    with open(os.path.join(src, "f"), "wb") as f:
+        f.write(data)
+    tb5sync.sync(src + "/", dst)
+    os.utime(os.path.join(src, "f"), ns=(2_000_000_000 * 10**9, 2_000_000_000 * 10**9))
+    stats = tb5sync.sync(src + "/", dst)
+    assert stats.files_transferred == 1 and stats.chunks_reused == 0 and stats.bytes_transferred == len(data)

@@ -32,14 +32,14 @@ def test_sdist_holds_the_cython_sources(tmp_path: Any) -> None:
     (sdist,) = [p for p in os.listdir(tmp_path) if p.endswith(".tar.gz")]
     with tarfile.open(tmp_path / sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    needed = {"setup.py", "pyproject.toml", "ext/_cdc.pyx", "ext/_scan.pyx", "ext/_gear.pxi", "tb5sync/__init__.py", "tb5sync/py.typed"}
+    needed = {"setup.py", "pyproject.toml", "ext/_cdc.pyx", "ext/_scan.pyx", "ext/_write.pyx", "ext/_gear.pxi", "tb5sync/__init__.py", "tb5sync/py.typed"}
     assert needed <= names, needed - names
     with open(os.path.join(REPO, "ext", "_cdc.pyx")) as f:  # what the .pyx includes is shipped too
         included = {line.split('"')[1] for line in f if line.startswith("include ")}
     assert {f"ext/{n}" for n in included} <= names
 
 
-_NO_CYTHON = "import sys; sys.modules['tb5sync._cdc'] = None; sys.modules['tb5sync._scan'] = None; "
+_NO_CYTHON = "import sys; sys.modules['tb5sync._cdc'] = None; sys.modules['tb5sync._scan'] = None; sys.modules['tb5sync._write'] = None; "
 
 
 def test_pure_python_build_warns_once_and_version_says_so(tmp_path: Any) -> None:

@@ -21,6 +21,7 @@ import pytest
 from conftest import snapshot, start_server
 
 import tb5sync
+import tb5sync.destination as destination_mod
 import tb5sync.generator as generator_mod
 from tb5sync.destination import Destination
 from tb5sync.entry import LINK
@@ -175,25 +176,38 @@ def test_directory_swapped_for_a_symlink_after_mkdir(tmp_path: Path, jail_mode: 
     assert everything_under(outside) == []
 
 
-def test_directory_swapped_after_its_first_file(tmp_path: Path, jail_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files after the swap land in the directory the run opened (moved, still inside the root), never outside."""
+def test_directory_swapped_after_its_first_file(tmp_path: Path, jail_mode: str, write_impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files after the swap land in the directory the run opened (moved, still inside the root), never
+    outside: with either small-file writer (the Cython batch is split so the swap falls inside it)."""
     src, dst, outside = str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "outside")
     for i in range(5):
         write(os.path.join(src, "d", f"f{i}"), b"%d" % i)
     os.makedirs(outside)
-    write_file = Destination.write_file
     swapped = []
+    if write_impl == "python":
+        write_file = Destination.write_file
 
-    def write_then_swap(self: Destination, rel: str, *args: Any) -> os.stat_result:
-        st = write_file(self, rel, *args)
-        if not swapped:
-            swapped.append(rel)
+        def write_then_swap(self: Destination, rel: str, *args: Any) -> os.stat_result:
+            st = write_file(self, rel, *args)
+            if not swapped:
+                swapped.append(rel)
+                _swap_for_link(os.path.join(dst, "d"), outside)
+            return st
+
+        monkeypatch.setattr(Destination, "write_file", write_then_swap)
+    else:
+        cy_write = destination_mod._cy_write_files
+
+        def batch_then_swap(files: list[Any], fsync: bool = False) -> list[Any]:
+            first = cy_write(files[:1], fsync)
+            swapped.append(files[0][2])
             _swap_for_link(os.path.join(dst, "d"), outside)
-        return st
+            return first + cy_write(files[1:], fsync)
 
-    monkeypatch.setattr(Destination, "write_file", write_then_swap)
+        monkeypatch.setattr(destination_mod, "_cy_write_files", batch_then_swap)
     with pytest.raises(PathError):
         tb5sync.sync(src + "/", dst)  # finishing d's mode and mtime meets the symlink
+    assert swapped
     assert everything_under(outside) == []
     assert sorted(os.listdir(os.path.join(dst, "d.moved"))) == [f"f{i}" for i in range(5)]
 

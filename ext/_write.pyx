@@ -1,0 +1,160 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Cython twin of the small-file commit (``tb5sync.destination.Destination.write_file``), a batch per call.
+
+For each file, with the GIL released and relative to its directory's descriptor only:
+``openat(dir, tmp, O_RDWR|O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC, 0600)``, ``flock(LOCK_EX|LOCK_NB)``,
+``write`` (all of it, ``EINTR`` retried), ``fchmod``, ``futimens`` (atime = mtime), ``fsync`` when
+asked, ``fstat``, ``close``, ``renameat(dir, tmp, dir, name)``. A file that fails at any step has
+its temporary name removed (``unlinkat``) and its final name untouched; its ``errno`` is returned
+and the caller takes that file again on the Python path (which names it, unlocks a read-only
+directory, replaces an empty directory, or stops the run on a full disk). See ``tb5sync/_write.pyi``.
+"""
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
+from libc.stdlib cimport calloc, free
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <fcntl.h>
+    #include <sys/file.h>
+    #include <sys/stat.h>
+    #include <unistd.h>
+    #include <stdio.h>
+    #ifndef O_CLOEXEC
+    #define O_CLOEXEC 0
+    #endif
+    #if defined(__APPLE__) || defined(TB5_STAT_MTIMESPEC)
+    #define TB5_ST_MTIM st_mtimespec
+    #else
+    #define TB5_ST_MTIM st_mtim
+    #endif
+    static int tb5_errno(void) { return errno; }
+
+    typedef struct {
+        int dfd;
+        const char *tmp;
+        const char *name;
+        const char *data;
+        Py_ssize_t len;
+        unsigned int mode;
+        long long sec;
+        long nsec;
+        /* out */
+        int err;
+        long long size;
+        long long mtime_s;
+        long mtime_ns;
+        unsigned long long ino;
+    } tb5_wfile;
+
+    /* Write, commit and stat one file; 0 or an errno (the temporary name removed). */
+    static int tb5_write_one(tb5_wfile *f, int do_fsync) {
+        int fd, err;
+        Py_ssize_t off = 0;
+        struct stat st;
+        struct timespec ts[2];
+        fd = openat(f->dfd, f->tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0)
+            return errno;  /* EEXIST: not ours, nothing to remove */
+        (void)flock(fd, LOCK_EX | LOCK_NB);  /* marks it live for another run's stale sweep */
+        while (off < f->len) {
+            ssize_t k = write(fd, f->data + off, (size_t)(f->len - off));
+            if (k < 0) {
+                if (errno == EINTR) continue;
+                goto fail;
+            }
+            if (k == 0) { errno = EIO; goto fail; }
+            off += k;
+        }
+        if (fchmod(fd, (mode_t)(f->mode & 07777)) != 0) goto fail;
+        ts[0].tv_sec = (time_t)f->sec; ts[0].tv_nsec = f->nsec;
+        ts[1] = ts[0];
+        if (futimens(fd, ts) != 0) goto fail;
+        if (do_fsync && fsync(fd) != 0) goto fail;
+        if (fstat(fd, &st) != 0) goto fail;
+        if (close(fd) != 0) { fd = -1; goto fail; }
+        fd = -1;
+        if (renameat(f->dfd, f->tmp, f->dfd, f->name) != 0) goto fail;
+        f->size = (long long)st.st_size;
+        f->mtime_s = (long long)st.TB5_ST_MTIM.tv_sec;
+        f->mtime_ns = (long)st.TB5_ST_MTIM.tv_nsec;
+        f->ino = (unsigned long long)st.st_ino;
+        return 0;
+    fail:
+        err = errno;
+        if (fd >= 0) close(fd);
+        unlinkat(f->dfd, f->tmp, 0);
+        return err;
+    }
+    """
+    ctypedef struct tb5_wfile:
+        int dfd
+        const char *tmp
+        const char *name
+        const char *data
+        Py_ssize_t len
+        unsigned int mode
+        long long sec
+        long nsec
+        int err
+        long long size
+        long long mtime_s
+        long mtime_ns
+        unsigned long long ino
+    int tb5_write_one(tb5_wfile *f, int do_fsync) nogil
+
+__all__ = ["write_files"]
+
+
+def write_files(list files, bint fsync=False):
+    """Write and commit a batch of small files; one result per file, in order.
+
+    ``files`` is a list of ``(dir_fd, tmp, name, data, mode, mtime_ns)``: ``dir_fd`` an open
+    directory descriptor, ``tmp`` and ``name`` bytes (the temporary and the final name in it),
+    ``data`` a contiguous bytes-like object, ``mode`` the permission bits, ``mtime_ns`` an int
+    (ns since the epoch; access time set to it too). A result is ``(st_size, st_mtime_ns, st_ino)``
+    of the committed file, or an ``int`` errno (nothing left at ``tmp``; ``name`` untouched).
+    """
+    cdef Py_ssize_t n = len(files), i, got = 0
+    cdef tb5_wfile *fs = <tb5_wfile *>calloc(n if n > 0 else 1, sizeof(tb5_wfile))
+    cdef Py_buffer *bufs = <Py_buffer *>calloc(n if n > 0 else 1, sizeof(Py_buffer))
+    cdef int do_fsync = fsync
+    if fs == NULL or bufs == NULL:
+        free(fs)
+        free(bufs)
+        raise MemoryError()
+    keep = []
+    try:
+        for i in range(n):
+            dfd, tmp, name, data, mode, mtime_ns = files[i]
+            if not isinstance(tmp, bytes) or not isinstance(name, bytes):
+                raise TypeError("tmp and name must be bytes")
+            keep.append(tmp)
+            keep.append(name)
+            PyObject_GetBuffer(data, &bufs[i], PyBUF_SIMPLE)
+            got = i + 1
+            sec, nsec = divmod(mtime_ns, 1000000000)
+            fs[i].dfd = dfd
+            fs[i].tmp = <const char *>(<bytes>tmp)
+            fs[i].name = <const char *>(<bytes>name)
+            fs[i].data = <const char *>bufs[i].buf
+            fs[i].len = bufs[i].len
+            fs[i].mode = mode
+            fs[i].sec = sec
+            fs[i].nsec = nsec
+        with nogil:
+            for i in range(n):
+                fs[i].err = tb5_write_one(&fs[i], do_fsync)
+        out = []
+        for i in range(n):
+            if fs[i].err:
+                out.append(fs[i].err)
+            else:
+                out.append((fs[i].size, (<object>fs[i].mtime_s) * 1000000000 + fs[i].mtime_ns, fs[i].ino))
+        return out
+    finally:
+        for i in range(got):
+            PyBuffer_Release(&bufs[i])
+        free(bufs)
+        free(fs)
