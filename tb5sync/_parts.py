@@ -26,14 +26,20 @@ class FileRange:
         The open file (shared by the parts of one reply; closed with the last of them).
     offset, length : int
         Byte range of the file.
+    pad : bool
+        What the transport does when the file ends before ``offset + length`` while being sent:
+        True (the sync engine's parts, checked by digest at the receiver) completes the announced
+        frame with zeros; False (fs reads, which carry no digest) fails the send with ``OSError``
+        (``EIO``), which ends the connection mid-frame, so the reader sees an error, not zeros.
     """
 
-    __slots__ = ("fd", "offset", "length", "_open")
+    __slots__ = ("fd", "offset", "length", "pad", "_open")
 
-    def __init__(self, fd: SharedFd, offset: int, length: int) -> None:
+    def __init__(self, fd: SharedFd, offset: int, length: int, pad: bool = True) -> None:
         self.fd = fd
         self.offset = offset
         self.length = length
+        self.pad = pad
         self._open = True
         fd.users += 1
 

@@ -66,7 +66,7 @@ from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
 from .options import SyncOptions
 from .rpc import Requester, call_direct, open_session, split_parts
-from .fsfile import TB5File, rest_of_read, join_read
+from .fsfile import SMALL_READ, TB5File, as_bytes, check_piece, new_buffer, plan_pieces
 from .transport import IO_TIMEOUT, dial
 from .urls import Remote, parse_url, token_of, url_host
 
@@ -85,6 +85,18 @@ def _has_magic(path: str) -> bool:
 
 _BUSY = object()
 _STALE = object()
+
+
+def _known_range(start: Any, end: Any, expect: Any) -> tuple[int, int] | None:
+    """``(s, e)`` of a read whose bounds are known before asking: non-negative ints and a pinned
+    size (``expect``), clamped to that size; None otherwise (the first reply tells)."""
+    if not isinstance(expect, dict) or not isinstance(expect.get("size"), int) or "mtime" not in expect:
+        return None
+    if type(start) is not int or type(end) is not int or start < 0 or end < 0:
+        return None
+    size = expect["size"]
+    s = min(start, size)
+    return s, max(s, min(end, size))
 
 
 class _Link:
@@ -321,12 +333,14 @@ class TB5FileSystem(AsyncFileSystem):
             return link
         return await asyncio.to_thread(self._connect)
 
-    async def _call(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Any:
-        """One request; a lost connection is reopened, and an idempotent request retried once."""
+    async def _call(self, method: str, args: dict[str, Any], *, channel: int | None = None,
+                    into: memoryview | None = None, owner: Any = None) -> Any:
+        """One request; a lost connection is reopened, and an idempotent request retried once.
+        ``into``/``owner``: a DATA reply's body is received into ``into`` (:meth:`Requester.submit`)."""
         for attempt in (0, 1):
             link = await self._link()
             try:
-                fut = link.requester.submit(method, args, channel=channel)
+                fut = link.requester.submit(method, args, channel=channel, into=into, owner=owner)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
@@ -400,14 +414,35 @@ class TB5FileSystem(AsyncFileSystem):
         return entries if detail else [e["name"] for e in entries]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start:end]`` of ``path`` (see :meth:`_cat_file`), read from the calling thread.
+
+        A small read is one request on the direct connection; a large one is received straight
+        into the returned buffer, in pieces spread over the connections (:func:`~tb5sync.fsfile.plan_pieces`).
+        """
         path = self._strip_protocol(path)
-        meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = rest_of_read(path, meta, len(first))
+        known = _known_range(start, end, expect)
+        if known is None or known[1] - known[0] <= SMALL_READ:
+            meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
+            s, e, done = meta["start"], meta["end"], len(first)
+            if s + done >= e:
+                link = self._holder.link
+                out = bytes(first)
+                if link is not None:
+                    link.release([first])
+                return out
+            pin = {"size": meta["size"], "mtime": meta["mtime"]}
+        else:
+            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        owner, view = new_buffer(e - s)
         link = self._holder.link or self._connect()
-        pieces = [f.result()[1] for f in [link.requester.submit("cat", args) for args in rest]]
-        out = join_read(path, meta, first, pieces)
-        link.release([first, *pieces])
-        return out
+        if first is not None:
+            view[:done] = first
+            link.release([first])
+        pieces = plan_pieces(path, s + done, e, pin, self.streams)
+        futs = [(a, link.requester.submit("cat", a, into=view[a["start"] - s : a["end"] - s], owner=owner)) for a in pieces]
+        for a, f in futs:
+            check_piece(path, a, f.result(), view[a["start"] - s : a["end"] - s])
+        return as_bytes(owner)
 
     # ---- metadata -----------------------------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -515,17 +550,36 @@ class TB5FileSystem(AsyncFileSystem):
         """Bytes ``[start:end]`` (Python slice semantics; negative counts from the end).
 
         ``expect`` = ``{"size", "mtime"}`` (from an info dict) refuses a file that
-        changed since (:class:`~tb5sync.errors.SourceChangedError`).
+        changed since (:class:`~tb5sync.errors.SourceChangedError`). A read of more than one
+        reply's worth is received straight into the returned buffer, in pieces of
+        ``(end - start) / streams`` bytes (4 to 16 MiB) over all the connections.
         """
         path = self._strip_protocol(path)
-        meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = rest_of_read(path, meta, len(first))
-        pieces = [piece for _, piece in await asyncio.gather(*[self._call("cat", args) for args in rest])]
-        out = join_read(path, meta, first, pieces)
-        link = self._holder.link
-        if link is not None:
-            link.release([first, *pieces])
-        return out
+        known = _known_range(start, end, expect)
+        if known is None or known[1] - known[0] <= SMALL_READ:
+            meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
+            s, e, done = meta["start"], meta["end"], len(first)
+            if s + done >= e:
+                out = bytes(first)
+                link = self._holder.link
+                if link is not None:
+                    link.release([first])
+                return out
+            pin = {"size": meta["size"], "mtime": meta["mtime"]}
+        else:
+            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        owner, view = new_buffer(e - s)
+        if first is not None:
+            view[:done] = first
+            link = self._holder.link
+            if link is not None:
+                link.release([first])
+        pieces = plan_pieces(path, s + done, e, pin, self.streams)
+        slices = [view[a["start"] - s : a["end"] - s] for a in pieces]
+        results = await asyncio.gather(*[self._call("cat", a, into=v, owner=owner) for a, v in zip(pieces, slices)])
+        for a, r, v in zip(pieces, results, slices):
+            check_piece(path, a, r, v)
+        return as_bytes(owner)
 
     async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
         """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
