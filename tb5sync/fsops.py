@@ -430,15 +430,17 @@ class FsOps:
         ``expect`` = ``{"size": bytes, "mtime": seconds}`` makes a changed file an error
         (:class:`~tb5sync.errors.SourceChangedError`), so a reader never mixes versions.
 
-        The bytes are one :class:`~tb5sync._parts.FileRange` part: the transport sends them
-        from the page cache (``sendfile``; a read and a send over TLS or where it is missing).
+        The bytes are one :class:`~tb5sync._parts.FileRange` part, read by the transport in
+        1 MiB blocks into one reused buffer and sent block by block (``sendfile=False``: faster
+        on loopback than ``sendfile``, see :class:`~tb5sync._parts.FileRange`), so reading
+        overlaps sending and the server holds no 16 MiB buffer per connection.
         A file that shrinks while being sent ends the connection rather than pad the reply
         (``pad=False``): the client sees the read fail, never bytes the file did not hold.
         """
         fd, st, s, e = self._open_range(path, start, end, expect)
         shared = SharedFd(fd)
         n = min(e - s, MAX_READ)
-        parts = [FileRange(shared, s, n, pad=False)] if n else []
+        parts = [FileRange(shared, s, n, pad=False, sendfile=False)] if n else []
         if not parts:
             shared.release()
         return {"size": st.st_size, "mtime": st.st_mtime, "start": s, "end": e}, parts

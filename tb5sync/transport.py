@@ -20,7 +20,7 @@ from typing import Any
 
 from . import protocol as P
 from ._buffers import BufferPool
-from ._io import portable
+from ._io import portable, read_into
 from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
@@ -196,6 +196,8 @@ class Channel:
         #: file parts go out by pread + send (no os.sendfile here, $TB5SYNC_PORTABLE, or a file
         #: system that refused it once)
         self._no_sendfile = not hasattr(os, "sendfile") or portable()
+        #: the reused block of file parts sent by read + send (under the send lock)
+        self._copy_buf: memoryview | None = None
         self.idle_timeout = idle_timeout
         if io_timeout == "keep":
             self.io_timeout: float | None = sock.gettimeout()
@@ -256,11 +258,12 @@ class Channel:
         """
         off, left = part.offset, part.length
         while left:
-            if self.tls or self._no_sendfile:  # sendfile would bypass the TLS record layer
-                data = os.pread(part.fd.fd, min(left, _TLS_SEND_BLOCK), off)
-                k = len(data)
+            if self.tls or self._no_sendfile or not part.sendfile:  # sendfile would bypass the TLS record layer
+                if self._copy_buf is None:
+                    self._copy_buf = memoryview(bytearray(_TLS_SEND_BLOCK))
+                k = read_into(part.fd.fd, self._copy_buf[: min(left, _TLS_SEND_BLOCK)], off)
                 if k:
-                    self._send_views([memoryview(data)], 0)
+                    self._send_views([self._copy_buf[:k]], 0)  # sent whole before the buffer is reused
             else:
                 try:
                     k = os.sendfile(self.sock.fileno(), part.fd.fd, off, left)
