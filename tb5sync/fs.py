@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
+#: Windows a streamed get_file keeps on their way while it writes one.
+_STREAM_DEPTH = 3
 
 
 def _has_magic(path: str) -> bool:
@@ -642,13 +644,15 @@ class TB5FileSystem(AsyncFileSystem):
         return out
 
     async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[Any], Any], callback: Callback) -> None:
-        """Fetch the file in windows of ``streams`` x 8 MiB (each split over the connections, received
-        straight into one of two reused buffers) and ``write`` them in order: window ``i + 1`` is
-        on its way while window ``i`` is written. ``write`` gets a memoryview valid until it returns."""
+        """Fetch the file in windows of ``streams`` x 4 MiB (each split over the connections and
+        received straight into one of ``_STREAM_DEPTH + 1`` reused buffers) and ``write`` them in
+        order, with the next ``_STREAM_DEPTH`` windows on their way meanwhile. ``write`` gets a
+        memoryview valid until it returns."""
         pin = {"size": info["size"], "mtime": info["mtime"]}
         size = info["size"]
-        window = max(MIN_PIECE, 2 * MIN_PIECE) * self.streams
-        bufs = [bytearray(min(window, size)) for _ in range(2 if size > window else 1)]
+        window = MIN_PIECE * self.streams
+        offsets = list(range(0, size, window))
+        bufs = [bytearray(min(window, size)) for _ in range(min(len(offsets), _STREAM_DEPTH + 1))]
 
         async def fetch(off: int, buf: bytearray) -> memoryview:
             end = min(off + window, size)
@@ -660,18 +664,19 @@ class TB5FileSystem(AsyncFileSystem):
                 check_piece(rpath, a, r, v)
             return view
 
-        offsets = list(range(0, size, window))
-        task = asyncio.ensure_future(fetch(offsets[0], bufs[0])) if offsets else None
+        tasks = [asyncio.ensure_future(fetch(offsets[i], bufs[i])) for i in range(min(len(offsets), _STREAM_DEPTH))]
         try:
             for i in range(len(offsets)):
-                assert task is not None
-                view = await task
-                task = asyncio.ensure_future(fetch(offsets[i + 1], bufs[(i + 1) % 2])) if i + 1 < len(offsets) else None
-                write(view)
+                view = await tasks[i]
+                nxt = i + _STREAM_DEPTH
+                if nxt < len(offsets):
+                    tasks.append(asyncio.ensure_future(fetch(offsets[nxt], bufs[nxt % len(bufs)])))
+                write(view)  # the connections' reader threads keep receiving meanwhile
                 callback.relative_update(len(view))
         finally:
-            if task is not None and not task.done():
-                task.cancel()
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
 
     async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
         """fsspec's ``get``, except that an existing file whose name holds glob characters is
