@@ -8,6 +8,7 @@ request layer are :mod:`tb5sync.fs`'s and :mod:`tb5sync.rpc`'s).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from fsspec.asyn import sync
@@ -30,6 +31,8 @@ SMALL_READ = 1024 * 1024
 try:  # the Cython core: an uninitialised bytes object the reply is received into (no final copy)
     from ._bytes import empty_bytes as _empty_bytes
 except ImportError:  # pragma: no cover - pure-Python installs
+    _empty_bytes = None
+if os.environ.get("TB5SYNC_PUREPYTHON") == "1":  # as the chunker and lister: the pure-Python twin
     _empty_bytes = None
 
 
