@@ -114,7 +114,7 @@ class TB5File(AbstractBufferedFile):
     nothing at the final path (the old file, if any, stays).
     """
 
-    DEFAULT_BLOCK_SIZE = 32 * 1024 * 1024
+    DEFAULT_BLOCK_SIZE = 8 * 1024 * 1024
 
     def __init__(self, fs: TB5FileSystem, path: str, mode: str = "rb", block_size: int | None = None, autocommit: bool = True, cache_type: str = "readahead", cache_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._handle: tuple[int, int] | None = None
