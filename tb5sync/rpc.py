@@ -181,14 +181,23 @@ class Requester:
                 header = ch.recv_header()
                 if header is None:
                     break
+                # the request stays pending until its whole reply is in: a connection lost inside
+                # the frame must fail its future too (below, with the others)
                 with self._lock:
-                    fut = pending.pop(header.rid, None)
-                    into = intos.pop(header.rid, None)
+                    into = intos.get(header.rid)
                 if into is not None and header.type is P.FrameType.DATA:
-                    meta, body = ch.recv_data_into(header, into[0])
-                    _resolve(fut, (P.decode_control(meta), body))  # type: ignore[arg-type]
+                    raw_meta, body = ch.recv_data_into(header, into[0])
+                    meta = P.decode_control(raw_meta)
+                    with self._lock:
+                        fut = pending.pop(header.rid, None)
+                        intos.pop(header.rid, None)
+                    if fut is not None:
+                        _resolve(fut, (meta, body))
                     continue
                 payload = ch.recv_payload(header)
+                with self._lock:
+                    fut = pending.pop(header.rid, None)
+                    intos.pop(header.rid, None)
                 if header.type is P.FrameType.BYE:
                     break
                 if fut is None and header.type is not P.FrameType.ERROR:

@@ -20,7 +20,8 @@ from conftest import tb5fs as tb5
 from tb5sync import fsfile
 from tb5sync import protocol as P
 from tb5sync._parts import FileRange, SharedFd
-from tb5sync.errors import SourceChangedError
+from tb5sync.errors import SourceChangedError, Tb5syncError
+from tb5sync.rpc import Requester
 from tb5sync.transport import Channel
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,3 +170,23 @@ def test_recv_data_into_puts_the_body_in_the_buffer_or_one_of_its_own(room: int)
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_reply_cut_inside_its_frame_fails_its_request(into: bool) -> None:
+    """The request whose reply is being received when the connection breaks fails (it must not hang)."""
+    a, b = socket.socketpair()
+    server = Channel(a)
+    req = Requester([Channel(b)])
+    try:
+        buf = bytearray(1000)
+        fut = req.submit("cat", {}, into=memoryview(buf) if into else None, owner=buf)
+        got = server.recv_frame()
+        assert got is not None
+        head = P.encode_data_prefix(got[0].rid, {}, 1000)
+        server.sock.sendall(head + b"x" * 10)  # 10 of the 1000 announced bytes, then the connection ends
+        server.close()
+        with pytest.raises(Tb5syncError):
+            fut.result(timeout=30)
+    finally:
+        req.close(bye=False)
