@@ -25,7 +25,7 @@ __all__ = ["TB5File", "new_buffer", "as_bytes", "plan_pieces", "check_piece", "M
 
 #: Smallest piece (bytes) a large read is split into across the connections.
 MIN_PIECE = 4 * 1024 * 1024
-#: Reads up to this many bytes (of a file of known size) are one request on the direct connection.
+#: Reads up to this many bytes (of a file of known size) are one request (the sync calls: on the direct connection).
 SMALL_READ = 1024 * 1024
 
 try:  # the Cython core: an uninitialised bytes object the reply is received into (no final copy)
