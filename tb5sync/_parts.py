@@ -26,14 +26,26 @@ class FileRange:
         The open file (shared by the parts of one reply; closed with the last of them).
     offset, length : int
         Byte range of the file.
+    pad : bool
+        What the transport does when the file ends before ``offset + length`` while being sent:
+        True (the sync engine's parts, checked by digest at the receiver) completes the announced
+        frame with zeros; False (fs reads, which carry no digest) fails the send with ``OSError``
+        (``EIO``), which ends the connection mid-frame, so the reader sees an error, not zeros.
+    sendfile : bool
+        True: ``sendfile(2)`` where the socket allows. False: the transport reads the range in
+        1 MiB blocks into one reused buffer and sends each (on Linux loopback this moved 1.9 GB/s
+        against sendfile's 1.3: the receiver copies out of page-cache pages more slowly than out
+        of the socket's own; ``benches/bench_fs.py``'s notes).
     """
 
-    __slots__ = ("fd", "offset", "length", "_open")
+    __slots__ = ("fd", "offset", "length", "pad", "sendfile", "_open")
 
-    def __init__(self, fd: SharedFd, offset: int, length: int) -> None:
+    def __init__(self, fd: SharedFd, offset: int, length: int, pad: bool = True, sendfile: bool = True) -> None:
         self.fd = fd
         self.offset = offset
         self.length = length
+        self.pad = pad
+        self.sendfile = sendfile
         self._open = True
         fd.users += 1
 

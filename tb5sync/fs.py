@@ -11,11 +11,14 @@ How calls travel
     pipelined: many concurrent fsspec calls share the connections without waiting
     for each other's round trips. ``find``/``walk``/``glob``/``du`` take one round
     trip for the whole tree, ``cat`` of many files one round trip per 32 MiB, ``rm``
-    of many paths one. Large reads are split into 16 MiB requests spread over the
-    connections. ``put_file``/``get_file`` of files of ``engine_threshold`` bytes or
-    more go through the sync engine (FastCDC chunks, BLAKE3-verified, reuse of the
-    chunks the destination already has, several streams); smaller ones are one
-    request each. ``cp_file`` and ``mv`` run on the server: no bytes through the client.
+    of many paths one. Large reads are split into pieces of ``size / streams`` bytes
+    (4 to 16 MiB) spread over the connections and received straight into the
+    returned ``bytes`` (no copy after the socket). ``put_file`` of files of
+    ``engine_threshold`` bytes or more, and ``get_file`` of such a file onto an
+    existing local file, go through the sync engine (FastCDC chunks,
+    BLAKE3-verified, reuse of the chunks the destination already has, several
+    streams); ``get_file`` into a new file streams ranged reads over all the
+    connections; smaller ``put_file`` are one request each. ``cp_file`` and ``mv`` run on the server: no bytes through the client.
 
 Atomicity
     Files written with ``pipe``, ``put``, ``cp`` or ``open(..., "wb")`` appear at
@@ -66,7 +69,7 @@ from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
 from .options import SyncOptions
 from .rpc import Requester, call_direct, open_session, split_parts
-from .fsfile import TB5File, rest_of_read, join_read
+from .fsfile import MIN_PIECE, SMALL_READ, TB5File, as_bytes, check_piece, new_buffer, plan_pieces
 from .transport import IO_TIMEOUT, dial
 from .urls import Remote, parse_url, token_of, url_host
 
@@ -77,6 +80,8 @@ log = logging.getLogger(__name__)
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
+#: Windows a streamed get_file keeps on their way while it writes one.
+_STREAM_DEPTH = 3
 
 
 def _has_magic(path: str) -> bool:
@@ -85,6 +90,18 @@ def _has_magic(path: str) -> bool:
 
 _BUSY = object()
 _STALE = object()
+
+
+def _known_range(start: Any, end: Any, expect: Any) -> tuple[int, int] | None:
+    """``(s, e)`` of a read whose bounds are known before asking: non-negative ints and a pinned
+    size (``expect``), clamped to that size; None otherwise (the first reply tells)."""
+    if not isinstance(expect, dict) or not isinstance(expect.get("size"), int) or "mtime" not in expect:
+        return None
+    if type(start) is not int or type(end) is not int or start < 0 or end < 0:
+        return None
+    size = expect["size"]
+    s = min(start, size)
+    return s, max(s, min(end, size))
 
 
 class _Link:
@@ -190,8 +207,9 @@ class TB5FileSystem(AsyncFileSystem):
     streams : int
         TCP connections to keep open (1..64), default 4.
     engine_threshold : int
-        ``put_file``/``get_file`` move files of at least this many bytes (default
-        32 MiB) through the sync engine instead of single requests.
+        ``put_file`` moves files of at least this many bytes (default 32 MiB) through the
+        sync engine instead of single requests; so does ``get_file`` when the local file
+        exists (the engine reuses its chunks; into a new file parallel reads are faster).
     auto_mkdir : bool
         Create missing parent directories when writing (as LocalFileSystem's
         ``auto_mkdir``); default False: writing into a missing directory is a
@@ -321,12 +339,14 @@ class TB5FileSystem(AsyncFileSystem):
             return link
         return await asyncio.to_thread(self._connect)
 
-    async def _call(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Any:
-        """One request; a lost connection is reopened, and an idempotent request retried once."""
+    async def _call(self, method: str, args: dict[str, Any], *, channel: int | None = None,
+                    into: memoryview | None = None, owner: Any = None) -> Any:
+        """One request; a lost connection is reopened, and an idempotent request retried once.
+        ``into``/``owner``: a DATA reply's body is received into ``into`` (:meth:`Requester.submit`)."""
         for attempt in (0, 1):
             link = await self._link()
             try:
-                fut = link.requester.submit(method, args, channel=channel)
+                fut = link.requester.submit(method, args, channel=channel, into=into, owner=owner)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
@@ -400,14 +420,35 @@ class TB5FileSystem(AsyncFileSystem):
         return entries if detail else [e["name"] for e in entries]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
+        """Bytes ``[start:end]`` of ``path`` (see :meth:`_cat_file`), read from the calling thread.
+
+        A small read is one request on the direct connection; a large one is received straight
+        into the returned buffer, in pieces spread over the connections (:func:`~tb5sync.fsfile.plan_pieces`).
+        """
         path = self._strip_protocol(path)
-        meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = rest_of_read(path, meta, len(first))
+        known = _known_range(start, end, expect)
+        if known is None or known[1] - known[0] <= SMALL_READ:
+            meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
+            s, e, done = meta["start"], meta["end"], len(first)
+            if s + done >= e:
+                link = self._holder.link
+                out = bytes(first)
+                if link is not None:
+                    link.release([first])
+                return out
+            pin = {"size": meta["size"], "mtime": meta["mtime"]}
+        else:
+            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        owner, view = new_buffer(e - s)
         link = self._holder.link or self._connect()
-        pieces = [f.result()[1] for f in [link.requester.submit("cat", args) for args in rest]]
-        out = join_read(path, meta, first, pieces)
-        link.release([first, *pieces])
-        return out
+        if first is not None:
+            view[:done] = first
+            link.release([first])
+        pieces = plan_pieces(path, s + done, e, pin, self.streams)
+        futs = [(a, link.requester.submit("cat", a, into=view[a["start"] - s : a["end"] - s], owner=owner)) for a in pieces]
+        for a, f in futs:
+            check_piece(path, a, f.result(), view[a["start"] - s : a["end"] - s])
+        return as_bytes(owner)
 
     # ---- metadata -----------------------------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -515,17 +556,36 @@ class TB5FileSystem(AsyncFileSystem):
         """Bytes ``[start:end]`` (Python slice semantics; negative counts from the end).
 
         ``expect`` = ``{"size", "mtime"}`` (from an info dict) refuses a file that
-        changed since (:class:`~tb5sync.errors.SourceChangedError`).
+        changed since (:class:`~tb5sync.errors.SourceChangedError`). A read of more than one
+        reply's worth is received straight into the returned buffer, in pieces of
+        ``(end - start) / streams`` bytes (4 to 16 MiB) over all the connections.
         """
         path = self._strip_protocol(path)
-        meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
-        rest = rest_of_read(path, meta, len(first))
-        pieces = [piece for _, piece in await asyncio.gather(*[self._call("cat", args) for args in rest])]
-        out = join_read(path, meta, first, pieces)
-        link = self._holder.link
-        if link is not None:
-            link.release([first, *pieces])
-        return out
+        known = _known_range(start, end, expect)
+        if known is None or known[1] - known[0] <= SMALL_READ:
+            meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
+            s, e, done = meta["start"], meta["end"], len(first)
+            if s + done >= e:
+                out = bytes(first)
+                link = self._holder.link
+                if link is not None:
+                    link.release([first])
+                return out
+            pin = {"size": meta["size"], "mtime": meta["mtime"]}
+        else:
+            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        owner, view = new_buffer(e - s)
+        if first is not None:
+            view[:done] = first
+            link = self._holder.link
+            if link is not None:
+                link.release([first])
+        pieces = plan_pieces(path, s + done, e, pin, self.streams)
+        slices = [view[a["start"] - s : a["end"] - s] for a in pieces]
+        results = await asyncio.gather(*[self._call("cat", a, into=v, owner=owner) for a, v in zip(pieces, slices)])
+        for a, r, v in zip(pieces, results, slices):
+            check_piece(path, a, r, v)
+        return as_bytes(owner)
 
     async def _cat_items(self, items: list[list[Any]]) -> list[Any]:
         """Read ``[[path, start, end], ...]`` in as few round trips as the byte budget allows; errors as values."""
@@ -583,14 +643,40 @@ class TB5FileSystem(AsyncFileSystem):
                 raise ex
         return out
 
-    async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[bytes], Any], callback: Callback) -> None:
-        """Fetch the file in windows of ``streams`` x 16 MiB (each split over the connections) and ``write`` them in order."""
+    async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[Any], Any], callback: Callback) -> None:
+        """Fetch the file in windows of ``streams`` x 4 MiB (each split over the connections and
+        received straight into one of ``_STREAM_DEPTH + 1`` reused buffers) and ``write`` them in
+        order, with the next ``_STREAM_DEPTH`` windows on their way meanwhile. ``write`` gets a
+        memoryview valid until it returns."""
         pin = {"size": info["size"], "mtime": info["mtime"]}
-        window = MAX_READ * self.streams
-        for off in range(0, info["size"], window):
-            data = await self._cat_file(rpath, off, off + window, expect=pin)
-            write(data)
-            callback.relative_update(len(data))
+        size = info["size"]
+        window = MIN_PIECE * self.streams
+        offsets = list(range(0, size, window))
+        bufs = [bytearray(min(window, size)) for _ in range(min(len(offsets), _STREAM_DEPTH + 1))]
+
+        async def fetch(off: int, buf: bytearray) -> memoryview:
+            end = min(off + window, size)
+            view = memoryview(buf)[: end - off]
+            pieces = plan_pieces(rpath, off, end, pin, self.streams)
+            slices = [view[a["start"] - off : a["end"] - off] for a in pieces]
+            results = await asyncio.gather(*[self._call("cat", a, into=v, owner=buf) for a, v in zip(pieces, slices)])
+            for a, r, v in zip(pieces, results, slices):
+                check_piece(rpath, a, r, v)
+            return view
+
+        tasks = [asyncio.ensure_future(fetch(offsets[i], bufs[i])) for i in range(min(len(offsets), _STREAM_DEPTH))]
+        try:
+            for i in range(len(offsets)):
+                view = await tasks[i]
+                nxt = i + _STREAM_DEPTH
+                if nxt < len(offsets):
+                    tasks.append(asyncio.ensure_future(fetch(offsets[nxt], bufs[nxt % len(bufs)])))
+                write(view)  # the connections' reader threads keep receiving meanwhile
+                callback.relative_update(len(view))
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
 
     async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
         """fsspec's ``get``, except that an existing file whose name holds glob characters is
@@ -609,7 +695,7 @@ class TB5FileSystem(AsyncFileSystem):
         info = await self._info(rpath)
         if isfilelike(lpath):
             callback.set_size(info["size"])
-            await self._stream(rpath, info, lpath.write, callback)
+            await self._stream(rpath, info, lambda v: lpath.write(bytes(v)), callback)
             return
         lpath = os.fspath(lpath)
         if info["type"] == "directory":
@@ -618,7 +704,9 @@ class TB5FileSystem(AsyncFileSystem):
         if os.path.isdir(lpath):
             raise IsADirectoryError(21, "Is a directory", lpath)
         callback.set_size(info["size"])
-        if info["size"] >= self.engine_threshold and not info["islink"]:  # the engine would copy a link as a link
+        # The engine (FastCDC + BLAKE3 over several streams) pays off when there is a local file
+        # whose chunks it can reuse; into a new file, parallel ranged reads are several times faster.
+        if info["size"] >= self.engine_threshold and not info["islink"] and os.path.isfile(lpath):  # the engine would copy a link as a link
 
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)

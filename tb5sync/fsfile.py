@@ -8,6 +8,7 @@ request layer are :mod:`tb5sync.fs`'s and :mod:`tb5sync.rpc`'s).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from fsspec.asyn import sync
@@ -20,24 +21,62 @@ from .messages import FS_MAX_WRITE as MAX_WRITE
 if TYPE_CHECKING:
     from .fs import TB5FileSystem
 
-__all__ = ["TB5File", "rest_of_read", "join_read"]
+__all__ = ["TB5File", "new_buffer", "as_bytes", "plan_pieces", "check_piece", "MIN_PIECE"]
+
+#: Smallest piece (bytes) a large read is split into across the connections.
+MIN_PIECE = 4 * 1024 * 1024
+#: Reads up to this many bytes (of a file of known size) are one request (the sync calls: on the direct connection).
+SMALL_READ = 1024 * 1024
+
+try:  # the Cython core: an uninitialised bytes object the reply is received into (no final copy)
+    from ._bytes import empty_bytes as _empty_bytes
+except ImportError:  # pragma: no cover - pure-Python installs
+    _empty_bytes = None
+if os.environ.get("TB5SYNC_PUREPYTHON") == "1":  # as the chunker and lister: the pure-Python twin
+    _empty_bytes = None
 
 
-def rest_of_read(path: str, meta: dict[str, Any], got: int) -> list[dict[str, Any]]:
-    """The ``cat`` requests still needed after a first reply of ``got`` bytes (each pinned to that file version)."""
-    s, e = meta["start"], meta["end"]
-    if s + got >= e:
-        return []
-    pin = {"size": meta["size"], "mtime": meta["mtime"]}
-    return [{"path": path, "start": o, "end": min(o + MAX_READ, e), "expect": pin} for o in range(s + got, e, MAX_READ)]
+def new_buffer(n: int, native: bool | None = None) -> tuple[Any, memoryview]:
+    """A buffer of ``n`` bytes for a read's replies to be received into, and a writable view of it.
+
+    With the Cython core (``tb5sync._bytes``) the buffer is a new, not yet filled ``bytes``
+    object that :func:`as_bytes` hands out as it is (no copy); without it (or with
+    ``native=False``) a ``bytearray``, copied once by :func:`as_bytes`. Nothing may see the
+    owner before every reply has landed.
+    """
+    use = _empty_bytes is not None if native is None else native and _empty_bytes is not None
+    if use:
+        owner, view = _empty_bytes(n)
+        return owner, view
+    buf = bytearray(n)
+    return buf, memoryview(buf)
 
 
-def join_read(path: str, meta: dict[str, Any], first: Any, pieces: list[Any]) -> bytes:
-    """The reply bytes as one ``bytes`` (one copy: memory traffic costs about as much as the wire here)."""
-    out = bytes(first) if not pieces else b"".join([first, *pieces])
-    if len(out) != meta["end"] - meta["start"]:
+def as_bytes(owner: Any) -> bytes:
+    """The filled buffer of :func:`new_buffer` as ``bytes`` (itself when it already is)."""
+    return owner if type(owner) is bytes else bytes(owner)
+
+
+def plan_pieces(path: str, start: int, end: int, pin: dict[str, Any], streams: int) -> list[dict[str, Any]]:
+    """``cat`` requests covering ``[start, end)`` of ``path`` (each pinned to ``pin``), split so
+    that ``streams`` connections share them: pieces of ``(end - start) / streams`` bytes, at least
+    :data:`MIN_PIECE` and at most :data:`~tb5sync.messages.FS_MAX_READ`."""
+    n = end - start
+    size = max(MIN_PIECE, min(MAX_READ, -(-n // max(1, streams))))
+    return [{"path": path, "start": o, "end": min(o + size, end), "expect": pin} for o in range(start, end, size)]
+
+
+def check_piece(path: str, args: dict[str, Any], result: Any, view: memoryview) -> None:
+    """Check that a ``cat`` reply received into ``view`` filled it whole.
+
+    Raises
+    ------
+    SourceChangedError
+        Fewer (or more) bytes came than asked for: the file changed meanwhile.
+    """
+    meta, body = result
+    if len(body) != args["end"] - args["start"] or len(body) != len(view):
         raise SourceChangedError(path)
-    return out
 
 
 def _check_parent(fs: TB5FileSystem, path: str) -> None:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._io import copy_range, read_into, write_all
+from ._parts import FileRange, SharedFd
 from ._paths import STATE_DIR, Jail, claim_temp, is_temp_name, release_temp, split_request_path, temp_name
 from .errors import (
     PathError,
@@ -213,7 +214,6 @@ class FsOps:
         self.pages = pages if pages is not None else Pages()
         self.jail = Jail(root)
         self._writes: dict[int, _Write] = {}
-        self._buf: bytearray | None = None
 
     def close(self) -> None:
         """Abort every unfinished write (removing its temporary file) and close the root. Safe to call twice."""
@@ -381,8 +381,14 @@ class FsOps:
         s, e, _ = slice(start, end).indices(size)
         return s, max(s, e)
 
-    def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int, into: bytearray | None = None) -> tuple[bytes | memoryview, os.stat_result, int, int]:
-        """Read ``[start:end]`` (at most ``limit`` bytes); with ``into``, into that buffer (a view of it is returned)."""
+    def _open_range(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None) -> tuple[int, os.stat_result, int, int]:
+        """Open ``path`` for reading ``[start:end]``: ``(fd, stat, s, e)`` (the caller closes ``fd``).
+
+        Raises
+        ------
+        IsADirectoryError, UsageError, SourceChangedError
+            A directory; bad ``expect``/range types; a file whose size or mtime is not ``expect``'s.
+        """
         fd, _ = self.jail.open_read(path)
         try:
             st = os.fstat(fd)
@@ -393,10 +399,17 @@ class FsOps:
             if expect and (st.st_size != expect.get("size", st.st_size) or st.st_mtime != expect.get("mtime", st.st_mtime)):
                 raise SourceChangedError(path)
             s, e = self._range(st.st_size, start, end)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st, s, e
+
+    def _read(self, path: str, start: int | None, end: int | None, expect: dict[str, Any] | None, limit: int) -> tuple[bytes | memoryview, os.stat_result, int, int]:
+        """Read ``[start:end]`` (at most ``limit`` bytes) into a new buffer (a view of it is returned)."""
+        fd, st, s, e = self._open_range(path, start, end, expect)
+        try:
             n = min(e - s, limit)
-            if into is None:
-                into = bytearray(n)
-            view = memoryview(into)[:n]
+            view = memoryview(bytearray(n))
             got = 0
             while got < n:  # preadv may return short (a slow filesystem); 0 means the file shrank
                 k = read_into(fd, view[got:], s + got)
@@ -408,7 +421,7 @@ class FsOps:
             os.close(fd)
 
     @_translating()
-    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[memoryview]]:
+    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Any]]:
         """Bytes ``[start:end]`` of a file (Python slice semantics, negative from the end), as a DATA reply.
 
         At most :data:`MAX_READ` bytes come back; ``meta`` = ``{"size", "mtime", "start",
@@ -416,11 +429,21 @@ class FsOps:
         asked for, so the client fetches the rest (with ``expect``) in parallel.
         ``expect`` = ``{"size": bytes, "mtime": seconds}`` makes a changed file an error
         (:class:`~tb5sync.errors.SourceChangedError`), so a reader never mixes versions.
+
+        The bytes are one :class:`~tb5sync._parts.FileRange` part, read by the transport in
+        1 MiB blocks into one reused buffer and sent block by block (``sendfile=False``: faster
+        on loopback than ``sendfile``, see :class:`~tb5sync._parts.FileRange`), so reading
+        overlaps sending and the server holds no 16 MiB buffer per connection.
+        A file that shrinks while being sent ends the connection rather than pad the reply
+        (``pad=False``): the client sees the read fail, never bytes the file did not hold.
         """
-        if self._buf is None:
-            self._buf = bytearray(MAX_READ)  # reused: the reply is sent before the next request is read
-        data, st, s, e = self._read(path, start, end, expect, MAX_READ, self._buf)
-        return {"size": st.st_size, "mtime": st.st_mtime, "start": s, "end": e}, [data]
+        fd, st, s, e = self._open_range(path, start, end, expect)
+        shared = SharedFd(fd)
+        n = min(e - s, MAX_READ)
+        parts = [FileRange(shared, s, n, pad=False, sendfile=False)] if n else []
+        if not parts:
+            shared.release()
+        return {"size": st.st_size, "mtime": st.st_mtime, "start": s, "end": e}, parts
 
     def cat_many(self, items: list[Any]) -> tuple[dict[str, Any], list[bytes | memoryview]]:
         """Several reads in one reply: ``items`` = ``[[path, start, end], ...]``.

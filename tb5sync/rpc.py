@@ -52,11 +52,12 @@ def reply_of(header: P.Header, payload: bytes | bytearray | memoryview) -> Any:
     raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
 
 
-def call_direct(ch: Channel, method: str, args: dict[str, Any]) -> Any:
+def call_direct(ch: Channel, method: str, args: dict[str, Any], into: memoryview | None = None) -> Any:
     """Send one request on ``ch`` and read its reply in this thread.
 
     The caller owns ``ch`` for the exchange (no reader thread runs on it). Returns what
-    :func:`reply_of` returns.
+    :func:`reply_of` returns; with ``into``, a DATA reply's body is received straight into that
+    buffer (see :meth:`Requester.submit`).
 
     Raises
     ------
@@ -67,14 +68,18 @@ def call_direct(ch: Channel, method: str, args: dict[str, Any]) -> Any:
     """
     try:
         ch.send_control(P.FrameType.REQUEST, 1, {"m": method, "a": args})
-        got = ch.recv_frame()
+        header = ch.recv_header()
+        if header is None:
+            raise ConnectError("server closed the connection")
+        if into is not None and header.type is P.FrameType.DATA:
+            meta, body = ch.recv_data_into(header, into)
+            return P.decode_control(meta), body
+        payload = ch.recv_payload(header)
     except OSError as exc:
         if isinstance(exc, Tb5syncError):
             raise
         raise ConnectError(f"connection lost: {exc}") from exc
-    if got is None:
-        raise ConnectError("server closed the connection")
-    return reply_of(*got)
+    return reply_of(header, payload)
 
 
 def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +119,8 @@ class Requester:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: list[dict[int, Future[Any]]] = [{} for _ in channels]
+        #: per channel, request id -> (buffer a DATA reply's body goes into, the buffer's owner)
+        self._into: list[dict[int, tuple[memoryview, Any]]] = [{} for _ in channels]
         self._rr = itertools.cycle(range(len(channels)))
         self._dead: list[BaseException | None] = [None] * len(channels)
         self._threads = []
@@ -127,8 +134,15 @@ class Requester:
         """Bytes sent and received on all channels, frames included."""
         return sum(c.bytes_sent + c.bytes_received for c in self.channels)
 
-    def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None) -> Future[Any]:
+    def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None,
+               into: memoryview | None = None, owner: Any = None) -> Future[Any]:
         """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        With ``into`` (a writable byte view), a DATA reply's raw body is received straight into it
+        (no copy after the socket): the future's result is ``(meta, view)`` with ``view`` the first
+        ``len(body)`` bytes of ``into`` (a body longer than ``into`` gets a buffer of its own).
+        ``owner`` (the object behind ``into``) is kept alive until the reply has been read, even
+        when the future is cancelled; nothing else may read ``into`` before the future is done.
 
         Raises
         ------
@@ -142,11 +156,14 @@ class Requester:
                 raise ConnectError(f"stream {idx} is closed: {self._dead[idx]}")
             rid = next(self._ids) & 0xFFFFFFFF
             self._pending[idx][rid] = fut
+            if into is not None:
+                self._into[idx][rid] = (into, owner)
         try:
             self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
         except OSError as exc:
             with self._lock:
                 self._pending[idx].pop(rid, None)
+                self._into[idx].pop(rid, None)
             raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
         return fut
 
@@ -157,15 +174,30 @@ class Requester:
     def _reader(self, idx: int) -> None:
         ch = self.channels[idx]
         pending = self._pending[idx]
+        intos = self._into[idx]
         err: BaseException = ConnectError("peer closed the connection")
         try:
             while True:
-                got = ch.recv_frame()
-                if got is None:
+                header = ch.recv_header()
+                if header is None:
                     break
-                header, payload = got
+                # the request stays pending until its whole reply is in: a connection lost inside
+                # the frame must fail its future too (below, with the others)
+                with self._lock:
+                    into = intos.get(header.rid)
+                if into is not None and header.type is P.FrameType.DATA:
+                    raw_meta, body = ch.recv_data_into(header, into[0])
+                    meta = P.decode_control(raw_meta)
+                    with self._lock:
+                        fut = pending.pop(header.rid, None)
+                        intos.pop(header.rid, None)
+                    if fut is not None:
+                        _resolve(fut, (meta, body))
+                    continue
+                payload = ch.recv_payload(header)
                 with self._lock:
                     fut = pending.pop(header.rid, None)
+                    intos.pop(header.rid, None)
                 if header.type is P.FrameType.BYE:
                     break
                 if fut is None and header.type is not P.FrameType.ERROR:
@@ -187,6 +219,7 @@ class Requester:
             self._dead[idx] = err
             left = list(pending.values())
             pending.clear()
+            intos.clear()
         for fut in left:
             _resolve(fut, exc=err)
 

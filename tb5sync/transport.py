@@ -20,7 +20,7 @@ from typing import Any
 
 from . import protocol as P
 from ._buffers import BufferPool
-from ._io import portable
+from ._io import portable, read_into
 from ._parts import FileRange, SharedFd, close_parts
 from .errors import (
     ConnectError,
@@ -196,6 +196,8 @@ class Channel:
         #: file parts go out by pread + send (no os.sendfile here, $TB5SYNC_PORTABLE, or a file
         #: system that refused it once)
         self._no_sendfile = not hasattr(os, "sendfile") or portable()
+        #: the reused block of file parts sent by read + send (under the send lock)
+        self._copy_buf: memoryview | None = None
         self.idle_timeout = idle_timeout
         if io_timeout == "keep":
             self.io_timeout: float | None = sock.gettimeout()
@@ -256,11 +258,12 @@ class Channel:
         """
         off, left = part.offset, part.length
         while left:
-            if self.tls or self._no_sendfile:  # sendfile would bypass the TLS record layer
-                data = os.pread(part.fd.fd, min(left, _TLS_SEND_BLOCK), off)
-                k = len(data)
+            if self.tls or self._no_sendfile or not part.sendfile:  # sendfile would bypass the TLS record layer
+                if self._copy_buf is None:
+                    self._copy_buf = memoryview(bytearray(_TLS_SEND_BLOCK))
+                k = read_into(part.fd.fd, self._copy_buf[: min(left, _TLS_SEND_BLOCK)], off)
                 if k:
-                    self._send_views([memoryview(data)], 0)
+                    self._send_views([self._copy_buf[:k]], 0)  # sent whole before the buffer is reused
             else:
                 try:
                     k = os.sendfile(self.sock.fileno(), part.fd.fd, off, left)
@@ -273,6 +276,8 @@ class Channel:
                         raise
                     self._no_sendfile = True
                     continue
+            if k <= 0 and not part.pad:
+                raise OSError(errno.EIO, f"file ended {left} bytes early while being sent; ending the connection")
             if k <= 0:
                 log.info("file ended %d bytes early while being sent; padding the frame", left)
                 self._send_views([memoryview(bytes(min(left, 1 << 20)))], 0)
@@ -352,10 +357,31 @@ class Channel:
         OSError
             Other socket errors.
         """
+        header = self.recv_header()
+        if header is None:
+            return None
+        return header, self.recv_payload(header)
+
+    def recv_header(self) -> P.Header | None:
+        """Receive the next frame's header only (None at a clean end of stream); its payload must
+        be read next, with :meth:`recv_payload` or :meth:`recv_data_into`.
+
+        Raises
+        ------
+        As :meth:`recv_frame`.
+        """
         self._wait_first_byte()
         if not self._recv_exact(self._hdr):
             return None
-        header = P.parse_header(bytes(self._hdr), max_payload=self.max_payload)
+        return P.parse_header(bytes(self._hdr), max_payload=self.max_payload)
+
+    def recv_payload(self, header: P.Header) -> bytearray | memoryview:
+        """Receive the payload of ``header`` (see :meth:`recv_frame` for the pooled buffers).
+
+        Raises
+        ------
+        As :meth:`recv_frame`.
+        """
         pool = self.pool
         payload: bytearray | memoryview
         if pool is not None and header.length >= pool.min_size:
@@ -364,7 +390,38 @@ class Channel:
             payload = bytearray(header.length)
         if header.length and not self._recv_exact(payload):
             raise RemoteProtocolError("connection closed inside a frame")
-        return header, payload
+        return payload
+
+    def recv_data_into(self, header: P.Header, into: memoryview) -> tuple[bytes, memoryview]:
+        """Receive a DATA payload whose raw body goes straight into ``into`` (no copy after the socket).
+
+        Returns ``(meta bytes, body)``: the msgpack meta, undecoded, and a view of ``into`` holding
+        the body (its first ``len(body)`` bytes). A body longer than ``into`` is received into a
+        buffer of its own instead (the returned view is then not of ``into``).
+
+        Raises
+        ------
+        RemoteProtocolError
+            ``header`` is not DATA, or its meta length does not fit the frame.
+        LinkTimeoutError, OSError
+            As :meth:`recv_frame`.
+        """
+        if header.type is not P.FrameType.DATA or header.length < 4:
+            raise RemoteProtocolError(f"expected a DATA frame of at least 4 bytes, got {header.type.name} of {header.length}")
+        head = bytearray(4)
+        if not self._recv_exact(head):
+            raise RemoteProtocolError("connection closed inside a frame")
+        mlen = int.from_bytes(head, "big")
+        if mlen > min(header.length - 4, P.MAX_CONTROL):
+            raise RemoteProtocolError(f"DATA meta length {mlen} exceeds frame payload {header.length}")
+        meta = bytearray(mlen)
+        if mlen and not self._recv_exact(meta):
+            raise RemoteProtocolError("connection closed inside a frame")
+        n = header.length - 4 - mlen
+        body = into[:n] if n <= len(into) else memoryview(bytearray(n))
+        if n and not self._recv_exact(body):
+            raise RemoteProtocolError("connection closed inside a frame")
+        return bytes(meta), body
 
     def peer_closed(self) -> bool:
         """True when the peer has closed the stream or sent something unasked (checked without

@@ -1,0 +1,192 @@
+"""Large tb5:// reads: pieces over the connections received straight into the returned bytes,
+``get_file`` streamed into a new file or through the engine onto an existing one, and a file that
+shrinks while it is sent (an error, never zeros). Expected values come from fsspec's
+LocalFileSystem reading the same file."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from conftest import joined, start_server, tmp_files
+from conftest import tb5fs as tb5
+from tb5sync import fsfile
+from tb5sync import protocol as P
+from tb5sync._parts import FileRange, SharedFd
+from tb5sync.errors import SourceChangedError, Tb5syncError
+from tb5sync.rpc import Requester
+from tb5sync.transport import Channel
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 37 * 1024 * 1024 + 4321  # more than two 16 MiB replies, not a whole number of pieces
+
+
+@pytest.fixture(scope="module")
+def big_served(tmp_path_factory: Any) -> Any:
+    root = tmp_path_factory.mktemp("reads")
+    data = random.Random(7).randbytes(SIZE)
+    (root / "big.bin").write_bytes(data)
+    (root / "small.bin").write_bytes(data[:5000])
+    live = start_server(str(root))
+    try:
+        yield live, str(root)
+    finally:
+        live.server.stop()
+
+
+@pytest.fixture(params=["native", "bytearray"])
+def buffers(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both kinds of receive buffer: the Cython core's bytes, and the pure-Python bytearray."""
+    if request.param == "bytearray":
+        monkeypatch.setattr(fsfile, "_empty_bytes", None)
+    else:
+        pytest.importorskip("tb5sync._bytes")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_large_reads_equal_local_ones(big_served: Any, buffers: str, streams: int) -> None:
+    live, root = big_served
+    local = LocalFileSystem()
+    path = os.path.join(root, "big.bin")
+    fs = tb5(live, streams=streams)
+    try:
+        whole = fs.cat_file("big.bin")
+        assert type(whole) is bytes and whole == local.cat_file(path)
+        for start, end in [(0, None), (123, SIZE - 5), (-20_000_000, None), (17 << 20, 40 << 20), (None, -1), (SIZE, None)]:
+            assert fs.cat_file("big.bin", start, end) == local.cat_file(path, start, end), (start, end)
+        info = fs.info("big.bin")
+        pin = {"size": info["size"], "mtime": info["mtime"]}
+        assert fs.cat_file("big.bin", 5, 30 << 20, expect=pin) == whole[5 : 30 << 20]  # the known-range path
+        with fs.open("big.bin", "rb") as f:
+            got = f.read()
+        assert type(got) is bytes and got == whole
+        with fs.open("big.bin", "rb") as f, local.open(path, "rb") as g:
+            for n in (8 << 20, 1, 3 << 20, 40 << 20):
+                assert f.read(n) == g.read(n)
+            f.seek(1000)
+            g.seek(1000)
+            assert f.read(20 << 20) == g.read(20 << 20)
+    finally:
+        fs._holder.close()
+
+
+def test_get_file_streams_into_a_new_file_and_uses_the_engine_onto_an_existing_one(big_served: Any, tmp_path: Path, buffers: str) -> None:
+    live, root = big_served
+    want = Path(root, "big.bin").read_bytes()
+    fs = tb5(live, engine_threshold=1 << 20)
+    try:
+        dst = tmp_path / "new.bin"
+        fs.get_file("big.bin", str(dst))
+        assert dst.read_bytes() == want and tmp_files(str(tmp_path)) == []
+        assert not (tmp_path / ".tb5sync").exists()
+        old = bytearray(want)
+        old[1000:2000] = bytes(1000)  # an older version: the engine reuses its other chunks
+        dst.write_bytes(old)
+        fs.get_file("big.bin", str(dst))
+        assert dst.read_bytes() == want
+        empty = tmp_path / "empty.bin"
+        Path(root, "empty.bin").write_bytes(b"")
+        fs.get_file("empty.bin", str(empty))
+        assert empty.read_bytes() == b""
+    finally:
+        fs._holder.close()
+        Path(root, "empty.bin").unlink(missing_ok=True)
+
+
+def test_a_file_replaced_between_open_and_read_is_refused(big_served: Any, tmp_path: Path) -> None:
+    live, root = big_served
+    victim = Path(root, "victim.bin")
+    victim.write_bytes(os.urandom(20 << 20))
+    fs = tb5(live)
+    try:
+        f = fs.open("victim.bin", "rb")
+        victim.write_bytes(os.urandom(21 << 20))
+        with pytest.raises(SourceChangedError):
+            f.read()
+    finally:
+        fs._holder.close()
+        victim.unlink()
+
+
+def test_a_file_part_without_padding_ends_the_connection_when_the_file_shrank(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"a" * 3_000_000)
+    a, b = socket.socketpair()
+    tx, rx = Channel(a), Channel(b)
+    shared = SharedFd(os.open(path, os.O_RDONLY))
+    part = FileRange(shared, 0, 3_000_000, pad=False, sendfile=False)
+    os.truncate(path, 2_500_000)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            tx.send_data(3, {}, [part])
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            tx.close()
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        header = rx.recv_header()
+        assert header is not None and header.type is P.FrameType.DATA
+        with pytest.raises(P.RemoteProtocolError, match="closed inside a frame"):
+            rx.recv_payload(header)
+        joined(t, 60)
+        assert errors and "early" in str(errors[0])
+    finally:
+        part.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("room", [10, 4, 0])
+def test_recv_data_into_puts_the_body_in_the_buffer_or_one_of_its_own(room: int) -> None:
+    a, b = socket.socketpair()
+    tx, rx = Channel(a), Channel(b)
+    try:
+        tx.send_data(9, {"k": 1}, [b"hello", b"world"])
+        header = rx.recv_header()
+        assert header is not None
+        into = memoryview(bytearray(room))
+        meta, body = rx.recv_data_into(header, into)
+        assert P.decode_control(meta) == {"k": 1} and bytes(body) == b"helloworld"
+        if room >= 10:
+            assert bytes(into[:10]) == b"helloworld"
+        if room == 10:
+            fsfile.check_piece("x", {"start": 0, "end": 10}, ({}, body), into)
+        else:
+            with pytest.raises(SourceChangedError):  # a body that is not exactly the piece asked for
+                fsfile.check_piece("x", {"start": 0, "end": room}, ({}, body), into)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_reply_cut_inside_its_frame_fails_its_request(into: bool) -> None:
+    """The request whose reply is being received when the connection breaks fails (it must not hang)."""
+    a, b = socket.socketpair()
+    server = Channel(a)
+    req = Requester([Channel(b)])
+    try:
+        buf = bytearray(1000)
+        fut = req.submit("cat", {}, into=memoryview(buf) if into else None, owner=buf)
+        got = server.recv_frame()
+        assert got is not None
+        head = P.encode_data_prefix(got[0].rid, {}, 1000)
+        server.sock.sendall(head + b"x" * 10)  # 10 of the 1000 announced bytes, then the connection ends
+        server.close()
+        with pytest.raises(Tb5syncError):
+            fut.result(timeout=30)
+    finally:
+        req.close(bye=False)
