@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""CPU seconds per GB of a cold push of one large file, per side and per stage, and the 80 Gbps model.
+
+Three parts, each printed as a table (``--parts`` picks them):
+
+``e2e``
+    ``tb5sync serve`` and ``rsync --daemon`` on 127.0.0.1 (a free port), one file of random bytes
+    (``--size``, default 1 GiB) pushed cold (``tb5sync sync FILE tb5://...``, ``rsync -a FILE
+    rsync://...``), alternately, ``--repeat`` times; the median of client and server CPU seconds
+    (user+sys: ``wait4`` of the client, ``/proc`` of the server tree from just before the run)
+    per GB (1e9 bytes), and wall time. The destination is compared with the source each run.
+    The tools and process accounting are those of ``bench_sync.py``.
+``stages``
+    Each stage of the large-file path timed alone on this machine, on one thread (CPU seconds of
+    the thread, ``time.thread_time``, per GB): the sender's window read (``pread`` from the page
+    cache into a pooled buffer), FastCDC cut points, BLAKE3 of each chunk, the ``--compress
+    auto`` sample test, ``sendfile`` to a loopback TCP socket and the matching ``recv_into``
+    (both processes' CPU), and the receiver's ``pwrite`` into a new file (page cache).
+``gil``
+    The GIL-held fraction of each process during a push: ``py-spy record --gil`` (samples taken
+    only when some thread holds the GIL) against ``py-spy record --idle`` (every tick), on the
+    client and on the server. Needs ``py-spy`` (``pip install py-spy``) and ptrace rights.
+``procs``
+    The multi-process prototype: the same bytes moved by one process on all streams against two
+    processes each owning half the streams (each process a sender-receiver pair moving its
+    half of the file's chunks: pread, BLAKE3, send | recv_into, BLAKE3, pwrite), CPU s/GB and wall.
+
+Usage::
+
+    .venv/bin/python benches/bench_cpu.py                       # all parts, 1 GiB, 3 runs
+    .venv/bin/python benches/bench_cpu.py --parts e2e --size 256M --repeat 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_sync as bs  # noqa: E402  (the tools, the process accounting, the data)
+
+MiB, GiB, GB = 1 << 20, 1 << 30, 1e9
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def ensure_file(workdir: str, size: int) -> str:
+    """WORKDIR/data-cpu-SIZE/big.bin of ``size`` random bytes (made once, then reused)."""
+    d = os.path.join(workdir, f"data-cpu-{size}")
+    path = os.path.join(d, "big.bin")
+    try:
+        if os.path.getsize(path) == size:
+            return path
+    except OSError:
+        pass
+    os.makedirs(d, exist_ok=True)
+    bs.make_big(path, size, bs.RandomStream(b"bench_cpu %d" % size))
+    return path
+
+
+# --------------------------------------------------------------------------- e2e
+
+
+def e2e(args, path: str) -> dict:
+    size = os.path.getsize(path)
+    log_dir = tempfile.mkdtemp(prefix="logs-", dir=args.workdir)
+    token_file = os.path.join(log_dir, "token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(os.urandom(24).hex() + "\n")
+    cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
+    tools = [bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir), bs.Rsync(600.0, log_dir)]
+    src_digest = bs.file_digest(path)
+    runs: dict[str, list[bs.Run]] = {t.name: [] for t in tools}
+    try:
+        for i in range(args.repeat):
+            for tool in tools:
+                root = os.path.join(args.workdir, "runs", f"{tool.name}-{i}")
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(os.path.join(root, "dst"))
+                os.sync()
+                bs.clear_state(os.path.dirname(path))
+                with tool.serve(root) as srv:
+                    run = tool.sync(path, tool.remote(srv, "dst/"))
+                run.cpu_server = srv.cpu
+                got = os.path.join(root, "dst", os.path.basename(path))
+                if bs.file_digest(got) != src_digest:
+                    raise SystemExit(f"{tool.name} run {i}: destination differs from the source")
+                shutil.rmtree(root, ignore_errors=True)
+                runs[tool.name].append(run)
+                print(f"  {tool.name} run {i}: wall {run.wall:.2f} s, client {run.cpu_client / size * GB:.2f}"
+                      f" + server {run.cpu_server / size * GB:.2f} CPU s/GB", file=sys.stderr)
+    finally:
+        for proc in list(bs.LIVE):
+            proc.stop(timeout=3)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    out = {}
+    for name, rs in runs.items():
+        c = statistics.median(r.cpu_client for r in rs) / size * GB
+        s = statistics.median(r.cpu_server for r in rs) / size * GB
+        t = statistics.median(r.cpu for r in rs) / size * GB
+        w = statistics.median(r.wall for r in rs)
+        out[name] = {"client": c, "server": s, "total": t, "wall": w, "runs": len(rs)}
+    # interpreter start-up and imports of the client, included in its CPU above
+    t0 = bs.run_measured(cmd + ["--help"], 60, env=env)
+    out["tb5sync"]["startup_cpu_s"] = t0.cpu
+    return out
+
+
+def print_e2e(res: dict, size: int) -> None:
+    print(f"\nCold push of {size / MiB:.0f} MiB of random bytes on 127.0.0.1 (median CPU s/GB, GB = 1e9 bytes)\n")
+    print(f"{'tool':10} {'client':>8} {'server':>8} {'total':>8} {'wall s':>8}")
+    for name in ("tb5sync", "rsync"):
+        r = res[name]
+        print(f"{name:10} {r['client']:8.2f} {r['server']:8.2f} {r['total']:8.2f} {r['wall']:8.2f}")
+    ratio = res["tb5sync"]["total"] / res["rsync"]["total"]
+    print(f"tb5sync / rsync CPU: {ratio:.2f}x  (tb5sync client start-up, `tb5sync --help`: "
+          f"{res['tb5sync']['startup_cpu_s']:.2f} CPU s, included)")
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def _per_gb(cpu: float, nbytes: int) -> float:
+    return cpu / nbytes * GB
+
+
+def stages(args, path: str) -> dict:
+    """CPU s/GB of each stage of the large-file path, one thread, on ``path`` (page cache)."""
+    import lz4.block  # noqa: F401  (the sender's codec)
+
+    from tb5sync import chunking, hashing, sender
+
+    size = os.path.getsize(path)
+    params = chunking.DEFAULT_PARAMS
+    out: dict[str, float] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(hashing.WINDOW)
+        mv = memoryview(buf)
+        bs.file_digest(path)  # in the page cache
+
+        # pread into a reused window buffer (the sender's chunk list)
+        t = time.thread_time()
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [mv[: min(len(mv), size - off)]], off)
+            off += n
+        out["pread window (sender)"] = _per_gb(time.thread_time() - t, size)
+
+        # FastCDC and BLAKE3 per chunk, window by window
+        cut_cpu = hash_cpu = xx_cpu = lz_cpu = 0.0
+        nchunks = 0
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [mv[: min(len(mv), size - off)]], off)
+            final = off + n >= size
+            t = time.thread_time()
+            cuts = chunking.cut_points(mv[:n], params, final)
+            cut_cpu += time.thread_time() - t
+            if not final and cuts:
+                n = cuts[-1]
+            t = time.thread_time()
+            s = 0
+            for e in cuts:
+                hashing.chunk_digest(mv[s:e])
+                s = e
+            hash_cpu += time.thread_time() - t
+            t = time.thread_time()
+            s = 0
+            for e in cuts:
+                hashing.quick_digest(mv[s:e])
+                s = e
+            xx_cpu += time.thread_time() - t
+            t = time.thread_time()
+            s = 0
+            for e in cuts:
+                sender._compressible(bytes(mv[s : s + sender._SAMPLE]))
+                s = e
+            lz_cpu += time.thread_time() - t
+            nchunks += len(cuts)
+            off += n
+        out["FastCDC cut points (sender)"] = _per_gb(cut_cpu, size)
+        out["BLAKE3 per chunk (each side)"] = _per_gb(hash_cpu, size)
+        out["xxh3-128 per chunk (not on this path)"] = _per_gb(xx_cpu, size)
+        out["lz4 auto sample test (sender, per chunk)"] = _per_gb(lz_cpu, size)
+        out["_chunks"] = nchunks
+
+        # pwrite into a new file (the receiver's work file), page cache
+        wpath = os.path.join(args.workdir, "stage-write.tmp")
+        wfd = os.open(wpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.preadv(fd, [mv], 0)
+            t = time.thread_time()
+            off = 0
+            while off < size:
+                n = min(len(mv), size - off)
+                os.pwrite(wfd, mv[:n], off)
+                off += n
+            out["pwrite new file (receiver)"] = _per_gb(time.thread_time() - t, size)
+        finally:
+            os.close(wfd)
+            os.unlink(wpath)
+    finally:
+        os.close(fd)
+    send_cpu, recv_cpu = _socket_stage(path)
+    out["sendfile to loopback TCP (sender)"] = send_cpu
+    out["recv_into from loopback TCP (receiver)"] = recv_cpu
+    return out
+
+
+def _socket_stage(path: str) -> tuple[float, float]:
+    """CPU s/GB of sendfile (this process) and recv_into (a child process) over loopback TCP."""
+    size = os.path.getsize(path)
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    port = lsock.getsockname()[1]
+    code = (
+        "import socket,sys,time,resource\n"
+        f"s=socket.create_connection(('127.0.0.1',{port}))\n"
+        "b=bytearray(8<<20);m=memoryview(b);n=0\n"
+        "t=time.thread_time()\n"
+        "while True:\n"
+        "    k=s.recv_into(m)\n"
+        "    if not k: break\n"
+        "    n+=k\n"
+        "print(time.thread_time()-t,n)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    conn, _ = lsock.accept()
+    lsock.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.thread_time()
+        off = 0
+        while off < size:
+            off += os.sendfile(conn.fileno(), fd, off, min(32 * MiB, size - off))
+        send = time.thread_time() - t
+    finally:
+        os.close(fd)
+        conn.close()
+    out, _ = child.communicate(timeout=120)
+    recv, n = out.split()
+    assert int(n) == size, (n, size)
+    return _per_gb(send, size), _per_gb(float(recv), size)
+
+
+def print_stages(res: dict) -> None:
+    print(f"\nStages of the large-file path, one thread each (CPU s/GB; {res['_chunks']} chunks/GiB-ish)\n")
+    for k, v in res.items():
+        if not k.startswith("_"):
+            print(f"  {k:45} {v:6.3f}")
+
+
+# --------------------------------------------------------------------------- gil
+
+
+def _raw_samples(path: str) -> tuple[int, dict[str, int]]:
+    """Total samples of a py-spy raw file and samples per leaf-most tb5sync/Python frame."""
+    total, where = 0, {}
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip()
+            if not line:
+                continue
+            stack, n = line.rsplit(" ", 1)
+            total += int(n)
+            frames = stack.split(";")
+            leaf = next((fr for fr in reversed(frames) if "tb5sync/" in fr), frames[-1])
+            where[leaf] = where.get(leaf, 0) + int(n)
+    return total, where
+
+
+def gil(args, path: str) -> dict:
+    """GIL-held and CPU-active seconds per GB of each process of a push, sampled by py-spy."""
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if spy is None:
+        return {"error": "py-spy not installed (pip install py-spy)"}
+    size = os.path.getsize(path)
+    rate = 250
+    log_dir = tempfile.mkdtemp(prefix="gil-", dir=args.workdir)
+    token_file = os.path.join(log_dir, "token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(os.urandom(24).hex() + "\n")
+    cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
+    tool = bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir)
+    out: dict = {"rate_hz": rate}
+    try:
+        for mode in ("gil", "active"):
+            flags = ["--gil"] if mode == "gil" else []
+            root = os.path.join(args.workdir, "runs", f"gil-{mode}")
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(os.path.join(root, "dst"))
+            bs.clear_state(os.path.dirname(path))
+            srv_raw, cli_raw = os.path.join(log_dir, f"srv-{mode}.raw"), os.path.join(log_dir, f"cli-{mode}.raw")
+            with tool.serve(root) as srv:
+                spy_srv = subprocess.Popen([spy, "record", "--nonblocking", "-r", str(rate), "--format", "raw", "-o", srv_raw,
+                                            *flags, "--pid", str(srv.proc.p.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)  # py-spy attached
+                sync = cmd + ["sync", path, tool.remote(srv, "dst/"), "--token-file", token_file]
+                if args.streams:
+                    sync += ["--streams", str(args.streams)]
+                res = bs.run_measured([spy, "record", "--nonblocking", "-r", str(rate), "--format", "raw", "-o", cli_raw, *flags,
+                                       "--", *sync], 600, env=env)
+                bs.check(res, "py-spy record -- tb5sync sync", 600)
+                spy_srv.send_signal(signal.SIGINT)
+                spy_srv.wait(timeout=30)
+            shutil.rmtree(root, ignore_errors=True)
+            for side, raw in (("client", cli_raw), ("server", srv_raw)):
+                total, where = _raw_samples(raw)
+                d = out.setdefault(side, {})
+                d[f"{mode}_s_per_gb"] = total / rate / size * GB
+                if mode == "gil":
+                    d["gil_top"] = sorted(where.items(), key=lambda kv: -kv[1])[:8]
+                    d["gil_samples"] = total
+            if mode == "gil":
+                out["wall_gil_run"] = res.wall
+    finally:
+        for proc in list(bs.LIVE):
+            proc.stop(timeout=3)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return out
+
+
+def print_gil(res: dict) -> None:
+    if "error" in res:
+        print(f"\nGIL: {res['error']}")
+        return
+    print(f"\nGIL-held and active thread time per GB (py-spy at {res['rate_hz']} Hz, wall of the sampled push "
+          f"{res['wall_gil_run']:.2f} s)\n")
+    print(f"{'side':8} {'GIL-held s/GB':>14} {'active thread s/GB':>19} {'GIL/active':>11}")
+    for side in ("client", "server"):
+        d = res[side]
+        print(f"{side:8} {d['gil_s_per_gb']:14.3f} {d['active_s_per_gb']:19.3f} {d['gil_s_per_gb'] / d['active_s_per_gb']:11.2f}")
+    for side in ("client", "server"):
+        print(f"  {side}: where the GIL is held (share of GIL samples)")
+        for k, n in res[side]["gil_top"][:6]:
+            print(f"    {n / res[side]['gil_samples'] * 100:5.1f}%  {k[:100]}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=GiB, help="file size (default 1G)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per tool (median; default 3)")
+    p.add_argument("--parts", default="e2e,stages,gil,procs", help="comma-separated: e2e, stages, gil, procs")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tb5sync-bench-cpu"))
+    p.add_argument("--streams", type=int, help="tb5sync sync --streams N")
+    p.add_argument("--tb5sync-cmd", help="command to run tb5sync (default: beside this python)")
+    p.add_argument("--json-out", help="write the figures as JSON here too")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.workdir = os.path.abspath(args.workdir)
+    os.makedirs(args.workdir, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(SystemExit(143)))
+    parts = args.parts.split(",")
+    path = ensure_file(args.workdir, args.size)
+    result: dict = {"size": args.size, "cpus": os.cpu_count()}
+    if "e2e" in parts:
+        result["e2e"] = e2e(args, path)
+        print_e2e(result["e2e"], args.size)
+    if "stages" in parts:
+        result["stages"] = stages(args, path)
+        print_stages(result["stages"])
+    if "gil" in parts:
+        result["gil"] = gil(args, path)
+        print_gil(result["gil"])
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
