@@ -10,6 +10,9 @@ Three parts, each printed as a table (``--parts`` picks them):
     (user+sys: ``wait4`` of the client, ``/proc`` of the server tree from just before the run)
     per GB (1e9 bytes), and wall time. The destination is compared with the source each run.
     The tools and process accounting are those of ``bench_sync.py``.
+``medium``
+    The same for a directory of ``--medium-files`` files of 6 MiB each (every one a large-file
+    job: the per-file fixed costs of that path show here).
 ``stages``
     Each stage of the large-file path timed alone on this machine, on one thread (CPU seconds of
     the thread, ``time.thread_time``, per GB): the sender's window read (``pread`` from the page
@@ -82,15 +85,30 @@ def ensure_file(workdir: str, size: int) -> str:
 # --------------------------------------------------------------------------- e2e
 
 
-def e2e(args, path: str) -> dict:
-    size = os.path.getsize(path)
+def ensure_medium(workdir: str, n: int, size: int = 6 * MiB) -> str:
+    """WORKDIR/data-medium-N: ``n`` files of ``size`` random bytes (each takes the large-file path)."""
+    d = os.path.join(workdir, f"data-medium-{n}-{size}")
+    rs = bs.RandomStream(b"bench_cpu medium")
+    os.makedirs(d, exist_ok=True)
+    for i in range(n):
+        path = os.path.join(d, f"f{i:04d}.bin")
+        if not (os.path.exists(path) and os.path.getsize(path) == size):
+            with open(path, "wb") as f:
+                f.write(rs.read(size))
+    return d
+
+
+def e2e(args, src: str) -> dict:
+    """Median CPU s/GB (client, server) and wall of ``--repeat`` cold pushes of directory ``src``'s
+    contents by tb5sync and rsync, alternately, each checked against the source."""
+    size = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n != bs.STATE_DIR)
     log_dir = tempfile.mkdtemp(prefix="logs-", dir=args.workdir)
     token_file = os.path.join(log_dir, "token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(os.urandom(24).hex() + "\n")
     cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
     tools = [bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir), bs.Rsync(600.0, log_dir)]
-    src_digest = bs.file_digest(path)
+    verifier = bs.Verifier(sample=1000)
     runs: dict[str, list[bs.Run]] = {t.name: [] for t in tools}
     try:
         for i in range(args.repeat):
@@ -99,13 +117,13 @@ def e2e(args, path: str) -> dict:
                 shutil.rmtree(root, ignore_errors=True)
                 os.makedirs(os.path.join(root, "dst"))
                 os.sync()
-                bs.clear_state(os.path.dirname(path))
+                bs.clear_state(src)
                 with tool.serve(root) as srv:
-                    run = tool.sync(path, tool.remote(srv, "dst/"))
+                    run = tool.sync(src + "/", tool.remote(srv, "dst"))
                 run.cpu_server = srv.cpu
-                got = os.path.join(root, "dst", os.path.basename(path))
-                if bs.file_digest(got) != src_digest:
-                    raise SystemExit(f"{tool.name} run {i}: destination differs from the source")
+                bad = verifier.verify(src, os.path.join(root, "dst"), f"{tool.name}-{i}")
+                if bad:
+                    raise SystemExit(f"{tool.name} run {i}: destination differs from the source: {bad}")
                 shutil.rmtree(root, ignore_errors=True)
                 runs[tool.name].append(run)
                 print(f"  {tool.name} run {i}: wall {run.wall:.2f} s, client {run.cpu_client / size * GB:.2f}"
@@ -114,7 +132,7 @@ def e2e(args, path: str) -> dict:
         for proc in list(bs.LIVE):
             proc.stop(timeout=3)
         shutil.rmtree(log_dir, ignore_errors=True)
-    out = {}
+    out: dict = {"bytes": size, "files": len(os.listdir(src))}
     for name, rs in runs.items():
         c = statistics.median(r.cpu_client for r in rs) / size * GB
         s = statistics.median(r.cpu_server for r in rs) / size * GB
@@ -127,8 +145,8 @@ def e2e(args, path: str) -> dict:
     return out
 
 
-def print_e2e(res: dict, size: int) -> None:
-    print(f"\nCold push of {size / MiB:.0f} MiB of random bytes on 127.0.0.1 (median CPU s/GB, GB = 1e9 bytes)\n")
+def print_e2e(res: dict, what: str) -> None:
+    print(f"\nCold push of {what} on 127.0.0.1 (median CPU s/GB, GB = 1e9 bytes)\n")
     print(f"{'tool':10} {'client':>8} {'server':>8} {'total':>8} {'wall s':>8}")
     for name in ("tb5sync", "rsync"):
         r = res[name]
@@ -366,7 +384,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=GiB, help="file size (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="runs per tool (median; default 3)")
-    p.add_argument("--parts", default="e2e,stages,gil,procs", help="comma-separated: e2e, stages, gil, procs")
+    p.add_argument("--parts", default="e2e,medium,stages,gil,procs", help="comma-separated: e2e, medium, stages, gil, procs")
+    p.add_argument("--medium-files", type=int, default=64, help="files of 6 MiB in the medium workload (default 64)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tb5sync-bench-cpu"))
     p.add_argument("--streams", type=int, help="tb5sync sync --streams N")
     p.add_argument("--tb5sync-cmd", help="command to run tb5sync (default: beside this python)")
@@ -383,8 +402,11 @@ def main(argv=None) -> int:
     path = ensure_file(args.workdir, args.size)
     result: dict = {"size": args.size, "cpus": os.cpu_count()}
     if "e2e" in parts:
-        result["e2e"] = e2e(args, path)
-        print_e2e(result["e2e"], args.size)
+        result["e2e"] = e2e(args, os.path.dirname(path))
+        print_e2e(result["e2e"], f"one file of {args.size / MiB:.0f} MiB of random bytes")
+    if "medium" in parts:
+        result["medium"] = e2e(args, ensure_medium(args.workdir, args.medium_files))
+        print_e2e(result["medium"], f"{args.medium_files} files of 6 MiB of random bytes (each a large-file job)")
     if "stages" in parts:
         result["stages"] = stages(args, path)
         print_stages(result["stages"])
