@@ -25,7 +25,7 @@ import stat
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from . import chunking, refine
@@ -62,6 +62,17 @@ REFINE_GIVE_UP = 3
 _INDEX_ROUNDS = 8
 #: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
 REFINE_SLACK = 64 * 1024
+
+
+def _verify_write(data: memoryview | bytes, digest: bytes, fd: int, off: int) -> bool:
+    """Write chunk ``data`` at byte ``off`` of ``fd`` only if it has the BLAKE3 ``digest``; whether it did.
+
+    Runs in the hash pool (hashing and ``pwrite`` release the GIL). Raises OSError when the write fails.
+    """
+    if chunk_digest(data) != digest:
+        return False
+    pwrite_all(fd, data, off)
+    return True
 
 
 class _CopyBuffers:
@@ -533,20 +544,26 @@ class LargeFileJob:
                     continue
                 meta, parts = fut.result()
                 pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
-                try:
-                    verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
-                except IntegrityError:
+                # Each chunk is hashed and, only if it matches, written by the same task right
+                # away, while its bytes are still in that core's cache (one pass over memory
+                # instead of a hashing pass over the whole reply and then a writing pass).
+                tasks = [hash_pool().submit(_verify_write, data, d, fd, off) for data, (off, _, d) in zip(pieces, g)]
+                wait(tasks)  # every task is done with the reply's buffer before it is given back
+                self.link.recycle(parts)
+                written = [t.result() for t in tasks]
+                if not all(written):
                     # Asked once more: a source changed after the sender's check (its bytes go
                     # out with sendfile) now fails that check; a second mismatch is corruption.
+                    # The chunks that did match are in place already and are written again.
                     log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
-                    self.link.recycle(parts)
                     pieces, parts = self._read_verified(rel, g, size, mtime_ns)
-                for (off, _n, _d), data in zip(g, pieces):
-                    pwrite_all(fd, data, off)
+                    for (off, _n, _d), data in zip(g, pieces):
+                        pwrite_all(fd, data, off)
+                    self.link.recycle(parts)
+                for _off, n, _d in g:
                     self.destination.stats["chunks_sent"] += 1
-                    self.verified += len(data)
-                    self.destination.tick(len(data))
-                self.link.recycle(parts)
+                    self.verified += n
+                    self.destination.tick(n)
         finally:
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
