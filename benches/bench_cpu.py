@@ -311,7 +311,9 @@ def _raw_samples(path: str) -> tuple[int, dict[str, int]]:
 
 
 def gil(args, path: str) -> dict:
-    """GIL-held and CPU-active seconds per GB of each process of a push, sampled by py-spy."""
+    """GIL-held seconds per GB of each process of a push, sampled by py-spy (``--gil``: a sample
+    is kept only when some thread of the process holds the GIL; ``--nonblocking``: the process is
+    not paused). The client's figure includes its start-up (imports), the server's its session."""
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if spy is None:
         return {"error": "py-spy not installed (pip install py-spy)"}
@@ -325,8 +327,8 @@ def gil(args, path: str) -> dict:
     tool = bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir)
     out: dict = {"rate_hz": rate}
     try:
-        for mode in ("gil", "active"):
-            flags = ["--gil"] if mode == "gil" else []
+        for mode in ("gil",):
+            flags = ["--gil"]
             root = os.path.join(args.workdir, "runs", f"gil-{mode}")
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(os.path.join(root, "dst"))
@@ -348,12 +350,11 @@ def gil(args, path: str) -> dict:
             for side, raw in (("client", cli_raw), ("server", srv_raw)):
                 total, where = _raw_samples(raw)
                 d = out.setdefault(side, {})
-                d[f"{mode}_s_per_gb"] = total / rate / size * GB
-                if mode == "gil":
-                    d["gil_top"] = sorted(where.items(), key=lambda kv: -kv[1])[:8]
-                    d["gil_samples"] = total
-            if mode == "gil":
-                out["wall_gil_run"] = res.wall
+                d["gil_s_per_gb"] = total / rate / size * GB
+                d["gil_fraction_of_wall"] = total / rate / res.wall
+                d["gil_top"] = sorted(where.items(), key=lambda kv: -kv[1])[:8]
+                d["gil_samples"] = total
+            out["wall_gil_run"] = res.wall
     finally:
         for proc in list(bs.LIVE):
             proc.stop(timeout=3)
@@ -365,16 +366,115 @@ def print_gil(res: dict) -> None:
     if "error" in res:
         print(f"\nGIL: {res['error']}")
         return
-    print(f"\nGIL-held and active thread time per GB (py-spy at {res['rate_hz']} Hz, wall of the sampled push "
+    print(f"\nGIL-held time per GB (py-spy --gil at {res['rate_hz']} Hz; wall of the sampled push "
           f"{res['wall_gil_run']:.2f} s)\n")
-    print(f"{'side':8} {'GIL-held s/GB':>14} {'active thread s/GB':>19} {'GIL/active':>11}")
+    print(f"{'side':8} {'GIL-held s/GB':>14} {'share of wall':>14}")
     for side in ("client", "server"):
         d = res[side]
-        print(f"{side:8} {d['gil_s_per_gb']:14.3f} {d['active_s_per_gb']:19.3f} {d['gil_s_per_gb'] / d['active_s_per_gb']:11.2f}")
+        print(f"{side:8} {d['gil_s_per_gb']:14.3f} {d['gil_fraction_of_wall']:14.2f}")
     for side in ("client", "server"):
         print(f"  {side}: where the GIL is held (share of GIL samples)")
         for k, n in res[side]["gil_top"][:6]:
             print(f"    {n / res[side]['gil_samples'] * 100:5.1f}%  {k[:100]}")
+
+
+# --------------------------------------------------------------------------- procs
+
+
+def ensure_halves(workdir: str, size: int) -> str:
+    """WORKDIR/data-halves-SIZE/{a/h.bin, b/h.bin}: two files of ``size // 2`` random bytes."""
+    d = os.path.join(workdir, f"data-halves-{size}")
+    rs = bs.RandomStream(b"bench_cpu halves")
+    for part in ("a", "b"):
+        path = os.path.join(d, part, "h.bin")
+        if not (os.path.exists(path) and os.path.getsize(path) == size // 2):
+            bs.make_big(path, size // 2, rs)
+    return d
+
+
+def procs(args) -> dict:
+    """The same bytes (two files of half the size) moved by one client and one server process
+    (one session, ``--streams`` streams), against two client/server pairs each moving one half
+    on its own streams at the same time: total CPU s/GB of all processes and wall time."""
+    src = ensure_halves(args.workdir, args.size)
+    size = 2 * (args.size // 2)
+    log_dir = tempfile.mkdtemp(prefix="procs-", dir=args.workdir)
+    token_file = os.path.join(log_dir, "token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(os.urandom(24).hex() + "\n")
+    cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
+    verifier = bs.Verifier(sample=10)
+    out: dict = {"one": [], "two": []}
+    try:
+        for i in range(args.repeat):
+            for mode in ("one", "two"):
+                root = os.path.join(args.workdir, "runs", f"procs-{mode}-{i}")
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(os.path.join(root, "dst"))
+                os.sync()
+                for part in ("a", "b"):
+                    bs.clear_state(os.path.join(src, part))
+                bs.clear_state(src)
+                if mode == "one":
+                    tool = bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir)
+                    with tool.serve(root) as srv:
+                        run = tool.sync(src + "/", tool.remote(srv, "dst"))
+                    cpu, wall = run.cpu_client + srv.cpu, run.wall
+                else:
+                    # each half streams the default count divided by two (at least 2)
+                    half = max(2, (args.streams or 4) // 2)
+                    tools = [bs.Tb5sync(cmd, env, token_file, half, 600.0, log_dir) for _ in range(2)]
+                    servers = [t.serve(root) for t in tools]
+                    runs: list = [None, None]
+                    for s_ in servers:
+                        s_.__enter__()
+                    try:
+                        def go(k: int) -> None:
+                            part = "ab"[k]
+                            runs[k] = tools[k].sync(os.path.join(src, part), tools[k].remote(servers[k], "dst"))
+                        ths = [threading.Thread(target=go, args=(k,)) for k in range(2)]
+                        t0 = time.perf_counter()
+                        for t in ths:
+                            t.start()
+                        for t in ths:
+                            t.join()
+                        wall = time.perf_counter() - t0
+                    finally:
+                        for s_ in servers:
+                            s_.__exit__(None, None, None)
+                    if any(r is None for r in runs):
+                        raise SystemExit("a half's push failed")
+                    cpu = sum(r.cpu_client for r in runs) + sum(s_.cpu for s_ in servers)
+                bad = verifier.verify(src, os.path.join(root, "dst"), f"procs-{mode}-{i}")
+                if bad:
+                    raise SystemExit(f"procs {mode} run {i}: {bad}")
+                shutil.rmtree(root, ignore_errors=True)
+                out[mode].append((cpu / size * GB, wall))
+                print(f"  procs {mode} run {i}: {cpu / size * GB:.2f} CPU s/GB, wall {wall:.2f} s", file=sys.stderr)
+    finally:
+        for proc in list(bs.LIVE):
+            proc.stop(timeout=3)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return {m: {"cpu_per_gb": statistics.median(c for c, _ in v), "wall": statistics.median(w for _, w in v),
+                "gbps": size * 8 / 1e9 / statistics.median(w for _, w in v)} for m, v in out.items()}
+
+
+def print_procs(res: dict, size: int) -> None:
+    print(f"\nOne process per side against two (each one half of {size / MiB:.0f} MiB, its own streams; median)\n")
+    print(f"{'processes per side':20} {'CPU s/GB (all)':>15} {'wall s':>8} {'Gbit/s':>8}")
+    for m, label in (("one", "1"), ("two", "2")):
+        r = res[m]
+        print(f"{label:20} {r['cpu_per_gb']:15.2f} {r['wall']:8.2f} {r['gbps']:8.2f}")
+
+
+def print_model(result: dict) -> None:
+    """Cores and processes per side for 10 GB/s (80 Gbit/s) at this machine's measured costs."""
+    print("\nAt 80 Gbit/s (10 GB/s of file data), from the figures above\n")
+    print(f"{'side':8} {'CPU s/GB':>9} {'cores':>6} {'GIL s/GB':>9} {'GIL-bound GB/s/process':>23} {'processes (GIL at 100%)':>24}")
+    for side in ("client", "server"):
+        cpu = result["e2e"]["tb5sync"][side]
+        g = result["gil"][side]["gil_s_per_gb"]
+        print(f"{side:8} {cpu:9.2f} {cpu * 10:6.1f} {g:9.3f} {1 / g:23.1f} {-(-g * 10 // 1):24.0f}")
 
 
 # --------------------------------------------------------------------------- main
@@ -413,6 +513,11 @@ def main(argv=None) -> int:
     if "gil" in parts:
         result["gil"] = gil(args, path)
         print_gil(result["gil"])
+    if "e2e" in parts and "gil" in parts and "error" not in result["gil"]:
+        print_model(result)
+    if "procs" in parts:
+        result["procs"] = procs(args)
+        print_procs(result["procs"], args.size)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
