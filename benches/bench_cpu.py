@@ -164,6 +164,12 @@ def _per_gb(cpu: float, nbytes: int) -> float:
 
 
 def stages(args, path: str) -> dict:
+    """Median over ``--repeat`` rounds of :func:`stages_once` (CPU s/GB per stage)."""
+    rounds = [stages_once(args, path) for _ in range(args.repeat)]
+    return {k: (statistics.median(r[k] for r in rounds) if not k.startswith("_") else rounds[0][k]) for k in rounds[0]}
+
+
+def stages_once(args, path: str) -> dict:
     """CPU s/GB of each stage of the large-file path, one thread, on ``path`` (page cache)."""
     import lz4.block  # noqa: F401  (the sender's codec)
 
@@ -285,7 +291,7 @@ def _socket_stage(path: str) -> tuple[float, float]:
 
 
 def print_stages(res: dict) -> None:
-    print(f"\nStages of the large-file path, one thread each (CPU s/GB; {res['_chunks']} chunks/GiB-ish)\n")
+    print(f"\nStages of the large-file path, one thread each (median CPU s/GB; {res['_chunks']} chunks in the file)\n")
     for k, v in res.items():
         if not k.startswith("_"):
             print(f"  {k:45} {v:6.3f}")
