@@ -516,6 +516,7 @@ class LargeFileJob:
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
         misses = 0  # groups in a row refined without one sub-chunk found in the basis
+        hashers = hash_pool()
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
@@ -547,7 +548,7 @@ class LargeFileJob:
                 # Each chunk is hashed and, only if it matches, written by the same task right
                 # away, while its bytes are still in that core's cache (one pass over memory
                 # instead of a hashing pass over the whole reply and then a writing pass).
-                tasks = [hash_pool().submit(_verify_write, data, d, fd, off) for data, (off, _, d) in zip(pieces, g)]
+                tasks = [hashers.submit(_verify_write, data, d, fd, off) for data, (off, _, d) in zip(pieces, g)]
                 wait(tasks)  # every task is done with the reply's buffer before it is given back
                 self.link.recycle(parts)
                 written = [t.result() for t in tasks]
