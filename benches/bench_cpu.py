@@ -247,9 +247,50 @@ def stages_once(args, path: str) -> dict:
             os.unlink(wpath)
     finally:
         os.close(fd)
+    out.update(_verify_write_stage(args))
     send_cpu, recv_cpu = _socket_stage(path)
     out["sendfile to loopback TCP (sender)"] = send_cpu
     out["recv_into from loopback TCP (receiver)"] = recv_cpu
+    return out
+
+
+def _verify_write_stage(args) -> dict[str, float]:
+    """CPU s/GB (whole process) of the receiver's verify + write of 8 MiB replies of 1 MiB chunks,
+    12 replies in flight (96 MiB, out of cache): the whole reply hashed in the hash pool and then
+    written on one thread (main before p15m), against each chunk hashed and written by one pool task."""
+    from concurrent.futures import wait
+
+    from tb5sync import largefile
+    from tb5sync._io import pwrite_all
+    from tb5sync.hashing import check_chunks, chunk_digest, hash_pool
+
+    frames = [bytearray(os.urandom(8 * MiB)) for _ in range(12)]
+    chunks = [(i * MiB, MiB) for i in range(8)]
+    digests = [[chunk_digest(memoryview(f)[o : o + n]) for o, n in chunks] for f in frames]
+
+    def two_passes(fd: int, base: int, mv: memoryview, ds: list[bytes]) -> None:
+        assert all(check_chunks([(mv[o : o + n], d) for (o, n), d in zip(chunks, ds)]))
+        for o, n in chunks:
+            pwrite_all(fd, mv[o : o + n], base + o)
+
+    def one_pass(fd: int, base: int, mv: memoryview, ds: list[bytes]) -> None:
+        tasks = [hash_pool().submit(largefile._verify_write, mv[o : o + n], d, fd, base + o) for (o, n), d in zip(chunks, ds)]
+        wait(tasks)
+        assert all(t.result() for t in tasks)
+
+    out = {}
+    for name, fn in (("verify, then write (two passes, before)", two_passes), ("verify + write per chunk task (after)", one_pass)):
+        wpath = os.path.join(args.workdir, "stage-vw.tmp")
+        fd = os.open(wpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            t = time.process_time()
+            for rep in range(4):
+                for i, f in enumerate(frames):
+                    fn(fd, (rep * 12 + i) * 8 * MiB, memoryview(f), digests[i])
+            out[name + " (receiver)"] = _per_gb(time.process_time() - t, 4 * 12 * 8 * MiB)
+        finally:
+            os.close(fd)
+            os.unlink(wpath)
     return out
 
 
