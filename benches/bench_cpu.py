@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """CPU seconds per GB of a cold push of one large file, per side and per stage, and the 80 Gbps model.
 
-Three parts, each printed as a table (``--parts`` picks them):
+Five parts, each printed as a table (``--parts`` picks them; ``e2e`` and ``gil`` together also
+print the 80 Gbit/s model: cores and processes per side for 10 GB/s):
 
 ``e2e``
     ``tb5sync serve`` and ``rsync --daemon`` on 127.0.0.1 (a free port), one file of random bytes
@@ -18,15 +19,18 @@ Three parts, each printed as a table (``--parts`` picks them):
     the thread, ``time.thread_time``, per GB): the sender's window read (``pread`` from the page
     cache into a pooled buffer), FastCDC cut points, BLAKE3 of each chunk, the ``--compress
     auto`` sample test, ``sendfile`` to a loopback TCP socket and the matching ``recv_into``
-    (both processes' CPU), and the receiver's ``pwrite`` into a new file (page cache).
+    (both processes' CPU), the receiver's ``pwrite`` into a new file (page cache), and its
+    verify + write of 8 MiB replies two ways (per reply, per chunk task; whole-process CPU).
+    Each figure is the median of ``--repeat`` rounds.
 ``gil``
-    The GIL-held fraction of each process during a push: ``py-spy record --gil`` (samples taken
-    only when some thread holds the GIL) against ``py-spy record --idle`` (every tick), on the
-    client and on the server. Needs ``py-spy`` (``pip install py-spy``) and ptrace rights.
+    GIL-held seconds per GB of each process during a push: ``py-spy record --gil --nonblocking``
+    (a sample is kept only when some thread holds the GIL) attached to the server and wrapping
+    the client; also without the stacks of fixed work (imports, first buffer allocations), and
+    the leaf frames that hold it most. Needs ``py-spy`` (the ``bench`` extra) and ptrace rights.
 ``procs``
-    The multi-process prototype: the same bytes moved by one process on all streams against two
-    processes each owning half the streams (each process a sender-receiver pair moving its
-    half of the file's chunks: pread, BLAKE3, send | recv_into, BLAKE3, pwrite), CPU s/GB and wall.
+    The multi-process prototype: the same bytes (two files of half ``--size``) moved by one
+    client and one server process on all streams, against two client/server pairs at once, each
+    moving one file on half the streams: CPU s/GB of all processes and wall time.
 
 Usage::
 
