@@ -58,8 +58,9 @@ corpus:
 
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
-	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7'
+	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3'
 	$(BIN)/python benches/bench_sync.py --repeat 5
+	$(BIN)/python benches/bench_cpu.py
 	$(BIN)/python benches/bench_chunker.py --delta
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
 	$(BIN)/python benches/bench_fs.py

@@ -13,6 +13,7 @@ a thread pool in parallel with I/O.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -312,28 +313,34 @@ _SMALL_READ = 1024 * 1024
 
 
 class _BufferPool:
-    """Window buffers (``bytearray``) reused across calls of :func:`iter_chunk_fd`; thread-safe.
+    """Window buffers reused across calls of :func:`iter_chunk_fd`; thread-safe.
 
     Reading a window into a buffer that is already mapped costs one copy from the page
-    cache and no page faults; a new 32 MiB ``bytearray`` per window would fault in every
-    page again. One iteration holds two buffers (the window being cut, the one being
-    hashed); at most ``keep`` idle buffers are kept (96 MiB of windows at most when idle).
+    cache and no page faults; a new 32 MiB buffer per window would fault in every page
+    again. One iteration holds two buffers (the window being cut, the one being hashed);
+    at most ``keep`` idle buffers are kept (96 MiB of windows at most when idle).
+
+    A new buffer is an anonymous ``mmap`` (POSIX; the same on macOS), not a ``bytearray``:
+    ``bytearray(n)`` zeroes its ``n`` bytes with the GIL held (a fifth to a third of a
+    push's GIL-held time on the sending side, ``benches/bench_cpu.py --parts gil``), while a
+    mapping's pages are zero-filled by the kernel as the first ``preadv`` into them faults
+    them in, with the GIL released.
     """
 
     def __init__(self, keep: int = 3) -> None:
-        self._free: list[bytearray] = []
+        self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.keep = keep
 
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes (its contents are garbage)."""
+    def get(self, n: int) -> mmap.mmap:
+        """A writable buffer of at least ``n`` bytes (``n`` >= 1; its contents are garbage)."""
         with self._lock:
             for i, b in enumerate(self._free):
                 if len(b) >= n:
                     return self._free.pop(i)
-        return bytearray(n)
+        return mmap.mmap(-1, n)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: mmap.mmap) -> None:
         """Give ``buf`` back (no view of it may be used afterwards)."""
         with self._lock:
             if len(self._free) < self.keep:
@@ -430,13 +437,13 @@ def iter_chunk_fd(
     """
     window = max(int(window), params.max_size)
     pool = hash_pool()
-    pending: list[tuple[list[int], list[Future[bytes]], bytearray | None]] = []
+    pending: list[tuple[list[int], list[Future[bytes]], mmap.mmap | None]] = []
     pos = start
     limit = size if stop is None else min(size, stop)
     try:
         while pos < size and (pos < limit or pos == start):
             end = min(size, pos + window)
-            buf: bytearray | None = None
+            buf: mmap.mmap | None = None
             if pos == 0 and end <= _SMALL_READ:
                 data = os.pread(fd, end, 0)
                 if len(data) != end:
@@ -482,7 +489,7 @@ def _done(value: bytes) -> Future[bytes]:
     return fut
 
 
-def _collect(lengths: list[int], futs: list[Future[bytes]], buf: bytearray | None) -> list[ChunkRef]:
+def _collect(lengths: list[int], futs: list[Future[bytes]], buf: mmap.mmap | None) -> list[ChunkRef]:
     """The window's chunks once hashed; its buffer goes back to the pool."""
     try:
         return [(f.result(), n) for f, n in zip(futs, lengths)]

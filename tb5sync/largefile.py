@@ -25,7 +25,7 @@ import stat
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from . import chunking, refine
@@ -64,6 +64,48 @@ REFINE_GIVE_UP = 3
 _INDEX_ROUNDS = 8
 #: Basis bytes indexed for a missing chunk beyond its own length (room for bytes deleted from it).
 REFINE_SLACK = 64 * 1024
+
+
+def _verify_write(data: memoryview | bytes, digest: bytes, fd: int, off: int) -> bool:
+    """Write chunk ``data`` at byte ``off`` of ``fd`` only if it has the BLAKE3 ``digest``; whether it did.
+
+    Runs in the hash pool (hashing and ``pwrite`` release the GIL). Raises OSError when the write fails.
+    """
+    if chunk_digest(data) != digest:
+        return False
+    pwrite_all(fd, data, off)
+    return True
+
+
+class _CopyBuffers:
+    """Scratch buffers of ``size`` bytes (the largest chunk) for :func:`check_copy`, made on first use.
+
+    Only the thread that runs :meth:`LargeFileJob.run` takes and gives back buffers; a buffer
+    handed to a copy task is given back once that task is done. At most one buffer per copy in
+    flight plus one for :meth:`LargeFileJob._copy_elsewhere` is ever made.
+    """
+
+    __slots__ = ("size", "_free")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+
+    def get(self) -> bytearray:
+        """A free buffer of :attr:`size` bytes (contents undefined), made now if none is free."""
+        return self._free.pop() if self._free else bytearray(self.size)
+
+    def put(self, buf: bytearray) -> None:
+        """Give back a buffer nothing reads or writes any more."""
+        self._free.append(buf)
+
+    def check_copy(self, src_fd: int, src_off: int, n: int, digest: bytes, dst_fd: int, dst_off: int) -> bool:
+        """:func:`check_copy` on this thread with one of these buffers."""
+        buf = self.get()
+        try:
+            return check_copy(src_fd, src_off, n, digest, dst_fd, dst_off, buf)
+        finally:
+            self.put(buf)
 
 
 class LargeFileJob:
@@ -324,8 +366,11 @@ class LargeFileJob:
         """
         fd, basis, all_refs, dest = self.fd, self.basis, self.all_refs, self.destination
         pool = hash_pool()
-        # a chunk is at most max_size and at most the file: a 300 KiB file needs no 6 x 4 MiB of zeroed buffers
-        bufs = [bytearray(min(self.params.max_size, max(self.size, 1))) for _ in range(COPY_INFLIGHT)]
+        # Copy buffers (one max-size chunk each) are made when a chunk first has a local place to
+        # be copied from: a file with no basis and no indexed copy (a cold push) makes none. Making
+        # COPY_INFLIGHT of them up front zeroed 24 MiB per large file under the GIL, more than a
+        # 6 MiB file's own copies cost.
+        bufs = _CopyBuffers(min(self.params.max_size, max(self.size, 1)))  # at most the file: a 1 MiB delta needs no 4 MiB buffers
         opened: dict[str, int] = {}
         pending: deque[tuple[int, int, bytes, int, Future[bool] | None, bytearray | None]] = deque()
         cur: list[tuple[int, int, bytes]] = []
@@ -339,10 +384,10 @@ class LargeFileJob:
             else:
                 found = basis.first_place(off, n, d) if basis is not None else None
                 place, src, dst = (found, basis.fd, fd) if found is not None and basis is not None else (-1, -1, -1)
-            if place < 0 or n > len(bufs[0]):
+            if place < 0 or n > bufs.size:
                 pending.append((off, n, d, -1, None, None))
                 return
-            buf = bufs.pop()
+            buf = bufs.get()
             pending.append((off, n, d, place if src != fd else -2, pool.submit(check_copy, src, place, n, d, dst, off, buf), buf))
 
         def resolve() -> list[tuple[int, int, bytes]] | None:
@@ -358,13 +403,13 @@ class LargeFileJob:
                 try:
                     ok = fut.result()
                 finally:
-                    bufs.append(buf)
+                    bufs.put(buf)
             if ok and place >= 0 and basis is not None:
                 basis.found(off, n, place)
                 if self.refiner is not None:
                     self.refiner[1].record(off, place)
             if not ok:
-                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs[-1])
+                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs)
             if ok:
                 self.verified += n
                 dest.stats["chunks_reused"] += 1
@@ -405,19 +450,20 @@ class LargeFileJob:
             for lfd in opened.values():
                 os.close(lfd)
 
-    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], buf: bytearray) -> bool:
+    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], bufs: _CopyBuffers) -> bool:
         """Try the other places of chunk ``d`` (basis re-alignment, then the tree's chunk index); True if copied.
 
         ``off``, ``n``: the chunk's offset and length (bytes); ``tried``: basis offsets already
         tried; ``opened``: files of the tree opened for this job (state path -> fd, closed by the
-        caller); ``buf``: a buffer for :func:`check_copy` (too short for ``n``: False at once).
+        caller); ``bufs``: the job's copy buffers (one is taken only when a place is tried; a chunk
+        longer than they are: False at once).
         """
         fd, basis, state = self.fd, self.basis, self.destination.state
-        if n > len(buf):
+        if n > bufs.size:
             return False
         if basis is not None:
             for place in basis.more_places(off, n, d, tried):
-                if check_copy(basis.fd, place, n, d, fd, off, buf):
+                if bufs.check_copy(basis.fd, place, n, d, fd, off):
                     basis.found(off, n, place)
                     if self.refiner is not None:
                         self.refiner[1].record(off, place)
@@ -446,7 +492,7 @@ class LargeFileJob:
                         except (OSError, PathError):
                             continue
                         opened[spath] = lfd
-                    if check_copy(lfd, soff, n, d, fd, off, buf):
+                    if bufs.check_copy(lfd, soff, n, d, fd, off):
                         return True
                     stale.append(spath)  # changed since it was indexed
             return False
@@ -473,6 +519,7 @@ class LargeFileJob:
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
         misses = 0  # groups in a row refined without one sub-chunk found in the basis
+        hashers = hash_pool()
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
@@ -501,20 +548,26 @@ class LargeFileJob:
                     continue
                 meta, parts = fut.result()
                 pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
-                try:
-                    verify_chunks([(data, d) for data, (_, _, d) in zip(pieces, g)], rel)
-                except IntegrityError:
+                # Each chunk is hashed and, only if it matches, written by the same task right
+                # away, while its bytes are still in that core's cache (one pass over memory
+                # instead of a hashing pass over the whole reply and then a writing pass).
+                tasks = [hashers.submit(_verify_write, data, d, fd, off) for data, (off, _, d) in zip(pieces, g)]
+                wait(tasks)  # every task is done with the reply's buffer before it is given back
+                self.link.recycle(parts)
+                written = [t.result() for t in tasks]
+                if not all(written):
                     # Asked once more: a source changed after the sender's check (its bytes go
                     # out with sendfile) now fails that check; a second mismatch is corruption.
+                    # The chunks that did match are in place already and are written again.
                     log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
-                    self.link.recycle(parts)
                     pieces, parts = self._read_verified(rel, g, size, mtime_ns)
-                for (off, _n, _d), data in zip(g, pieces):
-                    pwrite_all(fd, data, off)
+                    for (off, _n, _d), data in zip(g, pieces):
+                        pwrite_all(fd, data, off)
+                    self.link.recycle(parts)
+                for _off, n, _d in g:
                     self.destination.stats["chunks_sent"] += 1
-                    self.verified += len(data)
-                    self.destination.tick(len(data))
-                self.link.recycle(parts)
+                    self.verified += n
+                    self.destination.tick(n)
         finally:
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)

@@ -424,3 +424,39 @@ def test_changed_file_below_the_delta_size_travels_whole(tmp_path: Any) -> None:
     os.utime(os.path.join(src, "f"), ns=(2_000_000_000 * 10**9, 2_000_000_000 * 10**9))
     stats = tb5sync.sync(src + "/", dst)
     assert stats.files_transferred == 1 and stats.chunks_reused == 0 and stats.bytes_transferred == len(data)
+
+
+def test_copy_buffers_only_when_something_is_copied(tmp_path: Any, monkeypatch: Any) -> None:
+    """A cold large file (no basis, nothing indexed) makes no copy buffer; a delta makes a few, reused.
+
+    Each used to allocate and zero COPY_INFLIGHT max-size buffers (24 MiB) per large file up front.
+    """
+    from tb5sync import largefile
+
+    made: list[int] = []
+    real = largefile._CopyBuffers.get
+
+    def counting(self: Any) -> bytearray:
+        before = len(self._free)
+        buf = real(self)
+        if before == 0:
+            made.append(len(buf))
+        return buf
+
+    monkeypatch.setattr(largefile._CopyBuffers, "get", counting)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    rnd = random.Random(21)
+    for i in range(3):
+        _write(str(src / f"f{i}.bin"), rnd.randbytes(6 * MiB + i), 1_600_000_000_000_000_000)
+    stats = tb5sync.sync(str(src) + "/", str(dst))
+    assert stats.files_transferred == 3 and stats.chunks_reused == 0
+    for i in range(3):
+        assert _read(str(dst / f"f{i}.bin")) == _read(str(src / f"f{i}.bin"))
+    assert made == []
+    want = _edit_source(str(src / "f1.bin"), rnd)
+    stats = tb5sync.sync(str(src) + "/", str(dst))
+    assert _read(str(dst / "f1.bin")) == want
+    assert stats.chunks_reused >= 2
+    assert 1 <= len(made) <= largefile.COPY_INFLIGHT + 1
+    assert all(n == chunking.DEFAULT_PARAMS.max_size for n in made)

@@ -165,3 +165,48 @@ def test_a_failing_range_closes_the_file_once(tmp_path: Path, monkeypatch: pytes
     finally:
         monkeypatch.undo()
         sender.close()
+
+
+@pytest.mark.parametrize("route", ["local", "push"])
+def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One chunk arrives damaged on every request: the others are written (each verified first), that
+    one never is, the file is not committed, and the failure names it."""
+    from tb5sync import largefile
+    from tb5sync.errors import IntegrityError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(6).randbytes(9 << 20)
+    (src / "big.bin").write_bytes(data)
+    if route == "push":
+        sync = (str(src) + "/", server.url("d"))  # type: ignore[attr-defined]
+        final = Path(server.root) / "d" / "big.bin"  # type: ignore[attr-defined]
+    else:
+        sync = (str(src) + "/", str(tmp_path / "d"))
+        final = tmp_path / "d" / "big.bin"
+    real_decode = largefile.decode_ranges
+
+    def damaging(meta: dict[str, object], parts: list[object], lengths: list[int]) -> list[object]:
+        pieces = [bytearray(p) for p in real_decode(meta, parts, lengths)]  # type: ignore[arg-type]
+        pieces[-1][len(pieces[-1]) // 2] ^= 0xFF  # the last chunk of every reply
+        return pieces
+
+    writes: list[tuple[int, bytes]] = []
+    real_pwrite = largefile.pwrite_all
+
+    def spy(fd: int, buf: object, off: int) -> None:
+        writes.append((off, bytes(buf)))  # type: ignore[call-overload]
+        real_pwrite(fd, buf, off)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(largefile, "decode_ranges", damaging)
+    monkeypatch.setattr(largefile, "pwrite_all", spy)
+    try:
+        stats = tb5sync.sync(*sync)
+    except IntegrityError as exc:
+        assert "big.bin" in str(exc)
+    else:
+        assert stats.failures and "big.bin" in stats.failures[0].path
+    assert not final.exists()
+    assert writes  # the good chunks were written ...
+    for off, buf in writes:  # ... and nothing else
+        assert buf == data[off : off + len(buf)]
