@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from ._paths import STATE_DIR
-from .entry import Entry, check_relpath, path_from_wire, path_to_wire
+from .entry import STATE_DIR, Entry, check_relpath, path_from_wire, path_to_wire
 from .errors import RemoteProtocolError, UsageError
 from .protocol import MAX_PAYLOAD
 
@@ -198,7 +197,7 @@ def check_peer_path(path: str, what: str) -> str:
     write it, else raise.
 
     Besides :func:`~tb5sync.entry.check_relpath`'s rules, no component may be tb5sync's state
-    directory (:data:`~tb5sync._paths.STATE_DIR`, at any depth): a scan never lists one, so only
+    directory (:data:`~tb5sync.entry.STATE_DIR`, at any depth): a scan never lists one, so only
     a forged listing holds it, and on a server whose base is its root it would write into the
     server's own state (scan cache, partial files, the ``--store``).
 

@@ -86,6 +86,12 @@ def _attack_source(tmp_path: Path, where: str, outside: str) -> str:
     return src
 
 
+def test_state_dir_name_is_one() -> None:
+    from tb5sync import _paths, entry
+
+    assert entry.STATE_DIR == _paths.STATE_DIR == ".tb5sync"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["", "sub", "sub/deeper"], ids=["top", "nested", "deep"])
 def test_push_listing_naming_the_state_dir_is_refused(tmp_path: Path, forge_state_dir: None, where: str) -> None:
