@@ -701,10 +701,10 @@ class Server:
         session_store = self.read_only and self.upstream is None
         with self._lock:
             if session_store:
-                store = Store(self._store_dir(create=False), read_only=True)
+                store = Store(self.store_dir(create=False), read_only=True)
             else:
                 if self._store is None:
-                    self._store = Store(self._store_dir(create=True))
+                    self._store = Store(self.store_dir(create=True))
                 store = self._store
             if self.upstream is not None and self._tier is None:
                 from .tiers import Tier
@@ -726,8 +726,9 @@ class Server:
             if session_store:
                 store.close()
 
-    def _store_dir(self, create: bool) -> str:
-        """The ``--store`` directory, checked (and created, mode 0700, when ``create``).
+    def store_dir(self, create: bool) -> str:
+        """The ``--store`` directory, checked (and created, mode 0700, when ``create``); for the
+        store sessions and ``serve --http-cache``.
 
         Below ROOT each component is looked up without following a symlink and must be a
         directory this user owns (:func:`~tb5sync.state.check_own_dir`); a store elsewhere

@@ -363,3 +363,59 @@ def test_stale_disk_test_files_removed_at_start(tmp_path: Path) -> None:
         os.close(held)
     assert diskbench.remove_stale(str(state)) == 1
     assert not live_name.exists()
+
+
+@pytest.mark.timeout(90)
+def test_read_only_serve_http_cache_writes_nothing(tmp_path: Path) -> None:
+    """``serve --read-only --http-cache``: the cache's store is opened read-only (its counters stay
+    in memory); a missing one is not created (the server does not start)."""
+    import http.client
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tb5sync.httpcache import HttpCache
+
+    root = tmp_path / "root"
+    root.mkdir()
+
+    def serve() -> subprocess.Popen[str]:
+        args = ["serve", str(root), "--bind", "127.0.0.1:0", "--read-only", "--http-cache", "127.0.0.1:0"]
+        return subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args], stderr=subprocess.PIPE, text=True)
+
+    p = serve()
+    err = p.communicate(timeout=60)[1]
+    assert p.returncode != 0 and "store is empty" in err
+    assert os.listdir(root) == []
+    with HttpCache(root / ".tb5sync" / "store") as c:
+        h = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+        h.request("PUT", "/k", body=b"cached")
+        assert h.getresponse().status == 200
+        h.close()
+    before = _tree_state(root)
+    p = serve()
+    try:
+        assert p.stderr is not None
+        port = 0
+        for _ in range(5):
+            m = re.search(r"http cache of .* on 127\.0\.0\.1:(\d+)", p.stderr.readline())
+            if m:
+                port = int(m.group(1))
+                break
+        assert port
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for _ in range(3):
+            h.request("GET", "/k")
+            r = h.getresponse()
+            assert (r.status, r.read()) == (200, b"cached")
+        h.request("PUT", "/k2", body=b"x")
+        r = h.getresponse()
+        assert r.status == 403
+        r.read()
+        h.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    assert p.returncode == 0
+    assert _tree_state(root) == before

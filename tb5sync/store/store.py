@@ -189,6 +189,9 @@ class Store:
     docs/ARCHITECTURE.md ("Store format v1").
     """
 
+    #: Opened with ``read_only`` (subclasses such as the object store are always writable).
+    read_only = False
+
     def __init__(self, path: str | os.PathLike[str] | None = None, *, pack_target: int | None = None,
                  quota: int | None = None, packs: PackStorage | None = None, read_only: bool = False) -> None:
         self.path = os.path.abspath(os.fspath(path) if path is not None else default_store_path())
