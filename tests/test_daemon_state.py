@@ -115,6 +115,24 @@ def test_push_listing_naming_the_state_dir_is_refused(tmp_path: Path, forge_stat
 
 
 @pytest.mark.timeout(60)
+def test_pull_listing_naming_the_state_dir_is_refused(tmp_path: Path, forge_state_dir: None) -> None:
+    """The same check on the client: a server whose listing names .tb5sync gets nothing written."""
+    outside = str(tmp_path / "outside")
+    os.makedirs(outside)
+    live = start_server(str(tmp_path / "root"))
+    try:
+        src = _attack_source(tmp_path, "sub", outside)
+        os.rename(src, os.path.join(live.root, "tree"))
+        dst = tmp_path / "dst"
+        with pytest.raises(RemoteProtocolError, match=r"refused path .*\.tb5sync.*own state"):
+            tb5sync.sync(live.url("tree/"), str(dst) + "/", timeout=30)
+        assert not any(".tb5sync" in d + "/".join(f) for d, _, f in os.walk(tmp_path / "dst"))
+        assert os.listdir(outside) == []
+    finally:
+        live.server.stop()
+
+
+@pytest.mark.timeout(60)
 def test_destination_alone_refuses_a_state_dir_component(tmp_path: Path, forge_state_dir: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the listing check, the receiving Destination refuses every write whose path names .tb5sync."""
     monkeypatch.setattr(messages_mod, "check_peer_path", lambda path, what: path)
