@@ -227,7 +227,7 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--http-concurrency", type=int, default=64, metavar="N", help="requests served at once (default 64)")
 
 
-def _http_cache(a: argparse.Namespace, store: str, bind: str) -> Any:
+def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     from .httpcache import HttpCache
 
     host, port = _parse_bind(bind)
@@ -273,7 +273,12 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         upstream=a.upstream, peers=a.peer, storage_options=parse_storage_options(a.storage_options) or None,
     )
     srv.bind()
-    cache = _http_cache(a, store, a.http_cache) if a.http_cache else None
+    cache_store: Any = None
+    if a.http_cache:  # the store checked as the server's store sessions check it (no symlink, ours)
+        from .store import Store
+
+        cache_store = Store(srv.store_dir(create=not a.read_only), read_only=a.read_only)
+    cache = _http_cache(a, cache_store, a.http_cache) if a.http_cache else None
     print(f"tb5sync: serving {srv.root} on {host}:{srv.port}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: Any) -> None:
@@ -288,6 +293,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         srv.stop()
         if cache is not None:
             cache.stop()
+        if cache_store is not None:
+            cache_store.close()
     return 0
 
 

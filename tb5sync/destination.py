@@ -176,6 +176,22 @@ def _same_entry(dir_fd: int, names: Sequence[str], other: Callable[[str], str]) 
     return False
 
 
+def _check_not_state(rel: str) -> None:
+    """Refuse an entry path ``rel`` that has a component named :data:`~tb5sync._paths.STATE_DIR`.
+
+    Scans never list one (at any depth), so a sync never writes one; a forged listing could
+    otherwise write into a server's own state (its scan cache, partial files, ``--store``). The
+    state's own ``partial/`` directory is opened by :meth:`Destination._partial_dir`, not here.
+
+    Raises
+    ------
+    PathError
+        Naming ``rel``.
+    """
+    if STATE_DIR in rel and STATE_DIR in rel.split("/"):
+        raise PathError(rel, f"{STATE_DIR} is tb5sync's own state; never written by a sync")
+
+
 class Destination:
     """Where a sync writes, and what it has written so far.
 
@@ -293,7 +309,15 @@ class Destination:
         return self._jail
 
     def parts(self, rel: str) -> list[str]:
-        """Jail components of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base)."""
+        """Jail components of the entry ``rel`` (relative to :attr:`base`; ``""`` is the base).
+
+        Raises
+        ------
+        PathError
+            ``rel`` has a component named :data:`~tb5sync._paths.STATE_DIR` (tb5sync's state is
+            never a sync's entry: see :func:`_check_not_state`).
+        """
+        _check_not_state(rel)
         self.jail  # opened (and the base resolved) on first use
         return self._base + rel.split("/") if rel else list(self._base)
 
@@ -335,6 +359,7 @@ class Destination:
             The directory cannot be opened.
         """
         if rel:
+            _check_not_state(rel)
             head, _, name = rel.rpartition("/")
             return self.dir_fd(head), name
         parts = self.parts("")

@@ -25,7 +25,14 @@ __all__ = [
     "path_to_wire",
     "path_from_wire",
     "show_path",
+    "STATE_DIR",
 ]
+
+#: The name of tb5sync's state directory under a root (scan cache, chunk index, partial files,
+#: ``serve --store``'s default store): never listed by a scan, refused in a peer's listing
+#: (:func:`tb5sync.messages.check_peer_path`). The same as :data:`tb5sync._paths.STATE_DIR`: the
+#: two modules are independent siblings of the ground layer (tests/test_daemon_state.py checks it).
+STATE_DIR = ".tb5sync"
 
 FILE = "f"
 DIR = "d"

@@ -156,7 +156,9 @@ class HttpCache:
     host, port : str, int
         Address to listen on (port 0 picks a free one; :attr:`port` holds it after :meth:`start`).
     read_only : bool
-        Serve hits; refuse PUT and DELETE with 403.
+        Serve hits; refuse PUT and DELETE with 403. The counters are added to the store unless
+        the store itself was opened read-only (``Store(..., read_only=True)``, as ``serve
+        --read-only`` does): then they stay in memory (``/metrics``, ``/status``).
     allow : sequence of str
         CIDR networks or interface names (:class:`tb5sync.netif.AllowList`) clients may connect
         from (403 for others); empty allows all.
@@ -236,8 +238,9 @@ class HttpCache:
             self._loop.call_soon_threadsafe(self._stop_ev.set)
             self._thread.join(30)
         self._pool.shutdown(wait=True)
-        with contextlib.suppress(Exception):
-            add_counters(self.store, self.metrics.take())
+        if not self.store.read_only:
+            with contextlib.suppress(Exception):
+                add_counters(self.store, self.metrics.take())
         if self._own_store:
             self.store.close()
 
@@ -278,6 +281,8 @@ class HttpCache:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_EVERY)
+            if self.store.read_only:
+                continue  # counted in memory only
             deltas = self.metrics.take()
             if deltas:
                 try:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from .entry import Entry, check_relpath, path_from_wire, path_to_wire
+from .entry import STATE_DIR, Entry, check_relpath, path_from_wire, path_to_wire
 from .errors import RemoteProtocolError, UsageError
 from .protocol import MAX_PAYLOAD
 
@@ -74,6 +74,7 @@ __all__ = [
     "FilesMeta",
     "SubChunksReply",
     "check_chunks",
+    "check_peer_path",
     "PATH_ARGS",
     "args_to_wire",
     "paths_from_wire",
@@ -189,6 +190,29 @@ def paths_from_wire(value: object, what: str) -> list[str]:
     if not isinstance(value, list):
         raise UsageError(f"{what} must be a list of paths")
     return [path_from_wire(p) for p in value]
+
+
+def check_peer_path(path: str, what: str) -> str:
+    """Return ``path`` (a path of an entry a peer listed, relative to the base) if a receiver may
+    write it, else raise.
+
+    Besides :func:`~tb5sync.entry.check_relpath`'s rules, no component may be tb5sync's state
+    directory (:data:`~tb5sync.entry.STATE_DIR`, at any depth): a scan never lists one, so only
+    a forged listing holds it, and on a server whose base is its root it would write into the
+    server's own state (scan cache, partial files, the ``--store``).
+
+    Raises
+    ------
+    RemoteProtocolError
+        Naming ``what`` (the page) and the path.
+    """
+    try:
+        check_relpath(path)
+    except (UsageError, TypeError) as exc:
+        raise RemoteProtocolError(f"bad path in the peer's {what}: {path!r:.200}") from exc
+    if STATE_DIR in path and STATE_DIR in path.split("/"):
+        raise RemoteProtocolError(f"refused path in the peer's {what}: {path!r:.200} ({STATE_DIR} is tb5sync's own state)")
+    return path
 
 
 def _bad(what: str) -> RemoteProtocolError:
@@ -346,10 +370,7 @@ class TreePage:
                 path = path_from_wire(path)
             if not (isinstance(path, str) and isinstance(digest, bytes) and _is_uint(files) and _is_uint(nbytes)):
                 raise _bad("directory summary")
-            try:
-                check_relpath(path)
-            except (UsageError, TypeError) as exc:
-                raise RemoteProtocolError(f"bad directory path in the tree: {path!r:.200}") from exc
+            check_peer_path(path, "tree")
             dirs.append(DirSummary(path, digest, files, nbytes))
         _, xa = ext_from_wire(msg, 1, "tree page")
         return cls(
@@ -385,7 +406,10 @@ class EntriesPage:
         if not isinstance(items, list) or not isinstance(more, bool) or (more and not items):
             raise _bad("entries page")
         hl, xa = ext_from_wire(msg, len(items), "entries page")
-        return cls([Entry.from_wire(item) for item in items], more, hl, xa)
+        entries = [Entry.from_wire(item) for item in items]
+        for e in entries:
+            check_peer_path(e.path, "entries page")
+        return cls(entries, more, hl, xa)
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,10 +486,7 @@ def _check_failed(value: object, what: str) -> list[tuple[str, str]]:
             raise _bad(f"{what}: failed entry")
         path, reason = path_from_wire(item[0]), item[1]
         if path:
-            try:
-                check_relpath(path)
-            except (UsageError, TypeError) as exc:
-                raise RemoteProtocolError(f"bad path of a failed entry: {path!r:.200}") from exc
+            check_peer_path(path, f"{what} (failed entry)")
         out.append((path, reason[:4096]))
     return out
 

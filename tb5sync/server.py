@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._paths import follow_slash, resolve_in_root
+from ._diskbench import remove_stale
+from ._paths import STATE_DIR, follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
     ArgumentTypeError,
@@ -58,7 +59,7 @@ from .protocol import FrameType
 from .links import RemoteLink
 from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
-from .state import TreeState
+from .state import TreeState, check_own_dir
 from .rpc import Requester, serve
 from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
@@ -236,6 +237,7 @@ class Server:
         check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
         warn_if_pure_python()
         _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
+        given_root = os.path.abspath(os.fspath(root))
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
             raise UsageError(f"server root is not a directory: {root}")
@@ -278,7 +280,14 @@ class Server:
         # a read-only server writes nothing under its root, not even its own scan cache
         sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
         writable = not read_only and (os.access(root, os.W_OK) if sdir is None else True)
+        # tb5sync's own directories (ROOT/.tb5sync, --state-dir): real directories (this user's
+        # when the server writes its state there), or missing; else the server stops (PathError)
+        check_own_dir(os.path.join(root, STATE_DIR), owned=writable and sdir is None)
+        if sdir is not None:
+            check_own_dir(sdir, owned=writable)
         self.state = TreeState(root, writable=writable, state_dir=sdir)
+        if writable:
+            remove_stale(self.state.state_dir)  # disk-test files of a server killed mid-test
         self._sessions: dict[str, _Session] = {}
         self._open_sessions = 0
         self._pages = Pages()
@@ -289,7 +298,20 @@ class Server:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.store_path = os.path.abspath(os.fspath(store)) if store is not None else None
+        #: the store's components below ROOT when it lies there (``--store`` alone: ROOT/.tb5sync/store):
+        #: each is looked up without following symlinks; a store elsewhere is resolved once, here
+        self._store_parts: list[str] | None = None
+        self.store_path: str | None = None
+        if store is not None:
+            sp = os.path.abspath(os.fspath(store))
+            for r in (given_root, root):
+                if sp.startswith(r.rstrip("/") + "/"):
+                    self._store_parts = sp[len(r.rstrip("/")) + 1 :].split("/")
+                    sp = os.path.join(root, *self._store_parts)
+                    break
+            else:
+                sp = os.path.realpath(sp)
+            self.store_path = sp
         self._store: Any = None
         self._janitor: Janitor | None = None
         self._logged: dict[str, float] = {}
@@ -674,24 +696,74 @@ class Server:
 
         if self.store_path is None:
             raise UsageError("this server has no artifact store (start it with --store DIR)")
+        # read-only without a tier to fill: the store opened read-only for this session only (so
+        # it sees what a local writer added since), never created (a missing one: "no store yet")
+        session_store = self.read_only and self.upstream is None
         with self._lock:
-            if self._store is None:
-                self._store = Store(self.store_path)
+            if session_store:
+                store = Store(self.store_dir(create=False), read_only=True)
+            else:
+                if self._store is None:
+                    self._store = Store(self.store_dir(create=True))
+                store = self._store
             if self.upstream is not None and self._tier is None:
                 from .tiers import Tier
 
                 self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
-        if self._tier is not None:
-            from .tiers import TieredStoreOps
-
-            ops: StoreOps = TieredStoreOps(self._store, self.read_only, self._tier)
-        else:
-            ops = StoreOps(self._store, self.read_only)
         try:
-            ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
-            serve(ch, ops, STORE_METHODS)
+            if self._tier is not None:
+                from .tiers import TieredStoreOps
+
+                ops: StoreOps = TieredStoreOps(store, self.read_only, self._tier)
+            else:
+                ops = StoreOps(store, self.read_only)
+            try:
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+                serve(ch, ops, STORE_METHODS)
+            finally:
+                ops.close()
         finally:
-            ops.close()
+            if session_store:
+                store.close()
+
+    def store_dir(self, create: bool) -> str:
+        """The ``--store`` directory, checked (and created, mode 0700, when ``create``); for the
+        store sessions and ``serve --http-cache``.
+
+        Below ROOT each component is looked up without following a symlink and must be a
+        directory this user owns (:func:`~tb5sync.state.check_own_dir`); a store elsewhere
+        (resolved when the server started) must be such a directory too.
+
+        Raises
+        ------
+        PathError
+            A component is a symlink, not a directory or someone else's (the message hides ROOT).
+        UsageError
+            Missing and not ``create`` (a read-only server has no store yet).
+        """
+        assert self.store_path is not None
+        if self._store_parts is None:
+            steps = [self.store_path]
+        else:
+            steps = [os.path.join(self.root, *self._store_parts[: i + 1]) for i in range(len(self._store_parts))]
+        try:
+            for i, path in enumerate(steps):
+                # written in: this user's; only read (read-only) or the admin's own --store DIR: any owner
+                owned = create and self._store_parts is not None
+                if check_own_dir(path, owned=owned):
+                    continue
+                if not create:
+                    raise UsageError("this server's artifact store is empty (a read-only server does not create it)")
+                try:
+                    if i == 0 and self._store_parts is None:
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.mkdir(path, 0o700)
+                except FileExistsError:
+                    pass
+                check_own_dir(path, owned=owned)  # made meanwhile by someone else: checked again
+        except PathError as exc:
+            raise PathError(hide_root(exc.path, self.root), str(exc).split(": ", 1)[-1]) from None
+        return self.store_path
 
     def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
         sid = secrets.token_hex(16)
@@ -768,7 +840,7 @@ class Server:
                     os.makedirs(self.state.state_dir, mode=0o700, exist_ok=True)
                 except OSError as exc:
                     raise DestinationError(f"disk test: cannot create {self.state.state_dir}: {exc.strerror or exc}") from exc
-                res = disk_rates(self.state.state_dir, nbytes)
+                res = disk_rates(self.state.state_dir, nbytes, alive=lambda: not (self._stopping.is_set() or ch.peer_closed()))
             except DestinationError as exc:  # the message would show the state directory's path
                 raise DestinationError(hide_root(str(exc), self.root)) from None
         finally:

@@ -30,9 +30,10 @@ from collections.abc import Collection, Sequence
 
 from .hashing import ChunkRef, blob_to_refs, chunk_fd, file_digest, refs_to_blob
 from ._paths import STATE_DIR
+from .errors import PathError
 from . import chunking
 
-__all__ = ["TreeState", "PARTIAL_CAP", "PARTIAL_MAX_AGE"]
+__all__ = ["TreeState", "PARTIAL_CAP", "PARTIAL_MAX_AGE", "check_own_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,58 @@ PARTIAL_CAP = 16 * 1024**3
 PARTIAL_MAX_AGE = 7 * 86400.0
 
 
+def check_own_dir(path: str, st: os.stat_result | None = None, *, owned: bool = True) -> bool:
+    """Whether tb5sync's own directory ``path`` (a state directory, a store) exists, checked.
+
+    It must be a real directory (not a symlink, not followed), and with ``owned`` one this
+    process's effective user owns: a symlink would lead the state or a store elsewhere, and a
+    directory planted by someone else is not one to write in (one only read need not be ours).
+
+    Parameters
+    ----------
+    path : str
+        The directory.
+    st : os.stat_result, optional
+        Its ``lstat`` (or ``fstat``) when the caller has it.
+    owned : bool
+        Also require this user to own it (directories tb5sync writes in).
+
+    Returns
+    -------
+    bool
+        False when ``path`` does not exist; True when it is fine.
+
+    Raises
+    ------
+    PathError
+        ``path`` is a symlink, not a directory, or owned by another user.
+    """
+    if st is None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+    if stat.S_ISLNK(st.st_mode):
+        raise PathError(path, "is a symlink; tb5sync's own directories are never followed (remove it)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PathError(path, "is not a directory (remove it)")
+    if owned and st.st_uid != os.geteuid():
+        raise PathError(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    return True
+
+
 def _make_private_dir(path: str) -> None:
-    """Create directory ``path`` with mode 0700 (and make an existing one 0700); not through a symlink."""
+    """Create directory ``path`` with mode 0700 (and make an existing one 0700); not through a
+    symlink, and only one this user owns (:func:`check_own_dir`)."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+        st = os.fstat(fd)
+        check_own_dir(path, st)
+        if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
     finally:
         os.close(fd)

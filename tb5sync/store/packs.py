@@ -160,9 +160,10 @@ class LocalPackStorage(PackStorage):
     bytes are still checked against their digests.
     """
 
-    def __init__(self, root: str, max_open: int = 64) -> None:
+    def __init__(self, root: str, max_open: int = 64, read_only: bool = False) -> None:
         self.root = root
-        os.makedirs(root, exist_ok=True)
+        if not read_only:  # read-only: a store with no pack yet reads none
+            os.makedirs(root, exist_ok=True)
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self._max_open = max_open

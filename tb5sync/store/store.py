@@ -34,6 +34,7 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -168,11 +169,18 @@ class Store:
         pinned refs never (see :meth:`enforce_quota`). Overrides the quota in ``config``.
     packs : PackStorage, optional
         Where packs live; default a :class:`LocalPackStorage` in ``path/packs``.
+    read_only : bool
+        Open an existing store for reading only: nothing is created or written (no directory,
+        config, ``tmp/``, ``packs/``; the index is opened by SQLite read-only, ``mode=ro``, or
+        ``immutable=1`` when no writer's ``index.sqlite-wal`` exists, so that not even SQLite's
+        ``-wal``/``-shm`` files appear). Writes then fail (``sqlite3.OperationalError``); callers
+        such as :class:`~tb5sync.store.ops.StoreOps` refuse them before.
 
     Raises
     ------
     UsageError
-        ``path`` holds a store of an unknown format or chunk parameter version.
+        ``path`` holds a store of an unknown format or chunk parameter version; with
+        ``read_only``, ``path`` holds no store (``"PATH: no store here"``).
 
     Notes
     -----
@@ -181,25 +189,39 @@ class Store:
     docs/ARCHITECTURE.md ("Store format v1").
     """
 
+    #: Opened with ``read_only`` (subclasses such as the object store are always writable).
+    read_only = False
+
     def __init__(self, path: str | os.PathLike[str] | None = None, *, pack_target: int | None = None,
-                 quota: int | None = None, packs: PackStorage | None = None) -> None:
+                 quota: int | None = None, packs: PackStorage | None = None, read_only: bool = False) -> None:
         self.path = os.path.abspath(os.fspath(path) if path is not None else default_store_path())
-        os.makedirs(self.path, exist_ok=True)
+        self.read_only = read_only
         self.tmp_dir = os.path.join(self.path, "tmp")
-        os.makedirs(self.tmp_dir, exist_ok=True)
+        index = os.path.join(self.path, "index.sqlite")
+        if read_only:
+            if not (os.path.isfile(os.path.join(self.path, "config")) and os.path.isfile(index)):
+                raise UsageError(f"{self.label}: no store here")
+        else:
+            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.tmp_dir, exist_ok=True)
         self.config = self._load_config(pack_target)
         self.params: ChunkParams = PARAMS_BY_VERSION[self.config["chunk_params"]]
         self.pack_target = int(pack_target or self.config["pack_target"])
         if self.pack_target < 1024 * 1024 and pack_target is None:
             raise UsageError(f"{self.label}/config: pack_target below 1 MiB")
         self.quota = quota if quota is not None else self.config.get("quota")
-        self.packs = packs or LocalPackStorage(os.path.join(self.path, "packs"))
+        self.packs = packs or LocalPackStorage(os.path.join(self.path, "packs"), read_only=read_only)
         self.host = os.uname().nodename
         self._lock = threading.RLock()
         # decoded manifests by digest (immutable objects, checked when read): the last few, with a path index
         self._manifests: OrderedDict[bytes, tuple[list[Item], dict[bytes, Item]]] = OrderedDict()
-        self._db = sqlite3.connect(os.path.join(self.path, "index.sqlite"), check_same_thread=False,
-                                   isolation_level=None, timeout=60)
+        if read_only:
+            # no -wal: no writer is open, and SQLite's mode=ro would leave a -wal and -shm behind
+            mode = "mode=ro" if os.path.exists(index + "-wal") else "immutable=1"
+            self._db = sqlite3.connect(f"file:{urllib.parse.quote(index)}?{mode}", uri=True, check_same_thread=False,
+                                       isolation_level=None, timeout=60)
+            return
+        self._db = sqlite3.connect(index, check_same_thread=False, isolation_level=None, timeout=60)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._lock:
