@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._paths import follow_slash, resolve_in_root
+from ._paths import Jail, follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
     ArgumentTypeError,
@@ -50,7 +50,7 @@ from .errors import (
 )
 from .fsops import FsOps, Pages
 from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
-from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
+from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
 from .options import SyncOptions, known_options
@@ -779,23 +779,53 @@ class Server:
         rel = os.path.relpath(path, self.root)
         return "" if rel == "." else rel
 
-    def _ls(self, ch: Channel, path: str) -> None:
-        base = resolve_in_root(self.root, path)
-        entries = scan(base, recursive=False)
-        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+    def _locate(self, path: str, *, follow: bool = False) -> tuple[str, tuple[int, str]]:
+        """Request ``path``'s place under ROOT, opened through ROOT's jail: ``(full, (dir_fd, name))``.
 
-    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
+        ``full`` (absolute; only shown and used for state paths) is computed as
+        :func:`resolve_in_root` and :func:`follow_slash` do (``follow``: ``-L``); then the
+        directory holding it is opened from ROOT's descriptor with no symlink on the way
+        (:meth:`tb5sync._paths.Jail.locate`), so a parent swapped for a symlink after the
+        computation is refused, never followed. The caller owns ``dir_fd``.
+
+        Raises
+        ------
+        PathError
+            ``path`` is unsafe, leads outside ROOT or into its state, or a directory on the way
+            was swapped for a symlink.
+        RemoteNotFoundError
+            Nothing is there.
+        """
         base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
-        base = follow_slash(base, path, self.root, follow=options.copy_links)  # "link/": the directory, if it is inside ROOT
+        base = follow_slash(base, path, self.root, follow=follow)  # "link/": the directory, if it is inside ROOT
+        with Jail(self.root) as jail:
+            try:
+                return base, jail.locate(self._rel(base))
+            except (FileNotFoundError, NotADirectoryError):
+                raise RemoteNotFoundError(f"no such file or directory: {path}") from None
+
+    def _ls(self, ch: Channel, path: str) -> None:
+        base, (dfd, name) = self._locate(path)
+        try:
+            entries = scan(base, recursive=False, at=(dfd, name))
+        finally:
+            os.close(dfd)
+        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+
+    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
+        base, at = self._locate(path, follow=options.copy_links)
+        try:
+            sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root, at=at)  # replies go out through sockets only
+        except (FileNotFoundError, NotADirectoryError):
+            raise RemoteNotFoundError(f"no such file or directory: {path}") from None
         sid, s = self._new_session("pull", streams)
         try:
-            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root)  # replies go out through sockets only
+            s.sender = sender
             s.sender.prepare()  # scan while the client joins its other streams
-            kind = kind_of(base)
             s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": known_options()})
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": sender.kind, "options": known_options()})
             self._serve_sender(ch, s)
         finally:
             self._end_session(sid, s)
