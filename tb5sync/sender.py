@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +162,8 @@ class Sender:
         self._read_bufs = ReadBuffers(16)
         self.zero_copy = zero_copy
         self._rate = RateLimit(options.bwlimit) if options.bwlimit else None  # --bwlimit, all streams
+        self._closed = threading.Event()  # close(): a --bwlimit wait in progress ends
+        self._guards = threading.local()  # per serving thread: (stop check, longest wait) of its --bwlimit waits
         #: where the scan looks the base up: None (by path) or (dir_fd, name) of the jail's descriptors
         self._scan_at: tuple[int, str] | None = None
         if at is None:
@@ -207,8 +210,25 @@ class Sender:
         or a symlink) or ``"l"`` (not followed)."""
         return self._kind
 
+    def pace_guard(self, stop: Callable[[], str | None] | None, max_wait: float | None = None) -> None:
+        """For the calling thread's requests: how a ``--bwlimit`` wait ends early.
+
+        Parameters
+        ----------
+        stop : callable or None
+            Checked every :attr:`RateLimit.SLICE <tb5sync._io.RateLimit.SLICE>` seconds of a
+            wait; a str (why) ends it with ``ConnectError`` (a server: its peer closed this
+            connection, the server is stopping). :meth:`close` ends every wait in any case.
+        max_wait : float or None
+            Longest wait for one reply, seconds (a server's idle timeout): a longer one is
+            refused with ``LinkTimeoutError``. None: no limit.
+        """
+        self._guards.stop, self._guards.max_wait = stop, max_wait
+
     def close(self) -> None:
-        """Release directory descriptors (a scan still running in the background is left to finish)."""
+        """Release directory descriptors (a scan still running in the background is left to finish)
+        and end any ``--bwlimit`` wait in progress (its request fails with ``ConnectError``)."""
+        self._closed.set()
         self._jail.close()
         if self._root_jail is not None:
             self._root_jail.close()
@@ -771,7 +791,14 @@ class Sender:
     def _pace(self, meta_parts: list[tuple[int, int, int]]) -> None:
         """``--bwlimit``: wait until the wire bytes of a reply (``[raw, wire, codec]`` per part) are due."""
         if self._rate is not None:
-            self._rate.take(sum(m[1] for m in meta_parts))
+            stop = getattr(self._guards, "stop", None)
+
+            def ended() -> str | None:
+                if self._closed.is_set():
+                    return "the session ended"
+                return stop() if stop is not None else None
+
+            self._rate.take(sum(m[1] for m in meta_parts), ended, max_wait=getattr(self._guards, "max_wait", None))
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):

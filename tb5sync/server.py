@@ -60,7 +60,7 @@ from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
 from .state import TreeState
 from .rpc import Requester, serve
-from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, server_handshake, set_keepalive, tune_socket
+from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, peer_closed, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
 
 __all__ = ["Server"]
@@ -830,10 +830,22 @@ class Server:
         finally:
             self._end_session(sid, s)
 
+    def _pace_stop(self, ch: Channel) -> str | None:
+        """Why a ``--bwlimit`` wait of ``ch``'s requests should end now (None: it goes on)."""
+        if self._stopping.is_set():
+            return "the server is stopping"
+        if ch.closed or peer_closed(ch.sock):
+            return "the client closed the connection"
+        return None
+
     def _serve_sender(self, ch: Channel, s: _Session) -> None:
+        assert s.sender is not None
         with s.lock:
             s.users += 1
         try:
+            # --bwlimit waits end when this peer goes, the server stops or the session ends
+            # (Sender.close), and none lasts longer than the idle timeout
+            s.sender.pace_guard(lambda: self._pace_stop(ch), self.idle_timeout)
             serve(ch, s.sender, SENDER_METHODS)
         finally:
             with s.lock:
