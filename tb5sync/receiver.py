@@ -54,7 +54,7 @@ from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
 from .errors import DestinationError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
 from .excludes import ExcludeRules
-from .generator import Generator, Planned
+from .generator import Generator, ListingLimits, Planned
 from .messages import FilesMeta
 from .hashing import verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
@@ -121,6 +121,8 @@ class Receiver:
     fresh_base : bool
         ``dest`` did not exist before the caller made it (a local destination's state root):
         it is itemized as created (``cd+++++++++``), as rsync shows a directory it made.
+    listing_limits : ListingLimits, optional
+        On a server: caps on the source listing held for this session (its peer's); None: none.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class Receiver:
         dst_scan: Future[Tree] | None = None,
         link_dest_root: str | None = None,
         fresh_base: bool = False,
+        listing_limits: ListingLimits | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
         self.fresh_base = fresh_base
@@ -147,6 +150,7 @@ class Receiver:
         self.params = params
         self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
         self.link_dest_root = link_dest_root
+        self.listing_limits = listing_limits
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -175,7 +179,7 @@ class Receiver:
             self._dst_scan if self._dst_scan is not None
             else scan_in_background(self.dest, self.options.dest_rules, unlock=not self.options.dry_run)
         )
-        generator = Generator(self.link, self.destination, self.options, self.params)
+        generator = Generator(self.link, self.destination, self.options, self.params, self.listing_limits)
         try:
             planned = generator.make_plan(dst_fut)
             if self.fresh_base:

@@ -49,6 +49,7 @@ from .errors import (
     UsageError,
 )
 from .fsops import FsOps, Pages
+from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
 from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
@@ -159,6 +160,13 @@ class Server:
         :data:`tb5sync.protocol.MAX_HANDSHAKE` (512) bytes.
     max_sessions : int
         Sessions (OPENs other than ``join``) at once; more get ``BusyError``.
+    max_entries : int
+        Entries of a pushing peer's source listing held for one session (directory summaries and
+        listed entries together, :class:`tb5sync.generator.ListingLimits`); a listing past it, or
+        whose first page announces more directories, ends the session with ``UsageError``.
+    max_listing_bytes : int
+        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus its path,
+        link target and extended attributes); past it, the same.
     max_unauthenticated_per_address : int
         Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
         handshake yet; more from it are refused at once with ``BusyError``, so one address
@@ -218,6 +226,8 @@ class Server:
         max_connections: int = 256,
         max_sessions: int = 64,
         max_unauthenticated_per_address: int = 16,
+        max_entries: int = MAX_ENTRIES,
+        max_listing_bytes: int = MAX_LISTING_BYTES,
         handshake_timeout: float = 10.0,
         io_timeout: float | None = IO_TIMEOUT,
         idle_timeout: float | None = 3600.0,
@@ -247,7 +257,8 @@ class Server:
             raise UsageError("the token is empty")
         self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync.netif)
         for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions),
-                            ("max_unauthenticated_per_address", max_unauthenticated_per_address)):
+                            ("max_unauthenticated_per_address", max_unauthenticated_per_address),
+                            ("max_entries", max_entries), ("max_listing_bytes", max_listing_bytes)):
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name} must be a positive integer, not {value!r}")
         for name, secs in (("handshake_timeout", handshake_timeout), ("io_timeout", io_timeout),
@@ -258,6 +269,7 @@ class Server:
         self.no_auth = no_auth
         self.max_connections = max_connections
         self.max_sessions = max_sessions
+        self.listing_limits = ListingLimits(max_entries, max_listing_bytes)
         self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.handshake_timeout = handshake_timeout
         self.io_timeout = io_timeout
@@ -894,7 +906,7 @@ class Server:
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
-                                link_dest_root=self.root)
+                                link_dest_root=self.root, listing_limits=self.listing_limits)
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}
