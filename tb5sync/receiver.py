@@ -59,6 +59,7 @@ from .messages import FilesMeta
 from .hashing import verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
 from .options import SyncOptions, SyncStats
+from ._paths import Jail
 from .scan import Tree, scan_tree
 from .state import TreeState
 
@@ -401,7 +402,7 @@ class Receiver:
         self.destination.changed.append(e.path)
 
 
-def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> Future[Tree]:
+def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True, root: str | None = None) -> Future[Tree]:
     """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
 
     Returns
@@ -413,12 +414,32 @@ def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> F
         (:func:`tb5sync.scan.scan_tree`); the receiver gives the mode back at the end.
         Pass it to :class:`Receiver` as ``dst_scan`` when the scan should start before the receiver can run (the server starts it as a
         push session opens, while the client's other streams join).
+
+    ``root`` (a server's ROOT, ``dest`` inside it): ``dest`` is looked up from a jail of ROOT
+    (:meth:`tb5sync._paths.Jail.locate`, no symlink on the way), never by its path, so a parent
+    swapped for a symlink after the server checked ``dest`` is a ``PathError``, not a listing of
+    what lies outside ROOT.
     """
     fut: Future[Tree] = Future()
 
     def scan_into() -> None:
         try:
-            tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
+            if root is None:
+                tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
+            else:
+                with Jail(root) as jail:
+                    rel = os.path.relpath(dest, root)
+                    try:
+                        dfd, name = jail.locate("" if rel == "." else rel)
+                    except (FileNotFoundError, NotADirectoryError):  # its directory is not there (yet)
+                        dfd = -1
+                if dfd < 0:
+                    tree = Tree([], {})
+                else:
+                    try:
+                        tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock, at=(dfd, name))
+                    finally:
+                        os.close(dfd)
             tree.digests()
             fut.set_result(tree)
         except BaseException as exc:  # delivered to the caller through the future

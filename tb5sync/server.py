@@ -895,7 +895,7 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run)
+        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run, root=self.root)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
         requester: Requester | None = None
         try:

@@ -210,3 +210,21 @@ def test_race_link_dest_never_links_from_outside(tmp_path: Path) -> None:
     got = [os.stat(os.path.join(d, f)).st_ino for d, _, fs in os.walk(os.path.join(root, "dst")) for f in fs]
     assert got, "no push completed"
     assert secret_ino not in got
+
+
+def test_push_destination_scan_goes_through_roots_jail(tmp_path: Path, jail_mode: str) -> None:
+    """A push's destination is scanned (as its session opens) from ROOT's descriptor: with x/a
+    swapped for the symlink after the server's check, the scan is refused, it lists nothing outside."""
+    from tb5sync.excludes import NO_RULES
+    from tb5sync.receiver import scan_in_background
+
+    root, _ = _layout(tmp_path)
+    root = os.path.realpath(root)
+    dest = os.path.join(root, "x", "a", "sub")
+    _swap(os.path.join(root, "x"))  # x/a is now the symlink to OUTSIDE
+    with pytest.raises(PathError, match="symlink"):
+        scan_in_background(dest, NO_RULES, unlock=False, root=root).result(30)
+    # a destination that does not exist yet is an empty tree; one inside ROOT is listed
+    assert scan_in_background(os.path.join(root, "new", "d"), NO_RULES, root=root).result(30).entries == []
+    got = scan_in_background(os.path.join(root, "x", "b", "sub"), NO_RULES, unlock=False, root=root).result(30)
+    assert [e.path for e in got.entries] == ["", "inside.txt"]
