@@ -140,3 +140,47 @@ def test_rate_limit_wait_stops_on_request() -> None:
     with pytest.raises(LinkTimeoutError, match="idle timeout"):
         rl.take(1 << 20, None, max_wait=10)
     assert rl.take(1, None, max_wait=10) == 0.0  # the refused and the stopped bytes were given back
+
+
+@pytest.mark.parametrize("portable", ["0", "1"])
+def test_peer_closed_both_paths(portable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """POLLRDHUP where the system has it (Linux) sees a close behind unread bytes; the portable
+    peek (macOS) sees it once nothing is left to read."""
+    import select
+    import socket
+
+    from tb5sync.transport import peer_closed
+
+    monkeypatch.setenv("TB5SYNC_PORTABLE", portable)
+    a, b = socket.socketpair()
+    try:
+        assert not peer_closed(a)
+        b.send(b"next request")
+        assert not peer_closed(a)
+        b.close()
+        rdhup = portable == "0" and hasattr(select, "POLLRDHUP")
+        assert peer_closed(a) is rdhup
+        a.recv(100)
+        assert peer_closed(a)
+    finally:
+        a.close()
+
+
+def test_paced_wait_ends_when_the_peer_closes_behind_queued_requests(tmp_path: Path) -> None:
+    """Requests sent ahead, then the close: the server's thread still leaves at once (Linux's
+    POLLRDHUP; elsewhere each queued wait is bounded by the idle timeout)."""
+    import select
+
+    if not hasattr(select, "POLLRDHUP"):
+        pytest.skip("no POLLRDHUP here (the portable path is covered by test_peer_closed_both_paths)")
+    live = _serve_big(tmp_path)
+    try:
+        req = _open_pull(live, MIN_BWLIMIT)
+        futs = [req.submit("read_files", {"paths": ["big"]}) for _ in range(3)]
+        with pytest.raises(concurrent.futures.TimeoutError):
+            futs[0].result(1.0)
+        req.close(bye=False)
+        wait_for(lambda: live.server.threads == 0 and live.server.connections == 0, 5,
+                 "the server's thread to leave the --bwlimit waits")
+    finally:
+        live.server.stop()
