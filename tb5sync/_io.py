@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 
 __all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV", "RateLimit"]
 
@@ -135,7 +136,8 @@ class RateLimit:
     ``rate``, after what was booked before) and sleeps until its slot ends, less a burst
     allowance of 50 ms; so N bytes taken by any number of threads take at least about
     N / rate seconds in all. rsync's ``--bwlimit`` sleeps the same way after each write
-    (io.c, ``sleep_for_bwlimit``).
+    (io.c, ``sleep_for_bwlimit``). The sleep is cut in slices of :attr:`SLICE` seconds, each
+    followed by the caller's ``stop`` check, so a wait ends soon after its session does.
 
     Parameters
     ----------
@@ -144,6 +146,7 @@ class RateLimit:
     """
 
     BURST = 0.05  # seconds of slack a caller may run ahead of the timeline
+    SLICE = 0.2  # longest sleep between two ``stop`` checks, seconds
 
     def __init__(self, rate: int) -> None:
         import time
@@ -154,10 +157,55 @@ class RateLimit:
         self._lock = threading.Lock()
         self._free = self._clock()  # when the bytes booked so far will have gone out
 
-    def take(self, nbytes: int) -> float:
-        """Book ``nbytes`` and sleep until they are due; returns the seconds slept."""
+    def take(self, nbytes: int, stop: Callable[[], str | None] | None = None, *, max_wait: float | None = None) -> float:
+        """Book ``nbytes`` and sleep until they are due; returns the seconds slept.
+
+        Parameters
+        ----------
+        nbytes : int
+            Bytes about to be sent.
+        stop : callable or None
+            Called every :attr:`SLICE` seconds while sleeping: a str (why: "the session
+            ended", "the peer closed the connection") ends the wait with ``ConnectError``.
+        max_wait : float or None
+            Longest wait allowed, seconds (a server's idle timeout): a longer one is refused
+            at once (nothing booked) with ``LinkTimeoutError``. None: no limit.
+
+        Raises
+        ------
+        ConnectError
+            ``stop`` gave a reason (the bytes booked are given back).
+        LinkTimeoutError
+            The wait would exceed ``max_wait``.
+        """
         if nbytes <= 0:
             return 0.0
+        with self._lock:
+            now = self._clock()
+            due = max(self._free, now) + nbytes / self.rate
+            wait = due - now - self.BURST
+            if max_wait is not None and wait > max_wait:
+                from .errors import LinkTimeoutError
+
+                raise LinkTimeoutError(
+                    f"--bwlimit of {self.rate} B/s: sending {nbytes} bytes would wait {wait:.0f} s, "
+                    f"longer than the idle timeout ({max_wait:g} s)")
+            self._free = due
+        if wait <= 0:
+            return 0.0
+        end = now + wait
+        while True:
+            left = end - self._clock()
+            if left <= 0:
+                return wait
+            reason = stop() if stop is not None else None
+            if reason:
+                from .errors import ConnectError
+
+                with self._lock:  # give the rest of the slot back to the other streams
+                    self._free -= min(nbytes / self.rate, max(0.0, due - self._clock()))
+                raise ConnectError(f"--bwlimit wait ended: {reason}")
+            self._sleep(min(left, self.SLICE) if stop is not None else left)
         with self._lock:
             now = self._clock()
             self._free = max(self._free, now) + nbytes / self.rate

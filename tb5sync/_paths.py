@@ -466,16 +466,32 @@ class Jail:
         True: walk one component at a time even where ``openat2`` is available.
         None (default): use ``openat2`` when :func:`openat2_available`, unless
         ``$TB5SYNC_JAIL_PORTABLE`` (or ``$TB5SYNC_PORTABLE``) is set to anything but ``0``.
+    fd : int or None
+        A descriptor of the root directory, already open (e.g. by another jail's
+        :meth:`open_dir`): the jail takes it over (closes it) and never opens ``root`` by
+        path, so a parent of ``root`` swapped for a symlink meanwhile changes nothing
+        (the request-path methods still compute with ``root``, but every lookup goes
+        through the descriptor). None: ``root`` is opened (``O_DIRECTORY|O_NOFOLLOW``).
 
     Raises
     ------
     OSError
-        ``root`` cannot be opened as a directory (``ELOOP``/``ENOTDIR`` for a symlink).
+        ``root`` cannot be opened as a directory (``ELOOP``/``ENOTDIR`` for a symlink);
+        ``NotADirectoryError`` for an ``fd`` that is not a directory's (it is closed).
     """
 
-    def __init__(self, root: str, *, portable: bool | None = None) -> None:
+    def __init__(self, root: str, *, portable: bool | None = None, fd: int | None = None) -> None:
         self.root = root
-        self._fd = os.open(root, _DIR_FLAGS)
+        if fd is None:
+            self._fd = os.open(root, _DIR_FLAGS)
+        else:
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), root)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
         if portable is None:
             # this variable, or $TB5SYNC_PORTABLE (tb5sync._io.portable: every portable path at once)
             portable = any(os.environ.get(v, "") not in ("", "0") for v in (PORTABLE_ENV, "TB5SYNC_PORTABLE"))
@@ -590,6 +606,28 @@ class Jail:
             return _open_in(dfd, parts[-1], flags, mode, shown)
         finally:
             os.close(dfd)
+
+    def locate(self, path: str | Sequence[str]) -> tuple[int, str]:
+        """``(dir_fd, name)`` of the entry at jail path ``path``, for lookups relative to its directory.
+
+        ``dir_fd`` is a new descriptor (the caller closes it) of the directory holding the
+        entry, looked up as :meth:`open_dir` does (no symlink on the way); ``name`` its last
+        component, not looked up. The root itself (``""``) is ``(a duplicate of fd, ".")``.
+        A session's base is opened this way (then ``os.stat(name, dir_fd=dir_fd,
+        follow_symlinks=False)``, ``os.open(name, ... | O_NOFOLLOW, dir_fd=dir_fd)``), never
+        by a path resolved again later.
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink, or a component is ``..``, empty or absolute.
+        OSError
+            Other failures (``FileNotFoundError``, ``NotADirectoryError``, ...).
+        """
+        parts = self._parts(path)
+        if not parts:
+            return os.dup(self._fd), "."
+        return self.open_dir(parts[:-1]), parts[-1]
 
     def open_cached(self, relpath: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
         """:meth:`open_file` with the parent directory's descriptor from this thread's cache (:meth:`dir_fd`).

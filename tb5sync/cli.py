@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     threads(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
+    from .generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES
+
     s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
     s.add_argument("root", help="directory to serve; nothing outside it is read or written")
     s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name (bridge0:8873) or [fe80::1%%bridge0]")
@@ -119,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections at once, every stream counted; more are refused as busy (default 256)")
     s.add_argument("--max-sessions", type=int, default=64, metavar="N",
                    help="sessions (syncs, ls, fs clients) at once; more are refused as busy (default 64)")
+    s.add_argument("--max-entries", type=int, default=MAX_ENTRIES, metavar="N",
+                   help=f"entries of one pushing client's listing held (directories and entries together); "
+                        f"a listing past it ends that session (default {MAX_ENTRIES})")
+    s.add_argument("--max-listing-bytes", type=int, default=MAX_LISTING_BYTES, metavar="BYTES",
+                   help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus its path, link "
+                        f"target and xattrs); a listing past it ends that session (default {MAX_LISTING_BYTES})")
     s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
                    help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
     s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -266,6 +274,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         a.root, host=host, port=port, token=_read_token(a.token_file), allow=a.allow, read_only=a.read_only,
         no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
         max_connections=a.max_connections, max_sessions=a.max_sessions,
+        max_entries=a.max_entries, max_listing_bytes=a.max_listing_bytes,
         max_unauthenticated_per_address=a.max_pending_per_address, handshake_timeout=a.handshake_timeout,
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,

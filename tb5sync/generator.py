@@ -21,16 +21,45 @@ from typing import Any, NamedTuple
 from . import chunking
 from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
-from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError
+from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
 from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
 
-__all__ = ["Generator", "Planned"]
+__all__ = ["Generator", "Planned", "ListingLimits", "MAX_ENTRIES", "MAX_LISTING_BYTES", "ENTRY_COST"]
 
 log = logging.getLogger(__name__)
+
+#: A server's default cap on the entries of one session's source listing it holds (directory
+#: summaries and listed entries counted together; ``tb5sync serve --max-entries``).
+MAX_ENTRIES = 10_000_000
+#: A server's default cap on the bytes of one session's source listing it holds, counted as
+#: :data:`ENTRY_COST` per entry plus its path, link target and extended attributes
+#: (``tb5sync serve --max-listing-bytes``).
+MAX_LISTING_BYTES = 2 << 30
+#: Bytes counted per entry besides its strings (its fixed fields and the objects that hold them).
+ENTRY_COST = 64
+
+
+class ListingLimits(NamedTuple):
+    """Caps on the source listing a receiver holds (a server's, against a pushing peer).
+
+    Attributes
+    ----------
+    entries : int or None
+        Most entries: directory summaries plus listed entries. None: no cap.
+    nbytes : int or None
+        Most bytes, counted as :data:`ENTRY_COST` per entry plus its path's, link target's
+        and extended attributes' lengths. None: no cap.
+
+    A listing past either (or whose first page announces more directories than ``entries``)
+    ends the run with :class:`~tb5sync.errors.UsageError` naming the cap.
+    """
+
+    entries: int | None = MAX_ENTRIES
+    nbytes: int | None = MAX_LISTING_BYTES
 
 
 class Planned(NamedTuple):
@@ -68,10 +97,15 @@ class Generator:
         ``checksum``, ``delete`` and the exclude rules are read here.
     params : chunking.ChunkParams
         Chunking of the destination (``--checksum`` digests when there is no state).
+    limits : ListingLimits or None
+        Caps on the source listing held (a server's, against its peer); None: none.
     """
 
-    def __init__(self, link: Any, destination: Destination, options: SyncOptions, params: chunking.ChunkParams) -> None:
+    def __init__(self, link: Any, destination: Destination, options: SyncOptions, params: chunking.ChunkParams,
+                 limits: ListingLimits | None = None) -> None:
         self.link = link
+        self.limits = limits
+        self._held = [0, 0]  # entries, bytes of the source listing held so far (counted against limits)
         self.destination = destination
         self.options = options
         self.params = params
@@ -185,12 +219,19 @@ class Generator:
             The source does not exist.
         RemoteProtocolError
             A malformed page.
+        UsageError
+            The listing goes past :attr:`limits` (its announced total, or the pages sent).
         """
         dirs: list[tuple[str, bytes, int, int]] = []
         failed: list[tuple[str, str]] = []
         root: Entry | None = None
         while True:
             page = TreePage.from_wire(self.link.submit("tree", start=len(dirs)).result())
+            lim = self.limits
+            if lim is not None and lim.entries is not None and page.total > lim.entries:
+                raise UsageError(f"the source has {page.total} directories, more than the {lim.entries} entries "
+                                 f"this server holds for one session (--max-entries)")
+            self._hold(len(page.dirs), sum(len(d[0]) + len(d[1]) for d in page.dirs))
             if root is None:
                 root = page.root
                 failed = page.failed
@@ -200,6 +241,27 @@ class Generator:
             dirs += page.dirs
             if len(dirs) >= page.total or not page.dirs:
                 return root, dirs, failed
+
+    def _hold(self, entries: int, nbytes: int) -> None:
+        """Count ``entries`` more listed entries with ``nbytes`` of strings against :attr:`limits`.
+
+        Raises
+        ------
+        UsageError
+            Past a cap (named with its ``tb5sync serve`` option).
+        """
+        held = self._held
+        held[0] += entries
+        held[1] += nbytes + entries * ENTRY_COST
+        lim = self.limits
+        if lim is None:
+            return
+        if lim.entries is not None and held[0] > lim.entries:
+            raise UsageError(f"the source's listing has more than the {lim.entries} entries this server holds "
+                             f"for one session (--max-entries)")
+        if lim.nbytes is not None and held[1] > lim.nbytes:
+            raise UsageError(f"the source's listing is larger than the {lim.nbytes} bytes this server holds "
+                             f"for one session (--max-listing-bytes)")
 
     def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
         """The source's children of each directory in ``dirs``: directory path -> entries in name order.
@@ -231,6 +293,8 @@ class Generator:
             got: list[Entry] = []
             while True:
                 page = EntriesPage.from_wire(fut.result())
+                self._hold(len(page.entries), sum(len(e.path) + len(e.target) for e in page.entries)
+                           + sum(len(n) + len(v) for xa in page.xattrs.values() for n, v in xa))
                 for i, g in page.hardlinks.items():
                     self.src_hardlinks[page.entries[i].path] = g
                 for i, xa in page.xattrs.items():

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from ._paths import Jail, resolve_in_root
+from ._paths import Jail
 from .destination import Destination
 from .entry import FILE, Entry
 from .errors import PathError, Tb5syncError
@@ -39,7 +39,8 @@ class LinkDest:
         and ``exclude_root``.
     root : str or None
         The served ROOT on a server (every directory must be inside it: ``PathError``
-        otherwise); None locally and on a pull's client (any directory).
+        otherwise; each is opened from ROOT's descriptor, no symlink on the way); None locally
+        and on a pull's client (any directory).
 
     A directory that does not exist is left out with a warning, as rsync does.
 
@@ -64,10 +65,13 @@ class LinkDest:
                         rel = os.path.relpath(full, root)
                         if rel == ".." or rel.startswith("../"):
                             raise PathError(d, "--link-dest directory is outside the server's root")
-                        full = resolve_in_root(root, "" if rel == "." else rel)
+                        # computed by path, then opened from ROOT's descriptor with no symlink on the
+                        # way: a parent swapped for a symlink meanwhile is refused, never followed
+                        with Jail(root) as rj:
+                            parts = rj.resolve("" if rel == "." else rel)
+                            self.jails.append(Jail(os.path.join(root, *parts), fd=rj.open_dir(parts)))
                     else:
-                        full = os.path.realpath(full)
-                    self.jails.append(Jail(full))
+                        self.jails.append(Jail(os.path.realpath(full)))
                 except (FileNotFoundError, NotADirectoryError):
                     log.warning("--link-dest arg does not exist: %s", d)
         except BaseException:

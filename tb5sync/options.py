@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
 __all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS",
-           "RSYNC_OPTIONS", "known_options", "parse_rate"]
+           "RSYNC_OPTIONS", "known_options", "parse_rate", "MIN_BWLIMIT"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
@@ -118,7 +118,8 @@ class SyncOptions:
         Quick check by size alone (rsync ``--size-only``).
     bwlimit : int
         Bytes per second the sender puts on the wire, all streams of the session together
-        (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited.
+        (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited, else at least
+        :data:`MIN_BWLIMIT` (512, rsync's floor; ``UsageError`` below it, a peer's too).
     """
 
     delete: bool = False
@@ -154,6 +155,8 @@ class SyncOptions:
             raise UsageError(f"max_delete must be an integer >= 0 or None, not {self.max_delete!r}")
         if isinstance(self.bwlimit, bool) or not isinstance(self.bwlimit, int) or self.bwlimit < 0:
             raise UsageError(f"bwlimit must be bytes per second, an integer >= 0, not {self.bwlimit!r}")
+        if 0 < self.bwlimit < MIN_BWLIMIT:  # also a peer's options (from_wire): rsync's floor, on both sides
+            raise UsageError(f"bwlimit {self.bwlimit} B/s is too small (min: {MIN_BWLIMIT} bytes per second, or 0 for unlimited)")
         if not isinstance(self.exclude_root, str) or "/" in self.exclude_root or self.exclude_root in (".", ".."):
             raise UsageError(f"exclude_root must be a single name, not {self.exclude_root!r}")
         if self.compress not in COMPRESS_MODES:
@@ -389,6 +392,10 @@ class SyncStats:
         return 25 if self.deletes_skipped else 0
 
 
+#: The smallest ``--bwlimit`` but 0 (no limit), bytes per second: rsync's (options.c refuses
+#: less than 512 B/s as "too small").
+MIN_BWLIMIT = 512
+
 _RATE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(?:([bkmgtp])(i?b)?)?", re.IGNORECASE)
 _UNITS = {"b": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
@@ -415,6 +422,6 @@ def parse_rate(text: str) -> int:
     power = _UNITS[(unit or "k").lower()]
     base = 1000 if tail is not None and tail.lower() == "b" and power else 1024
     rate = int(float(number) * base**power)
-    if 0 < rate < 512:
-        raise UsageError(f"--bwlimit={text} is too small (min: 512 bytes per second, or 0 for unlimited)")
+    if 0 < rate < MIN_BWLIMIT:
+        raise UsageError(f"--bwlimit={text} is too small (min: {MIN_BWLIMIT} bytes per second, or 0 for unlimited)")
     return rate

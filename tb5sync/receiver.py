@@ -58,11 +58,12 @@ from .destination import Destination, ProgressFn
 from .entry import DIR, Entry
 from .errors import DestinationError, PathError, RemoteNotFoundError, RemoteProtocolError, SourceChangedError, SourceError, Tb5syncError
 from .excludes import ExcludeRules
-from .generator import Generator, Planned
+from .generator import Generator, ListingLimits, Planned
 from .messages import FilesMeta
 from .hashing import verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
 from .options import SyncOptions, SyncStats
+from ._paths import Jail
 from .scan import Tree, scan_tree
 from .state import TreeState
 
@@ -198,6 +199,8 @@ class Receiver:
     fresh_base : bool
         ``dest`` did not exist before the caller made it (a local destination's state root):
         it is itemized as created (``cd+++++++++``), as rsync shows a directory it made.
+    listing_limits : ListingLimits, optional
+        On a server: caps on the source listing held for this session (its peer's); None: none.
     """
 
     def __init__(
@@ -212,6 +215,7 @@ class Receiver:
         dst_scan: Future[Tree] | None = None,
         link_dest_root: str | None = None,
         fresh_base: bool = False,
+        listing_limits: ListingLimits | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
         self.fresh_base = fresh_base
@@ -226,6 +230,7 @@ class Receiver:
         self.link_dest_root = link_dest_root
         #: the small-file batch handed to the writer thread and not settled yet (:meth:`_settle_small`)
         self._unsettled: _Written | None = None
+        self.listing_limits = listing_limits
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -254,7 +259,7 @@ class Receiver:
             self._dst_scan if self._dst_scan is not None
             else scan_in_background(self.dest, self.options.dest_rules, unlock=not self.options.dry_run)
         )
-        generator = Generator(self.link, self.destination, self.options, self.params)
+        generator = Generator(self.link, self.destination, self.options, self.params, self.listing_limits)
         try:
             planned = generator.make_plan(dst_fut)
             if self.fresh_base:
@@ -516,7 +521,7 @@ class Receiver:
         self.destination.changed.append(e.path)
 
 
-def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> Future[Tree]:
+def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True, root: str | None = None) -> Future[Tree]:
     """Start scanning the destination ``dest`` (and its listing digests) in a daemon thread.
 
     Returns
@@ -528,12 +533,32 @@ def scan_in_background(dest: str, rules: ExcludeRules, unlock: bool = True) -> F
         (:func:`tb5sync.scan.scan_tree`); the receiver gives the mode back at the end.
         Pass it to :class:`Receiver` as ``dst_scan`` when the scan should start before the receiver can run (the server starts it as a
         push session opens, while the client's other streams join).
+
+    ``root`` (a server's ROOT, ``dest`` inside it): ``dest`` is looked up from a jail of ROOT
+    (:meth:`tb5sync._paths.Jail.locate`, no symlink on the way), never by its path, so a parent
+    swapped for a symlink after the server checked ``dest`` is a ``PathError``, not a listing of
+    what lies outside ROOT.
     """
     fut: Future[Tree] = Future()
 
     def scan_into() -> None:
         try:
-            tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
+            if root is None:
+                tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock)
+            else:
+                with Jail(root) as jail:
+                    rel = os.path.relpath(dest, root)
+                    try:
+                        dfd, name = jail.locate("" if rel == "." else rel)
+                    except (FileNotFoundError, NotADirectoryError):  # its directory is not there (yet)
+                        dfd = -1
+                if dfd < 0:
+                    tree = Tree([], {})
+                else:
+                    try:
+                        tree = scan_tree(dest, rules, missing_ok=True, unlock=unlock, at=(dfd, name))
+                    finally:
+                        os.close(dfd)
             tree.digests()
             fut.set_result(tree)
         except BaseException as exc:  # delivered to the caller through the future

@@ -42,14 +42,14 @@ def max_path(root: str) -> int:
 _tuple_new = tuple.__new__  # builds an Entry without NamedTuple's Python-level __new__ (the scan's hot loop)
 
 
-def _entry_from_stat(rel: str, st: os.stat_result, full: str) -> Entry | None:
+def _entry_from_stat(rel: str, st: os.stat_result, full: str, dfd: int | None = None, name: str | None = None) -> Entry | None:
     m = st.st_mode
     if stat.S_ISREG(m):
         return Entry(rel, FILE, stat.S_IMODE(m), st.st_size, st.st_mtime_ns)
     if stat.S_ISDIR(m):
         return Entry(rel, DIR, stat.S_IMODE(m), 0, st.st_mtime_ns)
     if stat.S_ISLNK(m):
-        target = os.readlink(full)
+        target = os.readlink(full) if dfd is None else os.readlink(name or full, dir_fd=dfd)
         return Entry(rel, LINK, stat.S_IMODE(m), len(target.encode("utf-8", "surrogateescape")), st.st_mtime_ns, target)
     log.info("skipping %s: not a regular file, directory or symlink", full)
     return None
@@ -278,6 +278,7 @@ def scan_tree(
     unlock: bool = False,
     extras: Extras | None = None,
     max_path: int = 0,
+    at: tuple[int, str] | None = None,
 ) -> Tree:
     """Scan like :func:`scan` (recursively) and keep each directory's listing.
 
@@ -290,7 +291,7 @@ def scan_tree(
     ``u+r``/``u+x``, a non-root user's) is given ``u+rx`` and listed, as rsync makes its way
     into a destination directory; ``Tree.unlocked`` maps its path to its mode before.
     ``extras`` (a source's scan): hard-link groups, extended attributes, symlinks followed or
-    left out (see :class:`Extras`).
+    left out (see :class:`Extras`). ``at``: as :func:`scan`.
 
     Returns
     -------
@@ -312,7 +313,7 @@ def scan_tree(
     unlocked: dict[str, int] | None = {} if unlock else None
     temps: list[str] = []
     tree = Tree([], children, errors=errors, skipped=skipped, temps=temps)
-    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree, max_path)
+    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree, max_path, at)
     tree.unlocked = unlocked or {}
     if extras is not None and extras.hard_links:
         groups = [paths for paths in extras.inodes.values() if len(paths) > 1]
@@ -326,6 +327,7 @@ def scan(
     *,
     missing_ok: bool = False,
     recursive: bool = True,
+    at: tuple[int, str] | None = None,
 ) -> list[Entry]:
     """List the tree at ``base`` without following symlinks.
 
@@ -339,6 +341,11 @@ def scan(
         Return ``[]`` instead of raising when ``base`` does not exist.
     recursive : bool
         False lists only ``base`` and its immediate children.
+    at : tuple of (int, str), optional
+        ``(dir_fd, name)``: the base is the entry ``name`` of the open directory ``dir_fd``
+        (``"."``: that directory itself), looked up relative to it and never through a symlink
+        (a server's session base, opened through its ROOT's jail); ``base`` is then only
+        the path shown in messages. None: ``base`` is looked up as a path.
 
     Returns
     -------
@@ -355,7 +362,7 @@ def scan(
     PermissionError
         A directory cannot be listed.
     """
-    return _scan(base, excludes, missing_ok, recursive, None)
+    return _scan(base, excludes, missing_ok, recursive, None, at=at)
 
 
 def _scan(
@@ -371,27 +378,30 @@ def _scan(
     extras: Extras | None = None,
     tree: Tree | None = None,
     max_path: int = 0,
+    at: tuple[int, str] | None = None,
 ) -> list[Entry]:
     base = os.fspath(base)
+    # the base's own lookups: by path, or (a server's session base) relative to its directory's descriptor
+    dfd, name = (None, base) if at is None else at
     try:
-        st = os.lstat(base)
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
         if missing_ok:
             return []
         raise RemoteNotFoundError(f"no such file or directory: {base}") from None
-    top = _entry_from_stat("", st, base)
+    top = _entry_from_stat("", st, base, dfd, name)
     if top is None:
         if skipped is not None:
             skipped.append(("", special_kind(st.st_mode)))
         return []
     out = [top]
     if extras is not None and tree is not None and extras.xattrs and top.kind != LINK:
-        extras.xattrs_at(None, base, False, tree.xattrs, "")
+        extras.xattrs_at(dfd, name, False, tree.xattrs, "")
     if extras is not None and extras.hard_links and top.kind == FILE:
         extras.inodes.setdefault((st.st_dev, st.st_ino), []).append("")
     if top.kind == DIR:
         try:
-            fd = _open_dir(base, None, base, unlocked)
+            fd = _open_dir(name, dfd, base, unlocked)
         except OSError as exc:
             if exc.errno in _NOT_A_DIR:
                 log.warning("skipping %s: replaced while scanning", base)

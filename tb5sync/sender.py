@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from ._io import read_into
 from ._paths import STATE_DIR, Jail, check_in_root, is_temp_name
 from .errors import PathError, RemoteNotFoundError, SourceChangedError, SourceError, Tb5syncError, UsageError
 from .hashing import chunk_buffer, chunk_fd, file_digest, iter_chunk_fd
-from .entry import Entry, check_relpath, path_from_wire, show_path
+from .entry import DIR, FILE, LINK, Entry, check_relpath, path_from_wire, show_path
 from .scan import Extras, Tree, max_path, scan_tree
 from .messages import (
     CODEC_LZ4,
@@ -120,11 +121,19 @@ class Sender:
     root : str, optional
         A server's ROOT: with ``-L``/``--copy-unsafe-links`` no followed symlink may lead outside
         it (the scan names such a link as a failure, :meth:`_open` refuses it).
+    at : tuple of (int, str), optional
+        ``(dir_fd, name)`` from :meth:`tb5sync._paths.Jail.locate` (a server's pull, through its
+        ROOT's jail): the source is the entry ``name`` of that open directory, and every lookup
+        (the scan, the reads) goes through descriptors opened from it, never through ``base``
+        again (``base`` is then only the path shown). The sender owns (closes) ``dir_fd``,
+        also when it raises. None: ``base`` is opened by path (a local source).
 
     Raises
     ------
     RemoteNotFoundError
         ``base`` does not exist.
+    PathError
+        With ``at``: the source directory was swapped for a symlink.
     """
 
     def __init__(
@@ -137,6 +146,7 @@ class Sender:
         *,
         zero_copy: bool = False,
         root: str | None = None,
+        at: tuple[int, str] | None = None,
     ) -> None:
         self.base = base
         self.root = root
@@ -152,16 +162,73 @@ class Sender:
         self._read_bufs = ReadBuffers(16)
         self.zero_copy = zero_copy
         self._rate = RateLimit(options.bwlimit) if options.bwlimit else None  # --bwlimit, all streams
+        self._closed = threading.Event()  # close(): a --bwlimit wait in progress ends
+        self._guards = threading.local()  # per serving thread: (stop check, longest wait) of its --bwlimit waits
+        #: where the scan looks the base up: None (by path) or (dir_fd, name) of the jail's descriptors
+        self._scan_at: tuple[int, str] | None = None
+        if at is None:
+            try:
+                st = os.lstat(base)
+            except FileNotFoundError:
+                raise RemoteNotFoundError(f"source does not exist: {base}") from None
+            self._single = not stat.S_ISDIR(st.st_mode)
+            self._jail = Jail(os.path.dirname(base) if self._single else base)
+            self._name = os.path.basename(base)
+        else:
+            self._jail, self._name, st = self._open_at(base, *at)
+            self._single = self._name != "."
+            self._scan_at = (self._jail.fd, self._name)
+        self._kind = DIR if not self._single else LINK if stat.S_ISLNK(st.st_mode) else FILE
+
+    @staticmethod
+    def _open_at(base: str, dfd: int, name: str) -> tuple[Jail, str, os.stat_result]:
+        """The jail of the source ``name`` in ``dfd`` (taking ``dfd`` over): ``dfd``'s own for a
+        file or a symlink (``name`` kept), else the directory's, opened ``O_NOFOLLOW`` from
+        ``dfd`` (``name`` then ``"."``)."""
         try:
-            st = os.lstat(base)
-        except FileNotFoundError:
-            raise RemoteNotFoundError(f"source does not exist: {base}") from None
-        self._single = not stat.S_ISDIR(st.st_mode)
-        self._jail = Jail(os.path.dirname(base) if self._single else base)
-        self._name = os.path.basename(base)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                bfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as exc:
+            os.close(dfd)
+            if isinstance(exc, FileNotFoundError):
+                raise RemoteNotFoundError(f"source does not exist: {base}") from None
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # swapped for a symlink (or a file) since the stat
+                raise PathError(os.path.basename(base), "was replaced while opening it; not followed") from None
+            raise
+        except BaseException:
+            os.close(dfd)
+            raise
+        if not stat.S_ISDIR(st.st_mode):
+            return Jail(os.path.dirname(base), fd=dfd), name, st
+        os.close(dfd)
+        return Jail(base, fd=bfd), ".", os.fstat(bfd)
+
+    @property
+    def kind(self) -> str:
+        """The source's kind when the sender was made: ``"d"``, ``"f"`` (anything but a directory
+        or a symlink) or ``"l"`` (not followed)."""
+        return self._kind
+
+    def pace_guard(self, stop: Callable[[], str | None] | None, max_wait: float | None = None) -> None:
+        """For the calling thread's requests: how a ``--bwlimit`` wait ends early.
+
+        Parameters
+        ----------
+        stop : callable or None
+            Checked every :attr:`RateLimit.SLICE <tb5sync._io.RateLimit.SLICE>` seconds of a
+            wait; a str (why) ends it with ``ConnectError`` (a server: its peer closed this
+            connection, the server is stopping). :meth:`close` ends every wait in any case.
+        max_wait : float or None
+            Longest wait for one reply, seconds (a server's idle timeout): a longer one is
+            refused with ``LinkTimeoutError``. None: no limit.
+        """
+        self._guards.stop, self._guards.max_wait = stop, max_wait
 
     def close(self) -> None:
-        """Release directory descriptors (a scan still running in the background is left to finish)."""
+        """Release directory descriptors (a scan still running in the background is left to finish)
+        and end any ``--bwlimit`` wait in progress (its request fails with ``ConnectError``)."""
+        self._closed.set()
         self._jail.close()
         if self._root_jail is not None:
             self._root_jail.close()
@@ -273,7 +340,8 @@ class Sender:
     def _scan_into(self, fut: Future[Tree]) -> None:
         try:
             root = self.options.exclude_root  # rsync's paths start at its transfer root: "src/..." without a slash
-            tree = scan_tree(self.base, self.options.rules, extras=Extras.from_options(self.options, self.root), max_path=max_path(root))
+            tree = scan_tree(self.base, self.options.rules, extras=Extras.from_options(self.options, self.root), max_path=max_path(root),
+                             at=self._scan_at)
             tree.digests()  # here, off the request path
             fut.set_result(tree)
         except BaseException as exc:  # delivered to whoever asks for the tree
@@ -723,7 +791,14 @@ class Sender:
     def _pace(self, meta_parts: list[tuple[int, int, int]]) -> None:
         """``--bwlimit``: wait until the wire bytes of a reply (``[raw, wire, codec]`` per part) are due."""
         if self._rate is not None:
-            self._rate.take(sum(m[1] for m in meta_parts))
+            stop = getattr(self._guards, "stop", None)
+
+            def ended() -> str | None:
+                if self._closed.is_set():
+                    return "the session ended"
+                return stop() if stop is not None else None
+
+            self._rate.take(sum(m[1] for m in meta_parts), ended, max_wait=getattr(self._guards, "max_wait", None))
 
     def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
         for _ in range(tries):

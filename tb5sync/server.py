@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._diskbench import remove_stale
-from ._paths import STATE_DIR, follow_slash, resolve_in_root
+from ._paths import STATE_DIR, Jail, follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
     ArgumentTypeError,
@@ -50,8 +50,9 @@ from .errors import (
     UsageError,
 )
 from .fsops import FsOps, Pages
+from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
 from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
-from .entry import DIR, FILE, LINK, kind_of, path_from_wire, path_to_wire
+from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
 from .options import SyncOptions, known_options
@@ -61,7 +62,7 @@ from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
 from .state import TreeState, check_own_dir
 from .rpc import Requester, serve
-from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, server_handshake, set_keepalive, tune_socket
+from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, peer_closed, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
 
 __all__ = ["Server"]
@@ -160,6 +161,13 @@ class Server:
         :data:`tb5sync.protocol.MAX_HANDSHAKE` (512) bytes.
     max_sessions : int
         Sessions (OPENs other than ``join``) at once; more get ``BusyError``.
+    max_entries : int
+        Entries of a pushing peer's source listing held for one session (directory summaries and
+        listed entries together, :class:`tb5sync.generator.ListingLimits`); a listing past it, or
+        whose first page announces more directories, ends the session with ``UsageError``.
+    max_listing_bytes : int
+        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus its path,
+        link target and extended attributes); past it, the same.
     max_unauthenticated_per_address : int
         Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
         handshake yet; more from it are refused at once with ``BusyError``, so one address
@@ -219,6 +227,8 @@ class Server:
         max_connections: int = 256,
         max_sessions: int = 64,
         max_unauthenticated_per_address: int = 16,
+        max_entries: int = MAX_ENTRIES,
+        max_listing_bytes: int = MAX_LISTING_BYTES,
         handshake_timeout: float = 10.0,
         io_timeout: float | None = IO_TIMEOUT,
         idle_timeout: float | None = 3600.0,
@@ -249,7 +259,8 @@ class Server:
             raise UsageError("the token is empty")
         self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync.netif)
         for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions),
-                            ("max_unauthenticated_per_address", max_unauthenticated_per_address)):
+                            ("max_unauthenticated_per_address", max_unauthenticated_per_address),
+                            ("max_entries", max_entries), ("max_listing_bytes", max_listing_bytes)):
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name} must be a positive integer, not {value!r}")
         for name, secs in (("handshake_timeout", handshake_timeout), ("io_timeout", io_timeout),
@@ -260,6 +271,7 @@ class Server:
         self.no_auth = no_auth
         self.max_connections = max_connections
         self.max_sessions = max_sessions
+        self.listing_limits = ListingLimits(max_entries, max_listing_bytes)
         self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.handshake_timeout = handshake_timeout
         self.io_timeout = io_timeout
@@ -851,31 +863,73 @@ class Server:
         rel = os.path.relpath(path, self.root)
         return "" if rel == "." else rel
 
-    def _ls(self, ch: Channel, path: str) -> None:
-        base = resolve_in_root(self.root, path)
-        entries = scan(base, recursive=False)
-        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+    def _locate(self, path: str, *, follow: bool = False) -> tuple[str, tuple[int, str]]:
+        """Request ``path``'s place under ROOT, opened through ROOT's jail: ``(full, (dir_fd, name))``.
 
-    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
+        ``full`` (absolute; only shown and used for state paths) is computed as
+        :func:`resolve_in_root` and :func:`follow_slash` do (``follow``: ``-L``); then the
+        directory holding it is opened from ROOT's descriptor with no symlink on the way
+        (:meth:`tb5sync._paths.Jail.locate`), so a parent swapped for a symlink after the
+        computation is refused, never followed. The caller owns ``dir_fd``.
+
+        Raises
+        ------
+        PathError
+            ``path`` is unsafe, leads outside ROOT or into its state, or a directory on the way
+            was swapped for a symlink.
+        RemoteNotFoundError
+            Nothing is there.
+        """
         base = resolve_in_root(self.root, path)
         if not os.path.lexists(base):
             raise RemoteNotFoundError(f"no such file or directory: {path}")
-        base = follow_slash(base, path, self.root, follow=options.copy_links)  # "link/": the directory, if it is inside ROOT
+        base = follow_slash(base, path, self.root, follow=follow)  # "link/": the directory, if it is inside ROOT
+        with Jail(self.root) as jail:
+            try:
+                return base, jail.locate(self._rel(base))
+            except (FileNotFoundError, NotADirectoryError):
+                raise RemoteNotFoundError(f"no such file or directory: {path}") from None
+
+    def _ls(self, ch: Channel, path: str) -> None:
+        base, (dfd, name) = self._locate(path)
+        try:
+            entries = scan(base, recursive=False, at=(dfd, name))
+        finally:
+            os.close(dfd)
+        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+
+    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
+        base, at = self._locate(path, follow=options.copy_links)
+        try:
+            sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root, at=at)  # replies go out through sockets only
+        except (FileNotFoundError, NotADirectoryError):
+            raise RemoteNotFoundError(f"no such file or directory: {path}") from None
         sid, s = self._new_session("pull", streams)
         try:
-            s.sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root)  # replies go out through sockets only
+            s.sender = sender
             s.sender.prepare()  # scan while the client joins its other streams
-            kind = kind_of(base)
             s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": kind, "options": known_options()})
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": sender.kind, "options": known_options()})
             self._serve_sender(ch, s)
         finally:
             self._end_session(sid, s)
 
+    def _pace_stop(self, ch: Channel) -> str | None:
+        """Why a ``--bwlimit`` wait of ``ch``'s requests should end now (None: it goes on)."""
+        if self._stopping.is_set():
+            return "the server is stopping"
+        if ch.closed or peer_closed(ch.sock):
+            return "the client closed the connection"
+        return None
+
     def _serve_sender(self, ch: Channel, s: _Session) -> None:
+        assert s.sender is not None
         with s.lock:
             s.users += 1
         try:
+            # --bwlimit waits end when this peer goes, the server stops or the session ends
+            # (Sender.close), and none lasts longer than the idle timeout
+            s.sender.pace_guard(lambda: self._pace_stop(ch), self.idle_timeout)
             serve(ch, s.sender, SENDER_METHODS)
         finally:
             with s.lock:
@@ -913,7 +967,7 @@ class Server:
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
         # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run)
+        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run, root=self.root)
         ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
         requester: Requester | None = None
         try:
@@ -924,7 +978,7 @@ class Server:
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
-                                link_dest_root=self.root)
+                                link_dest_root=self.root, listing_limits=self.listing_limits)
             try:
                 stats = receiver.run()
                 result: dict[str, Any] = {"stats": stats.as_dict()}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .errors import ArgumentTypeError, SourceNotFoundError, UsageError, partial_error
-from .options import SyncOptions, SyncStats
+from .options import MIN_BWLIMIT, SyncOptions, SyncStats
 
 if TYPE_CHECKING:
     from .receiver import ProgressFn
@@ -244,7 +244,7 @@ def _check_rsync_options(
     if isinstance(bwlimit, str):
         return parse_rate(bwlimit)
     rate = int(bwlimit * 1024)
-    if 0 < rate < 512:
+    if 0 < rate < MIN_BWLIMIT:
         raise UsageError(f"sync(): bwlimit {bwlimit} KiB/s is too small (min: 0.5, or 0 for unlimited)")
     return rate
 

@@ -32,7 +32,7 @@ from .errors import (
 __all__ = [
     "BufferPool", "FileRange", "SharedFd", "Channel", "client_handshake", "server_handshake", "connect",
     "close_parts", "hide_root", "tune_socket", "set_keepalive", "client_tls", "dial", "SOCK_BUF", "IO_TIMEOUT",
-    "KEEPALIVE",
+    "KEEPALIVE", "peer_closed",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,33 @@ def _wait_fd(fd: int, write: bool, timeout: float | None) -> bool:
         return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000))))
     r, w, _ = select.select([] if write else [fd], [fd] if write else [], [], timeout)
     return bool(r or w)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the peer of ``sock`` has closed (or reset) the connection, without reading anything.
+
+    Looks without waiting. Where ``poll`` has ``POLLRDHUP`` (Linux) the peer's close is seen even
+    behind bytes not read yet (requests it sent before closing). Elsewhere (macOS, the portable
+    path; forced with ``$TB5SYNC_PORTABLE=1``): a socket with nothing to read is open; one whose
+    next read is the end of stream (a ``MSG_PEEK`` of one byte gives nothing) or fails
+    (``ECONNRESET``) is closed; bytes waiting mean open. A TLS socket is peeked at below TLS.
+    """
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        rdhup = getattr(select, "POLLRDHUP", 0) if hasattr(select, "poll") and not portable() else 0
+        if rdhup:
+            p = select.poll()
+            p.register(fd, rdhup)
+            return any(ev & (rdhup | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in p.poll(0))
+        if not _wait_fd(fd, False, 0):
+            return False
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 def _timeout_error(exc: OSError, what: str, timeout: float | None) -> OSError:
