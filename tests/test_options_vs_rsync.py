@@ -634,3 +634,96 @@ def test_property_options_local_equal_rsync(src_items: list[Any], dst_items: lis
         assert_same(digest_snapshot(ref, kept), digest_snapshot(mine, kept), "local")
         if code != 23:  # where an entry failed, rsync may still itemize it
             assert sorted(st_.itemized) == sorted(items_of(_unescape(proc.stdout))), proc.stdout
+
+
+# ---- -i / -n with --link-dest ------------------------------------------------------------------
+
+
+def _snapshot_changes(base: str) -> None:
+    """Against the previous snapshot: a mode alone (rsync copies it locally: ``cf``), a size, an
+    mtime, a new file, a new directory, a directory's mtime; the rest unchanged (linked)."""
+    os.chmod(os.path.join(base, "a.txt"), 0o600)
+    write(os.path.join(base, "b.txt"), b"BRAVO, longer", 0o644, T0 + 2 * S)
+    os.utime(os.path.join(base, "d", "c.txt"), ns=(T0, T0 + 9 * S))
+    write(os.path.join(base, "new.txt"), b"new", 0o644, T0)
+    write(os.path.join(base, "newdir", "n.txt"), b"n", 0o644, T0)
+    freeze_dirs(base, T0 + 7 * S)
+    os.utime(os.path.join(base, "d"), ns=(T0, T0 + 30 * S))
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_link_dest_shows_only_what_changed(h: Opts, dry: bool) -> None:
+    """With --link-dest, rsync -i leaves out what it links and shows the rest against the
+    snapshot's copy (``>f.s.......``, ``cf...p.....``, ``cd..t......``), not as created."""
+    _small_tree(h.src)
+    freeze_dirs(h.src, T0 + 7 * S)
+    h.go("src/", "snap1", [], link_dest=[])
+    _snapshot_changes(h.src)
+    out = h.go("src/", "snap2", ["-i", "--link-dest=../snap1", *(["-n"] if dry else [])],
+               itemize_changes=True, link_dest=["../snap1"], dry_run=dry)
+    same_items(out)
+    assert not any(ln.endswith(" e/deep.bin") for ln in out["local"][1])  # linked: not listed
+    if not dry:
+        st = tb5sync.sync(h.src + "/", os.path.join(h.dp["local"], "snap3"), link_dest=["../snap1"], dry_run=True)
+        assert st.extra["changes"]["lines"] == [ln[12:] for ln in out["local"][1]]  # -n lists the same
+
+
+# ---- rsync's spelling on the command line ------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True,
+                          timeout=100, check=False)
+
+
+def test_cli_takes_rsync_archive_spellings(tmp_path: Any) -> None:
+    """``-av``, ``-rlptgoD``, ``-z``, ``-P``, ``-h``, ``--delete-after``: accepted, and the tree is
+    the one ``rsync -a`` makes; ``-v`` lists what rsync -v lists."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    settle(src)
+    ref = subprocess.run(["rsync", "-av", src + "/", str(tmp_path / "r")], capture_output=True, text=True,
+                         timeout=100, check=True)
+    got = _cli("sync", "-av", src + "/", str(tmp_path / "t"))
+    assert got.returncode == 0, got.stderr
+    ref_names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size", "created "))]
+    assert sorted(got.stdout.splitlines()) == sorted(ref_names)
+    assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r"))
+    for flags in (["-rlptgoD"], ["-a", "-z", "-P", "-h", "--stats"], ["--archive", "--compress", "--partial", "--verbose"],
+                  ["-aH", "--delete-after"], ["-a", "--delete-before"], ["--del"], ["--devices", "--specials"]):
+        shutil.rmtree(str(tmp_path / "t"))
+        p = _cli("sync", *flags, src + "/", str(tmp_path / "t"))
+        assert p.returncode == 0, (flags, p.stderr)
+        assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r")), flags
+
+
+def test_cli_delete_aliases_delete(tmp_path: Any) -> None:
+    """``--delete-after`` (and its kin) delete as rsync's do."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    for flag in ("--delete-after", "--delete-before", "--delete-during", "--delete-delay", "--del"):
+        for d in ("r", "t"):
+            write(str(tmp_path / d / "extra.txt"), b"x", 0o644, T0)
+        subprocess.run(["rsync", "-a", flag, src + "/", str(tmp_path / "r")], timeout=100, check=True)
+        p = _cli("sync", flag, src + "/", str(tmp_path / "t"))
+        assert p.returncode == 0, p.stderr
+        assert not os.path.exists(str(tmp_path / "r" / "extra.txt"))
+        assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r")), flag
+
+
+@pytest.mark.parametrize("args, named", [(["--hard-links-x"], "--hard-links-x"), (["-aA"], "-A"),
+                                         (["--chown=a:b"], "--chown"), (["-avq"], "-q"), (["-e", "ssh"], "-e")])
+def test_cli_unknown_rsync_option_one_line(tmp_path: Any, args: list[str], named: str) -> None:
+    """An rsync option tb5sync does not take: one line naming it, exit 2, nothing written."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    p = _cli("sync", *args, src + "/", str(tmp_path / "t"))
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and named in p.stderr and "not supported" in p.stderr, p.stderr
+    assert "usage" not in p.stderr
+    assert not os.path.exists(str(tmp_path / "t"))
+
+
+def test_cli_h_alone_is_help() -> None:
+    p = _cli("sync", "-h")
+    assert p.returncode == 0 and "--link-dest" in p.stdout and "--human-readable" in p.stdout
