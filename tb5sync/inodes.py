@@ -22,7 +22,7 @@ from .errors import PathError, Tb5syncError
 from .options import SyncOptions
 from .plan import _attrs as attrs_code
 
-__all__ = ["LinkDest", "link_groups"]
+__all__ = ["LinkDest", "link_groups", "itemize_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -192,4 +192,35 @@ def link_groups(groups: dict[str, int], files: Sequence[Entry]) -> dict[str, str
         first = leader.setdefault(g, e.path)
         if first != e.path:
             out[e.path] = first
+    return out
+
+
+def _rsync_order(path: str) -> tuple[tuple[int, bytes], ...]:
+    """The sort key of a file's ``path`` in rsync's file list: in each directory its files (by
+    name, bytewise) before its subdirectories (``f_name_cmp`` in rsync's flist.c)."""
+    parts = path.split("/")
+    return (*((1, os.fsencode(p)) for p in parts[:-1]), (0, os.fsencode(parts[-1])))
+
+
+def itemize_groups(items: Sequence[tuple[str, Entry]], groups: dict[str, int]) -> list[tuple[str, Entry]]:
+    """``-H -i``: ``items`` as rsync shows a hard-link group's new paths: the group's last path in
+    rsync's file-list order (:func:`_rsync_order`) as any file (``>f+++++++++ b/g``), each other
+    one as linked to it (``hf+++++++++ h.tmp => b/g``: the code ``hf+++++++++``, the entry's
+    ``target`` the path it is linked to, shown by :func:`tb5sync.plan.itemize_lines`).
+
+    ``groups`` maps a source path to its group number (as for :func:`link_groups`). rsync
+    (3.x, hlink.c) writes that last path and links the others to it; here the first is written
+    and the others linked to it: the result, one inode, is the same.
+    """
+    members: dict[int, list[str]] = {}
+    for p, g in groups.items():
+        members.setdefault(g, []).append(p)
+    leader = {g: max(ps, key=_rsync_order) for g, ps in members.items()}
+    out: list[tuple[str, Entry]] = []
+    for code, e in items:
+        g = groups.get(e.path)
+        if g is not None and e.kind == FILE and code == ">f+++++++++" and leader[g] != e.path:
+            out.append(("hf+++++++++", e._replace(target=leader[g])))
+        else:
+            out.append((code, e))
     return out

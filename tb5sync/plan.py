@@ -385,7 +385,7 @@ def dry_run_changes(plan: Plan, src: list[Entry], root_name: str = "") -> dict[s
     transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
     out = {"transfer": transfer, "delete": [d.path for d in plan.delete]}
     if plan.items:
-        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>" or e.kind == DIR]
+        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>h" or e.kind == DIR]
         out["lines"] = [("deleting " if c == "*deleting" else "") + line[12:]
                         for (c, _), line in zip(shown, itemize_lines(shown, root_name))]
     return out
@@ -402,7 +402,8 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
     Paths are shown as rsync shows them: relative to the transfer root (``root_name``, the
     source's name when it had no trailing slash, before each path; the base itself as
     ``root_name`` or ``.``), directories with a trailing ``/``, symlinks with ``-> target``;
-    names that are not valid UTF-8 with ``\\xNN`` escapes. A deletion is ``*deleting`` padded to
+    names that are not valid UTF-8 with ``\\xNN`` escapes; a hard link (``hf``, ``-H``) with ``=> PATH``
+    it is linked to (the entry's ``target``). A deletion is ``*deleting`` padded to
     11 characters. In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
     the sending side.
     """
@@ -416,6 +417,8 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
         line = f"{code:<11} {show_path(path)}"
         if e.kind == LINK and code != "*deleting":
             line += f" -> {show_path(e.target or '')}"
+        elif code.startswith("h") and e.target:  # -H: the path it is linked to, as rsync shows it
+            line += " => " + show_path(f"{root_name}/{e.target}" if root_name else e.target)
         if push and code.startswith(">"):
             line = "<" + line[1:]
         out.append(line)

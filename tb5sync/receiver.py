@@ -193,6 +193,12 @@ class Receiver:
                 self.warnings.extend(ld.warnings)
                 if planned.plan.items:  # -i / -n show new entries against the directories' copies, as rsync
                     planned.plan.items = ld.itemize(planned.plan.items)
+            if planned.plan.items and self.options.hard_links:  # rsync -H -i: "hf+++++++++ p => leader"
+                from .inodes import itemize_groups
+
+                planned.plan.items = itemize_groups(planned.plan.items, generator.src_hardlinks)
+            if (self.options.itemize or self.options.dry_run) and self.options.xattrs:  # rsync -X -i: the x column, read before any change
+                planned.plan.items = generator.itemize_xattrs(planned.plan.items, planned.src)
             if self.options.dry_run:
                 return dataclasses.replace(generator.dry_run(planned, t0), warnings=tuple(self.warnings))
             try:

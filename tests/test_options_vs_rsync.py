@@ -727,3 +727,50 @@ def test_cli_unknown_rsync_option_one_line(tmp_path: Any, args: list[str], named
 def test_cli_h_alone_is_help() -> None:
     p = _cli("sync", "-h")
     assert p.returncode == 0 and "--link-dest" in p.stdout and "--human-readable" in p.stdout
+
+
+# ---- -i with -H and -X --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slash", [True, False], ids=["src-slash", "src-noslash"])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_hard_links(h: Opts, slash: bool, dry: bool) -> None:
+    """-H -i: a group's other paths as rsync shows them, ``hf+++++++++ a => d/e/c`` (linked to the
+    group's last path in rsync's file-list order), on a cold copy and a re-run adding a group."""
+    from test_link_options_vs_rsync import _hardlink_tree
+
+    _hardlink_tree(h.src)
+    spec = "src/" if slash else "src"
+    out = h.go(spec, "dst", ["-H", "-i", *(["-n"] if dry else [])], hard_links=True, itemize_changes=True, dry_run=dry)
+    same_items(out)
+    assert any(ln.startswith("hf+++++++++ ") and " => " in ln for ln in out["local"][1])
+    if dry:
+        return
+    write(os.path.join(h.src, "n1"), b"new group", 0o644, T0)
+    os.link(os.path.join(h.src, "n1"), os.path.join(h.src, "d", "e", "n2"))
+    os.link(os.path.join(h.src, "n1"), os.path.join(h.src, "n0"))
+    freeze_dirs(h.src, T0)
+    same_items(h.go(spec, "dst", ["-H", "-i"], hard_links=True, itemize_changes=True))
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_xattrs(h: Opts, dry: bool) -> None:
+    """-X -i: rsync's x column, on a line of its own for an entry changed in nothing else
+    (``.f........x f``, ``.d........x ./``) and with the other columns (``>f..t.....x``)."""
+    from test_link_options_vs_rsync import _xattr_tree
+
+    _xattr_tree(h.src)
+    try:
+        os.setxattr(h.sp, "user.probe", b"1")
+    except OSError:
+        pytest.skip("no user extended attributes on this file system")
+    same_items(h.go("src/", "dst", ["-X", "-i"], xattrs=True, itemize_changes=True))
+    os.setxattr(os.path.join(h.src, "f"), "user.colour", b"red")  # changed value
+    os.removexattr(os.path.join(h.src, "d"), "user.dir")  # removed, on a directory
+    os.setxattr(os.path.join(h.src, "plain"), "user.new", b"n")  # added
+    os.setxattr(h.src, "user.root", b"top2")  # the base
+    write(os.path.join(h.src, "d", "g"), b"other", 0o600, T0 + 3 * S)  # content rewritten, xattr lost
+    freeze_dirs(h.src, T0)
+    out = h.go("src/", "dst", ["-X", "-i", *(["-n"] if dry else [])], xattrs=True, itemize_changes=True, dry_run=dry)
+    same_items(out)
+    assert ".f........x f" in out["local"][1] and ".d........x ./" in out["local"][1]
