@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .entry import DIR, FILE, LINK, Entry, show_path
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold"]
+__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold", "same_time"]
 
 @dataclass
 class Plan:
@@ -95,8 +95,8 @@ def plan_sync(
     Returns
     -------
     Plan
-        Quick check (rsync's): a regular file is unchanged when size and mtime_ns
-        are equal; in checksum mode, when size and content digest are equal.
+        Quick check (rsync's): a regular file is unchanged when its size is equal and its mtime
+        in the same whole second (:func:`same_time`, as every mtime compared here); in checksum mode, when size and content digest are equal.
         An entry whose type differs is deleted first, then recreated.
     """
     src = list(src)
@@ -122,11 +122,11 @@ def plan_sync(
             plan.refused.append((e.path, "Not a directory: a destination entry kept by --ignore-existing is in the way"))
             continue
         if d is not None and (ignore_existing and not (e.kind == DIR and d.kind == DIR)
-                              or update and e.kind == FILE and d.kind == FILE and d.mtime_ns > e.mtime_ns):
+                              or update and e.kind == FILE and d.kind == FILE and _secs(d.mtime_ns) > _secs(e.mtime_ns)):
             plan.unchanged += 1  # left as it is (rsync: "exists" / "is newer")
             if e.kind == DIR:
                 left.append(e.path)
-                if d.kind in (FILE, LINK) and d.mtime_ns != e.mtime_ns:
+                if d.kind in (FILE, LINK) and not same_time(d.mtime_ns, e.mtime_ns):
                     # rsync's pass that sets directory times still gives the entry kept there the
                     # source directory's mtime (its mode stays): so does this plan
                     plan.meta.append(d._replace(mtime_ns=e.mtime_ns))
@@ -143,7 +143,7 @@ def plan_sync(
             else:
                 if d.mode != e.mode:
                     plan.meta.append(e)
-                if d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                if d.mode != e.mode or not same_time(d.mtime_ns, e.mtime_ns):
                     item(_attrs(".d", d, e, size=False), e)
         elif e.kind == LINK:
             if d is None or d.target != e.target:
@@ -154,7 +154,7 @@ def plan_sync(
                     item("cL+++++++++", e)
                 plan.links.append(e)
             else:
-                if d.mtime_ns != e.mtime_ns:
+                if not same_time(d.mtime_ns, e.mtime_ns):
                     plan.meta.append(e)
                     item(_attrs(".L.", d, e, size=False, mode=False), e)
                 plan.unchanged += 1
@@ -168,11 +168,11 @@ def plan_sync(
             elif size_only:
                 changed = d.size != e.size
             else:
-                changed = d.size != e.size or d.mtime_ns != e.mtime_ns
+                changed = d.size != e.size or not same_time(d.mtime_ns, e.mtime_ns)
             if changed:
                 plan.files.append(e)
                 item(_attrs(">fc" if same_content is not None else ">f.", d, e), e)
-            elif d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+            elif d.mode != e.mode or not same_time(d.mtime_ns, e.mtime_ns):
                 plan.meta.append(e)
                 plan.unchanged += 1
                 item(_attrs(".f.", d, e, size=False), e)
@@ -253,13 +253,25 @@ def _below(path: str, tops: list[str]) -> bool:
     return any(path.startswith(t + "/") if t else path != "" for t in tops)
 
 
+def _secs(mtime_ns: int) -> int:
+    """Whole seconds of ``mtime_ns`` (floored, as ``st_mtim.tv_sec``)."""
+    return mtime_ns // 1_000_000_000
+
+
+def same_time(a_ns: int, b_ns: int) -> bool:
+    """Whether two mtimes (ns) are the same to rsync: in the same whole second (its default
+    ``--modify-window=0`` "matches just integer seconds", rsync(1)); the sub-second part of a
+    copied mtime is kept, but a difference in it alone changes nothing, as in rsync."""
+    return _secs(a_ns) == _secs(b_ns)
+
+
 def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, mode: bool = True) -> str:
     """rsync's ``YXcstpoguax`` for an existing entry ``d`` becoming ``e``: ``head`` gives the first
     characters (``YX`` and, when given, ``c``), then ``s``, ``t`` and ``p`` where they differ (and are
     asked for); owner, group, atime, ACL and xattr columns stay ``.`` (not synced)."""
     code = head if len(head) == 3 else head + "."
     code += "s" if size and d.size != e.size else "."
-    code += "t" if d.mtime_ns != e.mtime_ns else "."
+    code += "." if same_time(d.mtime_ns, e.mtime_ns) else "t"
     code += "p" if mode and d.mode != e.mode else "."
     return code + "....."
 

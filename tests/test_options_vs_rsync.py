@@ -774,3 +774,33 @@ def test_itemize_xattrs(h: Opts, dry: bool) -> None:
     out = h.go("src/", "dst", ["-X", "-i", *(["-n"] if dry else [])], xattrs=True, itemize_changes=True, dry_run=dry)
     same_items(out)
     assert ".f........x f" in out["local"][1] and ".d........x ./" in out["local"][1]
+
+
+# ---- sub-second mtime differences ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("delta", [300_000_000, -100_000_000, 900_000_000], ids=["+0.3s", "-0.1s", "next-second"])
+def test_sub_second_mtime_differences_as_rsync(h: Opts, tmp_path: Any, dry: bool, delta: int) -> None:
+    """rsync (default --modify-window=0) compares mtimes in whole seconds: a difference in the
+    fraction alone is neither itemized nor corrected, for files, directories and symlinks (and
+    the fraction of a copied mtime is kept); one crossing a second is both."""
+    base = T0 - T0 % S + 100_000_000  # x.1 s
+    write(os.path.join(h.src, "f"), b"file", 0o644, base)
+    write(os.path.join(h.src, "d", "g"), b"gee", 0o600, base)
+    os.symlink("f", os.path.join(h.src, "lnk"))
+    os.utime(os.path.join(h.src, "lnk"), ns=(base, base), follow_symlinks=False)
+    freeze_dirs(h.src, base)
+    tpl = str(tmp_path / "tpl")
+    os.makedirs(tpl)
+    cp_a(h.src, os.path.join(tpl, "dst"))  # each destination: the source as it is, to the ns
+    h.prepare(tpl)
+    for p in ("f", "d/g", "lnk", "d", ""):
+        os.utime(os.path.join(h.src, p), ns=(base + delta, base + delta), follow_symlinks=False)
+    out = h.go("src/", "dst", ["-i", *(["-n"] if dry else [])], itemize_changes=True, dry_run=dry)
+    for r in ("local", "pull"):
+        assert sorted(out[r][1]) == sorted(out["rsync"][1]), r
+    assert sorted(out["push"][1]) == sorted(sent(out["rsync"][1]))
+    assert bool(out["rsync"][1]) == (delta == 900_000_000)  # the scenario: only a new second shows
+    if not dry:
+        h.check()
