@@ -25,7 +25,7 @@ from .errors import DestinationError, PathError, RemoteProtocolError, SourceChan
 from .hashing import chunk_fd, file_digest
 from .messages import EntriesPage, FileDigests, TreePage
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync, same_time
+from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
 
 __all__ = ["Generator", "Planned"]
@@ -501,8 +501,7 @@ class Generator:
                 continue
             try:
                 dest.chmod(e.path, e.mode)
-                if not same_time(os.fstat(dest.dir_fd(e.path)).st_mtime_ns, e.mtime_ns):  # rsync leaves one in the same second
-                    dest.utime(e.path, e.mtime_ns)
+                dest.utime(e.path, e.mtime_ns)  # to the ns (rsync leaves one within the same second as it is)
             except OSError as exc:
                 if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
                     raise
