@@ -199,6 +199,10 @@ class Receiver:
                 planned.plan.items = itemize_groups(planned.plan.items, generator.src_hardlinks)
             if (self.options.itemize or self.options.dry_run) and self.options.xattrs:  # rsync -X -i: the x column, read before any change
                 planned.plan.items = generator.itemize_xattrs(planned.plan.items, planned.src)
+            if planned.plan.items:
+                from .plan import rsync_item_order
+
+                planned.plan.items = rsync_item_order(planned.plan.items)
             if self.options.dry_run:
                 return dataclasses.replace(generator.dry_run(planned, t0), warnings=tuple(self.warnings))
             try:

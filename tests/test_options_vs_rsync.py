@@ -782,10 +782,10 @@ def test_itemize_xattrs(h: Opts, dry: bool) -> None:
 @pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
 @pytest.mark.parametrize("delta", [300_000_000, -100_000_000, 900_000_000], ids=["+0.3s", "-0.1s", "next-second"])
 def test_sub_second_mtime_differences_as_rsync(h: Opts, tmp_path: Any, dry: bool, delta: int) -> None:
-    """rsync (default --modify-window=0) compares mtimes in whole seconds: a difference in the
-    fraction alone is not itemized (nor a file re-sent or a symlink touched), for files,
-    directories and symlinks; one crossing a second is. (Directories still get the source's
-    mtime to the ns, where rsync leaves one within the same second as it was.)"""
+    """rsync (default --modify-window=0) compares mtimes in whole seconds: a directory's or a
+    symlink's difference in the fraction alone is not itemized; one crossing a second is.
+    (Directories still get the source's mtime to the ns, where rsync leaves one within the same
+    second as it was; files are compared to the ns on purpose: test_sub_second_file_rewrite_is_sent.)"""
     base = T0 - T0 % S + 100_000_000  # x.1 s
     write(os.path.join(h.src, "f"), b"file", 0o644, base)
     write(os.path.join(h.src, "d", "g"), b"gee", 0o600, base)
@@ -796,7 +796,7 @@ def test_sub_second_mtime_differences_as_rsync(h: Opts, tmp_path: Any, dry: bool
     os.makedirs(tpl)
     cp_a(h.src, os.path.join(tpl, "dst"))  # each destination: the source as it is, to the ns
     h.prepare(tpl)
-    for p in ("f", "d/g", "lnk", "d", ""):
+    for p in ("lnk", "d", ""):
         os.utime(os.path.join(h.src, p), ns=(base + delta, base + delta), follow_symlinks=False)
     out = h.go("src/", "dst", ["-i", *(["-n"] if dry else [])], itemize_changes=True, dry_run=dry)
     for r in ("local", "pull"):
@@ -805,3 +805,43 @@ def test_sub_second_mtime_differences_as_rsync(h: Opts, tmp_path: Any, dry: bool
     assert bool(out["rsync"][1]) == (delta == 900_000_000)  # the scenario: only a new second shows
     if not dry:
         h.check(ignore_mtime=("dst", "dst/d"))
+
+
+def test_sub_second_file_rewrite_is_sent(tmp_path: Any) -> None:
+    """A deliberate difference from rsync: a same-size file rewritten within the second keeps a
+    whole-second mtime rsync cannot tell apart, and rsync leaves the old content; tb5sync
+    compares files to the ns and sends it (``>f..t......``)."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    base = T0 - T0 % S + 100_000_000
+    write(os.path.join(src, "f"), b"old!", 0o644, base)
+    tb5sync.sync(src + "/", dst)
+    write(os.path.join(src, "f"), b"new!", 0o644, base + 300_000_000)
+    st = tb5sync.sync(src + "/", dst, itemize_changes=True)
+    assert st.itemized == (">f..t...... f",) and slurp(os.path.join(dst, "f")) == b"new!"
+
+
+# ---- the order of -i's lines ---------------------------------------------------------------------
+
+
+def _nested_extras(dst: str) -> None:
+    for p in ("a/a1", "a/x/x1", "a/y/y1", "b/b1", "r1", "zz", "a/x/dd/q", "a/x/dd/e/q2", "b/old/o"):
+        write(os.path.join(dst, p), b"extra", 0o644, T0)
+    os.unlink(os.path.join(dst, "f"))
+    os.makedirs(os.path.join(dst, "f", "inside"))  # a directory the source's file replaces
+    write(os.path.join(dst, "f", "inside", "k"), b"k", 0o644, T0)
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_deletions_in_rsync_order(h: Opts, tmp_path: Any, dry: bool) -> None:
+    """--delete -i: the ``*deleting`` lines in rsync's order, compared as lists (not sorted):
+    directory by directory, depth first; within one, reversed file-list order, contents first."""
+    for p in ("f", "a/g", "a/x/h", "a/y/h", "b/i", "c/j"):
+        write(os.path.join(h.src, p), b"src", 0o644, T0)
+    freeze_dirs(h.src, T0)
+    _template(h, tmp_path, _nested_extras)
+    out = h.go("src/", "dst", ["-i", "--delete", *(["-n"] if dry else [])], itemize_changes=True, delete=True, dry_run=dry)
+    same_items(out)
+    ref = [ln for ln in out["rsync"][1] if ln.startswith("*deleting")]
+    assert len(ref) >= 12, ref
+    for r in ("local", "push", "pull"):
+        assert [ln for ln in out[r][1] if ln.startswith("*deleting")] == ref, r
