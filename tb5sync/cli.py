@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--stats", action="store_true", help="print transfer statistics")
     y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
     y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
-    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto", nargs="?", const="lz4",
+    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
                    help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always "
                         "(also --compress alone, as rsync's), none never")
     y.add_argument("-z", dest="compress", action="store_const", const="lz4", help="rsync's -z: --compress lz4")
@@ -256,8 +256,7 @@ def _rsync_aliases(y: argparse.ArgumentParser) -> None:
                    "(partial files are always kept)")
     for flag in ("--delete-before", "--delete-during", "--del", "--delete-delay", "--delete-after"):
         y.add_argument(flag, action="store_true", dest="delete",
-                       help=("accepted as --delete: tb5sync always deletes before it writes files "
-                             "(as rsync --delete-before)") if flag == "--delete-before" else argparse.SUPPRESS)
+                       help="as --delete: tb5sync always deletes before it writes files (as rsync --delete-before)")
 
 
 def _sync_usage_error(y: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -519,6 +518,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "sync" in argv:  # rsync's bare --compress (no value): lz4
+        argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
+                 else x) for i, x in enumerate(argv)]
     a, extras = parser.parse_known_args(argv)
     if a.command == "sync":
         if extras:  # an rsync option tb5sync does not take: one line naming it, not the usage

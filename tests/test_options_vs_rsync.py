@@ -689,7 +689,7 @@ def test_cli_takes_rsync_archive_spellings(tmp_path: Any) -> None:
     ref_names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size", "created "))]
     assert sorted(got.stdout.splitlines()) == sorted(ref_names)
     assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r"))
-    for flags in (["-rlptgoD"], ["-a", "-z", "-P", "-h", "--stats"], ["--archive", "--compress", "--partial", "--verbose"],
+    for flags in (["-rlptgoD"], ["-a", "-z", "-P", "-h", "--stats"], ["--archive", "--partial", "--verbose", "--compress"], ["--compress", "none", "-a"],
                   ["-aH", "--delete-after"], ["-a", "--delete-before"], ["--del"], ["--devices", "--specials"]):
         shutil.rmtree(str(tmp_path / "t"))
         p = _cli("sync", *flags, src + "/", str(tmp_path / "t"))
