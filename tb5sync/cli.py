@@ -160,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
                    help="an fsspec storage option for --upstream (repeatable)")
 
-    y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common])
-    y.add_argument("src", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
-    y.add_argument("dst", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
+    y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common], add_help=False)
+    y.set_defaults(sync_parser=y)
+    y.add_argument("--help", action="help", help="show this help message and exit (-h alone too, as rsync)")
+    y.add_argument("src", nargs="?", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
+    y.add_argument("dst", nargs="?", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
     y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
     y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
     y.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
@@ -172,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
     y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
     y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
-                   help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always, none never")
+                   help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always "
+                        "(also --compress alone, as rsync's), none never")
+    y.add_argument("-z", dest="compress", action="store_const", const="lz4", help="rsync's -z: --compress lz4")
     y.add_argument("--fsync", action="store_true",
                    help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
     y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
@@ -198,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--size-only", action="store_true", help="skip files that match in size, whatever their mtime")
     y.add_argument("--bwlimit", default=None, metavar="RATE",
                    help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
+
+    _rsync_aliases(y)
+    y.error = lambda message: _sync_usage_error(y, message)  # type: ignore[method-assign]
 
     l_ = sub.add_parser("ls", help="list a remote directory")
     l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
@@ -225,6 +232,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_store_parser(sub, common)
     return p
+
+
+#: rsync options ``sync`` accepts as no-ops: flag(s) -> why nothing is to be done.
+RSYNC_IMPLIED: dict[str, str] = {
+    "-a/--archive": "accepted: tb5sync always works as rsync -a (-rlptgoD, with -g/-o/-D as below)",
+    "-r/--recursive": "accepted: implied (directories are always copied recursively)",
+    "-l/--links": "accepted: implied (symlinks are copied as symlinks; -L copies what they point to)",
+    "-p/--perms": "accepted: implied (permissions are always copied)",
+    "-t/--times": "accepted: implied (modification times are always copied)",
+    "-g/--group": "accepted, but owner and group are not copied: entries belong to the user running the receiver",
+    "-o/--owner": "accepted, but owner and group are not copied: entries belong to the user running the receiver",
+    "-D": "accepted, but devices, FIFOs and sockets are not copied: each is reported as a skipped non-regular file",
+    "--devices": "as -D",
+    "--specials": "as -D",
+    "--partial": "accepted: implied (an interrupted file's verified part is always kept, in the state directory, "
+                 "and resumed by the next run)",
+}
+
+
+def _rsync_aliases(y: argparse.ArgumentParser) -> None:
+    """The rsync flags ``sync`` accepts besides its own (``-a`` and its parts, ``-v``, ``-h``, ``-P``, ``--delete-*``)."""
+    for flags, what in RSYNC_IMPLIED.items():
+        y.add_argument(*flags.split("/"), action="store_true", dest="rsync_implied", help=what)
+    y.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="list the changed names as rsync -v does (deletions as 'deleting PATH'); more log output too, "
+                        "as the global -v")
+    y.add_argument("-h", "--human-readable", action="store_true", dest="human_readable",
+                   help="accepted: --stats always prints sizes with units (KiB, MiB...); -h alone shows this help, as rsync")
+    y.add_argument("-P", action="store_true", dest="progress", help="rsync's --partial --progress: the progress bar "
+                   "(partial files are always kept)")
+    for flag in ("--delete-before", "--delete-during", "--del", "--delete-delay", "--delete-after"):
+        y.add_argument(flag, action="store_true", dest="delete",
+                       help="as --delete: tb5sync always deletes before it writes files (as rsync --delete-before)")
+
+
+def _sync_usage_error(y: argparse.ArgumentParser, message: str) -> NoReturn:
+    """``sync``'s argument errors: one line, an unknown letter in a group of rsync flags (``-aA``) named."""
+    import re
+
+    m = re.search(r"ignored explicit argument '(.)", message)
+    if m:
+        message = _unsupported_sync_options([f"-{m.group(1)}"])
+    y.exit(2, f"tb5sync: error: {message}\n")
+
+
+def _unsupported_sync_options(extras: list[str]) -> str:
+    """The one-line message for arguments ``sync`` does not know (``extras`` as argparse left them)."""
+    opts = [x for x in extras if x.startswith("-") and x != "-"]
+    if not opts:
+        return f"unexpected argument {extras[0]!r} (tb5sync sync takes SRC and DST only)"
+    return (f"rsync option {opts[0].split('=', 1)[0]} is not supported by tb5sync sync "
+            "(see tb5sync sync --help for the options it takes)")
 
 
 def _http_cache_options(q: argparse.ArgumentParser) -> None:
@@ -315,6 +374,21 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _verbose_names(itemized: Sequence[str]) -> list[str]:
+    """What rsync ``-v`` lists of a run whose ``-i`` lines are ``itemized``: each entry created, file
+    sent, symlink or hard link changed and directory touched (``deleting PATH`` for deletions), without
+    the change codes; a file whose attributes alone changed is not listed (rsync's "significant" items,
+    as :func:`tb5sync.plan.dry_run_changes` lists them for ``-n``)."""
+    out = []
+    for line in itemized:
+        code, path = line[:11], line[12:]
+        if code == "*deleting":
+            out.append(f"deleting {path}")
+        elif code[0] in "c<>h" or code[1] == "d":
+            out.append(path)
+    return out
+
+
 def _cmd_sync(a: argparse.Namespace) -> int:
     from .options import LINK_OPTIONS
     from .sync import sync
@@ -335,6 +409,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     from .errors import PartialTransferError
 
     partial: PartialTransferError | None = None
+    names = bool(a.verbose) and not a.itemize_changes and not a.dry_run and not a.json  # rsync -v's list
     try:
         stats = sync(
             a.src,
@@ -354,7 +429,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             tls_ca=a.tls_ca,
             delete_excluded=a.delete_excluded,
             max_delete=None if a.max_delete is None else max(0, a.max_delete),  # rsync: a negative N is 0
-            itemize_changes=a.itemize_changes,
+            itemize_changes=a.itemize_changes or names,
             update=a.update,
             ignore_existing=a.ignore_existing,
             size_only=a.size_only,
@@ -382,7 +457,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             out["changes"] = changes
         print(json.dumps(out))
     else:
-        for line in stats.itemized:  # -i: rsync's lines, dry run or not
+        for line in (_verbose_names(stats.itemized) if names else stats.itemized):  # -i: rsync's lines, dry run or not
             print(line)
         if changes is not None:  # -n: the change list, as rsync -n -v lists it
             if "lines" in changes:
@@ -459,7 +534,21 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
     parser = build_parser()
-    a = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "sync" in argv:  # rsync's bare --compress (no value): lz4
+        argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
+                 else x) for i, x in enumerate(argv)]
+    a, extras = parser.parse_known_args(argv)
+    if a.command == "sync":
+        if extras:  # an rsync option tb5sync does not take: one line naming it, not the usage
+            parser.exit(2, f"tb5sync: error: {_unsupported_sync_options(extras)}\n")
+        if a.src is None or a.dst is None:
+            if a.human_readable and a.src is None:  # rsync -h alone: the help
+                a.sync_parser.print_help()
+                return 0
+            parser.exit(2, "tb5sync: error: tb5sync sync needs SRC and DST\n")
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     level = logging.WARNING - 10 * min(a.verbose, 2)
     logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
     from .errors import Tb5syncError

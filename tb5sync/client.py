@@ -7,6 +7,7 @@ Blocking calls (threads do the parallel work); an async caller wraps them with
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import statistics
 import threading
@@ -26,6 +27,8 @@ from .protocol import FrameType, decode_data
 from .rpc import Requester, open_session, reply_of, serve
 from .transport import IO_TIMEOUT, Channel, dial
 from .urls import Remote, parse_url, token_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .receiver import ProgressFn
@@ -302,12 +305,18 @@ def push(
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
     fields = {k: v for k, v in stats.items()
-              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized")}
+              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized", "warnings")}
     itemized = stats.get("itemized", [])
     if not (isinstance(itemized, list) and all(isinstance(x, str) for x in itemized)):
         raise RemoteProtocolError("the server's itemized changes are malformed")
     # rsync's sending side shows a transferred file as sent: "<f", where the receiver shows ">f"
     fields["itemized"] = tuple("<" + x[1:] if x.startswith(">") else x for x in itemized)
+    warnings = stats.get("warnings", [])  # absent from an older server's statistics
+    if not (isinstance(warnings, list) and all(isinstance(x, str) for x in warnings)):
+        raise RemoteProtocolError("the server's warnings are malformed")
+    for w in warnings:  # the server's warning, shown here as a local run shows it
+        log.warning("%s", w)
+    fields["warnings"] = tuple(warnings)
     skipped = stats.get("skipped", [])
     if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
         raise RemoteProtocolError("the server's skipped entries are malformed")

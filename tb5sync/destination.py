@@ -901,6 +901,29 @@ class Destination:
         finally:
             os.close(fd)
 
+    @_names_path
+    def get_xattrs(self, rel: str, is_dir: bool) -> list[tuple[bytes, bytes]]:
+        """``-X -i``: the copied extended attributes of the file or directory ``rel`` now, as
+        ``(name, value)`` sorted by name (``[]`` for an entry that is not a regular file or directory).
+
+        Raises
+        ------
+        PathError
+            A directory on the way is a symlink.
+        OSError
+            It cannot be opened or listed.
+        """
+        from ._fsmeta import list_xattrs
+
+        if is_dir:
+            return list_xattrs(self.dir_fd(rel))
+        dfd, name = self.parent(rel)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dfd)
+        try:
+            return list_xattrs(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else []
+        finally:
+            os.close(fd)
+
     # ---- large files' work files --------------------------------------------------------
     def _partial_dir(self) -> int:
         """Descriptor of the state's ``partial/`` directory: through the jail when the state lives

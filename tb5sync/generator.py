@@ -483,6 +483,31 @@ class Generator:
                 dest.fail(e.path, "destination", exc)
                 dest.failed_dirs.add(e.path)
 
+    def itemize_xattrs(self, items: list[tuple[str, Entry]], src: Sequence[Entry]) -> list[tuple[str, Entry]]:
+        """``-X -i``: ``items`` with rsync's ``x`` column (the 11th) set for each existing file or
+        directory whose copied extended attributes differ from the source's, read before anything
+        is changed; one changed in nothing else gets its own line (``.f........x f``,
+        ``.d........x ./``), in source order. A new entry (``+++``) or one that cannot be read is
+        left as it is."""
+        from ._fsmeta import copied_name
+
+        dest = self.destination
+        code_of = {e.path: c for c, e in items if c != "*deleting"}
+        out = [(c, e) for c, e in items if c == "*deleting"]
+        for e in src:
+            code = code_of.get(e.path)
+            if e.kind != LINK and (code is None or "+" not in code):
+                want = sorted((n, v) for n, v in self.src_xattrs.get(e.path, []) if copied_name(n))
+                try:
+                    have = dest.get_xattrs(e.path, e.kind == DIR)
+                except (OSError, PathError):
+                    have = want
+                if have != want:
+                    code = (code or "." + ("d" if e.kind == DIR else "f") + ".........")[:10] + "x"
+            if code is not None:
+                out.append((code, e))
+        return out
+
     def apply_xattrs(self, src: Sequence[Entry]) -> None:
         """``-X``: give every file and directory of ``src`` the source's extended attributes (set
         those that differ, remove the others; rsync's rule). One that cannot be set is the
@@ -540,7 +565,7 @@ class Generator:
                 continue
             try:
                 dest.chmod(e.path, e.mode)
-                dest.utime(e.path, e.mtime_ns)
+                dest.utime(e.path, e.mtime_ns)  # to the ns (rsync leaves one within the same second as it is)
             except OSError as exc:
                 if isinstance(exc, Tb5syncError) and not isinstance(exc, PathError):
                     raise

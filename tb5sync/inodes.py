@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 from ._paths import Jail
 from .destination import Destination
-from .entry import FILE, Entry
+from .entry import DIR, FILE, LINK, Entry
 from .errors import PathError, Tb5syncError
 from .options import SyncOptions
+from .plan import _attrs as attrs_code
 
-__all__ = ["LinkDest", "link_groups"]
+__all__ = ["LinkDest", "link_groups", "itemize_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class LinkDest:
         transfer_dir = os.path.dirname(base) if named else base
         self.prefix = os.path.basename(base) if named else ""
         self.jails: list[Jail] = []
+        #: rsync's "--link-dest arg does not exist: DIR" of each directory left out (a server's reach its client)
+        self.warnings: list[str] = []
         try:
             for d in options.link_dest:
                 full = os.path.normpath(os.path.join(transfer_dir, d))
@@ -73,7 +76,8 @@ class LinkDest:
                     else:
                         self.jails.append(Jail(os.path.realpath(full)))
                 except (FileNotFoundError, NotADirectoryError):
-                    log.warning("--link-dest arg does not exist: %s", d)
+                    self.warnings.append(f"--link-dest arg does not exist: {d}")
+                    log.warning("%s", self.warnings[-1])
         except BaseException:
             self.close()
             raise
@@ -109,6 +113,58 @@ class LinkDest:
                     return True
         return False
 
+    def _alt(self, e: Entry) -> tuple[int, Entry] | None:
+        """rsync's best match for the new entry ``e`` (a file, directory or symlink) among the directories (``try_dests_reg`` /
+        ``try_dests_non`` in generator.c): ``(level, entry there)``, level 1 for the first of the same
+        type, 2 for the first a file's quick check (size and mtime) passes, 3 for the first with every
+        attribute equal (linked as it is); None when no directory holds one of that type."""
+        rel = "/".join(p for p in (self.prefix, e.path) if p)
+        head, _, name = rel.rpartition("/")
+        best: tuple[int, Entry] | None = None
+        for j in self.jails:
+            try:
+                if e.kind == DIR:
+                    st = os.stat(j.dir_fd(rel))
+                else:
+                    st = os.stat(name, dir_fd=j.dir_fd(head), follow_symlinks=False)
+            except (OSError, PathError):
+                continue
+            if stat.S_IFMT(st.st_mode) != {DIR: stat.S_IFDIR, LINK: stat.S_IFLNK}.get(e.kind, stat.S_IFREG):
+                continue
+            there = e._replace(size=st.st_size if e.kind == FILE else e.size, mtime_ns=st.st_mtime_ns,
+                               mode=stat.S_IMODE(st.st_mode) if e.kind != LINK else e.mode,
+                               target=os.readlink(name, dir_fd=j.dir_fd(head)) if e.kind == LINK else e.target)
+            level = 1
+            if e.kind == FILE and there.size == e.size and there.mtime_ns == e.mtime_ns:
+                level = 2
+            if (there.mtime_ns == e.mtime_ns and there.mode == e.mode and there.target == e.target
+                    and (e.kind != FILE or level == 2)):
+                return 3, there
+            if best is None or level > best[0]:
+                best = (level, there)
+        return best
+
+    def itemize(self, items: Sequence[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
+        """The plan's ``-i`` items as rsync shows them with ``--link-dest``: a new file or directory
+        that a directory holds with every attribute equal is not listed (linked, or made as it is);
+        one held with other attributes is shown against that copy (``cf...p.....`` for a file whose
+        quick check passes, ``>f.s.......`` for one sent, ``cd..t......`` for a directory), as
+        rsync 3.x prints it; anything else is unchanged."""
+        out: list[tuple[str, Entry]] = []
+        for code, e in items:
+            alt = self._alt(e) if code in ("cd+++++++++", ">f+++++++++", "cL+++++++++") else None
+            if alt is not None:
+                level, there = alt
+                if level == 3:
+                    continue
+                if e.kind == LINK:  # another target, or the same one with another mtime
+                    code = attrs_code("cLc" if there.target != e.target else "cL.", there, e, size=False, mode=False)
+                else:
+                    code = attrs_code("cd." if e.kind == DIR else ("cf." if level == 2 else ">f."), there, e,
+                                      size=e.kind == FILE)
+            out.append((code, e))
+        return out
+
     def take(self, files: Sequence[Entry]) -> list[Entry]:
         """Link what can be linked of ``files``; returns the rest (to be fetched). A link that fails
         is the entry's destination failure (the run goes on)."""
@@ -140,4 +196,35 @@ def link_groups(groups: dict[str, int], files: Sequence[Entry]) -> dict[str, str
         first = leader.setdefault(g, e.path)
         if first != e.path:
             out[e.path] = first
+    return out
+
+
+def _rsync_order(path: str) -> tuple[tuple[int, bytes], ...]:
+    """The sort key of a file's ``path`` in rsync's file list: in each directory its files (by
+    name, bytewise) before its subdirectories (``f_name_cmp`` in rsync's flist.c)."""
+    parts = path.split("/")
+    return (*((1, os.fsencode(p)) for p in parts[:-1]), (0, os.fsencode(parts[-1])))
+
+
+def itemize_groups(items: Sequence[tuple[str, Entry]], groups: dict[str, int]) -> list[tuple[str, Entry]]:
+    """``-H -i``: ``items`` as rsync shows a hard-link group's new paths: the group's last path in
+    rsync's file-list order (:func:`_rsync_order`) as any file (``>f+++++++++ b/g``), each other
+    one as linked to it (``hf+++++++++ h.tmp => b/g``: the code ``hf+++++++++``, the entry's
+    ``target`` the path it is linked to, shown by :func:`tb5sync.plan.itemize_lines`).
+
+    ``groups`` maps a source path to its group number (as for :func:`link_groups`). rsync
+    (3.x, hlink.c) writes that last path and links the others to it; here the first is written
+    and the others linked to it: the result, one inode, is the same.
+    """
+    members: dict[int, list[str]] = {}
+    for p, g in groups.items():
+        members.setdefault(g, []).append(p)
+    leader = {g: max(ps, key=_rsync_order) for g, ps in members.items()}
+    out: list[tuple[str, Entry]] = []
+    for code, e in items:
+        g = groups.get(e.path)
+        if g is not None and e.kind == FILE and code == ">f+++++++++" and leader[g] != e.path:
+            out.append(("hf+++++++++", e._replace(target=leader[g])))
+        else:
+            out.append((code, e))
     return out

@@ -356,6 +356,9 @@ class SyncStats:
     itemized : tuple of str
         With ``itemize``: rsync ``--itemize-changes`` lines (``">f+++++++++ path"``,
         ``"*deleting   path"``, ...), paths relative to the transfer root as rsync prints them.
+    warnings : tuple of str
+        Warnings of the receiving side that are not failures, in rsync's words (``"--link-dest
+        arg does not exist: DIR"``); also logged where they arise, and by a client for its server's.
     """
 
     files_total: int = 0
@@ -372,6 +375,7 @@ class SyncStats:
     skipped: tuple[tuple[str, str], ...] = ()
     deletes_skipped: int = 0
     itemized: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:

@@ -6,13 +6,14 @@ No I/O here: the inputs are manifests, the output a :class:`Plan`.
 from __future__ import annotations
 
 import unicodedata
+from typing import Any
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .entry import DIR, FILE, LINK, Entry, show_path
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold"]
+__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold", "same_time", "rsync_item_order"]
 
 @dataclass
 class Plan:
@@ -95,8 +96,10 @@ def plan_sync(
     Returns
     -------
     Plan
-        Quick check (rsync's): a regular file is unchanged when size and mtime_ns
-        are equal; in checksum mode, when size and content digest are equal.
+        Quick check (rsync's): a regular file is unchanged when size and mtime_ns are equal
+        (to the ns: a file rewritten within the second of the last run is sent, where rsync, which
+        compares whole seconds, would miss it); a directory's or symlink's mtime is compared in
+        whole seconds (:func:`same_time`), as rsync does; in checksum mode, when size and content digest are equal.
         An entry whose type differs is deleted first, then recreated.
     """
     src = list(src)
@@ -143,7 +146,7 @@ def plan_sync(
             else:
                 if d.mode != e.mode:
                     plan.meta.append(e)
-                if d.mode != e.mode or d.mtime_ns != e.mtime_ns:
+                if d.mode != e.mode or not same_time(d.mtime_ns, e.mtime_ns):
                     item(_attrs(".d", d, e, size=False), e)
         elif e.kind == LINK:
             if d is None or d.target != e.target:
@@ -154,7 +157,7 @@ def plan_sync(
                     item("cL+++++++++", e)
                 plan.links.append(e)
             else:
-                if d.mtime_ns != e.mtime_ns:
+                if not same_time(d.mtime_ns, e.mtime_ns):
                     plan.meta.append(e)
                     item(_attrs(".L.", d, e, size=False, mode=False), e)
                 plan.unchanged += 1
@@ -201,7 +204,7 @@ def plan_sync(
     _refuse_nonempty_replacements(plan, have, src_paths)
     if itemize:
         refused = {p for p, _ in plan.refused}
-        plan.items = [("*deleting", d) for d in plan.delete if d.path not in src_paths]
+        plan.items = [("*deleting", d) for d in _deletion_order([d for d in plan.delete if d.path not in src_paths], have, src)]
         plan.items += [(c, e) for c, e in items if e.path not in refused]
     return plan
 
@@ -253,15 +256,91 @@ def _below(path: str, tops: list[str]) -> bool:
     return any(path.startswith(t + "/") if t else path != "" for t in tops)
 
 
+def _secs(mtime_ns: int) -> int:
+    """Whole seconds of ``mtime_ns`` (floored, as ``st_mtim.tv_sec``)."""
+    return mtime_ns // 1_000_000_000
+
+
+def same_time(a_ns: int, b_ns: int) -> bool:
+    """Whether two mtimes (ns) are the same to rsync: in the same whole second (its default
+    ``--modify-window=0`` "matches just integer seconds", rsync(1)). Used for directories and
+    symlinks (attributes alone: a difference in the fraction is not itemized, as in rsync);
+    regular files are compared to the ns, so that a same-size rewrite within one second is sent."""
+    return _secs(a_ns) == _secs(b_ns)
+
+
 def _attrs(head: str, d: Entry, e: Entry, *, size: bool = True, mode: bool = True) -> str:
     """rsync's ``YXcstpoguax`` for an existing entry ``d`` becoming ``e``: ``head`` gives the first
     characters (``YX`` and, when given, ``c``), then ``s``, ``t`` and ``p`` where they differ (and are
     asked for); owner, group, atime, ACL and xattr columns stay ``.`` (not synced)."""
     code = head if len(head) == 3 else head + "."
     code += "s" if size and d.size != e.size else "."
-    code += "t" if d.mtime_ns != e.mtime_ns else "."
+    code += "t" if (d.mtime_ns != e.mtime_ns if e.kind == FILE else not same_time(d.mtime_ns, e.mtime_ns)) else "."
     code += "p" if mode and d.mode != e.mode else "."
     return code + "....."
+
+
+def rsync_item_order(items: list[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
+    """``items`` (``Plan.items``) in the order rsync ``-i`` lists them where that order does not
+    depend on timing: deletions first (in their order, :func:`_deletion_order`), then depth
+    first from the base: each directory, its non-directories by name, then its subdirectories by
+    name (rsync's file-list order); a hard link's ``hf`` lines last, as rsync prints them once
+    the group's file is written. (rsync prints a sent file's line when it is sent, so those
+    lines and a changed directory's may come in another order between runs.)"""
+    def key(item: tuple[str, Entry]) -> tuple[Any, ...]:
+        code, e = item
+        parts = [c.encode("utf-8", "surrogateescape") for c in e.path.split("/")] if e.path else []
+        if e.kind == DIR:
+            path = tuple((1, c) for c in parts)
+        else:
+            path = (*((1, c) for c in parts[:-1]), (0, parts[-1]))
+        if code == "*deleting":
+            return (-1, ())  # stable: their own order
+        return (1 if code.startswith("h") else 0, path)
+
+    return sorted(items, key=key)
+
+
+def _deletion_order(dels: list[Entry], have: dict[str, Entry], src: list[Entry]) -> list[Entry]:
+    """``dels`` (entries missing at the source) in the order rsync ``--delete`` (during) lists
+    them, as rsync 3.x here shows it: directory by directory, depth first from the base (each
+    one's extraneous entries, then those inside an entry the source replaces by a non-directory,
+    then its subdirectories by name); within one directory in reverse file-list order (files
+    before directories, by name, reversed), a directory's contents before it."""
+    extraneous = {d.path: d for d in dels}
+    kids: dict[str, list[str]] = {}
+    for p in extraneous:
+        kids.setdefault(p.rpartition("/")[0], []).append(p)
+    src_kids: dict[str, list[Entry]] = {}
+    for e in src:
+        if e.path:
+            src_kids.setdefault(e.path.rpartition("/")[0], []).append(e)
+
+    def flist(p: str, kind: str) -> tuple[bool, bytes]:
+        return kind == DIR, p.rpartition("/")[2].encode("utf-8", "surrogateescape")
+
+    order: list[Entry] = []
+
+    def delete_in(dir_path: str) -> None:
+        for p in sorted(kids.get(dir_path, ()), key=lambda q: flist(q, extraneous[q].kind), reverse=True):
+            if extraneous[p].kind == DIR:
+                delete_in(p)
+            order.append(extraneous[p])
+
+    def visit(dir_path: str) -> None:
+        delete_in(dir_path)
+        entries = sorted(src_kids.get(dir_path, ()), key=lambda e: flist(e.path, e.kind))
+        for e in entries:
+            d = have.get(e.path)
+            if e.kind != DIR and d is not None and d.kind == DIR:
+                delete_in(e.path)  # making room: what is inside the directory a file replaces
+        for e in entries:
+            if e.kind == DIR:
+                visit(e.path)
+
+    visit("")
+    seen = {d.path for d in order}
+    return order + [d for d in dels if d.path not in seen]  # below a directory whose list was not fetched
 
 
 def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: int) -> None:
@@ -385,7 +464,7 @@ def dry_run_changes(plan: Plan, src: list[Entry], root_name: str = "") -> dict[s
     transfer = sorted({e.path for e in (*plan.mkdirs, *plan.files, *plan.links) if e.path}, key=_source_order(src))
     out = {"transfer": transfer, "delete": [d.path for d in plan.delete]}
     if plan.items:
-        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>" or e.kind == DIR]
+        shown = [(c, e) for c, e in plan.items if c[0] in "*c<>h" or e.kind == DIR]
         out["lines"] = [("deleting " if c == "*deleting" else "") + line[12:]
                         for (c, _), line in zip(shown, itemize_lines(shown, root_name))]
     return out
@@ -402,7 +481,8 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
     Paths are shown as rsync shows them: relative to the transfer root (``root_name``, the
     source's name when it had no trailing slash, before each path; the base itself as
     ``root_name`` or ``.``), directories with a trailing ``/``, symlinks with ``-> target``;
-    names that are not valid UTF-8 with ``\\xNN`` escapes. A deletion is ``*deleting`` padded to
+    names that are not valid UTF-8 with ``\\xNN`` escapes; a hard link (``hf``, ``-H``) with ``=> PATH``
+    it is linked to (the entry's ``target``). A deletion is ``*deleting`` padded to
     11 characters. In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
     the sending side.
     """
@@ -416,6 +496,8 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
         line = f"{code:<11} {show_path(path)}"
         if e.kind == LINK and code != "*deleting":
             line += f" -> {show_path(e.target or '')}"
+        elif code.startswith("h") and e.target:  # -H: the path it is linked to, as rsync shows it
+            line += " => " + show_path(f"{root_name}/{e.target}" if root_name else e.target)
         if push and code.startswith(">"):
             line = "<" + line[1:]
         out.append(line)

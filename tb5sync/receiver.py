@@ -40,6 +40,7 @@ Invariants kept here (see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -231,6 +232,9 @@ class Receiver:
         #: the small-file batch handed to the writer thread and not settled yet (:meth:`_settle_small`)
         self._unsettled: _Written | None = None
         self.listing_limits = listing_limits
+        #: what the run warns of besides failures (rsync's "--link-dest arg does not exist: DIR"):
+        #: in ``SyncStats.warnings``, so a server's reach its client
+        self.warnings: list[str] = []
 
     # ---- entry point ------------------------------------------------------------------
     def run(self) -> SyncStats:
@@ -260,18 +264,36 @@ class Receiver:
             else scan_in_background(self.dest, self.options.dest_rules, unlock=not self.options.dry_run)
         )
         generator = Generator(self.link, self.destination, self.options, self.params, self.listing_limits)
+        ld = None
         try:
             planned = generator.make_plan(dst_fut)
             if self.fresh_base:
                 items = planned.plan.items
                 planned.plan.items = [("cd+++++++++", e) if e.path == "" and e.kind == DIR else (c, e) for c, e in items]
+            if self.options.link_dest:  # rsync --link-dest: opened (and checked against a server's ROOT) before any change
+                from .inodes import LinkDest
+
+                ld = LinkDest(self.destination, self.options, self.link_dest_root)
+                self.warnings.extend(ld.warnings)
+                if planned.plan.items:  # -i / -n show new entries against the directories' copies, as rsync
+                    planned.plan.items = ld.itemize(planned.plan.items)
+            if planned.plan.items and self.options.hard_links:  # rsync -H -i: "hf+++++++++ p => leader"
+                from .inodes import itemize_groups
+
+                planned.plan.items = itemize_groups(planned.plan.items, generator.src_hardlinks)
+            if (self.options.itemize or self.options.dry_run) and self.options.xattrs:  # rsync -X -i: the x column, read before any change
+                planned.plan.items = generator.itemize_xattrs(planned.plan.items, planned.src)
+            if planned.plan.items:
+                from .plan import rsync_item_order
+
+                planned.plan.items = rsync_item_order(planned.plan.items)
             if self.options.dry_run:
-                return generator.dry_run(planned, t0)
+                return dataclasses.replace(generator.dry_run(planned, t0), warnings=tuple(self.warnings))
             try:
                 self.destination.remove_stale(planned.temps)
                 if self.state is not None:
                     self.state.prune_partials()
-                self._apply(generator, planned)
+                self._apply(generator, planned, ld)
                 self.destination.sync_dirs()
             except PermissionError as exc:
                 if isinstance(exc, Tb5syncError):
@@ -286,6 +308,8 @@ class Receiver:
             finally:
                 self.destination.flush_records()
         finally:
+            if ld is not None:
+                ld.close()
             self.destination.relock()
             self.destination.close()
         return SyncStats(
@@ -297,31 +321,20 @@ class Receiver:
             skipped=tuple(self.destination.specials),
             deletes_skipped=planned.plan.deletes_skipped,
             itemized=generator.itemized(planned),
+            warnings=tuple(self.warnings),
             **self.destination.stats,
         )
 
-    def _apply(self, generator: Generator, planned: Planned) -> None:
+    def _apply(self, generator: Generator, planned: Planned, ld: Any = None) -> None:
         """Apply ``planned``: the generator's deletions and directories, the files' data, then symlinks, modes and mtimes.
 
         Small files (below :data:`SMALL_FILE`) are fetched first, in batches; then each large
         file, one after another. With ``--link-dest`` files identical in a DIR are linked first,
         with ``-H`` each hard-link group's other paths are linked to its first once that is written.
 
-        Raises
-        ------
-        PathError
-            A ``--link-dest`` directory outside a server's ROOT (before anything is changed).
+        ``ld`` is the open ``--link-dest`` directories (a :class:`~tb5sync.inodes.LinkDest`), or None.
         """
-        ld = None
-        if self.options.link_dest:  # rsync --link-dest: opened (and checked against a server's ROOT) before any change
-            from .inodes import LinkDest
-
-            ld = LinkDest(self.destination, self.options, self.link_dest_root)
-        try:
-            self._apply_plan(generator, planned, ld)
-        finally:
-            if ld is not None:
-                ld.close()
+        self._apply_plan(generator, planned, ld)
 
     def _apply_plan(self, generator: Generator, planned: Planned, ld: Any) -> None:
         """:meth:`_apply` once the ``--link-dest`` directories (``ld``, a :class:`~tb5sync.inodes.LinkDest` or None) are open."""

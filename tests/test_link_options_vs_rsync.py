@@ -452,6 +452,27 @@ def test_link_dest_missing_dir_copies(tmp_path: Any) -> None:
     assert os.stat(str(tmp_path / "snap" / "a")).st_nlink == 1
 
 
+@pytest.mark.parametrize("route", ["local", "push", "pull"])
+def test_link_dest_missing_dir_warned_on_every_route(tmp_path: Any, server: Any, route: str) -> None:
+    """rsync's "--link-dest arg does not exist: ../nope" reaches the user on every route: a push's
+    comes from the server, in its statistics (``SyncStats.warnings``), printed by the client."""
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "a"), b"a", 0o644, T0)
+    ref = subprocess.run(["rsync", "-a", "--link-dest=../nope", src + "/", str(tmp_path / "r")], capture_output=True,
+                         text=True, timeout=100, check=True)
+    assert re.search(r"^--link-dest arg does not exist: .*\.\./nope$", ref.stderr, re.M), ref.stderr
+    want = "--link-dest arg does not exist: ../nope"  # as given (rsync: from /, which a server's would reveal)
+    if route == "pull":
+        os.makedirs(os.path.join(server.root, "pullsrc"))
+        write(os.path.join(server.root, "pullsrc", "a"), b"a", 0o644, T0)
+    a = {"local": src + "/", "push": src + "/", "pull": server.url("pullsrc/")}[route]
+    b = {"local": str(tmp_path / "t"), "push": server.url("snap"), "pull": str(tmp_path / "t")}[route]
+    p = cli(["sync", "--link-dest=../nope", a, b])
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count(want) == 1, p.stderr
+    assert tb5sync.sync(a, b, link_dest=["../nope"]).warnings == (want,)
+
+
 # ---- API, CLI and wire -----------------------------------------------------------------------
 
 

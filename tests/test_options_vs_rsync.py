@@ -634,3 +634,214 @@ def test_property_options_local_equal_rsync(src_items: list[Any], dst_items: lis
         assert_same(digest_snapshot(ref, kept), digest_snapshot(mine, kept), "local")
         if code != 23:  # where an entry failed, rsync may still itemize it
             assert sorted(st_.itemized) == sorted(items_of(_unescape(proc.stdout))), proc.stdout
+
+
+# ---- -i / -n with --link-dest ------------------------------------------------------------------
+
+
+def _snapshot_changes(base: str) -> None:
+    """Against the previous snapshot: a mode alone (rsync copies it locally: ``cf``), a size, an
+    mtime, a new file, a new directory, a directory's mtime; the rest unchanged (linked)."""
+    os.chmod(os.path.join(base, "a.txt"), 0o600)
+    write(os.path.join(base, "b.txt"), b"BRAVO, longer", 0o644, T0 + 2 * S)
+    os.utime(os.path.join(base, "d", "c.txt"), ns=(T0, T0 + 9 * S))
+    write(os.path.join(base, "new.txt"), b"new", 0o644, T0)
+    write(os.path.join(base, "newdir", "n.txt"), b"n", 0o644, T0)
+    freeze_dirs(base, T0 + 7 * S)
+    os.utime(os.path.join(base, "d"), ns=(T0, T0 + 30 * S))
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_link_dest_shows_only_what_changed(h: Opts, dry: bool) -> None:
+    """With --link-dest, rsync -i leaves out what it links and shows the rest against the
+    snapshot's copy (``>f.s.......``, ``cf...p.....``, ``cd..t......``), not as created."""
+    _small_tree(h.src)
+    freeze_dirs(h.src, T0 + 7 * S)
+    h.go("src/", "snap1", [], link_dest=[])
+    _snapshot_changes(h.src)
+    out = h.go("src/", "snap2", ["-i", "--link-dest=../snap1", *(["-n"] if dry else [])],
+               itemize_changes=True, link_dest=["../snap1"], dry_run=dry)
+    same_items(out)
+    assert not any(ln.endswith(" e/deep.bin") for ln in out["local"][1])  # linked: not listed
+    if not dry:
+        st = tb5sync.sync(h.src + "/", os.path.join(h.dp["local"], "snap3"), link_dest=["../snap1"], dry_run=True)
+        assert st.extra["changes"]["lines"] == [ln[12:] for ln in out["local"][1]]  # -n lists the same
+
+
+# ---- rsync's spelling on the command line ------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True,
+                          timeout=100, check=False)
+
+
+def test_cli_takes_rsync_archive_spellings(tmp_path: Any) -> None:
+    """``-av``, ``-rlptgoD``, ``-z``, ``-P``, ``-h``, ``--delete-after``: accepted, and the tree is
+    the one ``rsync -a`` makes; ``-v`` lists what rsync -v lists."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    settle(src)
+    ref = subprocess.run(["rsync", "-av", src + "/", str(tmp_path / "r")], capture_output=True, text=True,
+                         timeout=100, check=True)
+    got = _cli("sync", "-av", src + "/", str(tmp_path / "t"))
+    assert got.returncode == 0, got.stderr
+    ref_names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size", "created "))]
+    assert sorted(got.stdout.splitlines()) == sorted(ref_names)
+    assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r"))
+    for flags in (["-rlptgoD"], ["-a", "-z", "-P", "-h", "--stats"], ["--archive", "--partial", "--verbose", "--compress"], ["--compress", "none", "-a"],
+                  ["-aH", "--delete-after"], ["-a", "--delete-before"], ["--del"], ["--devices", "--specials"]):
+        shutil.rmtree(str(tmp_path / "t"))
+        p = _cli("sync", *flags, src + "/", str(tmp_path / "t"))
+        assert p.returncode == 0, (flags, p.stderr)
+        assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r")), flags
+
+
+def test_cli_delete_aliases_delete(tmp_path: Any) -> None:
+    """``--delete-after`` (and its kin) delete as rsync's do."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    for flag in ("--delete-after", "--delete-before", "--delete-during", "--delete-delay", "--del"):
+        for d in ("r", "t"):
+            write(str(tmp_path / d / "extra.txt"), b"x", 0o644, T0)
+        subprocess.run(["rsync", "-a", flag, src + "/", str(tmp_path / "r")], timeout=100, check=True)
+        p = _cli("sync", flag, src + "/", str(tmp_path / "t"))
+        assert p.returncode == 0, p.stderr
+        assert not os.path.exists(str(tmp_path / "r" / "extra.txt"))
+        assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r")), flag
+
+
+@pytest.mark.parametrize("args, named", [(["--hard-links-x"], "--hard-links-x"), (["-aA"], "-A"),
+                                         (["--chown=a:b"], "--chown"), (["-avq"], "-q"), (["-e", "ssh"], "-e")])
+def test_cli_unknown_rsync_option_one_line(tmp_path: Any, args: list[str], named: str) -> None:
+    """An rsync option tb5sync does not take: one line naming it, exit 2, nothing written."""
+    src = str(tmp_path / "src")
+    _small_tree(src)
+    p = _cli("sync", *args, src + "/", str(tmp_path / "t"))
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and named in p.stderr and "not supported" in p.stderr, p.stderr
+    assert "usage" not in p.stderr
+    assert not os.path.exists(str(tmp_path / "t"))
+
+
+def test_cli_h_alone_is_help() -> None:
+    p = _cli("sync", "-h")
+    assert p.returncode == 0 and "--link-dest" in p.stdout and "--human-readable" in p.stdout
+
+
+# ---- -i with -H and -X --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slash", [True, False], ids=["src-slash", "src-noslash"])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_hard_links(h: Opts, slash: bool, dry: bool) -> None:
+    """-H -i: a group's other paths as rsync shows them, ``hf+++++++++ a => d/e/c`` (linked to the
+    group's last path in rsync's file-list order), on a cold copy and a re-run adding a group."""
+    from test_link_options_vs_rsync import _hardlink_tree
+
+    _hardlink_tree(h.src)
+    spec = "src/" if slash else "src"
+    out = h.go(spec, "dst", ["-H", "-i", *(["-n"] if dry else [])], hard_links=True, itemize_changes=True, dry_run=dry)
+    same_items(out)
+    assert any(ln.startswith("hf+++++++++ ") and " => " in ln for ln in out["local"][1])
+    if dry:
+        return
+    write(os.path.join(h.src, "n1"), b"new group", 0o644, T0)
+    os.link(os.path.join(h.src, "n1"), os.path.join(h.src, "d", "e", "n2"))
+    os.link(os.path.join(h.src, "n1"), os.path.join(h.src, "n0"))
+    freeze_dirs(h.src, T0)
+    same_items(h.go(spec, "dst", ["-H", "-i"], hard_links=True, itemize_changes=True))
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_xattrs(h: Opts, dry: bool) -> None:
+    """-X -i: rsync's x column, on a line of its own for an entry changed in nothing else
+    (``.f........x f``, ``.d........x ./``) and with the other columns (``>f..t.....x``)."""
+    from test_link_options_vs_rsync import _xattr_tree
+
+    _xattr_tree(h.src)
+    try:
+        os.setxattr(h.sp, "user.probe", b"1")
+    except OSError:
+        pytest.skip("no user extended attributes on this file system")
+    same_items(h.go("src/", "dst", ["-X", "-i"], xattrs=True, itemize_changes=True))
+    os.setxattr(os.path.join(h.src, "f"), "user.colour", b"red")  # changed value
+    os.removexattr(os.path.join(h.src, "d"), "user.dir")  # removed, on a directory
+    os.setxattr(os.path.join(h.src, "plain"), "user.new", b"n")  # added
+    os.setxattr(h.src, "user.root", b"top2")  # the base
+    write(os.path.join(h.src, "d", "g"), b"other", 0o600, T0 + 3 * S)  # content rewritten, xattr lost
+    freeze_dirs(h.src, T0)
+    out = h.go("src/", "dst", ["-X", "-i", *(["-n"] if dry else [])], xattrs=True, itemize_changes=True, dry_run=dry)
+    same_items(out)
+    assert ".f........x f" in out["local"][1] and ".d........x ./" in out["local"][1]
+
+
+# ---- sub-second mtime differences ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("delta", [300_000_000, -100_000_000, 900_000_000], ids=["+0.3s", "-0.1s", "next-second"])
+def test_sub_second_mtime_differences_as_rsync(h: Opts, tmp_path: Any, dry: bool, delta: int) -> None:
+    """rsync (default --modify-window=0) compares mtimes in whole seconds: a directory's or a
+    symlink's difference in the fraction alone is not itemized; one crossing a second is.
+    (Directories still get the source's mtime to the ns, where rsync leaves one within the same
+    second as it was; files are compared to the ns on purpose: test_sub_second_file_rewrite_is_sent.)"""
+    base = T0 - T0 % S + 100_000_000  # x.1 s
+    write(os.path.join(h.src, "f"), b"file", 0o644, base)
+    write(os.path.join(h.src, "d", "g"), b"gee", 0o600, base)
+    os.symlink("f", os.path.join(h.src, "lnk"))
+    os.utime(os.path.join(h.src, "lnk"), ns=(base, base), follow_symlinks=False)
+    freeze_dirs(h.src, base)
+    tpl = str(tmp_path / "tpl")
+    os.makedirs(tpl)
+    cp_a(h.src, os.path.join(tpl, "dst"))  # each destination: the source as it is, to the ns
+    h.prepare(tpl)
+    for p in ("lnk", "d", ""):
+        os.utime(os.path.join(h.src, p), ns=(base + delta, base + delta), follow_symlinks=False)
+    out = h.go("src/", "dst", ["-i", *(["-n"] if dry else [])], itemize_changes=True, dry_run=dry)
+    for r in ("local", "pull"):
+        assert sorted(out[r][1]) == sorted(out["rsync"][1]), r
+    assert sorted(out["push"][1]) == sorted(sent(out["rsync"][1]))
+    assert bool(out["rsync"][1]) == (delta == 900_000_000)  # the scenario: only a new second shows
+    if not dry:
+        h.check(ignore_mtime=("dst", "dst/d"))
+
+
+def test_sub_second_file_rewrite_is_sent(tmp_path: Any) -> None:
+    """A deliberate difference from rsync: a same-size file rewritten within the second keeps a
+    whole-second mtime rsync cannot tell apart, and rsync leaves the old content; tb5sync
+    compares files to the ns and sends it (``>f..t......``)."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    base = T0 - T0 % S + 100_000_000
+    write(os.path.join(src, "f"), b"old!", 0o644, base)
+    tb5sync.sync(src + "/", dst)
+    write(os.path.join(src, "f"), b"new!", 0o644, base + 300_000_000)
+    st = tb5sync.sync(src + "/", dst, itemize_changes=True)
+    assert st.itemized == (">f..t...... f",) and slurp(os.path.join(dst, "f")) == b"new!"
+
+
+# ---- the order of -i's lines ---------------------------------------------------------------------
+
+
+def _nested_extras(dst: str) -> None:
+    for p in ("a/a1", "a/x/x1", "a/y/y1", "b/b1", "r1", "zz", "a/x/dd/q", "a/x/dd/e/q2", "b/old/o"):
+        write(os.path.join(dst, p), b"extra", 0o644, T0)
+    os.unlink(os.path.join(dst, "f"))
+    os.makedirs(os.path.join(dst, "f", "inside"))  # a directory the source's file replaces
+    write(os.path.join(dst, "f", "inside", "k"), b"k", 0o644, T0)
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_deletions_in_rsync_order(h: Opts, tmp_path: Any, dry: bool) -> None:
+    """--delete -i: the ``*deleting`` lines in rsync's order, compared as lists (not sorted):
+    directory by directory, depth first; within one, reversed file-list order, contents first."""
+    for p in ("f", "a/g", "a/x/h", "a/y/h", "b/i", "c/j"):
+        write(os.path.join(h.src, p), b"src", 0o644, T0)
+    freeze_dirs(h.src, T0)
+    _template(h, tmp_path, _nested_extras)
+    out = h.go("src/", "dst", ["-i", "--delete", *(["-n"] if dry else [])], itemize_changes=True, delete=True, dry_run=dry)
+    same_items(out)
+    ref = [ln for ln in out["rsync"][1] if ln.startswith("*deleting")]
+    assert len(ref) >= 12, ref
+    for r in ("local", "push", "pull"):
+        assert [ln for ln in out[r][1] if ln.startswith("*deleting")] == ref, r
