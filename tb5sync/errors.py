@@ -35,6 +35,7 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "DestinationExistsError",
     "SourceError",
     "PartialTransferError",
     "VanishedSourceError",
@@ -48,6 +49,7 @@ __all__ = [
     "partial_error",
     "RefNotFoundError",
     "RefExistsError",
+    "RefPinnedError",
 ]
 
 
@@ -193,6 +195,12 @@ class DestinationError(Tb5syncError, OSError):
     exit_code = 11
 
 
+class DestinationExistsError(DestinationError, FileExistsError):
+    """The destination exists and replacing it was not asked for (a usage error: ``--force`` replaces it)."""
+
+    exit_code = 2
+
+
 class SourceError(Tb5syncError, OSError):
     """One source entry could not be read (e.g. a file the sender may not open).
 
@@ -299,7 +307,14 @@ class RefNotFoundError(RemoteNotFoundError):
 
 
 class RefExistsError(Tb5syncError, FileExistsError):
-    """An artifact store already has a ref of that name (and replacing it was not asked for)."""
+    """An artifact store already has a ref of that name (and replacing it was not asked for), or a ref
+    whose name is a path prefix of the new name or has it as one (``a/b`` and ``a/b/c`` cannot coexist)."""
+
+    exit_code = 2
+
+
+class RefPinnedError(Tb5syncError, PermissionError):
+    """A pinned ref was to be removed (``store unpin`` it first, or remove it with ``--force``)."""
 
     exit_code = 2
 
@@ -349,6 +364,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemotePermissionError,
         RefNotFoundError,
         RefExistsError,
+        RefPinnedError,
+        DestinationExistsError,
     )
 }
 

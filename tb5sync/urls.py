@@ -122,6 +122,12 @@ def parse_url(url: str) -> Remote | None:
     return Remote(hostname, port, path, token, parts.scheme == "tb5s")
 
 
+def host_port(host: str, port: int | str) -> str:
+    """``host:port`` as messages print it: an IPv6 address in brackets (``[::1]:7000``, RFC 3986's
+    authority form), other hosts as they are (``mini2.local:7000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets, its zone percent-encoded
     (``fe80::1%bridge0`` -> ``[fe80:0:0:0:0:0:0:1%25bridge0]``, RFC 6874); other hosts as they are.
