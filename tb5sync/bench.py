@@ -45,7 +45,7 @@ from .errors import DestinationError, ReadOnlyError, RemoteProtocolError, UsageE
 from .options import SyncOptions
 from .protocol import FrameType
 from .rpc import call_direct, open_session
-from .transport import IO_TIMEOUT, Channel, dial
+from .transport import IO_TIMEOUT, Channel, dial, host_port
 from .urls import Remote, token_of
 
 __all__ = ["run_bench", "format_report", "verdict", "STREAM_COUNTS", "BOUNDS"]
@@ -268,7 +268,7 @@ def run_bench(
         raise UsageError(f"bench directory {directory!r} does not exist")
     tok = token_of(token, url)
     say = progress or (lambda _line: None)
-    shown = f"{'tb5s' if url.tls else 'tb5'}://{url.host if ':' not in url.host else '[' + url.host + ']'}:{url.port}"
+    shown = f"{'tb5s' if url.tls else 'tb5'}://{host_port(url.host, url.port)}"
     if _read_only(url, tok, timeout, tls_ca):
         raise ReadOnlyError(f"{shown} is read-only: tb5sync bench writes a temporary file there (disk test, push); "
                             "run it against a writable server")

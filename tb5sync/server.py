@@ -60,7 +60,7 @@ from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
 from .state import TreeState
 from .rpc import Requester, serve
-from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, server_handshake, set_keepalive, tune_socket
+from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, host_port, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
 
 __all__ = ["Server"]
@@ -340,7 +340,7 @@ class Server:
             sock.bind(addr)
             sock.listen(128)
         except OSError as exc:
-            raise ConnectError(f"cannot listen on {self.host}:{self._port}: {exc.strerror or exc}") from exc
+            raise ConnectError(f"cannot listen on {host_port(self.host, self._port)}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._port = int(sock.getsockname()[1])  # the real port, also after stop() closed the socket
 
@@ -365,7 +365,7 @@ class Server:
         assert self._sock is not None
         if self._janitor is None:
             self._janitor = Janitor()
-        log.info("serving %s on %s:%d%s", self.root, self.host, self.port, " (TLS)" if self.tls else "")
+        log.info("serving %s on %s%s", self.root, host_port(self.host, self.port), " (TLS)" if self.tls else "")
         backoff = 0.0
         while not self._stopping.is_set():
             try:
