@@ -1,7 +1,7 @@
 """``tb5sync store ...``: the artifact store's commands (see :mod:`tb5sync.store`).
 
 ``tb5sync store [--store DIR] put REF DIR|FILE``, ``get REF DEST``, ``cat REF PATH``, ``ls [PREFIX]``,
-``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
+``rm REF... [--force]``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
 ``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``,
 ``pull REF --from SRC [--from SRC...]`` (every source at once, disjoint chunk sets: :mod:`tb5sync.fanout`).
 The store is ``--store DIR`` or ``--store URL`` (``s3://bucket/prefix``, any fsspec URL: an
@@ -216,6 +216,12 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         elif c == "ls":
             _print_refs(st.refs(a.prefix), a.json)
         elif c == "rm":
+            if not a.force:  # every ref checked first: a pinned one among them removes none
+                from .store.store import pinned_error
+
+                for r in a.refs:
+                    if st.ref(r).pinned:
+                        raise pinned_error(r, st.label)
             for r in a.refs:
                 st.rm(r, force=a.force)
         elif c == "diff":

@@ -83,11 +83,14 @@ def test_cli_rm_pinned_exit_2_one_line_naming_unpin(tmp_path: Any, capsys: pytes
     assert cli(tmp_path, "put", "builds/main/1", str(tmp_path / "v")) == 0
     assert cli(tmp_path, "pin", "builds/main/1") == 0
     capsys.readouterr()
-    assert cli(tmp_path, "rm", "builds/main/1") == 2
+    assert cli(tmp_path, "put", "builds/main/0", str(tmp_path / "v")) == 0
+    capsys.readouterr()
+    assert cli(tmp_path, "rm", "builds/main/0", "builds/main/1") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "store unpin builds/main/1" in err and "--force" in err
-    assert cli(tmp_path, "ls", "--json") == 0
-    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["builds/main/1"]
+    assert cli(tmp_path, "ls", "--json") == 0  # a pinned ref among them: none removed
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["builds/main/0", "builds/main/1"]
+    assert cli(tmp_path, "rm", "builds/main/0") == 0
     assert cli(tmp_path, "rm", "--force", "builds/main/1") == 0
     assert cli(tmp_path, "ls", "--json") == 0
     assert json.loads(capsys.readouterr().out) == []
