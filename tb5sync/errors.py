@@ -24,6 +24,7 @@ __all__ = [
     "RemoteProtocolError",
     "VersionMismatchError",
     "AuthError",
+    "RefusedError",
     "ConnectError",
     "BusyError",
     "LinkTimeoutError",
@@ -105,6 +106,14 @@ class AuthError(Tb5syncError, PermissionError):
     """The HMAC challenge-response on the shared token failed, or the client is not allowed."""
 
     exit_code = 5
+
+
+class RefusedError(AuthError):
+    """The server's admission refused this client's address (not in its ``--allow``): exit 10, as
+    the other refusals at admission (``BusyError``), since no token can help. Still an
+    :class:`AuthError` (what this refusal raised before), never a ``ConnectError``: it is not retried."""
+
+    exit_code = 10
 
 
 class ConnectError(Tb5syncError, ConnectionError):
@@ -349,6 +358,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
     for cls in (
         UsageError,
         AuthError,
+        RefusedError,
         BusyError,
         LinkTimeoutError,
         ReadOnlyError,

@@ -43,6 +43,7 @@ from .errors import (
     DestinationError,
     PathError,
     ReadOnlyError,
+    RefusedError,
     RemoteNotFoundError,
     RemoteProtocolError,
     Tb5syncError,
@@ -400,7 +401,7 @@ class Server:
         ip = peer_address(addr)  # with its zone when link-local (fe80::2%bridge0)
         if not self._allowed(ip):  # refused before a thread exists
             self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
-            self._refuse(conn, AuthError(f"client address {ip} is not allowed"))
+            self._refuse(conn, RefusedError(f"client address {ip} is not allowed (not in the server's --allow)"))
             return
         wait = self._auth.blocked_for(ip)
         if wait:

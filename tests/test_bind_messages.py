@@ -8,6 +8,7 @@ stop in teardown.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -91,3 +92,24 @@ def test_fsspec_open_of_a_v6_url_names_the_form_that_works() -> None:
     msg = str(ei.value)
     assert "tb5://[0:0:0:0:0:0:0:1]:8873/PATH" in msg and "'::'" in msg
     assert "tb5://[::1]" not in msg  # not the very form that failed
+
+
+def test_a_client_outside_allow_is_refused_at_admission(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """README: refusals at admission exit 10 (as "server busy"); the class is still an AuthError."""
+    from conftest import start_server
+
+    import tb5sync
+    from tb5sync.cli import main
+    from tb5sync.errors import AuthError, BusyError, RefusedError
+
+    live = start_server(str(tmp_path / "root"), allow=["10.0.0.0/8"])
+    try:
+        with pytest.raises(RefusedError, match="127.0.0.1 is not allowed") as ei:
+            tb5sync.sync(live.url(""), str(tmp_path / "pulled"))
+        assert isinstance(ei.value, AuthError) and not isinstance(ei.value, ConnectError)  # never retried
+        assert main(["ls", live.url("")]) == RefusedError.exit_code == BusyError.exit_code
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "not allowed" in err and "--allow" in err
+        assert not os.path.lexists(tmp_path / "pulled")
+    finally:
+        live.server.stop()
