@@ -21,8 +21,10 @@ server's session limits):
 The **verdict**: for each direction the ceilings are the link (raw TCP at the sync's stream count,
 that direction), the disks (reading at the sender, writing at the receiver: the slower) and the CPU
 (this node's chunk-and-hash rate; the server's is taken to be alike); the lowest ceiling of the
-slower direction bounds a transfer between these two nodes. Each figure is in the result, so the
-verdict can be checked.
+slower direction bounds a transfer between these two nodes. A sync that ran below half of every
+ceiling is bound by none of them (``engine``: the engine's own overhead or the other end's CPU),
+and a sync test under 256 MiB gives ``inconclusive`` (too short to tell, the verdict would change
+from run to run). Each figure is in the result, so the verdict can be checked.
 
 A read-only server cannot take the disk test or the push: :func:`run_bench` refuses at once with
 :class:`~tb5sync.errors.ReadOnlyError` before measuring anything.
@@ -41,19 +43,25 @@ from typing import Any
 from ._diskbench import disk_rates
 from .client import measure_rtt, measure_tcp, pull, push
 from .entry import path_to_wire
-from .errors import DestinationError, ReadOnlyError, RemoteProtocolError, UsageError
+from .errors import DestinationError, ReadOnlyError, RemoteNotFoundError, RemoteProtocolError, UsageError
 from .options import SyncOptions
 from .protocol import FrameType
 from .rpc import call_direct, open_session
-from .transport import IO_TIMEOUT, Channel, dial
+from .transport import IO_TIMEOUT, Channel, dial, host_port
 from .urls import Remote, token_of
 
-__all__ = ["run_bench", "format_report", "verdict", "STREAM_COUNTS", "BOUNDS"]
+__all__ = ["run_bench", "format_report", "verdict", "STREAM_COUNTS", "BOUNDS", "VERDICT_MIN_BYTES", "ENGINE_FRACTION"]
 
 #: Stream counts of the raw TCP test.
 STREAM_COUNTS = (1, 2, 4, 8)
-#: What a verdict may name.
-BOUNDS = ("link", "disk", "cpu")
+#: What a verdict may name: a ceiling; ``engine`` when the sync ran well below every ceiling;
+#: ``inconclusive`` when the test file was too small for the figures to mean much.
+BOUNDS = ("link", "disk", "cpu", "engine", "inconclusive")
+#: Smallest sync test (bytes) a verdict is given for: below it the sync lasts a few ms and the
+#: slower direction, and so the verdict, changes from run to run.
+VERDICT_MIN_BYTES = 256 * 1024 * 1024
+#: A sync below this fraction of its lowest ceiling is bound by none of them (``engine``).
+ENGINE_FRACTION = 0.5
 _BLOCK = 4 * 1024 * 1024
 _CPU_MAX = 256 * 1024 * 1024
 
@@ -171,9 +179,21 @@ def _remote_rm(r: Remote, token: bytes | None, path: str, timeout: float | None,
 
 
 def _read_only(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | None) -> bool:
+    """Whether the server is read-only; with a path in ``r``, also that it is a directory there
+    (:class:`UsageError` if not: the sync test creates no directory on the server)."""
     ch = _dial(r, token, timeout, tls_ca)
     try:
         body = open_session(ch, {"op": "fs"})
+        path = r.path.strip("/")
+        if path:
+            try:
+                kind = call_direct(ch, "info", {"path": path_to_wire(path)}).get("info", {}).get("type")
+            except RemoteNotFoundError:
+                kind = None
+            if kind != "directory":
+                raise UsageError(f"bench: {path!r} is {'not a directory' if kind else 'not there'} on the server; "
+                                 "the sync test's file goes into an existing directory (and none is created): "
+                                 "create it there, or give the URL without a path")
         ch.send_control(FrameType.BYE, 0, {})
     finally:
         ch.close()
@@ -183,8 +203,11 @@ def _read_only(r: Remote, token: bytes | None, timeout: float | None, tls_ca: st
 def verdict(res: dict[str, Any], streams: int) -> dict[str, Any]:
     """What bounds a transfer, from :func:`run_bench`'s figures (module docstring).
 
-    Returns ``{"bound": "link" | "disk" | "cpu", "direction": "push" | "pull", "ceilings":
-    {direction: {bound: bytes_per_s}}, "achieved": {direction: bytes_per_s}, "why": str}``.
+    Returns ``{"bound": "link" | "disk" | "cpu" | "engine" | "inconclusive", "direction": "push" |
+    "pull", "ceilings": {direction: {resource: bytes_per_s}}, "achieved": {direction: bytes_per_s},
+    "why": str}``: the lowest ceiling of the slower direction, unless the sync ran below
+    :data:`ENGINE_FRACTION` of it (``engine``) or ``res["size"]`` is under :data:`VERDICT_MIN_BYTES`
+    (``inconclusive``).
     """
     def tcp(direction: str) -> float:
         rows = [t for t in res["tcp"] if t["direction"] == direction]
@@ -198,10 +221,22 @@ def verdict(res: dict[str, Any], streams: int) -> dict[str, Any]:
     }
     achieved = {d: res["sync"][d]["bytes_per_s"] for d in ("push", "pull")}
     direction = min(achieved, key=achieved.__getitem__)
-    bound = min(ceilings[direction], key=ceilings[direction].__getitem__)
+    lowest = min(ceilings[direction], key=ceilings[direction].__getitem__)
     c = ceilings[direction]
-    why = (f"{direction} ran at {achieved[direction] / 1e6:,.0f} MB/s; ceilings: link {c['link'] / 1e6:,.0f}, "
-           f"disk {c['disk'] / 1e6:,.0f}, cpu {c['cpu'] / 1e6:,.0f} MB/s: the {bound} is the lowest")
+    figures = (f"{direction} ran at {achieved[direction] / 1e6:,.0f} MB/s; ceilings: link {c['link'] / 1e6:,.0f}, "
+               f"disk {c['disk'] / 1e6:,.0f}, cpu {c['cpu'] / 1e6:,.0f} MB/s")
+    size = res.get("size")
+    if isinstance(size, int) and size < VERDICT_MIN_BYTES:
+        bound = "inconclusive"
+        why = (f"a {size / 2**20:,.0f} MiB sync test is too short to tell (at least {VERDICT_MIN_BYTES >> 20} MiB: "
+               f"--size {VERDICT_MIN_BYTES >> 20}M); {figures}")
+    elif achieved[direction] < ENGINE_FRACTION * c[lowest]:
+        bound = "engine"
+        why = (f"{figures}: below every ceiling measured, so none of them bounds it: the engine's own "
+               f"overhead or the other end's CPU does")
+    else:
+        bound = lowest
+        why = f"{figures}: the {bound} is the lowest"
     return {"bound": bound, "direction": direction, "ceilings": ceilings, "achieved": achieved, "why": why}
 
 
@@ -223,7 +258,8 @@ def run_bench(
     Parameters
     ----------
     url : Remote
-        The server (``tb5://[TOKEN@]HOST[:PORT]``; a path in it is where the sync test's file goes).
+        The server (``tb5://[TOKEN@]HOST[:PORT]``; a path in it is an existing directory on the server
+        where the sync test's file goes: none is created).
     token : bytes or str, optional
         As for :func:`tb5sync.client.pull` (else the URL's, else ``$TB5SYNC_TOKEN``).
     size : int
@@ -248,7 +284,7 @@ def run_bench(
     Raises
     ------
     UsageError
-        A bad argument.
+        A bad argument, or the URL's path is not a directory on the server.
     ReadOnlyError
         The server is read-only (checked first: the disk test and the push write there).
     ConnectError, AuthError, BusyError, LinkTimeoutError, DestinationError
@@ -268,7 +304,7 @@ def run_bench(
         raise UsageError(f"bench directory {directory!r} does not exist")
     tok = token_of(token, url)
     say = progress or (lambda _line: None)
-    shown = f"{'tb5s' if url.tls else 'tb5'}://{url.host if ':' not in url.host else '[' + url.host + ']'}:{url.port}"
+    shown = f"{'tb5s' if url.tls else 'tb5'}://{host_port(url.host, url.port)}"
     if _read_only(url, tok, timeout, tls_ca):
         raise ReadOnlyError(f"{shown} is read-only: tb5sync bench writes a temporary file there (disk test, push); "
                             "run it against a writable server")
@@ -318,5 +354,6 @@ def format_report(res: dict[str, Any]) -> list[str]:
     if "cleanup" in s:
         lines.append(f"warning      {s['cleanup']}")
     v = res["verdict"]
-    lines.append(f"verdict      {v['bound']} bound ({v['why']})")
+    head = {"inconclusive": "inconclusive", "engine": "below every ceiling"}.get(v["bound"], f"{v['bound']} bound")
+    lines.append(f"verdict      {head} ({v['why']})")
     return lines

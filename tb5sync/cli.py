@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
     s.add_argument("root", help="directory to serve; nothing outside it is read or written")
-    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name (bridge0:8873) or [fe80::1%%bridge0]")
+    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name "
+                        "(bridge0:8873: one of its addresses, IPv4 first) or [fe80::1%%bridge0]; [::]:PORT listens on "
+                        "both families")
     s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
     s.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable; default: any address that can reach --bind)")
     s.add_argument("--read-only", action="store_true", help="refuse all writes")
@@ -297,13 +299,15 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
 def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     from .httpcache import HttpCache
 
+    from .urls import host_port
+
     host, port = _parse_bind(bind)
     basic = _read_token(a.http_basic_file).decode() if a.http_basic_file else None
     bearer = _read_token(a.http_token_file).decode() if a.http_token_file else None
     cache = HttpCache(store, host, port, read_only=a.read_only, allow=a.allow, basic=basic, bearer=bearer,
                       ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency)
     cache.start()
-    print(f"tb5sync: http cache of {cache.store.path} on {host}:{cache.port}", file=sys.stderr, flush=True)
+    print(f"tb5sync: http cache of {cache.store.path} on {host_port(host, cache.port)}", file=sys.stderr, flush=True)
     return cache
 
 
@@ -325,6 +329,7 @@ def _cmd_http_cache(a: argparse.Namespace) -> int:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
+    from .urls import host_port
     from .storecli import parse_storage_options
 
     host, port = _parse_bind(a.bind)
@@ -347,7 +352,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
         cache_store = Store(srv.store_dir(create=not a.read_only), read_only=a.read_only)
     cache = _http_cache(a, cache_store, a.http_cache) if a.http_cache else None
-    print(f"tb5sync: serving {srv.root} on {host}:{srv.port}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
+    print(f"tb5sync: serving {srv.root} on {host_port(host, srv.port)}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt

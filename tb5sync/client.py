@@ -25,7 +25,7 @@ from ._parts import close_parts
 from .messages import PUSH_CLIENT_METHODS
 from .protocol import FrameType, decode_data
 from .rpc import Requester, open_session, reply_of, serve
-from .transport import IO_TIMEOUT, Channel, dial
+from .transport import IO_TIMEOUT, Channel, dial, host_port
 from .urls import Remote, parse_url, token_of
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def _check_known(r: Remote, msg: dict[str, Any], resp: dict[str, Any]) -> None:
         return
     missing = SyncOptions.from_wire(opts).unknown_to(resp.get("options"))
     if missing:
-        raise UsageError(f"the server at {r.host}:{r.port} does not support {', '.join(missing)}: upgrade tb5sync there "
+        raise UsageError(f"the server at {host_port(r.host, r.port)} does not support {', '.join(missing)}: upgrade tb5sync there "
                          "(an older version would ignore it), or leave the option out")
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "RemoteProtocolError",
     "VersionMismatchError",
     "AuthError",
+    "RefusedError",
     "ConnectError",
     "BusyError",
     "LinkTimeoutError",
@@ -35,6 +36,7 @@ __all__ = [
     "IntegrityError",
     "SourceChangedError",
     "DestinationError",
+    "DestinationExistsError",
     "SourceError",
     "PartialTransferError",
     "VanishedSourceError",
@@ -48,6 +50,7 @@ __all__ = [
     "partial_error",
     "RefNotFoundError",
     "RefExistsError",
+    "RefPinnedError",
 ]
 
 
@@ -103,6 +106,14 @@ class AuthError(Tb5syncError, PermissionError):
     """The HMAC challenge-response on the shared token failed, or the client is not allowed."""
 
     exit_code = 5
+
+
+class RefusedError(AuthError):
+    """The server's admission refused this client's address (not in its ``--allow``): exit 10, as
+    the other refusals at admission (``BusyError``), since no token can help. Still an
+    :class:`AuthError` (what this refusal raised before), never a ``ConnectError``: it is not retried."""
+
+    exit_code = 10
 
 
 class ConnectError(Tb5syncError, ConnectionError):
@@ -191,6 +202,12 @@ class DestinationError(Tb5syncError, OSError):
     """The destination could not be written (permissions, disk full, not a directory)."""
 
     exit_code = 11
+
+
+class DestinationExistsError(DestinationError, FileExistsError):
+    """The destination exists and replacing it was not asked for (a usage error: ``--force`` replaces it)."""
+
+    exit_code = 2
 
 
 class SourceError(Tb5syncError, OSError):
@@ -299,7 +316,14 @@ class RefNotFoundError(RemoteNotFoundError):
 
 
 class RefExistsError(Tb5syncError, FileExistsError):
-    """An artifact store already has a ref of that name (and replacing it was not asked for)."""
+    """An artifact store already has a ref of that name (and replacing it was not asked for), or a ref
+    whose name is a path prefix of the new name or has it as one (``a/b`` and ``a/b/c`` cannot coexist)."""
+
+    exit_code = 2
+
+
+class RefPinnedError(Tb5syncError, PermissionError):
+    """A pinned ref was to be removed (``store unpin`` it first, or remove it with ``--force``)."""
 
     exit_code = 2
 
@@ -334,6 +358,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
     for cls in (
         UsageError,
         AuthError,
+        RefusedError,
         BusyError,
         LinkTimeoutError,
         ReadOnlyError,
@@ -349,6 +374,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RemotePermissionError,
         RefNotFoundError,
         RefExistsError,
+        RefPinnedError,
+        DestinationExistsError,
     )
 }
 

@@ -321,7 +321,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
                 continue
         if info is None:
             why = "; ".join(f"{k}: {v}" for k, v in warned.items())
-            raise RefNotFoundError(f"no source has ref {name!r}" + (f" ({why})" if why else ""))
+            raise RefNotFoundError(f"no source has ref {name!r} (looked in {', '.join(s.label for s in srcs) or 'none'})"
+                                   + (f" ({why})" if why else ""))
         if mine is not None and mine.manifest == info.manifest:  # this very snapshot is here already
             from .storeclient import ref_chunks
 
@@ -331,6 +332,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
         if mine is not None and not replace:
             raise RefExistsError(f"ref {local_name!r} already exists in store {store.label} with other content "
                                  "(--force replaces it)")
+        if mine is None:
+            store.check_nesting(local_name)
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:

@@ -91,15 +91,25 @@ def bind_host(host: str) -> str:
     returned as it is. A name is an interface's only if it is not an address and an interface
     has it (so ``localhost`` stays a host name unless an interface is so named).
 
+    One address, so one family: ``lo`` listens on 127.0.0.1; for its IPv6 one give the address
+    (``[::1]:PORT``), or ``[::]:PORT`` for every address of both families (IPv4 ones as mapped
+    addresses where the system's ``IPV6_V6ONLY`` default is off, as on Linux and macOS).
+
     Raises
     ------
     UsageError
-        The interface has no address.
+        The interface has no address, or ``host`` is neither an interface nor a name that resolves
+        (the message lists the interfaces there are).
     """
     if not host or _is_address(host):
         return host
     table = interfaces()
     if host not in table:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            raise UsageError(f"no network interface or host named {host!r} "
+                             f"(interfaces: {', '.join(sorted(table)) or 'none'})") from None
         return host
     addrs = table[host]
     order = sorted(addrs, key=lambda a: (a[0].version, a[1] is not None))

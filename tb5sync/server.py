@@ -44,6 +44,7 @@ from .errors import (
     DestinationError,
     PathError,
     ReadOnlyError,
+    RefusedError,
     RemoteNotFoundError,
     RemoteProtocolError,
     Tb5syncError,
@@ -62,7 +63,7 @@ from .receiver import Receiver, dest_base, scan_in_background
 from .sender import Sender
 from .state import TreeState, check_own_dir
 from .rpc import Requester, serve
-from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, peer_closed, server_handshake, set_keepalive, tune_socket
+from .transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, host_port, peer_closed, server_handshake, set_keepalive, tune_socket
 from . import protocol as P
 
 __all__ = ["Server"]
@@ -374,7 +375,7 @@ class Server:
             sock.bind(addr)
             sock.listen(128)
         except OSError as exc:
-            raise ConnectError(f"cannot listen on {self.host}:{self._port}: {exc.strerror or exc}") from exc
+            raise ConnectError(f"cannot listen on {host_port(self.host, self._port)}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._port = int(sock.getsockname()[1])  # the real port, also after stop() closed the socket
 
@@ -399,7 +400,7 @@ class Server:
         assert self._sock is not None
         if self._janitor is None:
             self._janitor = Janitor()
-        log.info("serving %s on %s:%d%s", self.root, self.host, self.port, " (TLS)" if self.tls else "")
+        log.info("serving %s on %s%s", self.root, host_port(self.host, self.port), " (TLS)" if self.tls else "")
         backoff = 0.0
         while not self._stopping.is_set():
             try:
@@ -434,7 +435,7 @@ class Server:
         ip = peer_address(addr)  # with its zone when link-local (fe80::2%bridge0)
         if not self._allowed(ip):  # refused before a thread exists
             self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
-            self._refuse(conn, AuthError(f"client address {ip} is not allowed"))
+            self._refuse(conn, RefusedError(f"client address {ip} is not allowed (not in the server's --allow)"))
             return
         wait = self._auth.blocked_for(ip)
         if wait:

@@ -1,7 +1,7 @@
 """``tb5sync store ...``: the artifact store's commands (see :mod:`tb5sync.store`).
 
 ``tb5sync store [--store DIR] put REF DIR|FILE``, ``get REF DEST``, ``cat REF PATH``, ``ls [PREFIX]``,
-``rm REF...``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
+``rm REF... [--force]``, ``diff REF1 REF2``, ``pin REF``, ``unpin REF``, ``verify``, ``gc``, ``stats``, ``reindex``,
 ``quota [SIZE|none]``, ``push REF tb5://HOST[:PORT]``, ``pull REF tb5://HOST[:PORT]``,
 ``pull REF --from SRC [--from SRC...]`` (every source at once, disjoint chunk sets: :mod:`tb5sync.fanout`).
 The store is ``--store DIR`` or ``--store URL`` (``s3://bucket/prefix``, any fsspec URL: an
@@ -55,12 +55,12 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     ss = s.add_subparsers(dest="store_command", required=True)
 
     def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
-        q = ss.add_parser(name, help=help_)
+        q = ss.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
         if json_:
             q.add_argument("--json", action="store_true", help="print the result as JSON")
         return q
 
-    q = cmd("put", "store a directory or file as REF", True)
+    q = cmd("put", "store a directory or file as REF (the same content again: nothing to do)", True)
     q.add_argument("ref")
     q.add_argument("src")
     q.add_argument("-m", "--description", help="a description kept with the ref")
@@ -80,14 +80,16 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     q.add_argument("prefix", nargs="?", default="")
     q.add_argument("--url", metavar="tb5://HOST[:PORT]", help="list a server's store instead")
     q.add_argument("--token-file")
-    q = cmd("rm", "remove refs (their chunks go at the next gc)")
-    q.add_argument("refs", nargs="+")
+    q = cmd("rm", "remove refs (their chunks go at the next gc); a pinned ref only with --force")
+    q.add_argument("refs", nargs="+", metavar="REF")
+    q.add_argument("--force", action="store_true", help="remove pinned refs too")
     q = cmd("diff", "paths that differ between two refs (+ added, - removed, M content, m metadata)", True)
     q.add_argument("ref1")
     q.add_argument("ref2")
-    for name, what in (("pin", "never evict REF"), ("unpin", "let REF be evicted again")):
+    for name, what in (("pin", "protect REF from quota eviction, gc and rm (rm --force still removes it)"),
+                       ("unpin", "let REF be evicted and removed again")):
         q = cmd(name, what)
-        q.add_argument("refs", nargs="+")
+        q.add_argument("refs", nargs="+", metavar="REF")
     cmd("verify", "re-hash every chunk; report damage per ref (exit 13 on damage)", True)
     q = cmd("gc", "delete unreferenced chunks, repack sparse packs", True)
     q.add_argument("--repack-below", type=float, default=0.5, metavar="F",
@@ -118,6 +120,11 @@ def _fmt(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 file``, ``2 files``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _when(t: float) -> str:
@@ -169,6 +176,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
     """Run one ``tb5sync store`` subcommand; returns the exit status."""
     from .errors import UsageError
     from .store.objstore import open_store
+    from .store.store import check_ref_name
 
     c = a.store_command
     opts = parse_storage_options(a.storage_options)
@@ -185,15 +193,20 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()
+            prev = st._ref_row(check_ref_name(a.ref))
             info = st.put(a.ref, a.src, a.description, replace=a.force, exclude=a.exclude)
             dt = time.perf_counter() - t0
             after = st.stats()
-            res = {**info.as_dict(), "seconds": dt, "new_bytes": after["unique_bytes"] - before["unique_bytes"]}
+            unchanged = prev is not None and info == prev
+            res = {**info.as_dict(), "seconds": dt, "new_bytes": after["unique_bytes"] - before["unique_bytes"],
+                   "unchanged": unchanged}
             if a.json:
                 print(json.dumps(res))
+            elif unchanged:
+                print(f"{info.name}: same content already; nothing to do")
             else:
-                print(f"{info.name}: {info.files} files, {_fmt(info.size)}, {_fmt(max(0, res['new_bytes']))} new, "
-                      f"{dt:.2f} s ({info.size / max(dt, 1e-9) / 1e9:.2f} GB/s)")
+                print(f"{info.name}: {_count(info.files, 'file')}, {_fmt(info.size)}, "
+                      f"{_fmt(max(0, res['new_bytes']))} new, {dt:.2f} s ({info.size / max(dt, 1e-9) / 1e9:.2f} GB/s)")
         elif c == "get":
             st.get(a.ref, a.dest, replace=a.force, hardlink=a.hardlink)
         elif c == "cat":
@@ -203,8 +216,14 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         elif c == "ls":
             _print_refs(st.refs(a.prefix), a.json)
         elif c == "rm":
+            if not a.force:  # every ref checked first: a pinned one among them removes none
+                from .store.store import pinned_error
+
+                for r in a.refs:
+                    if st.ref(r).pinned:
+                        raise pinned_error(r, st.label)
             for r in a.refs:
-                st.rm(r)
+                st.rm(r, force=a.force)
         elif c == "diff":
             d = st.diff(a.ref1, a.ref2)
             if a.json:

@@ -29,11 +29,12 @@ from .hashing import ChunkRef, chunk_digest, refs_to_blob
 from .messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
 from .rpc import Requester, open_session, split_parts
 from .store import Store, check_ref_name
+from .store.store import nesting_error, ref_ancestors
 from .store.manifest import Item, decode_manifest
 from .store.ops import ref_from_wire
 from .store.store import PackWriter, RefInfo
 from .transport import Channel, connect
-from .urls import Remote, token_of
+from .urls import Remote, host_port, token_of
 
 __all__ = ["push_ref", "pull_ref", "remote_refs", "StoreSession"]
 
@@ -185,8 +186,13 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     t0 = time.perf_counter()
     local_name = check_ref_name(as_name or name)
     mine = store._ref_row(local_name)
+    if mine is None:
+        store.check_nesting(local_name)
     with StoreSession(remote, token, streams) as s:
-        info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
+        try:
+            info = ref_from_wire(s.call("ref", {"name": check_ref_name(name)}).get("ref"))
+        except RefNotFoundError:
+            raise RefNotFoundError(f"no ref {name!r} on {host_port(remote.host, remote.port)}") from None
         if mine is not None and mine.manifest == info.manifest:  # this very snapshot is here already
             return {"ref": local_name, "chunks": len(ref_chunks(mine.mchunks, store.manifest(mine, touch=False))),
                     "chunks_fetched": 0, "bytes_fetched": 0, "seconds": time.perf_counter() - t0, "unchanged": True}
@@ -257,7 +263,7 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
     items = store.manifest(info)
     with StoreSession(remote, token, streams) as s:
         if s.read_only:
-            raise ReadOnlyError(f"server {remote.host}:{remote.port} is read-only")
+            raise ReadOnlyError(f"server {host_port(remote.host, remote.port)} is read-only")
         chunks = ref_chunks(info.mchunks, items)
         try:
             there = ref_from_wire(s.call("ref", {"name": remote_name}).get("ref"))
@@ -268,8 +274,18 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
             return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": 0, "bytes_sent": 0,
                     "seconds": time.perf_counter() - t0, "unchanged": True}
         if there is not None and not replace:  # refused now rather than after every chunk has crossed
-            raise RefExistsError(f"ref {remote_name!r} already exists on {remote.host}:{remote.port} with "
+            raise RefExistsError(f"ref {remote_name!r} already exists on {host_port(remote.host, remote.port)} with "
                                  "other content (--force replaces it)")
+        if there is None:  # a ref nesting with another is refused now too (the server's commit would)
+            for anc in ref_ancestors(remote_name):
+                try:
+                    s.call("ref", {"name": anc})
+                except RefNotFoundError:
+                    continue
+                raise nesting_error(remote_name, anc, host_port(remote.host, remote.port))
+            kids = s.call("refs", {"prefix": remote_name + "/"}).get("refs") or []
+            if kids:
+                raise nesting_error(remote_name, ref_from_wire(kids[0]).name, host_port(remote.host, remote.port))
         lease = secrets.token_hex(16)
         have: list[bool] = []
         for k in range(0, len(chunks), STORE_MAX_DIGESTS):

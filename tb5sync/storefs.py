@@ -1,8 +1,9 @@
 """``tb5store://HOST[:PORT]/REF/PATH``: a server's store refs, read-only, through fsspec.
 
 A separate protocol from ``tb5://`` (which serves a directory tree): the path starts with a ref
-name, and the ref is the longest prefix of the path that names a ref on the server (so a path
-under ``models/qwen-0.5b/q4`` reads that ref even when ``models/qwen-0.5b`` is a ref too). The
+name, and the ref is the longest prefix of the path that names a ref on the server (a store
+refuses a ref name that is a path prefix of another, as git does, so at most one prefix is a ref;
+stores written before that rule may hold both, and then the longer one wins). The
 path levels above ref names list as directories (``ls("tb5store://host/models")`` shows
 ``models/qwen-0.5b``). Reads are ranged: each is answered from the packs on the server (at most
 :data:`~tb5sync.messages.STORE_MAX_BATCH` bytes per request), so a safetensors or GGUF header

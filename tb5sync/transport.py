@@ -53,6 +53,12 @@ _TLS_SEND_BLOCK = 1 << 20
 _NO_SENDFILE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None)) if e is not None)
 
 
+def host_port(host: str, port: int | str) -> str:
+    """``host:port`` as messages print it: an IPv6 address in brackets (``[::1]:7000``,
+    ``[fe80::1%bridge0]:8873``; RFC 3986's authority form), other hosts as they are."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def tune_socket(sock: socket.socket) -> None:
     """Disable Nagle and enlarge kernel buffers for bulk transfer."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -578,7 +584,7 @@ def connect(
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        raise ConnectError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+        raise ConnectError(f"cannot connect to {host_port(host, port)}: {exc.strerror or exc}") from exc
     tune_socket(sock)
     set_keepalive(sock, keepalive, io_timeout)
     if tls is not None:
@@ -588,7 +594,7 @@ def connect(
             sock.close()
             why = getattr(exc, "reason", None) or str(exc)
             detail = getattr(exc, "verify_message", None)
-            raise ConnectError(f"TLS handshake with {host}:{port} failed: {why}{f' ({detail})' if detail else ''}") from exc
+            raise ConnectError(f"TLS handshake with {host_port(host, port)} failed: {why}{f' ({detail})' if detail else ''}") from exc
     ch = Channel(sock)
     try:
         client_handshake(ch, token)
@@ -597,7 +603,7 @@ def connect(
         raise
     except OSError as exc:
         ch.close()
-        raise ConnectError(f"connection to {host}:{port} failed during the handshake: {exc}") from exc
+        raise ConnectError(f"connection to {host_port(host, port)} failed during the handshake: {exc}") from exc
     except BaseException:
         ch.close()
         raise

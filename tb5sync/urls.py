@@ -28,6 +28,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from .errors import UsageError
 from .messages import DEFAULT_PORT
+from .transport import host_port  # noqa: F401  (re-exported: the one host:port form of messages)
 
 __all__ = ["Remote", "parse_url", "token_of", "redact_url", "url_host", "SCHEMES"]
 
@@ -99,6 +100,10 @@ def parse_url(url: str) -> Remote | None:
         parts = urlsplit(url)
         hostname = parts.hostname
     except ValueError as exc:  # "Invalid IPv6 URL" and the like
+        if "[" in url and "]" not in url:  # cut at "::": fsspec.open's chaining separator
+            raise UsageError(f"malformed URL {shown!r}: an IPv6 address cut short, as fsspec.open does at '::' "
+                             f"(its chaining separator); write the address without '::', e.g. "
+                             f"tb5://[0:0:0:0:0:0:0:1]:8873/PATH, or use tb5sync.fs.TB5FileSystem directly") from None
         raise UsageError(f"malformed URL {shown!r} ({exc}; expected tb5://HOST[:PORT]/PATH, "
                          f"an IPv6 host in brackets: tb5://[::1]/PATH)") from None
     if parts.scheme not in SCHEMES:

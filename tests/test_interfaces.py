@@ -183,7 +183,8 @@ def test_link_local_with_zone_over_a_veth(link: Link, tmp_path: Path, written: s
     try:
         res = finish(client_in_ns(link, str(tmp_path / "src") + "/", f"tb5://[fe80::1%25{link.peer}]:{live.port}/x/",
                                   timeout=20.0), 120)
-        assert not res["ok"] and res["kind"] == "AuthError", res
+        # refused at admission: RefusedError (exit 10), still an AuthError
+        assert not res["ok"] and res["kind"] == "RefusedError" and "AuthError" in res["mro"], res
     finally:
         live.server.stop()
 

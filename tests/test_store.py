@@ -547,6 +547,9 @@ def test_cli_put_ls_stats_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]
     assert main(["store", "stats", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["refs"] == 1 and s["logical_bytes"] == 11
+    assert main(["store", "put", "cli/1", str(tmp_path / "s")]) == 0  # the same content: nothing to do
+    assert capsys.readouterr().out == "cli/1: same content already; nothing to do\n"
+    write(str(tmp_path / "s" / "f"), b"other")
     assert main(["store", "put", "cli/1", str(tmp_path / "s")]) == RefExistsError.exit_code
     assert main(["store", "rm", "cli/nope"]) == RefNotFoundError.exit_code
     assert main(["store", "--store", str(tmp_path / "other"), "ls"]) == 0

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from .._io import portable
 from .._paths import temp_name
-from ..errors import DestinationError, IntegrityError
+from ..errors import DestinationError, DestinationExistsError, IntegrityError
 from .manifest import Item
 from .packs import fsync_dir
 
@@ -117,7 +117,8 @@ def materialise(store: object, items: list[Item], dest: str, replace: bool = Fal
     Raises
     ------
     DestinationError
-        ``dest`` exists and ``replace`` is False, or cannot be written.
+        ``dest`` cannot be written; :class:`~tb5sync.errors.DestinationExistsError` (exit 2): it
+        exists and ``replace`` is False.
     IntegrityError
         A chunk is missing or damaged, or the manifest is unsafe (nothing is left at ``dest``).
     """
@@ -128,7 +129,7 @@ def materialise(store: object, items: list[Item], dest: str, replace: bool = Fal
     if exists and not replace:
         empty_dir = root.kind == "d" and not os.path.islink(dest) and os.path.isdir(dest) and not os.listdir(dest)
         if not empty_dir:
-            raise DestinationError(f"{dest} exists (store get --force replaces it)")
+            raise DestinationExistsError(f"{dest} exists (store get --force replaces it)")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:

@@ -60,7 +60,7 @@ from ..errors import DestinationError, IntegrityError, RefExistsError, RefNotFou
 from ..hashing import ChunkRef
 from .manifest import Item
 from .packs import FsspecPackStorage, check_name, iter_frames
-from .store import RefInfo, Store, all_digests, check_ref_name
+from .store import RefInfo, Store, all_digests, check_ref_name, pinned_error
 from .writer import Lease
 
 __all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConflictError", "ObjectStoreError",
@@ -401,10 +401,24 @@ class ObjectStore(Store):
         super().close()
 
     def _find(self, prefix: str, detail: bool = False) -> Any:
-        """Every object under ``prefix``, listed afresh (fsspec's listing cache dropped first)."""
+        """Every object under ``prefix``, listed afresh: fsspec's listing cache is dropped for ``prefix`` and
+        every folder under it, before and after (s3fs's find fills that cache, and a later read of an
+        object written meanwhile would be refused from the stale listing)."""
+        self._drop_listings(prefix)
+        try:
+            return self.fs.find(prefix, detail=detail)
+        finally:
+            self._drop_listings(prefix)
+
+    def _drop_listings(self, prefix: str) -> None:
         with contextlib.suppress(AttributeError, TypeError):
             self.fs.invalidate_cache(prefix)
-        return self.fs.find(prefix, detail=detail)
+        cache = getattr(self.fs, "dircache", None)
+        if cache is not None:
+            with contextlib.suppress(Exception):
+                under = prefix.rstrip("/") + "/"
+                for k in [k for k in list(cache) if isinstance(k, str) and k.startswith(under)]:
+                    cache.pop(k, None)
 
     @_clear_errors("starting a writer lease")
     def lease(self, lease_id: str | None = None) -> Lease:
@@ -616,7 +630,7 @@ class ObjectStore(Store):
         for _ in range(20):
             etag = self._etag(key)
             if etag is not None and create_only:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.url}")
+                raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)")
             old = self._ref_obj(name) if etag is not None else None
             if etag is not None and old is None:
                 time.sleep(0.02)  # removed between the two reads, or not yet readable where it was written
@@ -633,7 +647,7 @@ class ObjectStore(Store):
                 return new
             except _Precondition:
                 if create_only:
-                    raise RefExistsError(f"ref {name!r} already exists in store {self.url}") from None
+                    raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)") from None
                 time.sleep(0.01 + secrets.randbelow(50) / 1000)
         raise RefConflictError(f"ref {name!r} in {self.url} changed under 20 updates in a row")
 
@@ -697,17 +711,22 @@ class ObjectStore(Store):
             log.debug("%s: last use of %r not recorded: %s", self.url, name, exc)
 
     @_clear_errors("removing a ref")
-    def rm(self, name: str) -> None:
-        """Remove ref ``name``.
+    def rm(self, name: str, force: bool = False) -> None:
+        """Remove ref ``name`` (a pinned one only with ``force``).
 
         Raises
         ------
         RefNotFoundError
+        RefPinnedError
+            ``name`` is pinned and ``force`` is False.
         """
         check_ref_name(name)
         key = f"{self.root}/refs/{name}"
-        if not self.fs.exists(key):
+        obj = self._ref_obj(name)
+        if obj is None:
             raise RefNotFoundError(f"no ref {name!r} in store {self.url}")
+        if obj.get("pinned") and not force:
+            raise pinned_error(name, self.url)
         self.fs.rm_file(key)
 
     @_clear_errors("pinning a ref")
@@ -769,9 +788,12 @@ class ObjectStore(Store):
 
         def fn(old: dict[str, Any] | None) -> dict[str, Any]:
             if old is not None and not replace:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.url}")
+                raise RefExistsError(f"ref {name!r} already exists in store {self.url} with other content "
+                                     "(--force replaces it)")
             return dict(obj, pinned=bool(old and old.get("pinned")))
 
+        if self._ref_obj(name) is None:
+            self.check_nesting(name)  # a listing: not atomic with the write below, as git's loose refs
         self._update_ref(name, fn, create_only=not replace)
         lease.release()
         return _info(obj)

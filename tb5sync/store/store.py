@@ -42,7 +42,7 @@ from typing import Any
 
 from ..chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
 from ..excludes import ExcludeRules
-from ..errors import IntegrityError, RefExistsError, RefNotFoundError, SourceChangedError, UsageError
+from ..errors import IntegrityError, RefExistsError, RefNotFoundError, RefPinnedError, SourceChangedError, UsageError
 from ..hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
 from .manifest import Item, decode_manifest, encode_manifest, walk
 from .packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
@@ -106,6 +106,19 @@ def check_ref_name(name: object) -> str:
         if seg in ("", ".", "..") or not _REF_RE.fullmatch(seg):
             raise UsageError(f"bad ref name {name!r}: segments of A-Z a-z 0-9 . _ + = @ , - separated by /")
     return name
+
+
+def ref_ancestors(name: str) -> list[str]:
+    """The path prefixes of ref name ``name`` that could themselves be refs: ``a/b/c`` -> ``["a", "a/b"]``."""
+    segs = name.split("/")
+    return ["/".join(segs[:i]) for i in range(1, len(segs))]
+
+
+def nesting_error(name: str, other: str, where: str) -> RefExistsError:
+    """The error for ref ``name`` that would nest with the existing ref ``other`` in ``where`` (a label)."""
+    outer, inner = (other, name) if len(other) < len(name) else (name, other)
+    return RefExistsError(f"ref {name!r} cannot coexist with ref {other!r} in {where}: {inner!r} would lie inside "
+                          f"{outer!r} (a ref name cannot be a path prefix of another); pick another name or rm {other!r}")
 
 
 def default_store_path() -> str:
@@ -466,17 +479,41 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE refs SET last_used=? WHERE name=?", (time.time(), name))
 
-    def rm(self, name: str) -> None:
+    def rm(self, name: str, force: bool = False) -> None:
         """Remove ref ``name``; its chunks go at the next :meth:`gc` unless another ref holds them.
+
+        A pinned ref is removed only with ``force`` (a pin protects a ref from quota eviction and from rm).
 
         Raises
         ------
         RefNotFoundError
+        RefPinnedError
+            ``name`` is pinned and ``force`` is False.
         """
         check_ref_name(name)
         with self._tx() as db:
-            if db.execute("DELETE FROM refs WHERE name=?", (name,)).rowcount == 0:
+            row = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
+            if row is None:
                 raise RefNotFoundError(f"no ref {name!r} in store {self.label}")
+            if row[0] and not force:
+                raise pinned_error(name, self.label)
+            db.execute("DELETE FROM refs WHERE name=?", (name,))
+
+    def nested_ref(self, name: str) -> str | None:
+        """An existing ref whose name is a path prefix of ``name`` (``a`` for ``a/b``) or has ``name`` as
+        one (``a/b/c``), or None. Such refs cannot coexist: the path view of a store
+        (:mod:`tb5sync.storefs`) would hide the outer ref's files under the inner one."""
+        for anc in ref_ancestors(name):
+            if self._ref_row(anc) is not None:
+                return anc
+        kids = self.refs(name + "/")
+        return kids[0].name if kids else None
+
+    def check_nesting(self, name: str) -> None:
+        """Raise :class:`RefExistsError` if ``name`` would nest with an existing ref (:meth:`nested_ref`)."""
+        other = self.nested_ref(name)
+        if other is not None:
+            raise nesting_error(name, other, f"store {self.label}")
 
     def pin(self, name: str, pinned: bool = True) -> None:
         """Pin (or unpin) ref ``name``: a pinned ref and all it reaches are never evicted.
@@ -511,7 +548,13 @@ class Store:
         with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
             if old is not None and not replace:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.label}")
+                raise RefExistsError(f"ref {name!r} already exists in store {self.label} with other content "
+                                     "(--force replaces it)")
+            anc = ref_ancestors(name)
+            other = db.execute("SELECT name FROM refs WHERE name IN (%s) OR substr(name, 1, ?) = ? LIMIT 1"
+                               % ",".join("?" * len(anc)), (*anc, len(name) + 1, name + "/")).fetchone()
+            if other is not None:
+                raise nesting_error(name, other[0], f"store {self.label}")
             for d in needed:
                 if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
                     raise IntegrityError(f"ref {name!r}: chunk {d.hex()} is not in the store")
@@ -530,12 +573,17 @@ class Store:
         chunks the store lacks are appended to packs. The ref appears only once every chunk is
         in place; an interrupted put leaves no ref (its packs are collected by :meth:`gc`).
 
+        If ``name`` exists with the very same manifest (same paths, content, modes and mtimes) nothing
+        changes and the existing ref is returned (as push and pull of an identical ref): compare its
+        ``manifest`` with the one seen before to tell.
+
         Raises
         ------
         UsageError
             Bad ref name, or ``src`` missing.
         RefExistsError
-            ``name`` exists and ``replace`` is False.
+            ``name`` exists with other content and ``replace`` is False (found once ``src`` is read);
+            or ``name`` would nest with another ref (:meth:`nested_ref`).
         SourceChangedError
             A file changed while it was read.
 
@@ -543,8 +591,9 @@ class Store:
         """
         check_ref_name(name)
         rules = ExcludeRules(tuple(exclude))
-        if not replace and self._ref_row(name) is not None:
-            raise RefExistsError(f"ref {name!r} already exists in store {self.label}")
+        prev = self._ref_row(name)
+        if prev is None:
+            self.check_nesting(name)
         lease = self.lease()
         writer = PackWriter(self, lease)
         small: list[tuple[Item, bytes]] = []  # small files read, waiting to be chunked and stored together
@@ -573,6 +622,9 @@ class Store:
             self._store_small(small, lease, writer)
             mdigest, mrefs = self.put_bytes(encode_manifest(items), lease, writer)
             writer.flush()
+            if prev is not None and prev.manifest == mdigest and not (replace and description != prev.description):
+                lease.release()  # this very snapshot is here already: nothing to change
+                return prev
             info = self.commit_ref(lease, name, mdigest, mrefs, items, description, replace)
         except BaseException:
             writer.abort()
@@ -853,6 +905,12 @@ def _read_small(full: str, st: os.stat_result) -> bytes:
     if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         raise SourceChangedError(full)
     return b"".join(parts)
+
+
+def pinned_error(name: str, where: str) -> RefPinnedError:
+    """The error for removing pinned ref ``name`` of store ``where`` (a label)."""
+    return RefPinnedError(f"ref {name!r} in store {where} is pinned: run 'tb5sync store unpin {name}' first, "
+                          "or rm --force")
 
 
 def _ref_of(row: Sequence[Any]) -> RefInfo:
