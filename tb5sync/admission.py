@@ -137,13 +137,7 @@ class AuthLimiter:
             q = self._prune(key, now)
             if q is not None and len(q) >= self.limit:
                 return 0, max(0.001, q[-self.limit] + self.window - now)
-            if q is None:
-                q = self._fails[key] = collections.deque(maxlen=self.limit)
-            q.append(now)
-            self._fails.move_to_end(key)
-            while len(self._fails) > self.max_peers:
-                self._fails.popitem(last=False)
-            return len(q), 0.0
+            return self._append(key, q, now), 0.0
 
     def refund(self, ip: str) -> None:
         """Take back the newest failure :meth:`charge` counted for ``ip`` (its MAC was right)."""
@@ -164,14 +158,18 @@ class AuthLimiter:
         now = time.monotonic()
         key = peer_key(ip)
         with self._lock:
-            q = self._prune(key, now)
-            if q is None:
-                q = self._fails[key] = collections.deque(maxlen=self.limit)
-            q.append(now)
-            self._fails.move_to_end(key)
-            while len(self._fails) > self.max_peers:
-                self._fails.popitem(last=False)
-            return len(q)
+            return self._append(key, self._prune(key, now), now)
+
+    def _append(self, key: str, q: collections.deque[float] | None, now: float) -> int:
+        """Record a failure of ``key`` at ``now`` in its window ``q`` (made when None), keep at most
+        ``max_peers`` peers (the oldest dropped); returns the failures in the window. Under ``_lock``."""
+        if q is None:
+            q = self._fails[key] = collections.deque(maxlen=self.limit)
+        q.append(now)
+        self._fails.move_to_end(key)
+        while len(self._fails) > self.max_peers:
+            self._fails.popitem(last=False)
+        return len(q)
 
 
 class Janitor:
