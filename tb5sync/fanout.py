@@ -346,14 +346,9 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             nbytes = _run(srcs, mmissing, writer, got, batch, stats, warned)
             data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
             items = decode_manifest(data, f"manifest of {name!r}")
-            from .storeclient import unique_chunks
+            from .storeclient import missing_chunks
 
-            mset = {d for d, _ in mrefs}
-            chunks = [c for c in unique_chunks(items) if c[0] not in mset]
-            have = []
-            for k in range(0, len(chunks), 10000):
-                have += lease.protect([d for d, _ in chunks[k : k + 10000]])
-            missing = [c for c, h in zip(chunks, have) if not h]
+            total, missing = missing_chunks(lease, mrefs, items)
             nbytes += _run(srcs, missing, writer, None, batch, stats, warned)
             writer.flush()
             store.commit_ref(lease, local_name, info.manifest, mrefs, items, info.description, replace, info.created)
@@ -369,6 +364,6 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             if s not in sources:
                 s.close()
     store.enforce_quota(keep=local_name)
-    return {"ref": local_name, "chunks": len(mset) + len(chunks), "chunks_fetched": len(mmissing) + len(missing),
+    return {"ref": local_name, "chunks": total, "chunks_fetched": len(mmissing) + len(missing),
             "bytes_fetched": nbytes, "unchanged": False,
             "seconds": time.perf_counter() - t0, "sources": stats}

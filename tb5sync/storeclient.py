@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -100,28 +100,44 @@ def _batches(refs: Sequence[ChunkRef], limit: int = STORE_MAX_BATCH) -> Iterator
         yield cur
 
 
-def unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
-    """The chunks ``(digest, length)`` of ``items``, each once, in first-seen order."""
+def _first_seen(pairs: Iterable[ChunkRef]) -> list[ChunkRef]:
+    """``pairs`` ``(digest, length)``, each digest once, in first-seen order."""
     seen: set[bytes] = set()
     out = []
-    for it in items:
-        for d, n in it.chunks:
-            if d not in seen:
-                seen.add(d)
-                out.append((d, n))
+    for d, n in pairs:
+        if d not in seen:
+            seen.add(d)
+            out.append((d, n))
     return out
+
+
+def unique_chunks(items: Sequence[Item]) -> list[ChunkRef]:
+    """The chunks ``(digest, length)`` of ``items``, each once, in first-seen order."""
+    return _first_seen(c for it in items for c in it.chunks)
 
 
 def ref_chunks(mchunks: Sequence[ChunkRef], items: Sequence[Item]) -> list[ChunkRef]:
     """Every chunk a ref reaches, each once: its manifest's chunks, then its files' (first-seen order).
     What push and pull count as a ref's ``chunks`` (and ``store stats``/``verify`` count among indexed chunks)."""
-    seen: set[bytes] = set()
-    out = []
-    for d, n in list(mchunks) + unique_chunks(items):
-        if d not in seen:
-            seen.add(d)
-            out.append((d, n))
-    return out
+    return _first_seen([*mchunks, *(c for it in items for c in it.chunks)])
+
+
+#: Digests per ``lease.protect`` call while a pull finds what it lacks.
+_PROTECT_BATCH = 10000
+
+
+def missing_chunks(lease: Any, mrefs: Sequence[ChunkRef], items: Sequence[Item]) -> tuple[int, list[ChunkRef]]:
+    """What a pull of a ref still lacks once its manifest is here: ``(total, missing)``, ``total``
+    the ref's distinct chunks (the manifest's ``mrefs`` and its files'), ``missing`` the file
+    chunks the local store lacks, each once, in first-seen order. Every chunk the store has is
+    protected by ``lease`` (a :class:`~tb5sync.store.store.Store` writer lease) in the same step,
+    so gc cannot take it before the ref is committed."""
+    mset = {d for d, _ in mrefs}
+    chunks = [c for c in unique_chunks(items) if c[0] not in mset]
+    have: list[bool] = []
+    for k in range(0, len(chunks), _PROTECT_BATCH):
+        have += lease.protect([d for d, _ in chunks[k : k + _PROTECT_BATCH]])
+    return len(mset) + len(chunks), [c for c, h in zip(chunks, have) if not h]
 
 
 def remote_refs(remote: Remote, prefix: str = "", token: bytes | str | None = None) -> list[RefInfo]:
@@ -213,12 +229,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
             if file_digest(d for d, _ in mrefs) != info.manifest:
                 raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
             items = decode_manifest(data, f"manifest of {name!r} from {remote.host}")
-            mset = {d for d, _ in mrefs}
-            chunks = [c for c in unique_chunks(items) if c[0] not in mset]
-            have = []
-            for k in range(0, len(chunks), STORE_MAX_DIGESTS):
-                have += lease.protect([d for d, _ in chunks[k : k + STORE_MAX_DIGESTS]])
-            missing = [c for c, h in zip(chunks, have) if not h]
+            total, missing = missing_chunks(lease, mrefs, items)
             nbytes += _fetch(s, missing, writer)
             writer.flush()
             store.commit_ref(lease, local_name, info.manifest, mrefs, items, info.description, replace, info.created)
@@ -230,7 +241,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
                 pass
             raise
     store.enforce_quota(keep=local_name)
-    return {"ref": local_name, "chunks": len(mset) + len(chunks), "chunks_fetched": len(mmissing) + len(missing),
+    return {"ref": local_name, "chunks": total, "chunks_fetched": len(mmissing) + len(missing),
             "bytes_fetched": nbytes, "seconds": time.perf_counter() - t0, "unchanged": False}
 
 

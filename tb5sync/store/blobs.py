@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import IntegrityError, UsageError
+from ..errors import UsageError
 from ..hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ def put_blob(store: Store, key: str, src: str | os.PathLike[str] | bytes) -> Blo
     SourceChangedError
         The file changed while it was read.
     """
+    from .store import require_indexed
     from .writer import PackWriter, _drop_lease
 
     check_blob_key(key)
@@ -107,9 +108,7 @@ def put_blob(store: Store, key: str, src: str | os.PathLike[str] | bytes) -> Blo
         size = sum(n for _, n in refs)
         now = time.time()
         with store._tx() as db:
-            for d in dict.fromkeys(d for d, _ in refs):
-                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
-                    raise IntegrityError(f"blob {key!r}: chunk {d.hex()} is not in the store")
+            require_indexed(db, dict.fromkeys(d for d, _ in refs), f"blob {key!r}")
             db.execute("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?,?)",
                        (key, digest, refs_to_blob(refs), size, now, now))
             _drop_lease(db, lease.id)
@@ -133,6 +132,7 @@ def put_blobs(store: Store, items: list[tuple[str, bytes]]) -> list[BlobInfo]:
     UsageError
         A bad key (nothing is stored then).
     """
+    from .store import require_indexed
     from .writer import PackWriter, _drop_lease
 
     for key, _ in items:
@@ -149,9 +149,7 @@ def put_blobs(store: Store, items: list[tuple[str, bytes]]) -> list[BlobInfo]:
         writer.flush()
         now = time.time()
         with store._tx() as db:
-            for d in dict.fromkeys(d for _, _, refs in done for d, _ in refs):
-                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
-                    raise IntegrityError(f"blob batch: chunk {d.hex()} is not in the store")
+            require_indexed(db, dict.fromkeys(d for _, _, refs in done for d, _ in refs), "blob batch")
             db.executemany("INSERT OR REPLACE INTO blobs VALUES (?,?,?,?,?,?)",
                            [(k, dg, refs_to_blob(refs), sum(n for _, n in refs), now, now) for k, dg, refs in done])
             _drop_lease(db, lease.id)

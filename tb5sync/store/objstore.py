@@ -59,7 +59,7 @@ import msgpack
 from ..errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
 from ..hashing import ChunkRef
 from .manifest import Item
-from .packs import FsspecPackStorage, check_name, iter_frames
+from .packs import FsspecPackStorage, iter_frames
 from .store import RefInfo, Store, all_digests, check_ref_name, pinned_error
 from .writer import Lease
 
@@ -269,21 +269,12 @@ class ObjectPackStorage(FsspecPackStorage):
 
     def list(self) -> dict[str, tuple[int, float]]:
         """As :meth:`FsspecPackStorage.list`, with each pack's modification time (seconds) where the listing has it."""
-        out: dict[str, tuple[int, float]] = {}
         with contextlib.suppress(AttributeError, TypeError):
             self.fs.invalidate_cache(self.root)
-        try:
-            found = self.fs.find(self.root, detail=True)
-        except FileNotFoundError:
-            return out
-        for p, info in found.items():
-            n = p.rstrip("/").rsplit("/", 1)[-1]
-            try:
-                check_name(n)
-            except UsageError:
-                continue
-            out[n] = (int(info.get("size") or 0), _mtime(info))
-        return out
+        return super().list()
+
+    def _listed_mtime(self, info: dict[str, Any]) -> float:
+        return _mtime(info)
 
 
 class ObjectStore(Store):

@@ -302,8 +302,13 @@ class FsspecPackStorage(PackStorage):
                 check_name(n)
             except UsageError:
                 continue
-            out[n] = (int(info.get("size") or 0), 0.0)
+            out[n] = (int(info.get("size") or 0), self._listed_mtime(info))
         return out
+
+    def _listed_mtime(self, info: dict[str, Any]) -> float:
+        """The modification time (seconds) :meth:`list` reports for a listed object: 0.0 (unknown)
+        here; a subclass whose listings carry one reads it."""
+        return 0.0
 
     def delete(self, name: str) -> None:
         try:

@@ -555,9 +555,7 @@ class Store:
                                % ",".join("?" * len(anc)), (*anc, len(name) + 1, name + "/")).fetchone()
             if other is not None:
                 raise nesting_error(name, other[0], f"store {self.label}")
-            for d in needed:
-                if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
-                    raise IntegrityError(f"ref {name!r}: chunk {d.hex()} is not in the store")
+            require_indexed(db, needed, f"ref {name!r}")
             db.execute("INSERT OR REPLACE INTO refs VALUES (?,?,?,?,?,?,?,?,?)",
                        (name, manifest, refs_to_blob(mchunks), created or now, size, files, description,
                         old[0] if old else 0, now))
@@ -905,6 +903,19 @@ def _read_small(full: str, st: os.stat_result) -> bytes:
     if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         raise SourceChangedError(full)
     return b"".join(parts)
+
+
+def require_indexed(db: sqlite3.Connection, digests: Iterable[bytes], what: str) -> None:
+    """Check, inside a transaction on the index ``db``, that every chunk of ``digests`` is indexed.
+
+    Raises
+    ------
+    IntegrityError
+        ``"{what}: chunk HEX is not in the store"`` for the first one that is not.
+    """
+    for d in digests:
+        if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+            raise IntegrityError(f"{what}: chunk {d.hex()} is not in the store")
 
 
 def pinned_error(name: str, where: str) -> RefPinnedError:
