@@ -331,3 +331,27 @@ def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
             pytest.skip("tb5sync._write is not built")
         monkeypatch.setattr(destination, "_cy_write_files", write_files)  # TB5SYNC_PUREPYTHON=1 run: both still
     return request.param
+
+
+@pytest.fixture(params=["openat2", "portable"])
+def jail_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each lookup strategy of the Jail (openat2 where the kernel has it, and the portable walk)."""
+    if request.param == "portable":
+        monkeypatch.setenv("TB5SYNC_JAIL_PORTABLE", "1")
+    else:
+        from tb5sync._paths import openat2_available
+
+        if not openat2_available():
+            pytest.skip("no openat2 on this kernel (the portable walk is tested)")
+        monkeypatch.delenv("TB5SYNC_JAIL_PORTABLE", raising=False)
+    return str(request.param)
+
+
+@pytest.fixture
+def node(tmp_path: Any) -> Any:
+    """A live server with a store at ``tmp_path/remote_store``."""
+    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
+    try:
+        yield live
+    finally:
+        live.server.stop()

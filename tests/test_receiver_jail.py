@@ -36,20 +36,6 @@ T0 = 1_600_000_000_000_000_000
 MiB = 1024 * 1024
 
 
-@pytest.fixture(params=["openat2", "portable"])
-def jail_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each lookup strategy of the Jail (openat2 where the kernel has it, and the portable walk)."""
-    if request.param == "portable":
-        monkeypatch.setenv("TB5SYNC_JAIL_PORTABLE", "1")
-    else:
-        from tb5sync._paths import openat2_available
-
-        if not openat2_available():
-            pytest.skip("no openat2 on this kernel (the portable walk is tested)")
-        monkeypatch.delenv("TB5SYNC_JAIL_PORTABLE", raising=False)
-    return str(request.param)
-
-
 def write(path: str, data: bytes, mtime_ns: int = T0) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:

@@ -29,20 +29,6 @@ from tb5sync.urls import parse_url
 SECRET = b"OUTSIDE-SECRET\n"
 
 
-@pytest.fixture(params=["openat2", "portable"])
-def jail_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each lookup strategy of the Jail (openat2 where the kernel has it, and the portable walk)."""
-    if request.param == "portable":
-        monkeypatch.setenv("TB5SYNC_JAIL_PORTABLE", "1")
-    else:
-        from tb5sync._paths import openat2_available
-
-        if not openat2_available():
-            pytest.skip("no openat2 on this kernel (the portable walk is tested)")
-        monkeypatch.delenv("TB5SYNC_JAIL_PORTABLE", raising=False)
-    return str(request.param)
-
-
 def _layout(tmp_path: Path) -> tuple[str, str]:
     """ROOT/x/a/sub/inside.txt, ROOT/x/b -> OUTSIDE (OUTSIDE/sub/secret.txt); returns (root, outside)."""
     root, outside = tmp_path / "root", tmp_path / "outside"

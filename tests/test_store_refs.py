@@ -17,7 +17,6 @@ from typing import Any
 
 import fsspec
 import pytest
-from conftest import start_server
 
 from tb5sync.cli import main
 from tb5sync.errors import DestinationError, RefExistsError, RefNotFoundError, RefPinnedError
@@ -45,15 +44,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
         yield st
     finally:
         st.close()
-
-
-@pytest.fixture
-def node(tmp_path: Any) -> Any:
-    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
-    try:
-        yield live
-    finally:
-        live.server.stop()
 
 
 def cli(tmp_path: Any, *args: str) -> int:

@@ -28,16 +28,6 @@ from tb5sync.urls import parse_url
 MiB = 1024 * 1024
 
 
-@pytest.fixture
-def node(tmp_path: Any) -> Any:
-    """A live server with a store at ``tmp_path/remote_store``."""
-    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
-    try:
-        yield live
-    finally:
-        live.server.stop()
-
-
 def url(live: Any) -> Any:
     r = parse_url(f"tb5://127.0.0.1:{live.port}")
     assert r is not None
