@@ -23,7 +23,7 @@ from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
 from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
 from .hashing import chunk_fd, file_digest
-from .messages import EntriesPage, FileDigests, TreePage
+from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, EntriesPage, FileDigests, TreePage  # the caps live with the wire vocabulary; kept importable from here
 from .options import SyncOptions, SyncStats
 from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
@@ -32,15 +32,6 @@ __all__ = ["Generator", "Planned", "ListingLimits", "MAX_ENTRIES", "MAX_LISTING_
 
 log = logging.getLogger(__name__)
 
-#: A server's default cap on the entries of one session's source listing it holds (directory
-#: summaries and listed entries counted together; ``tb5sync serve --max-entries``).
-MAX_ENTRIES = 10_000_000
-#: A server's default cap on the bytes of one session's source listing it holds, counted as
-#: :data:`ENTRY_COST` per entry plus its path, link target and extended attributes
-#: (``tb5sync serve --max-listing-bytes``).
-MAX_LISTING_BYTES = 2 << 30
-#: Bytes counted per entry besides its strings (its fixed fields and the objects that hold them).
-ENTRY_COST = 64
 
 
 class ListingLimits(NamedTuple):
