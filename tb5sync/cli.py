@@ -403,10 +403,14 @@ def _verbose_names(itemized: Sequence[str]) -> list[str]:
     sent, symlink or hard link changed and directory touched (``deleting PATH`` for deletions), without
     the change codes; a file whose attributes alone changed is not listed (rsync's "significant" items,
     as :func:`tb5sync.plan.dry_run_changes` lists them for ``-n``)."""
+    from .plan import NONEMPTY
+
     out = []
     for line in itemized:
         code, path = line[:11], line[12:]
-        if code == "*deleting":
+        if line.startswith(NONEMPTY):
+            out.append(line)  # rsync prints it at any verbosity
+        elif code.rstrip() == "*deleting":
             out.append(f"deleting {path}")
         elif code[0] in "c<>h" or code[1] == "d":
             out.append(path)

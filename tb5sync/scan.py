@@ -275,6 +275,10 @@ class Tree:
     xattrs : dict of str to list of (bytes, bytes)
         With :attr:`Extras.xattrs`: each file or directory (``""`` the base) having copied
         extended attributes -> ``(name, value)`` sorted (rsync ``-X``, :mod:`tb5sync._fsmeta`).
+    protected : set of str
+        :func:`scan_tree` only: each directory (relative to the base, ``""`` the base) directly
+        holding an entry the exclude rules left out: a destination's ``--delete`` keeps such a
+        directory, which stays non-empty (rsync: "cannot delete non-empty directory").
     """
 
     entries: list[Entry]
@@ -285,6 +289,7 @@ class Tree:
     temps: list[str] = field(default_factory=list)
     hardlinks: dict[str, int] = field(default_factory=dict)
     xattrs: dict[str, list[tuple[bytes, bytes]]] = field(default_factory=dict)
+    protected: set[str] = field(default_factory=set)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -620,6 +625,8 @@ def _walk(
                 fmt, followed = m & 0o170000, True
         try:
             if excludes and excludes.match(r, fmt == stat.S_IFDIR):
+                if tree is not None:
+                    tree.protected.add(rel)
                 continue
             if max_path and len(r) * 4 > max_path and (over := len(r.encode("utf-8", "surrogateescape")) - max_path) > 0:
                 if errors is None:
