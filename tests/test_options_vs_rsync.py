@@ -878,11 +878,6 @@ def test_itemize_kept_directories_in_rsync_order(h: Opts, tmp_path: Any, dry: bo
         h.check(ignore_mtime=("dst/k", "dst/k/e", "dst/m", "dst/m/a", "dst/m/b", "dst/n"))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", *args], capture_output=True, text=True,
-                          timeout=100, check=False)
-
-
 RSYNC_V_FRAME = re.compile(r"^(sending incremental file list|sent \d.*|total size is .*|)$")
 
 
@@ -905,6 +900,6 @@ def test_cli_verbose_lists_what_rsync_v_lists(h: Opts, tmp_path: Any, limit: int
               "push": (h.src + "/", h.server.url("push/dst")),
               "pull": (h.server.url("pullsrc/src/"), os.path.join(h.dp["pull"], "dst"))}
     for r, (a, b) in routes.items():
-        got = _cli(*args, a, b)
+        got = _cli("sync", *args, a, b)
         assert got.returncode == ref.returncode, (r, got.stderr)
         assert got.stdout.splitlines() == want, r
