@@ -421,6 +421,12 @@ _KERNELS = ("one", "interleaved", "neon", "avx512")
 
 cdef int _best = tb5_best_kernel()
 cdef int _kernel = _best
+cdef bint _calibrated = False  # the timing of _calibrate runs on first use, not at import
+
+
+cdef inline void _ensure_calibrated():
+    if not _calibrated:
+        _calibrate()
 
 
 def lane_kernels():
@@ -430,12 +436,14 @@ def lane_kernels():
 
 
 def default_lane_kernel():
-    """Name of the kernel chosen at import (see ``_calibrate``): what ``set_vector_lanes(True)`` restores."""
+    """Name of the kernel chosen on first use (see ``_calibrate``): what ``set_vector_lanes(True)`` restores."""
+    _ensure_calibrated()
     return _KERNELS[_best]
 
 
 def lane_kernel():
-    """Name of the kernel the cut search uses now (the one chosen at import unless set)."""
+    """Name of the kernel the cut search uses now (the one chosen on first use unless set)."""
+    _ensure_calibrated()
     return _KERNELS[_kernel]
 
 
@@ -446,6 +454,7 @@ def set_lane_kernel(name):
     name that is unknown or not usable on this CPU.
     """
     global _kernel
+    _ensure_calibrated()
     prev = _KERNELS[_kernel]
     if name not in _KERNELS or not tb5_kernel_ok(_KERNELS.index(name)):
         raise UsageError(f"lane kernel {name!r} is not available here; have {lane_kernels()}")
@@ -456,9 +465,13 @@ def set_lane_kernel(name):
 def _calibrate():
     """Choose the default lane kernel: ``$TB5SYNC_LANE_KERNEL`` if it names a usable one, else
     the fastest usable vector or interleaved kernel measured on 256 KiB (a few runs each,
-    about a millisecond; which is faster depends on the core: on arm64 NEON against the
-    interleaved scalar lanes, on x86-64 AVX-512 against them). All give the same cut points."""
-    global _best, _kernel
+    about two milliseconds; which is faster depends on the core: on arm64 NEON against the
+    interleaved scalar lanes, on x86-64 AVX-512 against them). All give the same cut points.
+
+    Runs once, on the first cut search or kernel query of the process (not at import: a
+    no-change sync or a store read never chunks and should not pay for the timing)."""
+    global _best, _kernel, _calibrated
+    _calibrated = True
     import os
     import time
 
@@ -484,13 +497,15 @@ def _calibrate():
 def vector_lanes():
     """Number of gear-hash lanes the cut search runs side by side now: 9 with AVX-512 (8 in
     a vector register, 1 scalar), 4 with NEON, 2 with the interleaved kernel, 1 with ``"one"``."""
+    _ensure_calibrated()
     return tb5_kernel_lanes(_kernel)
 
 
 def set_vector_lanes(bint enabled):
-    """Turn the lane kernels on (the one chosen at import) or off (the one-lane loop); returns
-    the previous setting. The cut points are the same either way."""
+    """Turn the lane kernels on (the one chosen on first use) or off (the one-lane loop);
+    returns the previous setting. The cut points are the same either way."""
     global _kernel
+    _ensure_calibrated()
     cdef bint prev = _kernel != TB5_K_ONE
     _kernel = _best if enabled else TB5_K_ONE
     return prev
@@ -596,6 +611,7 @@ cdef list _run(object mv, const _Params* prm, bint final, Py_ssize_t* pos_io, ui
     cuts.data = NULL
     cuts.size = 0
     cuts.cap = 0
+    _ensure_calibrated()
     try:
         with nogil:
             rc = _scan(p, n, prm, final, pos_io, fp_io, &cuts)
@@ -683,6 +699,3 @@ cdef class Chunker:
         self._pos = 0
         self._fp = 0
         return cuts
-
-
-_calibrate()

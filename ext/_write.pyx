@@ -4,7 +4,7 @@
 For each file, with the GIL released and relative to its directory's descriptor only:
 ``openat(dir, tmp, O_RDWR|O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC, 0600)``, ``flock(LOCK_EX|LOCK_NB)``,
 ``write`` (all of it, ``EINTR`` retried), ``fchmod``, ``futimens`` (atime = mtime), ``fsync`` when
-asked, ``fstat``, ``close``, ``renameat(dir, tmp, dir, name)``. A file that fails at any step has
+asked (``F_FULLFSYNC`` on macOS), ``fstat``, ``close``, ``renameat(dir, tmp, dir, name)``. A file that fails at any step has
 its temporary name removed (``unlinkat``) and its final name untouched; its ``errno`` is returned
 and the caller takes that file again on the Python path (which names it, unlocks a read-only
 directory, replaces an empty directory, or stops the run on a full disk). See ``tb5sync/_write.pyi``.
@@ -30,6 +30,17 @@ cdef extern from *:
     #define TB5_ST_MTIM st_mtim
     #endif
     static int tb5_errno(void) { return errno; }
+
+    /* Flush to stable storage: F_FULLFSYNC where the system has it (macOS: fsync leaves the data
+       in the drive's cache), fsync where it has not or the file system refuses it (as
+       tb5sync._io.durable_sync). */
+    static int tb5_durable_sync(int fd) {
+    #ifdef F_FULLFSYNC
+        if (fcntl(fd, F_FULLFSYNC) == 0) return 0;
+        if (errno == EBADF || errno == EIO) return -1;
+    #endif
+        return fsync(fd);
+    }
 
     typedef struct {
         int dfd;
@@ -71,7 +82,7 @@ cdef extern from *:
         ts[0].tv_sec = (time_t)f->sec; ts[0].tv_nsec = f->nsec;
         ts[1] = ts[0];
         if (futimens(fd, ts) != 0) goto fail;
-        if (do_fsync && fsync(fd) != 0) goto fail;
+        if (do_fsync && tb5_durable_sync(fd) != 0) goto fail;
         if (fstat(fd, &st) != 0) goto fail;
         if (close(fd) != 0) { fd = -1; goto fail; }
         fd = -1;

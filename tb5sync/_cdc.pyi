@@ -23,7 +23,7 @@ def lane_kernels() -> list[str]:
     """Lane kernels usable on this CPU: "one", "interleaved", and "neon" (arm64) or "avx512" (x86-64 with AVX-512)."""
 
 def default_lane_kernel() -> str:
-    """The lane kernel chosen at import: $TB5SYNC_LANE_KERNEL if usable, else the fastest one measured."""
+    """The lane kernel chosen on first use: $TB5SYNC_LANE_KERNEL if usable, else the fastest one measured."""
 
 def lane_kernel() -> str:
     """The lane kernel in use."""

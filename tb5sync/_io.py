@@ -8,7 +8,8 @@ file system that splits large writes); these loops go on until every byte is wri
 (``$TB5SYNC_PORTABLE=1``: what a system without the Linux calls gets; docs/ARCHITECTURE.md,
 "Portability"): :func:`read_into` without ``preadv``, :func:`copy_range` without
 ``copy_file_range``; other modules ask it before ``sendfile``, ``sync_file_range``,
-``openat2``, ``FICLONE`` and ``TCP_USER_TIMEOUT``.
+``openat2``, ``FICLONE`` and ``TCP_USER_TIMEOUT``. :func:`durable_sync` is the one flush to
+stable storage (``F_FULLFSYNC`` on macOS, where ``fsync`` leaves data in the drive's cache).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV", "RateLimit"]
+__all__ = ["durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range", "PORTABLE_ENV", "RateLimit"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
 PORTABLE_ENV = "TB5SYNC_PORTABLE"
@@ -35,6 +36,39 @@ def portable(specific: str | None = None) -> bool:
     ``TB5SYNC_JAIL_PORTABLE``) is set to anything but ``0``: take the portable path."""
     return os.environ.get(PORTABLE_ENV, "0") not in ("", "0") or (
         specific is not None and os.environ.get(specific, "0") not in ("", "0"))
+
+
+try:
+    import fcntl as _fcntl
+except ImportError:  # not a POSIX system
+    _fcntl = None  # type: ignore[assignment]
+
+#: ``fcntl(fd, F_FULLFSYNC)`` (macOS, iOS): None where the system has no such call.
+_F_FULLFSYNC: int | None = getattr(_fcntl, "F_FULLFSYNC", None)
+
+
+def durable_sync(fd: int) -> None:
+    """Flush ``fd``'s data and metadata to stable storage, so that they survive a power cut.
+
+    On macOS ``fsync(2)`` only hands the data to the drive, whose cache may still lose it; Apple's
+    ``fcntl(fd, F_FULLFSYNC)`` asks the drive to flush too (Apple, fsync(2) and fcntl(2) man
+    pages; SQLite's ``PRAGMA fullfsync`` is the same call). Where the system has no
+    ``F_FULLFSYNC`` (Linux: ``fsync`` already flushes the drive's cache), or the file system
+    refuses it (``ENOTSUP``/``EINVAL``: some network and FUSE file systems), ``fsync``.
+
+    Raises
+    ------
+    OSError
+        As ``fsync(2)`` (``EIO``: the data may be lost; ``EBADF``, ...).
+    """
+    if _F_FULLFSYNC is not None:
+        try:
+            _fcntl.fcntl(fd, _F_FULLFSYNC)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.EIO):
+                raise
+    os.fsync(fd)
 
 
 def read_into(fd: int, view: memoryview, off: int) -> int:

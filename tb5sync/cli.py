@@ -78,8 +78,21 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (exposed for documentation and tests)."""
+#: The commands, in the order of ``tb5sync --help``.
+COMMANDS = ("serve", "http-cache", "sync", "ls", "bench", "store")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests).
+
+    ``command`` (one of :data:`COMMANDS`): only that command's options are added; the others
+    are there by name and help alone (enough for ``tb5sync --help`` and for an unknown
+    command's error), which spares a CLI start building ~180 options it does not use
+    (argparse looks up a translation of each help text: ~8 ms). None: every command whole.
+    """
+
+    def full(name: str) -> bool:
+        return command is None or command == name
 
     def threads(q: argparse.ArgumentParser, default: Any) -> None:
         q.add_argument("--hash-threads", type=int, default=default, metavar="N",
@@ -102,137 +115,143 @@ def build_parser() -> argparse.ArgumentParser:
     threads(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
 
-    from .generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES
-
     s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
-    s.add_argument("root", help="directory to serve; nothing outside it is read or written")
-    s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name "
-                        "(bridge0:8873: one of its addresses, IPv4 first) or [fe80::1%%bridge0]; [::]:PORT listens on "
-                        "both families")
-    s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
-    s.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable; default: any address that can reach --bind)")
-    s.add_argument("--read-only", action="store_true", help="refuse all writes")
-    s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
-    s.add_argument("--store", metavar="DIR", nargs="?", const="",
-                   help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
-    s.add_argument("--no-auth", action="store_true",
-                   help="serve without a token on an address that is not loopback (refused otherwise)")
-    s.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with this certificate chain (clients use tb5s:// URLs)")
-    s.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    s.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="connections at once, every stream counted; more are refused as busy (default 256)")
-    s.add_argument("--max-sessions", type=int, default=64, metavar="N",
-                   help="sessions (syncs, ls, fs clients) at once; more are refused as busy (default 64)")
-    s.add_argument("--max-entries", type=int, default=MAX_ENTRIES, metavar="N",
-                   help=f"entries of one pushing client's listing held (directories and entries together); "
-                        f"a listing past it ends that session (default {MAX_ENTRIES})")
-    s.add_argument("--max-listing-bytes", type=int, default=MAX_LISTING_BYTES, metavar="BYTES",
-                   help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus its path, link "
-                        f"target and xattrs); a listing past it ends that session (default {MAX_LISTING_BYTES})")
-    s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
-                   help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
-    s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="time a new connection has to authenticate and say what it wants (default 10)")
-    s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="I/O timeout: a started frame that makes no progress this long ends its session (default 60; 0: none)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
-                   help="a session whose peer sends nothing this long is ended (default 3600; 0: none)")
-    s.add_argument("--keepalive", type=float, default=15.0, metavar="SECONDS",
-                   help="TCP keepalive idle time; a dead peer is found in about twice this (default 15; 0: off)")
-    s.add_argument("--auth-limit", type=int, default=10, metavar="N",
-                   help="failed authentications per client address per --auth-window before it is refused (default 10; 0: no limit)")
-    s.add_argument("--auth-window", type=float, default=60.0, metavar="SECONDS", help="window of --auth-limit (default 60)")
-    s.add_argument("--http-cache", metavar="HOST:PORT",
-                   help="also serve a ccache/Bazel HTTP remote cache on HOST:PORT, backed by the store "
-                        "(--store DIR, else ROOT/.tb5sync/store)")
-    _http_cache_options(s)
+    if full("serve"):
+        from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES
+
+        s.add_argument("root", help="directory to serve; nothing outside it is read or written")
+        s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name "
+                            "(bridge0:8873: one of its addresses, IPv4 first) or [fe80::1%%bridge0]; [::]:PORT listens on "
+                            "both families")
+        s.add_argument("--token-file", help="file holding the shared token (default: $TB5SYNC_TOKEN; none = no auth)")
+        s.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable; default: any address that can reach --bind)")
+        s.add_argument("--read-only", action="store_true", help="refuse all writes")
+        s.add_argument("--state-dir", metavar="DIR", help="scan cache, chunk index and partial files (default: ROOT/.tb5sync)")
+        s.add_argument("--store", metavar="DIR", nargs="?", const="",
+                       help="also serve this artifact store (tb5sync store push/pull); without DIR, ROOT/.tb5sync/store")
+        s.add_argument("--no-auth", action="store_true",
+                       help="serve without a token on an address that is not loopback (refused otherwise)")
+        s.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with this certificate chain (clients use tb5s:// URLs)")
+        s.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        s.add_argument("--max-connections", type=int, default=256, metavar="N",
+                       help="connections at once, every stream counted; more are refused as busy (default 256)")
+        s.add_argument("--max-sessions", type=int, default=64, metavar="N",
+                       help="sessions (syncs, ls, fs clients) at once; more are refused as busy (default 64)")
+        s.add_argument("--max-entries", type=int, default=MAX_ENTRIES, metavar="N",
+                       help=f"entries of one pushing client's listing held (directories and entries together); "
+                            f"a listing past it ends that session (default {MAX_ENTRIES})")
+        s.add_argument("--max-listing-bytes", type=int, default=MAX_LISTING_BYTES, metavar="BYTES",
+                       help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus its path, link "
+                            f"target and xattrs); a listing past it ends that session (default {MAX_LISTING_BYTES})")
+        s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
+                       help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
+        s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="time a new connection has to authenticate and say what it wants (default 10)")
+        s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="I/O timeout: a started frame that makes no progress this long ends its session (default 60; 0: none)")
+        s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
+                       help="a session whose peer sends nothing this long is ended (default 3600; 0: none)")
+        s.add_argument("--keepalive", type=float, default=15.0, metavar="SECONDS",
+                       help="TCP keepalive idle time; a dead peer is found in about twice this (default 15; 0: off)")
+        s.add_argument("--auth-limit", type=int, default=10, metavar="N",
+                       help="failed authentications per client address per --auth-window before it is refused (default 10; 0: no limit)")
+        s.add_argument("--auth-window", type=float, default=60.0, metavar="SECONDS", help="window of --auth-limit (default 60)")
+        s.add_argument("--http-cache", metavar="HOST:PORT",
+                       help="also serve a ccache/Bazel HTTP remote cache on HOST:PORT, backed by the store "
+                            "(--store DIR, else ROOT/.tb5sync/store)")
+        _http_cache_options(s)
+
+        s.add_argument("--upstream", metavar="URL",
+                       help="with --store: a shared store (s3://bucket/prefix, any fsspec URL, or a directory) the local "
+                            "store caches: missing refs are read through, pushes written through")
+        s.add_argument("--peer", action="append", default=[], metavar="tb5://HOST[:PORT]",
+                       help="another node's store a read-through also fetches from, in parallel (repeatable)")
+        s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
+                       help="an fsspec storage option for --upstream (repeatable)")
 
     h = sub.add_parser("http-cache", help="serve a ccache/Bazel HTTP remote cache backed by an artifact store",
                        parents=[common])
-    h.add_argument("store", help="store directory (created when missing)")
-    h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one); HOST may be an interface name (bridge0:8080)")
-    h.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable)")
-    h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
-    _http_cache_options(h)
-    s.add_argument("--upstream", metavar="URL",
-                   help="with --store: a shared store (s3://bucket/prefix, any fsspec URL, or a directory) the local "
-                        "store caches: missing refs are read through, pushes written through")
-    s.add_argument("--peer", action="append", default=[], metavar="tb5://HOST[:PORT]",
-                   help="another node's store a read-through also fetches from, in parallel (repeatable)")
-    s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
-                   help="an fsspec storage option for --upstream (repeatable)")
+    if full("http-cache"):
+        h.add_argument("store", help="store directory (created when missing)")
+        h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one); HOST may be an interface name (bridge0:8080)")
+        h.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable)")
+        h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
+        _http_cache_options(h)
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common], add_help=False)
-    y.set_defaults(sync_parser=y)
-    y.add_argument("--help", action="help", help="show this help message and exit (-h alone too, as rsync)")
-    y.add_argument("src", nargs="?", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
-    y.add_argument("dst", nargs="?", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
-    y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
-    y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
-    y.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
-    y.add_argument("-c", "--checksum", action="store_true", help="compare content digests, not size and mtime")
-    y.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
-    y.add_argument("--stats", action="store_true", help="print transfer statistics")
-    y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
-    y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
-    y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
-                   help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always "
-                        "(also --compress alone, as rsync's), none never")
-    y.add_argument("-z", dest="compress", action="store_const", const="lz4", help="rsync's -z: --compress lz4")
-    y.add_argument("--fsync", action="store_true",
-                   help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
-    y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
-    # ---- rsync -H -S -X -L --copy-unsafe-links --safe-links --link-dest
-    from .options import LINK_OPTIONS
+    if full("sync"):
+        y.set_defaults(sync_parser=y)
+        y.add_argument("--help", action="help", help="show this help message and exit (-h alone too, as rsync)")
+        y.add_argument("src", nargs="?", help="local path or tb5://[TOKEN@]HOST[:PORT]/PATH (port 8873 by default; tb5s:// for TLS); a trailing / means the contents of SRC, not SRC itself")
+        y.add_argument("dst", nargs="?", help="local path or tb5://HOST[:PORT]/PATH (PATH relative to the server's ROOT)")
+        y.add_argument("-n", "--dry-run", action="store_true", help="show what would change, change nothing")
+        y.add_argument("--delete", action="store_true", help="delete destination files missing at the source")
+        y.add_argument("--exclude", action="append", default=[], metavar="PAT", help="rsync-style exclude pattern (repeatable)")
+        y.add_argument("-c", "--checksum", action="store_true", help="compare content digests, not size and mtime")
+        y.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+        y.add_argument("--stats", action="store_true", help="print transfer statistics")
+        y.add_argument("--json", action="store_true", help="print statistics as one JSON object")
+        y.add_argument("--streams", type=int, default=None, metavar="N", help="TCP streams per session (default 4)")
+        y.add_argument("--compress", choices=("auto", "lz4", "none"), default="auto",
+                       help="lz4 per chunk: auto (default) compresses only chunks a sample shows to shrink well, lz4 always "
+                            "(also --compress alone, as rsync's), none never")
+        y.add_argument("-z", dest="compress", action="store_const", const="lz4", help="rsync's -z: --compress lz4")
+        y.add_argument("--fsync", action="store_true",
+                       help="flush each file to disk before renaming it into place, and its directory after, before reporting success (survives a power cut; slower)")
+        y.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+        # ---- rsync -H -S -X -L --copy-unsafe-links --safe-links --link-dest
+        from .options import LINK_OPTIONS
 
-    for name, (flags, what) in LINK_OPTIONS.items():
-        y.add_argument(*flags.split("/"), dest=name, action="store_true", help=what)
-    y.add_argument("--link-dest", action="append", default=[], metavar="DIR", dest="link_dest",
-                   help="hard-link files unchanged from DIR (relative: to the destination directory; repeatable)")
-    timeout_opts(y)
-    y.add_argument("--state-dir", metavar="DIR",
-                   help="scan cache, chunk index and partial files of a local or pulled destination "
-                        "(default: in the user's cache directory, keyed by the destination's device and inode)")
-    # -- rsync options, second half --
-    y.add_argument("--delete-excluded", action="store_true", help="also delete excluded files at the destination (implies --delete)")
-    y.add_argument("--max-delete", type=int, default=None, metavar="N",
-                   help="delete at most N entries (0: none), then skip the rest and exit 25, as rsync")
-    y.add_argument("-i", "--itemize-changes", action="store_true",
-                   help="print one rsync-style line per change (YXcstpoguax, e.g. '>f+++++++++ path', '*deleting   path')")
-    y.add_argument("-u", "--update", action="store_true", help="skip files that are newer at the destination")
-    y.add_argument("--ignore-existing", action="store_true", help="skip updating entries that exist at the destination")
-    y.add_argument("--size-only", action="store_true", help="skip files that match in size, whatever their mtime")
-    y.add_argument("--bwlimit", default=None, metavar="RATE",
-                   help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
+        for name, (flags, what) in LINK_OPTIONS.items():
+            y.add_argument(*flags.split("/"), dest=name, action="store_true", help=what)
+        y.add_argument("--link-dest", action="append", default=[], metavar="DIR", dest="link_dest",
+                       help="hard-link files unchanged from DIR (relative: to the destination directory; repeatable)")
+        timeout_opts(y)
+        y.add_argument("--state-dir", metavar="DIR",
+                       help="scan cache, chunk index and partial files of a local or pulled destination "
+                            "(default: in the user's cache directory, keyed by the destination's device and inode)")
+        # -- rsync options, second half --
+        y.add_argument("--delete-excluded", action="store_true", help="also delete excluded files at the destination (implies --delete)")
+        y.add_argument("--max-delete", type=int, default=None, metavar="N",
+                       help="delete at most N entries (0: none), then skip the rest and exit 25, as rsync")
+        y.add_argument("-i", "--itemize-changes", action="store_true",
+                       help="print one rsync-style line per change (YXcstpoguax, e.g. '>f+++++++++ path', '*deleting   path')")
+        y.add_argument("-u", "--update", action="store_true", help="skip files that are newer at the destination")
+        y.add_argument("--ignore-existing", action="store_true", help="skip updating entries that exist at the destination")
+        y.add_argument("--size-only", action="store_true", help="skip files that match in size, whatever their mtime")
+        y.add_argument("--bwlimit", default=None, metavar="RATE",
+                       help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
-    _rsync_aliases(y)
-    y.error = lambda message: _sync_usage_error(y, message)  # type: ignore[method-assign]
+        _rsync_aliases(y)
+        y.error = lambda message: _sync_usage_error(y, message)  # type: ignore[method-assign]
 
     l_ = sub.add_parser("ls", help="list a remote directory")
-    l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
-    l_.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
-    timeout_opts(l_)
+    if full("ls"):
+        l_.add_argument("url", help="tb5://HOST[:PORT]/PATH")
+        l_.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+        timeout_opts(l_)
 
     b = sub.add_parser("bench", parents=[common],
                        help="what bounds a transfer with a server: RTT, raw TCP (1-8 streams, both ways), "
                             "disks at both ends, CPU, a real push and pull; then a verdict (link, disk or cpu)")
-    b.add_argument("host", metavar="URL", help="tb5://[TOKEN@]HOST[:PORT] of a running, writable tb5sync serve "
-                                               "(HOST[:PORT] alone also works)")
-    b.add_argument("--size", default="256M", metavar="SIZE",
-                   help="bytes of the disk tests' files and of the pushed and pulled file (default 256M; e.g. 64M, 2G)")
-    b.add_argument("--tcp-size", default="1G", metavar="SIZE", help="bytes per raw TCP measurement (default 1G)")
-    b.add_argument("--pings", type=int, default=1000, metavar="N", help="round trips of the RTT test (default 1000)")
-    b.add_argument("--dir", default=".", metavar="DIR",
-                   help="where this node's disk test and the sync test's local files go, removed after (default .)")
-    b.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams of the push and pull (default 4)")
-    b.add_argument("--json", action="store_true", help="print the figures and the verdict as one JSON object")
-    b.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # old option: --tcp-size now
-    b.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
-    timeout_opts(b)
+    if full("bench"):
+        b.add_argument("host", metavar="URL", help="tb5://[TOKEN@]HOST[:PORT] of a running, writable tb5sync serve "
+                                                   "(HOST[:PORT] alone also works)")
+        b.add_argument("--size", default="256M", metavar="SIZE",
+                       help="bytes of the disk tests' files and of the pushed and pulled file (default 256M; e.g. 64M, 2G)")
+        b.add_argument("--tcp-size", default="1G", metavar="SIZE", help="bytes per raw TCP measurement (default 1G)")
+        b.add_argument("--pings", type=int, default=1000, metavar="N", help="round trips of the RTT test (default 1000)")
+        b.add_argument("--dir", default=".", metavar="DIR",
+                       help="where this node's disk test and the sync test's local files go, removed after (default .)")
+        b.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams of the push and pull (default 4)")
+        b.add_argument("--json", action="store_true", help="print the figures and the verdict as one JSON object")
+        b.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)  # old option: --tcp-size now
+        b.add_argument("--token-file", help="file holding the shared token (default: the URL's TOKEN@, else $TB5SYNC_TOKEN)")
+        timeout_opts(b)
 
     from .storecli import add_store_parser
 
-    add_store_parser(sub, common)
+    add_store_parser(sub, common, full=full("store"))
     return p
 
 
@@ -384,10 +403,14 @@ def _verbose_names(itemized: Sequence[str]) -> list[str]:
     sent, symlink or hard link changed and directory touched (``deleting PATH`` for deletions), without
     the change codes; a file whose attributes alone changed is not listed (rsync's "significant" items,
     as :func:`tb5sync.plan.dry_run_changes` lists them for ``-n``)."""
+    from .plan import NONEMPTY
+
     out = []
     for line in itemized:
         code, path = line[:11], line[12:]
-        if code == "*deleting":
+        if line.startswith(NONEMPTY):
+            out.append(line)  # rsync prints it at any verbosity
+        elif code.rstrip() == "*deleting":
             out.append(f"deleting {path}")
         elif code[0] in "c<>h" or code[1] == "d":
             out.append(path)
@@ -536,10 +559,30 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (one of :data:`COMMANDS`), or None when it names none or
+    cannot be told without parsing (then the whole parser is built, as for ``--help``).
+
+    Skips the global options before it (``-v``, ``--hash-threads N``, ``--chunk-threads N``,
+    ``--opt=value``); an abbreviated option taking a value makes its value look like the
+    command, which is then not one of :data:`COMMANDS`: None, and argparse decides.
+    """
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[i + 1] if i + 1 < len(argv) and argv[i + 1] in COMMANDS else None
+        if arg.startswith("-"):
+            i += 2 if arg in ("--hash-threads", "--chunk-threads") else 1
+            continue
+        return arg if arg in COMMANDS else None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_of(argv))
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
                  else x) for i, x in enumerate(argv)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -388,6 +387,8 @@ def measure_rtt(r: Remote, token: bytes | None, pings: int, timeout: float | Non
             req.close(bye=True)
     finally:
         ch.close()
+    import statistics  # here, not at the top: every CLI start imports this module (statistics costs ~3 ms)
+
     rtts.sort()
     p99 = rtts[min(len(rtts) - 1, max(0, -(-99 * len(rtts) // 100) - 1))]
     return {"count": len(rtts), "median_us": statistics.median(rtts), "p99_us": p99, "min_us": rtts[0]}

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ._io import read_into, write_all
+from ._io import durable_sync, read_into, write_all
 from ._sparse import copy_sparse, has_zero_blocks, write_sparse
 from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
 from .entry import show_path
@@ -801,7 +801,7 @@ class Destination:
                 os.fchmod(fd, mode & 0o7777)
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
                 if self.fsync:
-                    os.fsync(fd)
+                    durable_sync(fd)
                 st = os.fstat(fd)
             finally:
                 os.close(fd)
@@ -1002,7 +1002,7 @@ class Destination:
         """
         dfd, name = self.parent(rel)
         if self.fsync:
-            os.fsync(fd)
+            durable_sync(fd)
         try:
             if self.sparse and has_zero_blocks(fd, os.fstat(fd).st_size):  # -S: holes made by a sparse copy
                 raise OSError(errno.EXDEV, "sparse copy")
@@ -1020,7 +1020,7 @@ class Destination:
                     os.fchmod(out, stat.S_IMODE(st.st_mode))
                     os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
                     if self.fsync:
-                        os.fsync(out)
+                        durable_sync(out)
                 finally:
                     os.close(out)
                 self._rename_over(rel, dfd, tmp, dfd, name)
@@ -1041,7 +1041,7 @@ class Destination:
         for rel in sorted(dirty):
             try:
                 fd = self.parent("")[0] if rel == "\0.." else self.dir_fd(rel)
-                os.fsync(fd)
+                durable_sync(fd)
             except OSError as exc:
                 log.info("fsync of directory %s: %s", rel, exc)
 

@@ -23,24 +23,15 @@ from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
 from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
 from .hashing import chunk_fd, file_digest
-from .messages import EntriesPage, FileDigests, TreePage
+from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, EntriesPage, FileDigests, TreePage  # the caps live with the wire vocabulary; kept importable from here
 from .options import SyncOptions, SyncStats
-from .plan import Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
+from .plan import NONEMPTY, Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
 
 __all__ = ["Generator", "Planned", "ListingLimits", "MAX_ENTRIES", "MAX_LISTING_BYTES", "ENTRY_COST"]
 
 log = logging.getLogger(__name__)
 
-#: A server's default cap on the entries of one session's source listing it holds (directory
-#: summaries and listed entries counted together; ``tb5sync serve --max-entries``).
-MAX_ENTRIES = 10_000_000
-#: A server's default cap on the bytes of one session's source listing it holds, counted as
-#: :data:`ENTRY_COST` per entry plus its path, link target and extended attributes
-#: (``tb5sync serve --max-listing-bytes``).
-MAX_LISTING_BYTES = 2 << 30
-#: Bytes counted per entry besides its strings (its fixed fields and the objects that hold them).
-ENTRY_COST = 64
 
 
 class ListingLimits(NamedTuple):
@@ -167,7 +158,8 @@ class Generator:
         o = self.options
         plan = plan_sync(src, dst, delete=delete, excludes=o.dest_rules, same_content=same, fold=fold, size_only=o.size_only,
                          update=o.update, ignore_existing=o.ignore_existing, max_delete=o.max_delete,
-                         itemize=o.itemize or o.dry_run)  # a dry run's list is made from the items
+                         itemize=o.itemize or o.dry_run,  # a dry run's list is made from the items
+                         protected=dst_tree.protected if delete else None, dry_run=o.dry_run)
         if plan.delete and self.destination.specials:  # a name the source's special file holds (rsync --no-D)
             held = {p for p, _ in self.destination.specials}
             plan.delete = [d for d in plan.delete if not _held(d.path, held)]
@@ -492,8 +484,8 @@ class Generator:
         from ._fsmeta import copied_name
 
         dest = self.destination
-        code_of = {e.path: c for c, e in items if c != "*deleting"}
-        out = [(c, e) for c, e in items if c == "*deleting"]
+        code_of = {e.path: c for c, e in items if c != "*deleting" and c != NONEMPTY}
+        out = [(c, e) for c, e in items if c == "*deleting" or c == NONEMPTY]
         for e in src:
             code = code_of.get(e.path)
             if e.kind != LINK and (code is None or "+" not in code):

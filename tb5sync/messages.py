@@ -46,6 +46,9 @@ from .protocol import MAX_PAYLOAD
 
 __all__ = [
     "DEFAULT_PORT",
+    "MAX_ENTRIES",
+    "MAX_LISTING_BYTES",
+    "ENTRY_COST",
     "SENDER_METHODS",
     "PUSH_CLIENT_METHODS",
     "DATA_METHODS",
@@ -99,6 +102,16 @@ BENCH_MAX_BYTES: Final = 1 << 36
 #: Most bytes of the temporary file of one ``disk`` session (``tb5sync bench``): 64 GiB, and never
 #: more than the free space of the server's state directory less 256 MiB.
 BENCH_MAX_DISK: Final = 1 << 36
+
+#: A server's default cap on the entries of one session's source listing it holds (directory
+#: summaries and listed entries counted together; ``tb5sync serve --max-entries``).
+MAX_ENTRIES: Final = 10_000_000
+#: A server's default cap on the bytes of one session's source listing it holds, counted as
+#: :data:`ENTRY_COST` per entry plus its path, link target and extended attributes
+#: (``tb5sync serve --max-listing-bytes``).
+MAX_LISTING_BYTES: Final = 2 << 30
+#: Bytes counted per entry besides its strings (its fixed fields and the objects that hold them).
+ENTRY_COST: Final = 64
 
 #: Requests the fs session (``tb5://`` through fsspec) answers.
 FS_METHODS: Final = frozenset(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .entry import DIR, FILE, LINK, Entry, show_path
 from .excludes import NO_RULES, ExcludeRules
 
-__all__ = ["Plan", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold", "same_time", "rsync_item_order"]
+__all__ = ["Plan", "NONEMPTY", "plan_sync", "dry_run_changes", "itemize_lines", "name_fold", "same_time", "rsync_item_order"]
 
 @dataclass
 class Plan:
@@ -60,6 +60,8 @@ def plan_sync(
     ignore_existing: bool = False,
     max_delete: int | None = None,
     itemize: bool = False,
+    protected: set[str] | None = None,
+    dry_run: bool = False,
 ) -> Plan:
     """Compare a source manifest with the destination's and plan the changes.
 
@@ -92,6 +94,13 @@ def plan_sync(
         :func:`_limit_deletes`); replacements of another type are not counted.
     itemize : bool
         Fill ``items`` (rsync ``-i``).
+    protected : set of str, optional
+        Destination directories directly holding an entry ``dst`` does not list because the
+        exclude rules left it out (:attr:`tb5sync.scan.Tree.protected`): they and their
+        parents stay non-empty, so an extraneous one is kept (``kept_dirs``), not deleted.
+    dry_run : bool
+        The items are for a dry run (rsync ``-n`` does not try ``rmdir``: a kept directory inside
+        another being cleared is itemized as deleted after its "cannot delete" line).
 
     Returns
     -------
@@ -191,6 +200,7 @@ def plan_sync(
             if left and _below(p, left):
                 continue  # inside a destination directory kept where the source has a non-directory
             plan.delete.append(d)
+    extraneous = [d for d in plan.delete if d.path not in src_paths]
     if max_delete is not None:
         _limit_deletes(plan, have, src, max_delete)
     # children before parents; de-duplicate
@@ -201,12 +211,46 @@ def plan_sync(
             seen.add(d.path)
             uniq.append(d)
     plan.delete = uniq
+    _keep_nonempty_dirs(plan, have, src_paths, protected or set())
     _refuse_nonempty_replacements(plan, have, src_paths)
     if itemize:
         refused = {p for p, _ in plan.refused}
-        plan.items = [("*deleting", d) for d in _deletion_order([d for d in plan.delete if d.path not in src_paths], have, src)]
+        plan.items = _deletion_order(plan, extraneous, have, src, max_delete, protected or set(), dry_run)
         plan.items += [(c, e) for c, e in items if e.path not in refused]
     return plan
+
+
+#: The code of a :attr:`Plan.items` entry for an extraneous directory left in place because it
+#: stays non-empty (an excluded or otherwise kept entry inside, or ``--max-delete`` reached):
+#: rsync's "cannot delete non-empty directory: PATH" line, in its place among the deletions.
+NONEMPTY = "cannot delete non-empty directory:"
+
+
+def _nonempty_after(plan: Plan, have: dict[str, Entry], protected: set[str]) -> set[str]:
+    """Destination directories that stay non-empty once ``plan.delete`` is done: every parent of
+    an entry of ``have`` not deleted, and each ``protected`` directory and its parents."""
+    deleted = {d.path for d in plan.delete}
+    stays: set[str] = set()
+    for p in (*(p for p in have if p and p not in deleted), *(f"{d}/" for d in protected)):
+        parent = p.rpartition("/")[0]
+        while parent and parent not in stays:
+            stays.add(parent)
+            parent = parent.rpartition("/")[0]
+    return stays
+
+
+def _keep_nonempty_dirs(plan: Plan, have: dict[str, Entry], src_paths: set[str], protected: set[str]) -> None:
+    """Take out of ``plan.delete`` each extraneous directory that would stay non-empty (an entry
+    below it is kept: excluded, or left by ``--max-delete``) and list it in ``plan.kept_dirs``:
+    it is not deleted, so it is neither counted nor itemized as a deletion."""
+    dirs = {d.path for d in plan.delete if d.kind == DIR and d.path not in src_paths}
+    if not dirs:
+        return
+    kept = dirs & _nonempty_after(plan, have, protected)
+    if kept:
+        plan.delete = [d for d in plan.delete if d.path not in kept]
+        known = set(plan.kept_dirs)
+        plan.kept_dirs += [p for p in sorted(kept) if p not in known]
 
 
 def name_fold(case: bool, unicode: bool) -> Callable[[str], str] | None:
@@ -294,22 +338,38 @@ def rsync_item_order(items: list[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
             path = tuple((1, c) for c in parts)
         else:
             path = (*((1, c) for c in parts[:-1]), (0, parts[-1]))
-        if code == "*deleting":
+        if code == "*deleting" or code == NONEMPTY:
             return (-1, ())  # stable: their own order
         return (1 if code.startswith("h") else 0, path)
 
     return sorted(items, key=key)
 
 
-def _deletion_order(dels: list[Entry], have: dict[str, Entry], src: list[Entry]) -> list[Entry]:
-    """``dels`` (entries missing at the source) in the order rsync ``--delete`` (during) lists
-    them, as rsync 3.x here shows it: directory by directory, depth first from the base (each
-    one's extraneous entries, then those inside an entry the source replaces by a non-directory,
-    then its subdirectories by name); within one directory in reverse file-list order (files
-    before directories, by name, reversed), a directory's contents before it."""
-    extraneous = {d.path: d for d in dels}
+def _deletion_order(plan: Plan, extraneous: list[Entry], have: dict[str, Entry], src: list[Entry],
+                    max_delete: int | None, protected: set[str], dry_run: bool = False) -> list[tuple[str, Entry]]:
+    """The deletion items of ``plan`` (``("*deleting", entry)``, and ``(NONEMPTY, entry)`` for
+    an extraneous directory left non-empty) in the order rsync ``--delete`` (during) prints them,
+    as rsync 3.x here shows it: directory by directory, depth first from the base (each one's
+    extraneous entries, then those inside an entry the source replaces by a non-directory, then
+    its subdirectories by name); within one directory in reverse file-list order (files before
+    directories, by name, reversed), a directory's contents before it.
+
+    ``extraneous``: every entry missing at the source that ``--delete`` looked at (before
+    ``--max-delete`` and the non-empty check). rsync (delete.c) says "cannot delete non-empty
+    directory" for a directory whose contents could not all be deleted, once more when it then
+    tries ``rmdir`` on one inside another directory being cleared (not once ``--max-delete``
+    is reached: that check comes first; a dry run does not try it and says ``*deleting``), and
+    nothing for an emptied directory the limit keeps. Each ``rmdir`` tried counts towards
+    ``--max-delete``, as rsync counts it.
+    """
+    src_paths = {e.path for e in src}
+    deleted = {d.path: d for d in plan.delete if d.path not in src_paths}
+    nodes = {d.path: d for d in extraneous}
+    for p in deleted:
+        nodes.setdefault(p, deleted[p])
+    full = _nonempty_after(plan, have, protected)
     kids: dict[str, list[str]] = {}
-    for p in extraneous:
+    for p in nodes:
         kids.setdefault(p.rpartition("/")[0], []).append(p)
     src_kids: dict[str, list[Entry]] = {}
     for e in src:
@@ -319,28 +379,38 @@ def _deletion_order(dels: list[Entry], have: dict[str, Entry], src: list[Entry])
     def flist(p: str, kind: str) -> tuple[bool, bytes]:
         return kind == DIR, p.rpartition("/")[2].encode("utf-8", "surrogateescape")
 
-    order: list[Entry] = []
+    order: list[tuple[str, Entry]] = []
+    count = [0]
 
-    def delete_in(dir_path: str) -> None:
-        for p in sorted(kids.get(dir_path, ()), key=lambda q: flist(q, extraneous[q].kind), reverse=True):
-            if extraneous[p].kind == DIR:
-                delete_in(p)
-            order.append(extraneous[p])
+    def delete_in(dir_path: str, nested: bool) -> None:
+        for p in sorted(kids.get(dir_path, ()), key=lambda q: flist(q, nodes[q].kind), reverse=True):
+            node = nodes[p]
+            if node.kind == DIR:
+                delete_in(p, True)
+            if p in deleted:
+                order.append(("*deleting", node))
+                count[0] += 1
+            elif node.kind == DIR and p in full:
+                order.append((NONEMPTY, node))  # its contents could not all go
+                if nested and (max_delete is None or count[0] < max_delete):  # then its rmdir is tried
+                    order.append(("*deleting" if dry_run else NONEMPTY, node))
+                    count[0] += 1
 
     def visit(dir_path: str) -> None:
-        delete_in(dir_path)
+        delete_in(dir_path, False)
         entries = sorted(src_kids.get(dir_path, ()), key=lambda e: flist(e.path, e.kind))
         for e in entries:
             d = have.get(e.path)
             if e.kind != DIR and d is not None and d.kind == DIR:
-                delete_in(e.path)  # making room: what is inside the directory a file replaces
+                delete_in(e.path, True)  # making room: what is inside the directory a file replaces
         for e in entries:
             if e.kind == DIR:
                 visit(e.path)
 
     visit("")
-    seen = {d.path for d in order}
-    return order + [d for d in dels if d.path not in seen]  # below a directory whose list was not fetched
+    seen = {e.path for _, e in order}
+    order += [("*deleting", d) for p, d in deleted.items() if p not in seen]  # below a directory whose list was not fetched
+    return order
 
 
 def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: int) -> None:
@@ -465,7 +535,7 @@ def dry_run_changes(plan: Plan, src: list[Entry], root_name: str = "") -> dict[s
     out = {"transfer": transfer, "delete": [d.path for d in plan.delete]}
     if plan.items:
         shown = [(c, e) for c, e in plan.items if c[0] in "*c<>h" or e.kind == DIR]
-        out["lines"] = [("deleting " if c == "*deleting" else "") + line[12:]
+        out["lines"] = [line if c == NONEMPTY else ("deleting " if c == "*deleting" else "") + line[12:]
                         for (c, _), line in zip(shown, itemize_lines(shown, root_name))]
     return out
 
@@ -483,7 +553,8 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
     ``root_name`` or ``.``), directories with a trailing ``/``, symlinks with ``-> target``;
     names that are not valid UTF-8 with ``\\xNN`` escapes; a hard link (``hf``, ``-H``) with ``=> PATH``
     it is linked to (the entry's ``target``). A deletion is ``*deleting`` padded to
-    11 characters. In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
+    11 characters; an extraneous directory left non-empty (code :data:`NONEMPTY`) is rsync's
+    "cannot delete non-empty directory: PATH". In a push, a transferred file's ``>`` is ``<`` (sent), as rsync prints it on
     the sending side.
     """
     from .entry import show_path
@@ -491,6 +562,9 @@ def itemize_lines(items: list[tuple[str, Entry]], root_name: str, push: bool = F
     out = []
     for code, e in items:
         path = f"{root_name}/{e.path}" if root_name and e.path else (e.path or root_name or ".")
+        if code == NONEMPTY:  # rsync's own words, the directory without its slash
+            out.append(f"{NONEMPTY} {show_path(path)}")
+            continue
         if e.kind == DIR:
             path += "/"
         line = f"{code:<11} {show_path(path)}"

@@ -14,7 +14,7 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ._paths import STATE_DIR, is_temp_name  # state directory, files being written: never listed, never transferred
+from ._paths import STATE_DIR, Jail, is_temp_name  # state directory, files being written: never listed, never transferred
 from .entry import DIR, FILE, LINK, Entry
 from .errors import RemoteNotFoundError
 from .excludes import NO_RULES, ExcludeRules
@@ -151,6 +151,64 @@ class Extras:
     root: str | None = None
     inodes: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     ancestors: list[tuple[int, int]] = field(default_factory=list)
+    _jail: Jail | None = field(default=None, repr=False)
+
+    def locate_in_root(self, full: str, failed: Callable[[str], None]) -> tuple[os.stat_result, int, str] | None:
+        """Where the followed symlink at path ``full`` leads inside :attr:`root`, looked up
+        race-free: ``(lstat of the target, a new descriptor of its directory, its name)``.
+
+        The link is resolved inside ROOT (``realpath``; outside or into the state is refused),
+        then the result is looked up through ROOT's jail (no symlink on any component, the
+        last included), so a link or a parent directory swapped after the resolution makes the
+        lookup fail instead of leaving ROOT. On a failure ``failed(reason)`` is called and None
+        returned: dangling or a loop ("symlink has no referent"), outside ROOT, a temporary
+        file, or swapped while scanning.
+        """
+        from .errors import PathError
+
+        root = self.root
+        assert root is not None
+        if self._jail is None:
+            self._jail = Jail(root)
+        jail = self._jail
+        link = os.path.relpath(full, root)
+        try:
+            if link == ".." or link.startswith("../"):
+                raise PathError(f"not below the served root: {full}")
+            parts = jail.resolve(link, follow=True)
+        except PathError:
+            failed("symlink leads outside the served root (or into its state)")
+            return None
+        except OSError as exc:  # resolving a loop of links
+            failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
+            return None
+        if parts and is_temp_name(parts[-1]):
+            return None
+        try:
+            at_fd, at_name = jail.locate(parts)
+        except (PathError, OSError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
+            else:
+                failed("symlink leads outside the served root (or changed while scanning)")
+            return None
+        try:
+            st = os.stat(at_name, dir_fd=at_fd, follow_symlinks=False)
+        except OSError as exc:
+            os.close(at_fd)
+            failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
+            return None
+        if stat.S_ISLNK(st.st_mode):  # a link swapped in after the resolution: not followed
+            os.close(at_fd)
+            failed("symlink leads outside the served root (or changed while scanning)")
+            return None
+        return st, at_fd, at_name
+
+    def close(self) -> None:
+        """Close the jail :meth:`locate_in_root` opened (if any)."""
+        if self._jail is not None:
+            self._jail.close()
+            self._jail = None
 
     @classmethod
     def from_options(cls, options: object, root: str | None = None) -> Extras | None:
@@ -217,6 +275,10 @@ class Tree:
     xattrs : dict of str to list of (bytes, bytes)
         With :attr:`Extras.xattrs`: each file or directory (``""`` the base) having copied
         extended attributes -> ``(name, value)`` sorted (rsync ``-X``, :mod:`tb5sync._fsmeta`).
+    protected : set of str
+        :func:`scan_tree` only: each directory (relative to the base, ``""`` the base) directly
+        holding an entry the exclude rules left out: a destination's ``--delete`` keeps such a
+        directory, which stays non-empty (rsync: "cannot delete non-empty directory").
     """
 
     entries: list[Entry]
@@ -227,6 +289,7 @@ class Tree:
     temps: list[str] = field(default_factory=list)
     hardlinks: dict[str, int] = field(default_factory=dict)
     xattrs: dict[str, list[tuple[bytes, bytes]]] = field(default_factory=dict)
+    protected: set[str] = field(default_factory=set)
     _digests: dict[str, bytes] | None = field(default=None, repr=False, compare=False)
     _summary: list[tuple[str, bytes, int, int]] | None = field(default=None, repr=False, compare=False)
 
@@ -313,7 +376,11 @@ def scan_tree(
     unlocked: dict[str, int] | None = {} if unlock else None
     temps: list[str] = []
     tree = Tree([], children, errors=errors, skipped=skipped, temps=temps)
-    tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree, max_path, at)
+    try:
+        tree.entries = _scan(base, excludes, missing_ok, True, children, temps, errors, skipped, unlocked, extras, tree, max_path, at)
+    finally:
+        if extras is not None:
+            extras.close()
     tree.unlocked = unlocked or {}
     if extras is not None and extras.hard_links:
         groups = [paths for paths in extras.inodes.values() if len(paths) > 1]
@@ -545,6 +612,7 @@ def _walk(
         r = prefix + name
         fmt = m & 0o170000  # stat.S_IFMT
         followed = False
+        at: tuple[os.stat_result, int, str] | None = None  # a followed link's target: (stat, dir fd, name)
         if extras is not None and fmt == stat.S_IFLNK and extras.links:
             if excludes and excludes.match(r, False):
                 continue
@@ -552,77 +620,98 @@ def _walk(
             if got is None:
                 continue
             if got is not True:
-                m, size, mtime_ns = got.st_mode, got.st_size, got.st_mtime_ns
+                at = got
+                m, size, mtime_ns = at[0].st_mode, at[0].st_size, at[0].st_mtime_ns
                 fmt, followed = m & 0o170000, True
-        if excludes and excludes.match(r, fmt == stat.S_IFDIR):
-            continue
-        if max_path and len(r) * 4 > max_path and (over := len(r.encode("utf-8", "surrogateescape")) - max_path) > 0:
-            if errors is None:
-                raise OSError(errno.ENAMETOOLONG, f"{OVERFLOW} by {over}", dpre + name)
-            errors.append((r, f"{OVERFLOW} by {over}"))
-            continue
-        if extras is not None and tree is not None:
-            if extras.hard_links and fmt == stat.S_IFREG:
-                try:
-                    ist = os.stat(name, dir_fd=fd, follow_symlinks=followed)
-                    if ist.st_nlink > 1:
-                        extras.inodes.setdefault((ist.st_dev, ist.st_ino), []).append(r)
-                except OSError:
-                    pass
-            if extras.xattrs and fmt in (stat.S_IFREG, stat.S_IFDIR):
-                extras.xattrs_at(fd, name, followed, tree.xattrs, r)
-        if fmt == stat.S_IFREG:
-            e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
-        elif fmt == stat.S_IFDIR:
-            e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
-        elif fmt == stat.S_IFLNK:
-            try:
-                target = os.readlink(name, dir_fd=fd)
-            except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
-                if not isinstance(exc, FileNotFoundError) and exc.errno != errno.EINVAL:
-                    raise
+        try:
+            if excludes and excludes.match(r, fmt == stat.S_IFDIR):
+                if tree is not None:
+                    tree.protected.add(rel)
                 continue
-            e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
-        else:
-            log.info("skipping %s: not a regular file, directory or symlink", dpre + name)
-            if skipped is not None:
-                skipped.append((r, special_kind(m)))
-            continue
-        out.append(e)
-        kids.append(e)
-        if recursive and fmt == stat.S_IFDIR:
-            try:
-                if followed:
-                    cfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
-                else:
-                    cfd = _open_dir(name, fd, dpre + name, unlocked)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                if exc.errno in _NOT_A_DIR:
-                    log.warning("skipping %s: replaced while scanning", dpre + name)
-                    continue
-                exc.filename = dpre + name  # the path, not the name relative to fd
+            if max_path and len(r) * 4 > max_path and (over := len(r.encode("utf-8", "surrogateescape")) - max_path) > 0:
                 if errors is None:
-                    raise
-                _cannot_list(dpre + name, r, exc, errors, children)
+                    raise OSError(errno.ENAMETOOLONG, f"{OVERFLOW} by {over}", dpre + name)
+                errors.append((r, f"{OVERFLOW} by {over}"))
                 continue
-            try:
-                if extras is not None and extras.links:
-                    cst = os.fstat(cfd)
-                    extras.ancestors.append((cst.st_dev, cst.st_ino))
-                _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked, extras, tree, max_path)
-            except FileNotFoundError:
+            if extras is not None and tree is not None:
+                if extras.hard_links and fmt == stat.S_IFREG:
+                    try:
+                        ist = at[0] if at is not None else os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        if ist.st_nlink > 1:
+                            extras.inodes.setdefault((ist.st_dev, ist.st_ino), []).append(r)
+                    except OSError:
+                        pass
+                if extras.xattrs and fmt in (stat.S_IFREG, stat.S_IFDIR):
+                    if at is None:
+                        extras.xattrs_at(fd, name, False, tree.xattrs, r)
+                    else:  # what the link leads to (through the jail on a server: not followed again)
+                        extras.xattrs_at(at[1], at[2], at[1] == fd, tree.xattrs, r)
+            if fmt == stat.S_IFREG:
+                e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
+            elif fmt == stat.S_IFDIR:
+                e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
+            elif fmt == stat.S_IFLNK:
+                try:
+                    target = os.readlink(name, dir_fd=fd)
+                except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
+                    if not isinstance(exc, FileNotFoundError) and exc.errno != errno.EINVAL:
+                        raise
+                    continue
+                e = Entry(r, LINK, m & 0o7777, len(target.encode("utf-8", "surrogateescape")), mtime_ns, target)
+            else:
+                log.info("skipping %s: not a regular file, directory or symlink", dpre + name)
+                if skipped is not None:
+                    skipped.append((r, special_kind(m)))
                 continue
-            finally:
-                os.close(cfd)
-                if extras is not None and extras.links:
-                    extras.ancestors.pop()
+            out.append(e)
+            kids.append(e)
+            if recursive and fmt == stat.S_IFDIR:
+                try:
+                    if at is not None and at[1] != fd:
+                        cfd = os.open(at[2], _DIR_FLAGS, dir_fd=at[1])
+                    elif followed:
+                        cfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+                    else:
+                        cfd = _open_dir(name, fd, dpre + name, unlocked)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if exc.errno in _NOT_A_DIR:
+                        log.warning("skipping %s: replaced while scanning", dpre + name)
+                        continue
+                    exc.filename = dpre + name  # the path, not the name relative to fd
+                    if errors is None:
+                        raise
+                    _cannot_list(dpre + name, r, exc, errors, children)
+                    continue
+                try:
+                    if extras is not None and extras.links:
+                        cst = os.fstat(cfd)
+                        extras.ancestors.append((cst.st_dev, cst.st_ino))
+                    _walk(dpre + name, r, excludes, out, children, True, temps, cfd, errors, skipped, unlocked, extras, tree, max_path)
+                except FileNotFoundError:
+                    continue
+                finally:
+                    os.close(cfd)
+                    if extras is not None and extras.links:
+                        extras.ancestors.pop()
+        finally:
+            if at is not None and at[1] != fd:  # a descriptor _follow opened (inside a server's ROOT)
+                os.close(at[1])
 
 
-def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: list[tuple[str, str]] | None) -> os.stat_result | bool | None:
+def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: list[tuple[str, str]] | None) -> tuple[os.stat_result, int, str] | bool | None:
     """What the symlink ``name`` of ``dfd`` (``rel`` in the listing) becomes under ``extras``:
-    True to list it as a link, None to leave it out, or the ``stat`` of what it points to.
+    True to list it as a link, None to leave it out, or ``(st, at_fd, at_name)``: the ``stat``
+    of what it points to, and where that is for any later lookup (its hard-link identity, its
+    extended attributes, opening it as a directory), relative to the descriptor ``at_fd``.
+
+    Without a ROOT that is ``(stat, dfd, name)``: the link itself, followed by each lookup.
+    On a server (``extras.root``) the link is resolved inside ROOT (:meth:`Jail.resolve`) and
+    the result looked up through ROOT's jail, no symlink on the way (:meth:`Jail.locate`), so a
+    link or a directory swapped after the check cannot lead a lookup out of ROOT: ``at_fd`` is
+    then a new descriptor of the target's directory (the caller closes it; ``at_fd != dfd``)
+    and ``at_name`` a name that is not followed.
 
     Left out with a failure in ``errors`` (rsync: "symlink has no referent", exit 23): a
     followed link that is dangling or part of a loop of links, one leading outside a server's
@@ -646,23 +735,21 @@ def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: li
             errors.append((rel, reason))
 
     try:
-        st = os.stat(name, dir_fd=dfd)
+        st = os.stat(name, dir_fd=dfd)  # on a server only to name a dangling link or a loop: not used
     except OSError as exc:
         failed(f"symlink has no referent: {exc.strerror or exc} ({exc.errno})")
         return None
-    if extras.root is not None:
-        from ._paths import check_in_root
-        from .errors import PathError
-
-        real = os.path.realpath(full)
-        try:
-            check_in_root(extras.root, real, rel)
-        except PathError:
-            failed("symlink leads outside the served root (or into its state)")
+    if extras.root is None:
+        at: tuple[os.stat_result, int, str] = (st, dfd, name)
+    else:
+        got = extras.locate_in_root(full, failed)
+        if got is None:
             return None
-        if is_temp_name(os.path.basename(real)):
-            return None
+        at = got
+    st = at[0]
     if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) in extras.ancestors:
         failed("symlink loop: the directory it points to holds it")
+        if at[1] != dfd:
+            os.close(at[1])
         return None
-    return st
+    return at

@@ -40,9 +40,12 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def add_store_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``store`` command and its subcommands to ``sub`` (the CLI's subparsers)."""
+def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = True) -> None:
+    """Add the ``store`` command and its subcommands to ``sub`` (the CLI's subparsers);
+    with ``full`` False, the command by name and help alone (another command is being run)."""
     s = sub.add_parser("store", help="the artifact store: put, get, push and pull named snapshots", parents=[common])
+    if not full:
+        return
     s.add_argument("--store", metavar="DIR|URL",
                    help="store directory or object store URL, e.g. s3://bucket/prefix "
                         "(default: $TB5SYNC_STORE, else the user's data directory)")

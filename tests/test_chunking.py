@@ -388,7 +388,7 @@ def test_lanes_setting(cdc: ModuleType) -> None:
 
 @pytest.mark.parametrize("name", ["one", "interleaved", "avx512", "neon", "bogus"])
 def test_lane_kernel_from_environment(cy_chunker: ChunkerImpl, name: str) -> None:
-    """$TB5SYNC_LANE_KERNEL picks the kernel at import when usable here; otherwise the import measures."""
+    """$TB5SYNC_LANE_KERNEL picks the kernel when usable here; otherwise the first use measures."""
     import subprocess
     import sys
 

@@ -450,6 +450,53 @@ def test_fsync_orders_data_rename_directory(tmp_path: Path, monkeypatch: pytest.
     assert i_data < i_rename < i_dir, events
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["fullfsync", "refused-then-fsync"])
+def test_fsync_is_full_fsync_where_the_system_has_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
+    """macOS: ``fsync`` leaves data in the drive's cache; ``--fsync`` flushes every file and
+    directory with ``fcntl(F_FULLFSYNC)`` (forced here: the call is stood in for, as on a Mac),
+    and with ``fsync`` where the file system refuses it (ENOTSUP). Stores and their packs too."""
+    from tb5sync import _io
+
+    calls: list[tuple[str, int]] = []
+    real_fsync = os.fsync
+
+    class FakeFcntl:
+        @staticmethod
+        def fcntl(fd: int, cmd: int) -> int:
+            assert cmd == 12345
+            calls.append(("full", os.fstat(fd).st_ino))
+            if refused:
+                raise OSError(errno.ENOTSUP, "not supported")
+            return 0
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(_io, "_F_FULLFSYNC", 12345)
+    monkeypatch.setattr(_io, "_fcntl", FakeFcntl)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(destination_mod, "_cy_write_files", None)  # the C writer takes the same choice at compile time
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write(os.path.join(src, "d", "f"), b"small")
+    write(os.path.join(src, "big"), os.urandom(6 * MiB))
+    tb5sync.sync(src + "/", dst, fsync=True)
+    for p in ("d/f", "big", "d", ""):
+        ino = os.stat(os.path.join(dst, p)).st_ino
+        assert ("full", ino) in calls, p
+        assert (("fsync", ino) in calls) == refused, p
+    calls.clear()
+    from tb5sync.store import Store
+
+    st = Store(str(tmp_path / "store"))
+    try:
+        st.put("r", src)
+    finally:
+        st.close()
+    assert [c for c in calls if c[0] == "full"], calls  # the pack's flush
+    assert all(c[0] == "full" or refused for c in calls), calls
+
+
 def test_no_fsync_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write(os.path.join(src, "f"), b"f")

@@ -44,8 +44,9 @@ def _need_rsync() -> None:
 
 
 def items_of(stdout: str) -> list[str]:
-    """The itemized lines of rsync's output (not "created directory ...", nor other messages)."""
-    return [ln for ln in stdout.splitlines() if ITEM.match(ln)]
+    """The itemized lines of rsync's output, and its "cannot delete non-empty directory: PATH"
+    lines among them (not "created directory ...", nor other messages)."""
+    return [ln for ln in stdout.splitlines() if ITEM.match(ln) or ln.startswith("cannot delete non-empty directory: ")]
 
 
 class Opts(Harness):
@@ -845,3 +846,60 @@ def test_itemize_deletions_in_rsync_order(h: Opts, tmp_path: Any, dry: bool) -> 
     assert len(ref) >= 12, ref
     for r in ("local", "push", "pull"):
         assert [ln for ln in out[r][1] if ln.startswith("*deleting")] == ref, r
+
+
+def _kept_extras(dst: str) -> None:
+    """Extraneous directories that stay non-empty: an excluded file inside (at two depths), and
+    directories whose contents --max-delete may cut short."""
+    for p in ("k/keep.o", "k/gone", "k/e/y.o", "k/e/f/z", "m/a/1", "m/a/2", "m/b/3", "m/4", "n/5"):
+        write(os.path.join(dst, p), b"extra", 0o644, T0)
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 2, 4, 7], ids=lambda n: f"max-delete={n}")
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_kept_directories_in_rsync_order(h: Opts, tmp_path: Any, dry: bool, limit: int | None) -> None:
+    """--delete -i: an extraneous directory left non-empty (an excluded entry inside, or
+    --max-delete reached) is not itemized as deleted: rsync's "cannot delete non-empty
+    directory: PATH" lines stand in its place (twice for one inside another being cleared
+    when its rmdir is tried), in rsync's order among the deletions, compared as lists."""
+    for p in ("f", "a/g"):
+        write(os.path.join(h.src, p), b"src", 0o644, T0)
+    freeze_dirs(h.src, T0)
+    _template(h, tmp_path, _kept_extras)
+    lim = [] if limit is None else [f"--max-delete={limit}"]
+    out = h.go("src/", "dst", ["-i", "--delete", "--exclude", "*.o", *lim, *(["-n"] if dry else [])],
+               itemize_changes=True, delete=True, dry_run=dry, exclude=["*.o"], max_delete=limit)
+    same_codes(out)
+    ref = [ln for ln in out["rsync"][1] if ln.startswith(("*deleting", "cannot delete"))]
+    assert any(ln.startswith("cannot delete") for ln in ref), ref
+    for r in ("local", "push", "pull"):
+        assert [ln for ln in out[r][1] if ln.startswith(("*deleting", "cannot delete"))] == ref, r
+    if not dry:
+        h.check(ignore_mtime=("dst/k", "dst/k/e", "dst/m", "dst/m/a", "dst/m/b", "dst/n"))
+
+
+RSYNC_V_FRAME = re.compile(r"^(sending incremental file list|sent \d.*|total size is .*|)$")
+
+
+@pytest.mark.parametrize("limit", [None, 3], ids=lambda n: f"max-delete={n}")
+def test_cli_verbose_lists_what_rsync_v_lists(h: Opts, tmp_path: Any, limit: int | None) -> None:
+    """``tb5sync sync -v`` prints rsync ``-v``'s lines (``deleting PATH`` for a deletion, the
+    names sent, "cannot delete non-empty directory: PATH"), in its order, on every route."""
+    _small_tree(h.src)
+    write(os.path.join(h.src, "new.txt"), b"new", 0o644, T0)
+    _template(h, tmp_path, _kept_extras)
+    write(os.path.join(h.src, "b.txt"), b"bravo, changed", 0o644, T0 + S)
+    lim = [] if limit is None else [f"--max-delete={limit}"]
+    args = ["-v", "--delete", "--exclude", "*.o", *lim]
+    ref = subprocess.run(["rsync", "-a", *args, h.src + "/", os.path.join(h.dp["rsync"], "dst")],
+                         capture_output=True, text=True, timeout=100, check=False)
+    want = [ln for ln in ref.stdout.splitlines() if not RSYNC_V_FRAME.match(ln)]
+    assert any(ln.startswith("deleting ") for ln in want) and any(ln.startswith("cannot delete") for ln in want)
+    h.stage_pull()
+    routes = {"local": (h.src + "/", os.path.join(h.dp["local"], "dst")),
+              "push": (h.src + "/", h.server.url("push/dst")),
+              "pull": (h.server.url("pullsrc/src/"), os.path.join(h.dp["pull"], "dst"))}
+    for r, (a, b) in routes.items():
+        got = _cli("sync", *args, a, b)
+        assert got.returncode == ref.returncode, (r, got.stderr)
+        assert got.stdout.splitlines() == want, r

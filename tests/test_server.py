@@ -950,7 +950,7 @@ def test_cli_version_and_thread_options_after_the_command() -> None:
 
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and lines[0] == f"tb5sync {tb5sync.__version__}" and len(lines) == 2
-    # the kernel the child process chose at import (measured there, so not necessarily this process's)
+    # the kernel the child process chose on first use (measured there, so not necessarily this process's)
     assert lines[1] in [f"Cython chunker (lane kernel {k})" for k in _cdc.lane_kernels() if k != "one"]
     p = build_parser()
     a = p.parse_args(["sync", "--chunk-threads", "2", "--hash-threads", "3", "a", "b"])

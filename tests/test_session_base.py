@@ -214,3 +214,76 @@ def test_push_destination_scan_goes_through_roots_jail(tmp_path: Path, jail_mode
     assert scan_in_background(os.path.join(root, "new", "d"), NO_RULES, root=root).result(30).entries == []
     got = scan_in_background(os.path.join(root, "x", "b", "sub"), NO_RULES, unlock=False, root=root).result(30)
     assert [e.path for e in got.entries] == ["", "inside.txt"]
+
+
+# ---- -L on a server: a followed link's target is looked up through ROOT's jail ----------------
+
+
+def _link_layout(tmp_path: Path) -> tuple[str, str]:
+    """ROOT/tree/{ok, link -> ROOT/in}, ROOT/in/inside.txt, OUTSIDE/secret.txt; returns (root, outside)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(SECRET)
+    (root / "tree").mkdir(parents=True)
+    (root / "tree" / "ok").write_bytes(b"ok\n")
+    (root / "in").mkdir()
+    (root / "in" / "inside.txt").write_bytes(b"inside\n")
+    os.symlink(str(root / "in"), str(root / "tree" / "link"))
+    return str(root), str(outside)
+
+
+def _swap_after_realpath(monkeypatch: pytest.MonkeyPatch, path: str, swap: Callable[[], None]) -> list[int]:
+    """Run ``swap`` once, right after the first ``realpath`` of ``path`` (the server's check of the link)."""
+    real = os.path.realpath
+    done = [0]
+
+    def hooked(p: Any, *a: Any, **kw: Any) -> Any:
+        out = real(p, *a, **kw)
+        if not done[0] and os.fspath(p) == path:
+            done[0] += 1
+            swap()
+        return out
+
+    monkeypatch.setattr(os.path, "realpath", hooked)
+    return done
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["link retargeted", "target dir swapped"])
+def test_pull_copy_links_target_swapped_after_the_check(tmp_path: Path, jail_mode: str, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """``sync -L`` from a server: the link (or the directory it leads to) is swapped for a way out
+    of ROOT right after the server checked where it leads. Nothing from outside is listed or sent:
+    the swapped entry is a source failure (its listed content, ROOT/in's, may or may not follow),
+    never OUTSIDE's names."""
+    root, outside = _link_layout(tmp_path)
+    link = os.path.join(root, "tree", "link")
+
+    def retarget() -> None:
+        os.symlink(outside, link + ".new")
+        os.replace(link + ".new", link)
+
+    def swap_dir() -> None:
+        os.rename(os.path.join(root, "in"), os.path.join(root, "in.old"))
+        os.symlink(outside, os.path.join(root, "in"))
+
+    done = _swap_after_realpath(monkeypatch, link, retarget if what == "link retargeted" else swap_dir)
+    live = start_server(root)
+    out = str(tmp_path / "out")
+    try:
+        try:
+            tb5sync.sync(live.url("tree/"), out + "/", copy_links=True, timeout=10)
+            failures: list[str] = []
+        except Tb5syncError as exc:
+            failures = [f.path for f in getattr(exc, "failures", [])]
+            assert failures, exc
+    finally:
+        live.server.stop()
+    assert done[0] == 1
+    assert _secret_under(out) == []
+    names = {n for _, _, files in os.walk(out) for n in files}
+    assert "secret.txt" not in names
+    assert "ok" in names
+    # what went is the checked target's content or nothing; only the swapped entry fails
+    assert names <= {"ok", "inside.txt"}
+    assert failures and all(f == "link" or f.startswith("link/") for f in failures)
+    assert not [f for f in failures if "secret" in f]  # not even listed: a name from outside ROOT

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from .._io import durable_sync
 from ..errors import IntegrityError, UsageError
 
 __all__ = [
@@ -94,7 +95,7 @@ def fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
+        durable_sync(fd)
     except OSError:
         pass
     finally:

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._io import durable_sync
 from ..chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
 from ..excludes import ExcludeRules
 from ..errors import IntegrityError, RefExistsError, RefNotFoundError, RefPinnedError, SourceChangedError, UsageError
@@ -237,6 +238,7 @@ class Store:
         self._db = sqlite3.connect(index, check_same_thread=False, isolation_level=None, timeout=60)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA fullfsync=ON")  # macOS: F_FULLFSYNC, as _io.durable_sync (elsewhere no effect)
         with self._lock:
             self._db.executescript(_SCHEMA)
 
@@ -259,7 +261,7 @@ class Store:
             with open(tmp, "w") as f:
                 json.dump(cfg, f)
                 f.flush()
-                os.fsync(f.fileno())
+                durable_sync(f.fileno())
             try:
                 os.link(tmp, cfg_path)  # first creator wins; a concurrent one reads the winner's
             except FileExistsError:
@@ -284,7 +286,7 @@ class Store:
         with open(tmp, "w") as f:
             json.dump(cfg, f)
             f.flush()
-            os.fsync(f.fileno())
+            durable_sync(f.fileno())
         os.replace(tmp, os.path.join(self.path, "config"))
         self.config, self.quota = cfg, quota
 

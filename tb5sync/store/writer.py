@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
+from .._io import durable_sync
 from .packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class PackWriter:
             pack, tmp = self._id, self._tmp
         try:
             f.flush()
-            os.fsync(f.fileno())
+            durable_sync(f.fileno())
         finally:
             f.close()
         st = self.store
