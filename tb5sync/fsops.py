@@ -229,11 +229,10 @@ class FsOps:
 
     def _stat(self, path: str) -> dict[str, Any]:
         """fsspec info of ``path``; a symlink is followed (inside the root) and reported with ``islink``."""
-        parts = self.jail.resolve(path)
         name = "/".join(split_request_path(path))
-        if not parts:
+        if not name:
             return _info("", os.fstat(self.jail.fd))
-        dfd = self.jail.open_dir(parts[:-1])
+        dfd, parts = self.jail.locate_request(path)
         try:
             lst = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             if not stat.S_ISLNK(lst.st_mode):

@@ -358,13 +358,22 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
     (tree.outside / "f").write_bytes(b"OUTSIDE F")
     tree.before = tree.snapshot()
     real = ops.jail.resolve
+    real_literal = ops.jail._literal
     swapped: list[bool] = []
 
-    def resolve_then_swap(path: str, *, follow: bool = False) -> list[str]:
-        parts = real(path, follow=follow)
+    def swap_once() -> None:
         if not swapped:
             swapped.append(True)
             swap_for_symlink(tree.root / "d", tree.outside)
+
+    def resolve_then_swap(path: str, *, follow: bool = False) -> list[str]:
+        parts = real(path, follow=follow)
+        swap_once()
+        return parts
+
+    def literal_then_swap(path: str) -> list[str]:  # the lookups that try the path as written first
+        parts = real_literal(path)
+        swap_once()
         return parts
 
     calls: list[Any] = [
@@ -382,6 +391,7 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
             os.unlink(tree.root / "d")
             os.rename(tree.root / "d.old", tree.root / "d")
         monkeypatch.setattr(ops.jail, "resolve", resolve_then_swap)
+        monkeypatch.setattr(ops.jail, "_literal", literal_then_swap)
         with pytest.raises(PathError):
             call()
         monkeypatch.undo()
