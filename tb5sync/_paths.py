@@ -554,6 +554,8 @@ class Jail:
         if not parts:
             return os.dup(base)
         shown = "/".join(parts)
+        if len(parts) == 1:  # one openat(O_NOFOLLOW): as safe as openat2, and cheaper than its ctypes call
+            return _open_child(base, parts[0], shown, create)
         if self._openat2 is not None:
             try:
                 return self._openat2(base, shown, _DIR_FLAGS, 0)
@@ -732,7 +734,7 @@ class Jail:
         rel = os.path.relpath(full, self.root)
         return [] if rel == "." else rel.split("/")
 
-    def _literal(self, path: str) -> list[str]:
+    def literal(self, path: str) -> list[str]:
         """Components of request ``path`` as written (refused as :meth:`resolve` refuses them:
         unsafe, or naming the state directory)."""
         parts = split_request_path(path)
@@ -758,7 +760,7 @@ class Jail:
         OSError
             Other failures (``FileNotFoundError`` for a missing parent, ...).
         """
-        parts = self._literal(path)
+        parts = self.literal(path)
         if not parts:
             raise PathError(path, "is the served root itself")
         try:
@@ -786,7 +788,7 @@ class Jail:
         OSError
             Other failures (``FileNotFoundError`` for a missing file or dangling link, ...).
         """
-        parts = self._literal(path)
+        parts = self.literal(path)
         if parts:  # the path as written, when no component is a symlink: no realpath
             try:
                 return self.open_file(parts, _READ_FLAGS, shown=path), "/".join(parts)

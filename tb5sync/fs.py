@@ -283,6 +283,8 @@ class TB5FileSystem(AsyncFileSystem):
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         """``tb5://host:port/a/b/`` -> ``a/b``; ``/a/b`` -> ``a/b``; lists element-wise."""
+        if type(path) is str and ":" not in path:  # a plain path (no scheme, no chain): the common case
+            return path.strip("/")
         if isinstance(path, (list, tuple)):
             return type(path)(cls._strip_protocol(p) for p in path)
         path = stringify_path(path)

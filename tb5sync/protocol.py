@@ -102,6 +102,7 @@ class FrameType(enum.IntEnum):
 
 
 _CONTROL_TYPES = frozenset(FrameType) - {FrameType.DATA}
+_TYPES: Final = {int(t): t for t in FrameType}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +159,10 @@ def parse_header(data: bytes | bytearray | memoryview, *, max_payload: int = MAX
         raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (not a tb5sync peer?)")
     if version != PROTOCOL_VERSION:
         raise VersionMismatchError(PROTOCOL_VERSION, version)
-    try:
-        ftype = FrameType(ftype)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown frame type {ftype}") from None
+    known = _TYPES.get(ftype)
+    if known is None:
+        raise RemoteProtocolError(f"unknown frame type {ftype}")
+    ftype = known
     if flags != 0:
         raise RemoteProtocolError(f"unknown frame flags 0x{flags:04x}")
     limit = max_payload if ftype is FrameType.DATA else min(max_payload, MAX_CONTROL)

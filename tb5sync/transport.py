@@ -292,12 +292,22 @@ class Channel:
 
     # ---- sending ----------------------------------------------------------------------
     def _sendall_parts(self, parts: list[Any]) -> None:
+        if len(parts) == 1 and type(parts[0]) is bytes:  # a control frame: one sendall
+            with self._send_lock:
+                try:
+                    self.sock.sendall(parts[0])
+                except OSError as exc:
+                    raise _timeout_error(exc, "sending", self.io_timeout) from exc
+                self.bytes_sent += len(parts[0])
+            return
         total = sum(len(p) for p in parts)
         with self._send_lock:
             try:
                 views: list[memoryview] = []
                 for p in parts:
-                    if isinstance(p, FileRange):
+                    if isinstance(p, FileRange) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
+                        views.append(self._read_small(p))  # read now: one sendmsg for the frame
+                    elif isinstance(p, FileRange):
                         if views:
                             self._send_views(views, socket.MSG_MORE)
                             views = []
@@ -328,6 +338,22 @@ class Channel:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+    def _read_small(self, part: FileRange) -> memoryview:
+        """The bytes of a small file part (at most :data:`READ_AHEAD`), read into a new buffer so
+        the frame goes out in one ``sendmsg``. A file that ends early fails as :meth:`_send_file`
+        fails (``part.pad``: zeros; else ``OSError`` ``EIO``), before any of the frame is sent."""
+        view = memoryview(bytearray(part.length))
+        got = 0
+        while got < part.length:
+            k = read_into(part.fd.fd, view[got:], part.offset + got)
+            if k <= 0:
+                if not part.pad:
+                    raise OSError(errno.EIO, f"file ended {part.length - got} bytes early while being sent; ending the connection")
+                log.info("file ended %d bytes early while being sent; padding the frame", part.length - got)
+                break  # the rest stays zeros
+            got += k
+        return view
 
     def _send_file(self, part: FileRange) -> None:
         """Send ``part`` with sendfile (read and send over TLS); if the file shrank meanwhile, pad
@@ -490,6 +516,12 @@ class Channel:
         ------
         As :meth:`recv_frame`.
         """
+        pos = self._rpos
+        if self._rend - pos >= P.HEADER.size:  # already read ahead
+            assert self._rview is not None
+            self._rpos = pos + P.HEADER.size
+            self.bytes_received += P.HEADER.size
+            return P.parse_header(self._rview[pos : self._rpos], max_payload=self.max_payload)
         self._wait_first_byte()
         if not self._recv_exact(self._hdr, start=True):
             return None
@@ -504,6 +536,12 @@ class Channel:
         """
         pool = self.pool
         payload: bytearray | memoryview
+        pos, n = self._rpos, header.length
+        if self._rend - pos >= n and (pool is None or n < pool.min_size):  # read ahead whole: one copy
+            assert self._rview is not None or n == 0
+            self._rpos = pos + n
+            self.bytes_received += n
+            return bytearray(self._rview[pos : pos + n]) if n else bytearray()
         if pool is not None and header.length >= pool.min_size:
             payload = memoryview(pool.get(header.length))[: header.length]
         else:

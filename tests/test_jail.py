@@ -358,7 +358,7 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
     (tree.outside / "f").write_bytes(b"OUTSIDE F")
     tree.before = tree.snapshot()
     real = ops.jail.resolve
-    real_literal = ops.jail._literal
+    real_literal = ops.jail.literal
     swapped: list[bool] = []
 
     def swap_once() -> None:
@@ -391,7 +391,7 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
             os.unlink(tree.root / "d")
             os.rename(tree.root / "d.old", tree.root / "d")
         monkeypatch.setattr(ops.jail, "resolve", resolve_then_swap)
-        monkeypatch.setattr(ops.jail, "_literal", literal_then_swap)
+        monkeypatch.setattr(ops.jail, "literal", literal_then_swap)
         with pytest.raises(PathError):
             call()
         monkeypatch.undo()
