@@ -742,7 +742,7 @@ class Jail:
             raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
         return parts
 
-    def locate_request(self, path: str) -> tuple[int, list[str]]:
+    def locate_request(self, path: str, parts: list[str] | None = None) -> tuple[int, list[str]]:
         """``(dir_fd, parts)`` of request ``path`` (not the root): ``parts`` its components with
         symlinks in its parents resolved (as :meth:`resolve`), ``dir_fd`` a new descriptor of the
         directory holding ``parts[-1]`` (the caller closes it), looked up as :meth:`open_dir` does.
@@ -753,6 +753,8 @@ class Jail:
         Either way every directory is opened from the root's descriptor without following a
         symlink, so nothing outside the root is reached, whatever changes meanwhile.
 
+        ``parts``, when given, is ``literal(path)`` (computed already by the caller).
+
         Raises
         ------
         PathError
@@ -760,7 +762,8 @@ class Jail:
         OSError
             Other failures (``FileNotFoundError`` for a missing parent, ...).
         """
-        parts = self.literal(path)
+        if parts is None:
+            parts = self.literal(path)
         if not parts:
             raise PathError(path, "is the served root itself")
         try:

