@@ -7,6 +7,8 @@ alternating so drift hits both):
 * **small-op round trips**: ``fs.info(path)`` and ``fs.cat_file(<4 KiB file>)`` one after the
   other (each waits for its reply), against a raw TCP ping-pong between two Python processes
   (64-byte request, 64-byte reply for info; 4 KiB reply for cat). Ratio = tb5 ops/s / ping-pongs/s.
+  For tb5 it also prints the CPU time per call of each side (this process, all its threads, from
+  ``time.process_time``; the server from ``/proc/PID/stat``, Linux only), microseconds.
 * **pipelined small ops**: 2,000 ``info`` calls issued together (``asyncio.gather``) and one
   ``fs.cat`` of 2,000 files of 4 KiB (one ``cat_many`` round trip per 32 MiB), as ops/s.
 * **sequential read**: ``fs.open(big, "rb").read()`` (the whole file in one call),
