@@ -460,6 +460,11 @@ def test_fs_client_reconnects_after_the_server_closed_an_idle_connection(tmp_pat
         fs.pipe_file("b.txt", b"two")  # `put`: not retried after a send, so it must not be sent on a dead one
         fs.mv("b.txt", "c.txt")
         assert (Path(live.root) / "c.txt").read_bytes() == b"two"
+        for _ in range(2):  # info and cat go out without a check first: sent again on a new connection
+            wait_for(lambda: live.server.threads == 0, 5, "idle connections ended by the server")
+            assert fs.info("c.txt")["size"] == 3
+            wait_for(lambda: live.server.threads == 0, 5, "idle connections ended by the server")
+            assert fs.cat_file("c.txt") == b"two"
     finally:
         live.server.stop()
 
