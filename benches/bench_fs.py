@@ -7,6 +7,8 @@ alternating so drift hits both):
 * **small-op round trips**: ``fs.info(path)`` and ``fs.cat_file(<4 KiB file>)`` one after the
   other (each waits for its reply), against a raw TCP ping-pong between two Python processes
   (64-byte request, 64-byte reply for info; 4 KiB reply for cat). Ratio = tb5 ops/s / ping-pongs/s.
+  For tb5 it also prints the CPU time per call of each side (this process, all its threads, from
+  ``time.process_time``; the server from ``/proc/PID/stat``, Linux only), microseconds.
 * **pipelined small ops**: 2,000 ``info`` calls issued together (``asyncio.gather``) and one
   ``fs.cat`` of 2,000 files of 4 KiB (one ``cat_many`` round trip per 32 MiB), as ops/s.
 * **sequential read**: ``fs.open(big, "rb").read()`` (the whole file in one call),
@@ -165,15 +167,34 @@ def raw_stream(nbytes: int, fresh: bool = False) -> float:
         p.wait()
 
 
-def rate(seconds: float, op: Callable[[], Any]) -> float:
-    """Calls per second of ``op`` run back to back for about ``seconds``."""
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rate(seconds: float, op: Callable[[], Any], cpu: list[tuple[float, float]] | None = None, server_pid: int | None = None) -> float:
+    """Calls per second of ``op`` run back to back for about ``seconds``.
+
+    With ``cpu``, appends ``(client, server)`` CPU microseconds per call: this process's CPU time
+    (all its threads) and, with ``server_pid``, the server process's (``/proc/PID/stat``).
+    """
     op()  # warm (connections, caches)
     n = 0
+    c0, s0 = time.process_time(), proc_cpu(server_pid) if server_pid else float("nan")
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         op()
         n += 1
-    return n / (time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
+    if cpu is not None:
+        s1 = proc_cpu(server_pid) if server_pid else float("nan")
+        cpu.append(((time.process_time() - c0) / n * 1e6, (s1 - s0) / n * 1e6))
+    return n / dt
 
 
 def make_data(root: str, big_bytes: int, small: int) -> None:
@@ -322,6 +343,8 @@ def main() -> int:
         for k in keys:
             res[f"{name}:{k}"] = []
     local = os.path.join(work, "got.bin")
+    cpu_info: list[tuple[float, float]] = []  # (client, server) CPU us per tb5 info
+    cpu_cat: list[tuple[float, float]] = []
 
     async def gather_info() -> None:
         await asyncio.gather(*[fs._info(p) for p in smalls])
@@ -356,10 +379,12 @@ def main() -> int:
             # each figure: the raw peer, then every contender in turn (alternating, so drift hits all)
             res["raw_pp64"].append(raw_pingpong(seconds, 64, 64))
             for name, (f, at) in peers.items():
-                res[f"{name}:info"].append(rate(seconds, lambda f=f, at=at: f.info(at("small/f00001"))))
+                res[f"{name}:info"].append(rate(seconds, lambda f=f, at=at: f.info(at("small/f00001")),
+                                                cpu_info if name == "tb5" else None, server.pid))
             res["raw_pp4k"].append(raw_pingpong(seconds, 64, 4096))
             for name, (f, at) in peers.items():
-                res[f"{name}:cat4k"].append(rate(seconds, lambda f=f, at=at: f.cat_file(at("small/f00002"))))
+                res[f"{name}:cat4k"].append(rate(seconds, lambda f=f, at=at: f.cat_file(at("small/f00002")),
+                                                 cpu_cat if name == "tb5" else None, server.pid))
             t = time.perf_counter()
             fsspec.asyn.sync(fs.loop, gather_info)
             res["info_gather"].append(small / (time.perf_counter() - t))
@@ -427,6 +452,10 @@ def main() -> int:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+    for label, cpu in (("info", cpu_info), ("cat_file 4 KiB", cpu_cat)):
+        client_us, server_us = median([c for c, _ in cpu]), median([v for _, v in cpu])
+        m[f"tb5:{label}:cpu_client_us"], m[f"tb5:{label}:cpu_server_us"] = client_us, server_us
+        print(f"tb5 {label}, one at a time: CPU per call {client_us:.1f} us client (all threads), {server_us:.1f} us server (median of {len(cpu)})")
     for note in notes:
         print(note)
     out = args.json_out or os.path.join(HERE, "results", f"fs-{time.strftime('%Y%m%d-%H%M%S')}.json")

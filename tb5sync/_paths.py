@@ -554,6 +554,8 @@ class Jail:
         if not parts:
             return os.dup(base)
         shown = "/".join(parts)
+        if len(parts) == 1:  # one openat(O_NOFOLLOW): as safe as openat2, and cheaper than its ctypes call
+            return _open_child(base, parts[0], shown, create)
         if self._openat2 is not None:
             try:
                 return self._openat2(base, shown, _DIR_FLAGS, 0)
@@ -732,10 +734,50 @@ class Jail:
         rel = os.path.relpath(full, self.root)
         return [] if rel == "." else rel.split("/")
 
+    def literal(self, path: str) -> list[str]:
+        """Components of request ``path`` as written (refused as :meth:`resolve` refuses them:
+        unsafe, or naming the state directory)."""
+        parts = split_request_path(path)
+        if parts and parts[0] == STATE_DIR:
+            raise PathError(path, f"{STATE_DIR} is tb5sync's own state")
+        return parts
+
+    def locate_request(self, path: str, parts: list[str] | None = None) -> tuple[int, list[str]]:
+        """``(dir_fd, parts)`` of request ``path`` (not the root): ``parts`` its components with
+        symlinks in its parents resolved (as :meth:`resolve`), ``dir_fd`` a new descriptor of the
+        directory holding ``parts[-1]`` (the caller closes it), looked up as :meth:`open_dir` does.
+
+        The path as written is tried first: when no parent is a symlink (one ``openat2``, or one
+        ``openat`` per component) that is the answer, with no ``realpath``; a symlink on the way
+        (``PathError`` from the lookup) falls back to :meth:`resolve` and a lookup of its result.
+        Either way every directory is opened from the root's descriptor without following a
+        symlink, so nothing outside the root is reached, whatever changes meanwhile.
+
+        ``parts``, when given, is ``literal(path)`` (computed already by the caller).
+
+        Raises
+        ------
+        PathError
+            As :meth:`resolve`; ``path`` is the root; a symlink on the way after the resolution.
+        OSError
+            Other failures (``FileNotFoundError`` for a missing parent, ...).
+        """
+        if parts is None:
+            parts = self.literal(path)
+        if not parts:
+            raise PathError(path, "is the served root itself")
+        try:
+            return self.open_dir(parts[:-1]), parts
+        except PathError:  # a symlink in the parents: resolve them (inside the root)
+            pass
+        parts = self.resolve(path)
+        return self.open_dir(parts[:-1]), parts
+
     def open_read(self, path: str) -> tuple[int, str]:
         """Open request ``path`` for reading (a last symlink inside the root is followed).
 
-        Opened ``O_RDONLY|O_NONBLOCK`` (a FIFO does not block the open).
+        Opened ``O_RDONLY|O_NONBLOCK`` (a FIFO does not block the open). The path as written is
+        tried first (no ``realpath`` when no component is a symlink, see :meth:`locate_request`).
 
         Returns
         -------
@@ -749,6 +791,12 @@ class Jail:
         OSError
             Other failures (``FileNotFoundError`` for a missing file or dangling link, ...).
         """
+        parts = self.literal(path)
+        if parts:  # the path as written, when no component is a symlink: no realpath
+            try:
+                return self.open_file(parts, _READ_FLAGS, shown=path), "/".join(parts)
+            except PathError:  # a symlink on the way: resolve it (inside the root)
+                pass
         parts = self.resolve(path, follow=True)
         return self.open_file(parts, _READ_FLAGS, shown=path), "/".join(parts)
 

@@ -154,7 +154,10 @@ class _Link:
         """
         if not self.direct_lock.acquire(blocking=False):
             return _BUSY
-        if self.direct.peer_closed():  # the server ended the idle connection: nothing was sent yet
+        # the server may have ended the idle connection: a request with effects is sent only on a
+        # connection seen open (nothing sent yet); one without is sent at once and, should the
+        # connection turn out closed, sent again on a new one (_call_sync): no poll per small op
+        if method not in FS_IDEMPOTENT and self.direct.peer_closed():
             self.direct_lock.release()
             self.close()
             return _STALE
@@ -280,6 +283,8 @@ class TB5FileSystem(AsyncFileSystem):
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         """``tb5://host:port/a/b/`` -> ``a/b``; ``/a/b`` -> ``a/b``; lists element-wise."""
+        if type(path) is str and ":" not in path:  # a plain path (no scheme, no chain): the common case
+            return path.strip("/")
         if isinstance(path, (list, tuple)):
             return type(path)(cls._strip_protocol(p) for p in path)
         path = stringify_path(path)

@@ -40,7 +40,7 @@ import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgpack
 
@@ -102,11 +102,14 @@ class FrameType(enum.IntEnum):
 
 
 _CONTROL_TYPES = frozenset(FrameType) - {FrameType.DATA}
+_TYPES: Final = {int(t): t for t in FrameType}
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """A parsed, validated frame header. ``length`` is the payload size in bytes."""
+class Header(NamedTuple):
+    """A parsed, validated frame header. ``length`` is the payload size in bytes.
+
+    A named tuple (immutable, as a frozen dataclass, and made in a fifth of the time: one is
+    made per frame received)."""
 
     type: FrameType
     flags: int
@@ -158,10 +161,10 @@ def parse_header(data: bytes | bytearray | memoryview, *, max_payload: int = MAX
         raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (not a tb5sync peer?)")
     if version != PROTOCOL_VERSION:
         raise VersionMismatchError(PROTOCOL_VERSION, version)
-    try:
-        ftype = FrameType(ftype)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown frame type {ftype}") from None
+    known = _TYPES.get(ftype)
+    if known is None:
+        raise RemoteProtocolError(f"unknown frame type {ftype}")
+    ftype = known
     if flags != 0:
         raise RemoteProtocolError(f"unknown frame flags 0x{flags:04x}")
     limit = max_payload if ftype is FrameType.DATA else min(max_payload, MAX_CONTROL)

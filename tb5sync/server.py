@@ -640,6 +640,7 @@ class Server:
     def _wrap_tls(self, ch: Channel) -> Channel:
         """``ch``'s socket wrapped in TLS (handshake within the connection's deadline)."""
         assert self.tls is not None
+        ch.set_io_timeout(ch.io_timeout, kernel=False)  # the ssl module expects Python's socket timeout
         try:
             tls_sock = self.tls.wrap_socket(ch.sock, server_side=True)
         except (ssl.SSLError, OSError) as exc:

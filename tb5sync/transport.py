@@ -14,7 +14,9 @@ import re
 import select
 import socket
 import ssl
+import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +51,13 @@ KEEPALIVE = 15.0
 #: errno values that mean "the link timed out" (keepalive probes or TCP_USER_TIMEOUT expired).
 _TIMEOUT_ERRNOS = frozenset({errno.ETIMEDOUT})
 _TLS_SEND_BLOCK = 1 << 20
+#: Read-ahead buffer of a channel, bytes: a small frame (a request, an ``info`` reply, a 4 KiB read)
+#: and its header arrive in one ``recv``; a read of at least this many bytes goes straight into
+#: its destination instead.
+READ_AHEAD = 32 * 1024
+#: ``struct timeval`` as ``SO_RCVTIMEO``/``SO_SNDTIMEO`` take it (``time_t`` and ``suseconds_t`` in
+#: two longs: Linux; on 64-bit macOS the 4-byte ``tv_usec`` sits first in its padded 8, little-endian)
+_TIMEVAL = struct.Struct("@ll")
 #: sendfile errors after which a channel sends its file parts by pread + send instead
 _NO_SENDFILE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None)) if e is not None)
 
@@ -169,7 +178,9 @@ def _timeout_error(exc: OSError, what: str, timeout: float | None) -> OSError:
         return exc
     if exc.errno in _TIMEOUT_ERRNOS:  # from the kernel (an OSError with ETIMEDOUT is a TimeoutError too)
         return LinkTimeoutError(f"the link is dead: keepalive probes or sent data went unanswered while {what}")
-    if isinstance(exc, TimeoutError) and not isinstance(exc, Tb5syncError):  # the socket timeout
+    if isinstance(exc, (TimeoutError, BlockingIOError)) and not isinstance(exc, Tb5syncError):
+        # the socket timeout: Python's (TimeoutError), or the kernel's SO_RCVTIMEO/SO_SNDTIMEO on a
+        # blocking socket (EAGAIN, a BlockingIOError)
         return LinkTimeoutError(f"no progress for {timeout:g} s while {what}: the peer stalled or the link is down")
     return exc
 
@@ -190,6 +201,10 @@ def hide_root(message: str, root: str) -> str:
 class Channel:
     """One framed TCP (or TLS) stream. Sends are serialized by a lock; receives belong to one thread.
 
+    Receives go through a read-ahead buffer of :data:`READ_AHEAD` bytes: one ``recv`` brings a
+    small frame's header and payload together (and whatever follows it); the rest of a larger
+    payload is received straight into its destination.
+
     Parameters
     ----------
     sock : socket.socket or ssl.SSLSocket
@@ -197,10 +212,15 @@ class Channel:
     io_timeout : float or None
         Progress timeout, seconds: once a frame has started (sending or receiving), each
         socket call must move bytes within this time, else :class:`LinkTimeoutError`.
-        None waits forever; by default the socket's own timeout is kept.
+        None waits forever; by default the socket's own timeout is kept. On a plain TCP socket
+        it is the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` of a blocking socket (no ``poll``
+        before each call); over TLS, with ``$TB5SYNC_PORTABLE=1`` or where the options cannot be
+        set, Python's socket timeout (a ``poll`` before each call).
     idle_timeout : float or None
         Seconds :meth:`recv_frame` waits for the first byte of the next frame; None waits
         forever (a dead peer is then found by TCP keepalive, see :func:`set_keepalive`).
+        When it is longer than ``io_timeout`` on a socket with the kernel's timeouts, the wait
+        ends at the first multiple of ``io_timeout`` not shorter than it.
 
     Attributes
     ----------
@@ -217,6 +237,11 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._hdr = bytearray(P.HEADER.size)
+        #: read-ahead buffer (allocated on the first receive) and the unread bytes in it: [_rpos, _rend)
+        self._rview: memoryview | None = None
+        self._rpos = self._rend = 0
+        #: the progress timeout is the kernel's (SO_RCVTIMEO/SO_SNDTIMEO), the socket blocking
+        self._kernel_timeouts = False
         #: When set, large payloads are received into this pool's buffers (see :meth:`recv_frame`).
         self.pool: BufferPool | None = None
         self.closed = False
@@ -238,19 +263,51 @@ class Channel:
             assert not isinstance(io_timeout, str)
             self.set_io_timeout(io_timeout)
 
-    def set_io_timeout(self, seconds: float | None) -> None:
-        """Change the progress timeout (see the class docstring)."""
+    def set_io_timeout(self, seconds: float | None, *, kernel: bool = True) -> None:
+        """Change the progress timeout (see the class docstring), seconds or None (none).
+
+        ``kernel=False`` keeps it as Python's socket timeout (a socket about to be wrapped in TLS,
+        whose library expects that); otherwise a plain TCP socket gets the kernel's, unless
+        ``$TB5SYNC_PORTABLE=1``.
+        """
         self.io_timeout = seconds
-        self.sock.settimeout(seconds)
+        want = (kernel and not self.tls and not portable() and (seconds is None or seconds > 0)
+                and hasattr(socket, "SO_RCVTIMEO") and hasattr(socket, "SO_SNDTIMEO"))
+        if want or self._kernel_timeouts:
+            usecs = 0 if not want or seconds is None else max(1, round(seconds * 1e6))  # 0: none
+            tv = _TIMEVAL.pack(usecs // 1_000_000, usecs % 1_000_000)
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            except OSError:  # refused (or a closed socket): Python's timeout then
+                want = False
+            self._kernel_timeouts = want
+        self.sock.settimeout(None if want else seconds)
+
+    @property
+    def kernel_timeouts(self) -> bool:
+        """True when the progress timeout is the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a
+        blocking socket, False when it is Python's socket timeout (a ``poll`` before each call)."""
+        return self._kernel_timeouts
 
     # ---- sending ----------------------------------------------------------------------
     def _sendall_parts(self, parts: list[Any]) -> None:
+        if len(parts) == 1 and type(parts[0]) is bytes:  # a control frame: one sendall
+            with self._send_lock:
+                try:
+                    self.sock.sendall(parts[0])
+                except OSError as exc:
+                    raise _timeout_error(exc, "sending", self.io_timeout) from exc
+                self.bytes_sent += len(parts[0])
+            return
         total = sum(len(p) for p in parts)
         with self._send_lock:
             try:
                 views: list[memoryview] = []
                 for p in parts:
-                    if isinstance(p, FileRange):
+                    if isinstance(p, FileRange) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
+                        views.append(self._read_small(p))  # read now: one sendmsg for the frame
+                    elif isinstance(p, FileRange):
                         if views:
                             self._send_views(views, socket.MSG_MORE)
                             views = []
@@ -281,6 +338,22 @@ class Channel:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+    def _read_small(self, part: FileRange) -> memoryview:
+        """The bytes of a small file part (at most :data:`READ_AHEAD`), read into a new buffer so
+        the frame goes out in one ``sendmsg``. A file that ends early fails as :meth:`_send_file`
+        fails (``part.pad``: zeros; else ``OSError`` ``EIO``), before any of the frame is sent."""
+        view = memoryview(bytearray(part.length))
+        got = 0
+        while got < part.length:
+            k = read_into(part.fd.fd, view[got:], part.offset + got)
+            if k <= 0:
+                if not part.pad:
+                    raise OSError(errno.EIO, f"file ended {part.length - got} bytes early while being sent; ending the connection")
+                log.info("file ended %d bytes early while being sent; padding the frame", part.length - got)
+                break  # the rest stays zeros
+            got += k
+        return view
 
     def _send_file(self, part: FileRange) -> None:
         """Send ``part`` with sendfile (read and send over TLS); if the file shrank meanwhile, pad
@@ -343,13 +416,39 @@ class Channel:
             pass
 
     # ---- receiving --------------------------------------------------------------------
-    def _recv_exact(self, buf: bytearray | memoryview) -> bool:
+    def _take(self, view: memoryview) -> int:
+        """Copy read-ahead bytes into ``view``; returns how many (at most ``len(view)``)."""
+        k = min(self._rend - self._rpos, len(view))
+        if k:
+            assert self._rview is not None
+            view[:k] = self._rview[self._rpos : self._rpos + k]
+            self._rpos += k
+        return k
+
+    def _recv_exact(self, buf: bytearray | memoryview, *, start: bool = False) -> bool:
+        """Fill ``buf`` from the read-ahead buffer, then the socket. False at a clean end of stream
+        (nothing of ``buf`` received); ``start``: ``buf`` begins a frame (the idle wait applies)."""
         view = memoryview(buf)
-        got = 0
         n = len(view)
+        got = self._take(view) if self._rend > self._rpos else 0
+        waited: float | None = None
         try:
             while got < n:
-                k = self.sock.recv_into(view[got:], n - got)
+                left = n - got
+                try:
+                    if left >= READ_AHEAD:  # large: straight into its destination
+                        k = self.sock.recv_into(view[got:], left)
+                    else:  # small: one recv for it and what follows (the read-ahead is empty here)
+                        if self._rview is None:
+                            self._rview = memoryview(bytearray(READ_AHEAD))
+                        k = self.sock.recv_into(self._rview, READ_AHEAD)
+                        self._rpos, self._rend = 0, k
+                        k = self._take(view[got:]) if k else 0
+                except BlockingIOError:  # the kernel's timeout passed with nothing received
+                    if not (start and got == 0 and self._idle_wait_goes_on(waited)):
+                        raise
+                    waited = time.monotonic() if waited is None else waited
+                    continue
                 if k == 0:
                     if got == 0:
                         return False
@@ -360,10 +459,24 @@ class Channel:
         self.bytes_received += n
         return True
 
+    def _idle_wait_goes_on(self, since: float | None) -> bool:
+        """Whether the wait for a frame's first byte goes on after the kernel's timeout passed
+        (``since``: when the first one passed). Raises :class:`LinkTimeoutError` once the idle
+        timeout is over; False when the progress timeout is the one that applies."""
+        idle, io = self.idle_timeout, self.io_timeout
+        if idle is not None and (io is None or idle <= io):
+            return False  # the progress timeout is the idle one (or polled for, see _wait_first_byte)
+        assert io is not None
+        if idle is not None and since is not None and time.monotonic() - since + io >= idle:
+            raise LinkTimeoutError(f"the peer sent nothing for {idle:g} s (idle timeout)")
+        return True
+
     def _wait_first_byte(self) -> None:
         """Wait up to :attr:`idle_timeout` for the next frame to start."""
-        if self.idle_timeout == self.io_timeout:
+        if self.idle_timeout == self.io_timeout or self._rend > self._rpos:
             return  # the socket's own timeout (or none) applies to the header's first recv
+        if self._kernel_timeouts and (self.idle_timeout is None or (self.io_timeout is not None and self.idle_timeout > self.io_timeout)):
+            return  # the header's first recv waits (_idle_wait_goes_on): no poll
         if self.tls and self.sock.pending():  # type: ignore[attr-defined]
             return
         try:
@@ -403,10 +516,16 @@ class Channel:
         ------
         As :meth:`recv_frame`.
         """
+        pos = self._rpos
+        if self._rend - pos >= P.HEADER.size:  # already read ahead
+            assert self._rview is not None
+            self._rpos = pos + P.HEADER.size
+            self.bytes_received += P.HEADER.size
+            return P.parse_header(self._rview[pos : self._rpos], max_payload=self.max_payload)
         self._wait_first_byte()
-        if not self._recv_exact(self._hdr):
+        if not self._recv_exact(self._hdr, start=True):
             return None
-        return P.parse_header(bytes(self._hdr), max_payload=self.max_payload)
+        return P.parse_header(self._hdr, max_payload=self.max_payload)
 
     def recv_payload(self, header: P.Header) -> bytearray | memoryview:
         """Receive the payload of ``header`` (see :meth:`recv_frame` for the pooled buffers).
@@ -417,6 +536,12 @@ class Channel:
         """
         pool = self.pool
         payload: bytearray | memoryview
+        pos, n = self._rpos, header.length
+        if self._rend - pos >= n and (pool is None or n < pool.min_size):  # read ahead whole: one copy
+            assert self._rview is not None or n == 0
+            self._rpos = pos + n
+            self.bytes_received += n
+            return bytearray(self._rview[pos : pos + n]) if n else bytearray()
         if pool is not None and header.length >= pool.min_size:
             payload = memoryview(pool.get(header.length))[: header.length]
         else:
@@ -459,7 +584,7 @@ class Channel:
     def peer_closed(self) -> bool:
         """True when the peer has closed the stream or sent something unasked (checked without
         blocking): the channel then cannot carry a new request safely."""
-        if self.closed:
+        if self.closed or self._rend > self._rpos:
             return True
         try:
             if not _wait_fd(self.sock.fileno(), False, 0):

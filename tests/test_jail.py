@@ -25,6 +25,7 @@ import pytest
 from tb5sync import _paths
 from tb5sync._paths import PORTABLE_ENV, Jail, openat2_available
 from tb5sync.errors import PathError
+from tb5sync._parts import close_parts
 from tb5sync.fsops import FsOps
 from tb5sync.sender import Sender
 from tb5sync.state import TreeState
@@ -358,13 +359,22 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
     (tree.outside / "f").write_bytes(b"OUTSIDE F")
     tree.before = tree.snapshot()
     real = ops.jail.resolve
+    real_literal = ops.jail.literal
     swapped: list[bool] = []
 
-    def resolve_then_swap(path: str, *, follow: bool = False) -> list[str]:
-        parts = real(path, follow=follow)
+    def swap_once() -> None:
         if not swapped:
             swapped.append(True)
             swap_for_symlink(tree.root / "d", tree.outside)
+
+    def resolve_then_swap(path: str, *, follow: bool = False) -> list[str]:
+        parts = real(path, follow=follow)
+        swap_once()
+        return parts
+
+    def literal_then_swap(path: str) -> list[str]:  # the lookups that try the path as written first
+        parts = real_literal(path)
+        swap_once()
         return parts
 
     calls: list[Any] = [
@@ -382,6 +392,7 @@ def test_swap_between_resolve_and_walk_is_refused(tree: Tree, ops: FsOps, monkey
             os.unlink(tree.root / "d")
             os.rename(tree.root / "d.old", tree.root / "d")
         monkeypatch.setattr(ops.jail, "resolve", resolve_then_swap)
+        monkeypatch.setattr(ops.jail, "literal", literal_then_swap)
         with pytest.raises(PathError):
             call()
         monkeypatch.undo()
@@ -401,3 +412,28 @@ def test_a_file_where_a_directory_is_expected(tree: Tree, jail: Jail) -> None:
     fd = jail.open_dir("a/new/deeper", create=True)
     os.close(fd)
     assert (tree.root / "a" / "new" / "deeper").is_dir()
+
+
+def test_request_paths_through_symlinks_inside_the_root(tree: Tree, ops: FsOps) -> None:
+    """info and cat take a path as written when nothing on it is a symlink, and resolve the ones
+    that go through a symlink inside the root (a parent or the last component) as before; a
+    symlink leading outside is refused at every position, whichever lookup runs first."""
+    os.symlink("a/b", tree.root / "inner")  # a parent symlink inside the root
+    os.symlink("f", tree.root / "a" / "b" / "again")  # a last component inside the root
+    assert ops.info("a/b/f")["info"]["size"] == 6
+    assert ops.info("inner/f")["info"]["name"] == "inner/f"
+    meta, parts = ops.cat("inner/f")
+    close_parts(parts)
+    assert meta["size"] == 6
+    assert ops.info("inner/again")["info"]["islink"] is True
+    meta, parts = ops.cat("inner/again")
+    close_parts(parts)
+    assert meta["size"] == 6
+    for path in ("top/secret", "a/mid/secret", "a/b/leaf", "inner/leaf"):
+        with pytest.raises(PathError):
+            ops.cat(path)
+    with pytest.raises(PathError):
+        ops.info("top/secret")
+    with pytest.raises(PathError, match="own state"):
+        ops.info(".tb5sync/x")
+    tree.assert_outside_untouched()
