@@ -41,6 +41,7 @@ __all__ = [
     "WINDOW",
     "read_exact",
     "hash_pool",
+    "hash_threads",
     "set_hash_threads",
     "set_chunk_threads",
     "chunk_threads",
@@ -118,6 +119,17 @@ def set_hash_threads(n: int) -> None:
         ``n`` is negative or above 256.
     """
     _hash.set(n)
+
+
+def hash_threads() -> int:
+    """Threads of :func:`hash_pool` (set, from ``$TB5SYNC_HASH_THREADS``, or the default), >= 1.
+
+    Raises
+    ------
+    UsageError
+        ``$TB5SYNC_HASH_THREADS`` is not an integer in 0..256.
+    """
+    return _hash.count()
 
 
 def hash_pool() -> ThreadPoolExecutor:
@@ -307,7 +319,7 @@ def chunk_buffer(
 
 
 #: Bytes of a file read at a time by :func:`iter_chunk_fd` (at least the largest chunk).
-WINDOW = 32 * 1024 * 1024
+WINDOW = 16 * 1024 * 1024
 #: Ranges up to this many bytes at the start of a file are read into a new ``bytes`` (no pooled buffer).
 _SMALL_READ = 1024 * 1024
 
