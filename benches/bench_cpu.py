@@ -374,7 +374,7 @@ def print_stages(res: dict) -> None:
     print(f"\nStages of the large-file path, one thread each (median CPU s/GB; {res['_chunks']} chunks in the file)\n")
     for k, v in res.items():
         if not k.startswith("_"):
-            print(f"  {k:45} {v:6.3f}")
+            print(f"  {k:52} {v:6.3f}")
 
 
 # --------------------------------------------------------------------------- gil
