@@ -42,9 +42,10 @@ def portable(specific: str | None = None) -> bool:
 def populated_buffer(n: int) -> bytearray | mmap.mmap:
     """A writable buffer of ``n`` bytes (``n`` >= 1) whose pages are all in place; its contents are zeros.
 
-    Linux: an anonymous private mapping made with ``MAP_POPULATE``, every page faulted in by the
-    one ``mmap`` call (GIL released) instead of one fault per 4 KiB page at first touch: 14 receive
-    buffers of 9 MiB cost 49 ms of CPU that way against 78 ms (``benches/README.md``, p16m).
+    Linux: an anonymous private mapping made with ``MAP_POPULATE``, every page put in place by the
+    one ``mmap`` call instead of one fault per 4 KiB page at first touch: 14 receive buffers of
+    9 MiB cost 49 ms of CPU that way against 78 ms (``benches/README.md``, p16m). CPython 3.11
+    holds the GIL during that call, as it did while a ``bytearray`` was zeroed.
     Elsewhere (macOS has no ``MAP_POPULATE``), with :func:`portable`, or if the mapping is refused:
     a ``bytearray``, whose pages fault in as it is zeroed.
     """
