@@ -251,6 +251,7 @@ def stages_once(args, path: str) -> dict:
             os.unlink(wpath)
     finally:
         os.close(fd)
+    out.update(_chunk_list_stage(path))
     out.update(_verify_write_stage(args))
     send_cpu, recv_cpu = _socket_stage(path)
     out["sendfile to loopback TCP (sender)"] = send_cpu
@@ -258,15 +259,39 @@ def stages_once(args, path: str) -> dict:
     return out
 
 
+def _chunk_list_stage(path: str) -> dict[str, float]:
+    """CPU s/GB (whole process: the hash pool's threads count) of the sender's chunk list of
+    ``path`` as it runs (``hashing.iter_chunk_fd``: read, cut, hash each chunk in the pool), with
+    windows of 32 MiB (before p16m) and of ``hashing.WINDOW`` (16 MiB since p16m), alternately."""
+    from tb5sync import chunking, hashing
+
+    size = os.path.getsize(path)
+    out: dict[str, list[float]] = {}
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _round in range(2):
+            for window in (32 * MiB, hashing.WINDOW):
+                t = time.process_time()
+                for _refs in hashing.iter_chunk_fd(fd, size, chunking.DEFAULT_PARAMS, window=window):
+                    pass
+                out.setdefault(f"chunk list, {window // MiB} MiB windows (sender, all threads)", []).append(
+                    _per_gb(time.process_time() - t, size))
+    finally:
+        os.close(fd)
+    return {k: min(v) for k, v in out.items()}
+
+
 def _verify_write_stage(args) -> dict[str, float]:
     """CPU s/GB (whole process) of the receiver's verify + write of 8 MiB replies of 1 MiB chunks,
     12 replies in flight (96 MiB, out of cache): the whole reply hashed in the hash pool and then
-    written on one thread (main before p15m), against each chunk hashed and written by one pool task."""
+    written on one thread (main before p15m), against each chunk hashed and written by one pool task
+    (p15m), against one pool task per reply, as many replies side by side as there are hashing
+    threads (p16m)."""
     from concurrent.futures import wait
 
     from tb5sync import largefile
     from tb5sync._io import pwrite_all
-    from tb5sync.hashing import check_chunks, chunk_digest, hash_pool
+    from tb5sync.hashing import check_chunks, chunk_digest, hash_pool, hash_threads
 
     frames = [bytearray(os.urandom(8 * MiB)) for _ in range(12)]
     chunks = [(i * MiB, MiB) for i in range(8)]
@@ -282,8 +307,16 @@ def _verify_write_stage(args) -> dict[str, float]:
         wait(tasks)
         assert all(t.result() for t in tasks)
 
+    def per_reply(fd: int, base: int, mv: memoryview, ds: list[bytes]) -> None:
+        group = [(base + o, n, d) for (o, n), d in zip(chunks, ds)]
+        replies.append(hash_pool().submit(largefile._verify_write_reply, [mv[o : o + n] for o, n in chunks], group, fd))
+        while len(replies) >= hash_threads():
+            assert all(replies.pop(0).result())
+
+    replies: list = []
     out = {}
-    for name, fn in (("verify, then write (two passes, before)", two_passes), ("verify + write per chunk task (after)", one_pass)):
+    for name, fn in (("verify, then write (two passes, p14)", two_passes), ("verify + write per chunk task (p15m)", one_pass),
+                     ("verify + write per reply task (p16m)", per_reply)):
         wpath = os.path.join(args.workdir, "stage-vw.tmp")
         fd = os.open(wpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -291,6 +324,8 @@ def _verify_write_stage(args) -> dict[str, float]:
             for rep in range(4):
                 for i, f in enumerate(frames):
                     fn(fd, (rep * 12 + i) * 8 * MiB, memoryview(f), digests[i])
+            while replies:
+                assert all(replies.pop(0).result())
             out[name + " (receiver)"] = _per_gb(time.process_time() - t, 4 * 12 * 8 * MiB)
         finally:
             os.close(fd)
@@ -339,7 +374,7 @@ def print_stages(res: dict) -> None:
     print(f"\nStages of the large-file path, one thread each (median CPU s/GB; {res['_chunks']} chunks in the file)\n")
     for k, v in res.items():
         if not k.startswith("_"):
-            print(f"  {k:45} {v:6.3f}")
+            print(f"  {k:52} {v:6.3f}")
 
 
 # --------------------------------------------------------------------------- gil

@@ -11,7 +11,9 @@ Two disciplines, one per kind of owner:
 
 from __future__ import annotations
 
+import mmap
 import threading
+from collections.abc import Callable
 
 __all__ = ["BufferPool", "ReadBuffers"]
 
@@ -31,6 +33,9 @@ class BufferPool:
         Most buffers kept for reuse; more are left to the garbage collector.
     min_size : int
         Frames with smaller payloads (bytes) are not pooled: allocating them is cheap.
+    make : callable(int) -> bytearray or mmap.mmap
+        Makes a new buffer of that many bytes (:func:`tb5sync._io.populated_buffer` for a
+        session's receive buffers: their pages in place in one call).
 
     Notes
     -----
@@ -38,25 +43,35 @@ class BufferPool:
     only once nothing reads it any more; one that is never given back is simply freed.
     """
 
-    def __init__(self, max_buffers: int = 16, min_size: int = 1024 * 1024) -> None:
+    def __init__(self, max_buffers: int = 16, min_size: int = 1024 * 1024,
+                 make: Callable[[int], bytearray | mmap.mmap] = bytearray) -> None:
         self.max_buffers = max_buffers
         self.min_size = min_size
-        self._free: list[bytearray] = []
+        self.make = make
+        self._free: list[bytearray | mmap.mmap] = []
         self._lock = threading.Lock()
 
-    def get(self, n: int) -> bytearray:
-        """A buffer of at least ``n`` bytes (rounded up to whole MiB when new); contents undefined."""
+    def get(self, n: int) -> bytearray | mmap.mmap:
+        """A buffer of at least ``n`` bytes (rounded up to whole MiB when new, made by ``make``: a
+        ``bytearray`` or an anonymous mapping); contents undefined."""
         with self._lock:
             for i, buf in enumerate(self._free):
                 if n <= len(buf) <= 2 * n:
                     return self._free.pop(i)
-        return bytearray(-(-n // 1048576) * 1048576)
+        return self.make(-(-n // 1048576) * 1048576)
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: bytearray | mmap.mmap) -> None:
         """Give ``buf`` back for reuse; the caller must hold no views into it that are still read."""
         with self._lock:
             if len(self._free) < self.max_buffers:
                 self._free.append(buf)
+
+    def give_back(self, obj: object) -> None:
+        """:meth:`put` ``obj`` (the ``obj`` of a received payload's view) if it is a buffer of the
+        kinds this pool hands out and of at least :attr:`min_size` bytes; anything else is left alone.
+        The caller must hold no views into it that are still read."""
+        if isinstance(obj, (bytearray, mmap.mmap)) and len(obj) >= self.min_size:
+            self.put(obj)
 
 
 class ReadBuffers:

@@ -138,9 +138,7 @@ class _Link:
         """Give the receive buffers behind ``views`` (already copied out) back for the next replies."""
         pool = self.requester.pool
         for v in views:
-            obj = getattr(v, "obj", None)
-            if isinstance(obj, bytearray) and len(obj) >= pool.min_size:
-                pool.put(obj)
+            pool.give_back(getattr(v, "obj", None))
 
     def call_direct(self, method: str, args: dict[str, Any]) -> Any:
         """Send one request on the direct connection and read its reply here; ``_BUSY`` if another thread is using it.

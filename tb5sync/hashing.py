@@ -39,8 +39,10 @@ __all__ = [
     "chunk_fd",
     "iter_chunk_fd",
     "WINDOW",
+    "default_window",
     "read_exact",
     "hash_pool",
+    "hash_threads",
     "set_hash_threads",
     "set_chunk_threads",
     "chunk_threads",
@@ -118,6 +120,17 @@ def set_hash_threads(n: int) -> None:
         ``n`` is negative or above 256.
     """
     _hash.set(n)
+
+
+def hash_threads() -> int:
+    """Threads of :func:`hash_pool` (set, from ``$TB5SYNC_HASH_THREADS``, or the default), >= 1.
+
+    Raises
+    ------
+    UsageError
+        ``$TB5SYNC_HASH_THREADS`` is not an integer in 0..256.
+    """
+    return _hash.count()
 
 
 def hash_pool() -> ThreadPoolExecutor:
@@ -306,8 +319,11 @@ def chunk_buffer(
     return [(d, e - s) for d, (s, e) in zip(digests, spans)]
 
 
-#: Bytes of a file read at a time by :func:`iter_chunk_fd` (at least the largest chunk).
-WINDOW = 32 * 1024 * 1024
+#: Bytes of a file read at a time by :func:`iter_chunk_fd` (at least the largest chunk), unless
+#: more chunk threads need a larger window (:func:`default_window`). 16 MiB: the chunk list of a
+#: file in the page cache costs 0.59 CPU s/GB with it against 0.64 with 32 MiB windows
+#: (``benches/bench_cpu.py --parts stages``: fewer fresh pages, bytes still in cache when hashed).
+WINDOW = 16 * 1024 * 1024
 #: Ranges up to this many bytes at the start of a file are read into a new ``bytes`` (no pooled buffer).
 _SMALL_READ = 1024 * 1024
 
@@ -385,12 +401,21 @@ def read_exact(fd: int, view: memoryview, off: int, where: str = "") -> None:
         pos += k
 
 
+def default_window(params: chunking.ChunkParams = chunking.DEFAULT_PARAMS) -> int:
+    """Bytes :func:`iter_chunk_fd` reads at a time by default: :data:`WINDOW`, or more when
+    :func:`chunk_threads` threads cut each window, so that every thread gets a segment of at least
+    ``2 * params.max_size`` (:func:`chunking.parallel_cut_points`' shortest: 8 MiB with format v1;
+    4 threads: 32 MiB windows)."""
+    n = chunk_threads()
+    return max(WINDOW, params.max_size, 2 * params.max_size * n if n > 1 else 0)
+
+
 def iter_chunk_fd(
     fd: int,
     size: int,
     params: chunking.ChunkParams = chunking.DEFAULT_PARAMS,
     start: int = 0,
-    window: int = WINDOW,
+    window: int | None = None,
     stop: int | None = None,
     where: str = "",
 ) -> Iterator[list[ChunkRef]]:
@@ -414,8 +439,9 @@ def iter_chunk_fd(
     start : int
         First byte (inclusive); the chunking restarts here, so it should be a cut point of
         the file (0, or an offset an earlier call returned) to give the file's own chunks.
-    window : int
-        Bytes read at a time; raised to ``params.max_size`` when smaller.
+    window : int or None
+        Bytes read at a time; raised to ``params.max_size`` when smaller. None:
+        :func:`default_window`.
     stop : int or None
         No window is started at or past this offset: the chunks end at the first window's
         last cut at or after ``stop`` (or at ``size``). None: go on to ``size``.
@@ -435,7 +461,7 @@ def iter_chunk_fd(
     OSError
         The file cannot be read.
     """
-    window = max(int(window), params.max_size)
+    window = default_window(params) if window is None else max(int(window), params.max_size)
     pool = hash_pool()
     pending: list[tuple[list[int], list[Future[bytes]], mmap.mmap | None]] = []
     pos = start
@@ -509,7 +535,7 @@ def _collect(lengths: list[int], futs: list[Future[bytes]], buf: mmap.mmap | Non
 def chunk_fd(fd: int, size: int, params: chunking.ChunkParams = chunking.DEFAULT_PARAMS, where: str = "") -> list[ChunkRef]:
     """Chunk and hash the first ``size`` bytes of the open file ``fd`` (see :func:`iter_chunk_fd`).
 
-    Memory stays bounded by two windows of :data:`WINDOW` bytes whatever the file size.
+    Memory stays bounded by two windows (:func:`default_window`) whatever the file size.
 
     Raises
     ------

@@ -25,7 +25,7 @@ import stat
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import chunking, refine
@@ -36,10 +36,10 @@ from .destination import Destination
 from .entry import Entry
 from .errors import IntegrityError, PathError, RemoteProtocolError, SourceChangedError
 from .messages import ChunkListPiece, SubChunksReply
-from .hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
+from .hashing import check_chunks, chunk_digest, hash_pool, hash_threads, verify_chunks
 from .options import SyncOptions
 
-__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES"]
+__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "VERIFYING_REPLIES"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ MAX_INFLIGHT = 12
 PIECE_BYTES = 64 * 1024 * 1024
 #: Checked chunk-list pieces kept ready ahead of the one being copied and fetched.
 PIECES_AHEAD = 3
+#: Most fetched replies being verified and written at once per large file, one hash-pool task each
+#: (at most the hashing threads): each holds its receive buffer until done.
+VERIFYING_REPLIES = 4
 #: Reused chunks being read, checked and copied at once per large file (one max-size buffer each).
 COPY_INFLIGHT = 6
 #: A basis from this size (bytes) up is closed on a thread of its own after the commit.
@@ -75,6 +78,18 @@ def _verify_write(data: memoryview | bytes, digest: bytes, fd: int, off: int) ->
         return False
     pwrite_all(fd, data, off)
     return True
+
+
+def _verify_write_reply(pieces: list[memoryview | bytes], group: list[tuple[int, int, bytes]], fd: int) -> list[bool]:
+    """:func:`_verify_write` of each chunk of one ``read_ranges`` reply, in order; whether each was written.
+
+    ``pieces`` are the reply's chunk bytes, ``group`` their ``(offset, length, digest)``. One
+    hash-pool task per reply: each chunk is hashed and written while its bytes are in this
+    core's cache, and the receiver's thread hands over one task per 8 MiB instead of one per
+    chunk (fewer futures and wake-ups; replies are hashed side by side instead). Raises
+    OSError when a write fails.
+    """
+    return [_verify_write(data, d, fd, off) for data, (off, _n, d) in zip(pieces, group)]
 
 
 class _CopyBuffers:
@@ -520,6 +535,31 @@ class LargeFileJob:
 
         misses = 0  # groups in a row refined without one sub-chunk found in the basis
         hashers = hash_pool()
+        # Fetched replies being verified and written, one hash-pool task each, oldest first; up to
+        # one per hashing thread (so replies are hashed side by side), at most VERIFYING_REPLIES.
+        writes: deque[tuple[list[tuple[int, int, bytes]], list[Any], Future[list[bool]]]] = deque()
+        depth = max(1, min(hash_threads(), VERIFYING_REPLIES))
+
+        def settle() -> None:
+            """Wait for the oldest reply's task, give its buffer back, re-fetch what failed, count it."""
+            g, parts, task = writes.popleft()
+            try:
+                written = task.result()
+            finally:
+                self.link.recycle(parts)  # the task is done with the reply's buffer either way
+            if not all(written):
+                # Asked once more: a source changed after the sender's check (its bytes go
+                # out with sendfile) now fails that check; a second mismatch is corruption.
+                # The chunks that did match are in place already and are written again.
+                log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
+                pieces, again = self._read_verified(rel, g, size, mtime_ns)
+                for (off, _n, _d), data in zip(g, pieces):
+                    pwrite_all(fd, data, off)
+                self.link.recycle(again)
+            for _off, n, _d in g:
+                self.destination.stats["chunks_sent"] += 1
+                self.verified += n
+                self.destination.tick(n)
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
@@ -547,28 +587,30 @@ class LargeFileJob:
                     misses = 0 if matched else misses + 1
                     continue
                 meta, parts = fut.result()
-                pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
+                try:
+                    pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
+                except BaseException:
+                    self.link.recycle(parts)
+                    raise
                 # Each chunk is hashed and, only if it matches, written by the same task right
                 # away, while its bytes are still in that core's cache (one pass over memory
                 # instead of a hashing pass over the whole reply and then a writing pass).
-                tasks = [hashers.submit(_verify_write, data, d, fd, off) for data, (off, _, d) in zip(pieces, g)]
-                wait(tasks)  # every task is done with the reply's buffer before it is given back
-                self.link.recycle(parts)
-                written = [t.result() for t in tasks]
-                if not all(written):
-                    # Asked once more: a source changed after the sender's check (its bytes go
-                    # out with sendfile) now fails that check; a second mismatch is corruption.
-                    # The chunks that did match are in place already and are written again.
-                    log.info("%s: chunk digest mismatch, asking for the ranges once more", rel)
-                    pieces, parts = self._read_verified(rel, g, size, mtime_ns)
-                    for (off, _n, _d), data in zip(g, pieces):
-                        pwrite_all(fd, data, off)
-                    self.link.recycle(parts)
-                for _off, n, _d in g:
-                    self.destination.stats["chunks_sent"] += 1
-                    self.verified += n
-                    self.destination.tick(n)
+                writes.append((g, parts, hashers.submit(_verify_write_reply, pieces, g, fd)))
+                while len(writes) >= depth:
+                    settle()
+            while writes:
+                settle()
         finally:
+            # No task may still write into fd (the caller closes it) or read a reply's buffer
+            # once this returns: wait for those left by an error, then give their buffers back.
+            for _g, parts, task in writes:
+                task.cancel()
+                try:
+                    task.result()
+                except BaseException:
+                    pass
+                self.link.recycle(parts)
+            writes.clear()
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
 

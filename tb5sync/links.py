@@ -89,8 +89,8 @@ class RemoteLink:
 
         Call only when nothing will read ``parts`` (or any view of the same reply) again.
         """
-        if parts and isinstance(parts[0], memoryview) and isinstance(parts[0].obj, bytearray):
-            self.requester.pool.put(parts[0].obj)
+        if parts and isinstance(parts[0], memoryview):
+            self.requester.pool.give_back(parts[0].obj)
 
     def submit(self, method: str, **args: Any) -> Future[Any]:
         args = args_to_wire(args)  # a name that is not valid UTF-8 goes as bytes

@@ -25,6 +25,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
+from ._io import populated_buffer
 from ._parts import close_parts
 from .transport import BufferPool, Channel
 
@@ -113,7 +114,7 @@ class Requester:
             raise UsageError("a requester needs at least one channel")
         self.channels = channels
         #: Receive buffers shared by the channels; DATA bodies are views into them.
-        self.pool = BufferPool(max_buffers=16)
+        self.pool = BufferPool(max_buffers=16, make=populated_buffer)
         for ch in channels:
             ch.pool = self.pool
         self._ids = itertools.count(1)

@@ -70,6 +70,33 @@ def test_chunk_fd_matches_blake3_over_the_same_ranges(tmp_path: Path, reader: st
     assert hashing.file_digest(d for d, _ in got) == blake3.blake3(b"".join(d for d, _ in want)).digest()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_windows_fit_the_chunk_threads_and_give_the_same_chunks(tmp_path: Path, threads: int) -> None:
+    """Windows are 16 MiB, or 2 x 4 MiB (the largest chunk) per chunk thread when more threads cut
+    each window (so 4 threads still get 4 segments); the chunks are the blake3 package's over the
+    whole buffer's cut points whatever the window."""
+    data = _data(40 * MiB + 123, seed=11)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    params = chunking.DEFAULT_PARAMS
+    if "40M" not in _EXPECTED:  # the pure-Python cut of 40 MiB takes seconds: once for the three cases
+        _EXPECTED["40M"] = _expected(data, params)
+    hashing.set_chunk_threads(threads)
+    try:
+        assert hashing.default_window(params) == max(16 * MiB, 8 * MiB * threads if threads > 1 else 0)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            got = [r for w in hashing.iter_chunk_fd(fd, len(data), params) for r in w]
+        finally:
+            os.close(fd)
+    finally:
+        hashing.set_chunk_threads(0)
+    assert got == _EXPECTED["40M"]
+
+
+_EXPECTED: dict[str, list[tuple[bytes, int]]] = {}
+
+
 def test_chunk_fd_of_a_range_from_a_cut(tmp_path: Path, small_chunk_params: chunking.ChunkParams) -> None:
     data = _data(200_000, seed=3)
     p = tmp_path / "f"

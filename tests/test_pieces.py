@@ -211,6 +211,41 @@ def test_buffer_pool_reuses_what_was_given_back() -> None:
     assert pool.get(1024 * 1024) is not a  # a 4 MiB buffer is not used for a frame of a quarter its size
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_receive_buffers_are_populated_mappings_or_bytearrays_and_come_back(
+    portable: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's receive buffers are anonymous mappings made with MAP_POPULATE where the system has
+    it, bytearrays on the portable path (macOS, ``$TB5SYNC_PORTABLE=1``); either kind is zeros, holds
+    what is written into it and is taken back by ``give_back`` (other objects and small ones are not)."""
+    import mmap
+
+    from tb5sync._io import populated_buffer
+
+    if portable:
+        monkeypatch.setenv("TB5SYNC_PORTABLE", "1")
+    else:
+        monkeypatch.delenv("TB5SYNC_PORTABLE", raising=False)
+    buf = populated_buffer(3 * 1024 * 1024)
+    if portable or not hasattr(mmap, "MAP_POPULATE"):
+        assert isinstance(buf, bytearray)
+    else:
+        assert isinstance(buf, mmap.mmap)
+    assert len(buf) == 3 * 1024 * 1024 and memoryview(buf)[::4096].tobytes() == bytes(768)
+    memoryview(buf)[100:104] = b"abcd"
+    assert bytes(memoryview(buf)[100:104]) == b"abcd"
+
+    pool = BufferPool(max_buffers=2, min_size=1024 * 1024, make=populated_buffer)
+    a = pool.get(2 * 1024 * 1024 + 1)
+    assert type(a) is type(buf) and len(a) == 3 * 1024 * 1024
+    pool.give_back(memoryview(a)[:10].obj)
+    assert pool.get(2 * 1024 * 1024) is a
+    pool.give_back(b"x" * (2 << 20))  # not a pool's kind of buffer
+    pool.give_back(bytearray(10))  # below min_size
+    pool.give_back(None)
+    assert pool.get(2 * 1024 * 1024) is not a and not pool._free
+
+
 def test_hash_threads_setting(data_file: tuple[str, bytes]) -> None:
     path, data = data_file
     try:

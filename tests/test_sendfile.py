@@ -210,3 +210,80 @@ def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Pat
     assert writes  # the good chunks were written ...
     for off, buf in writes:  # ... and nothing else
         assert buf == data[off : off + len(buf)]
+
+
+@pytest.mark.parametrize("route", ["local", "push"])
+def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
+    route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several replies are verified and written at once (one hash-pool task each): when a later reply
+    fails, the fetch waits for every task still running before it returns (the caller then closes the
+    work file and reuses the buffers), and nothing is committed; with no failure every byte lands."""
+    from tb5sync import hashing, largefile
+    from tb5sync.errors import RemoteProtocolError
+
+    hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine
+    monkeypatch.setattr(largefile, "VERIFYING_REPLIES", 4)
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random.Random(8).randbytes(40 << 20)  # 5 replies of 8 MiB
+    (src / "big.bin").write_bytes(data)
+    if route == "push":
+        sync = (str(src) + "/", server.url("d"))  # type: ignore[attr-defined]
+        final = Path(server.root) / "d" / "big.bin"  # type: ignore[attr-defined]
+    else:
+        sync = (str(src) + "/", str(tmp_path / "d"))
+        final = tmp_path / "d" / "big.bin"
+    real_task, real_decode = largefile._verify_write_reply, largefile.decode_ranges
+    running = [0]
+    most = [0]
+    lock = threading.Lock()
+
+    def slow_task(*args: object) -> list[bool]:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            threading.Event().wait(0.3)
+            return real_task(*args)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                running[0] -= 1
+
+    replies = [0]
+
+    def failing_decode(meta: dict[str, object], parts: list[object], lengths: list[int]) -> list[object]:
+        replies[0] += 1
+        if replies[0] == 4:
+            raise RemoteProtocolError("the fourth reply is malformed")
+        return real_decode(meta, parts, lengths)  # type: ignore[arg-type]
+
+    real_fetch = largefile.LargeFileJob._fetch_ranges
+    left_running: list[int] = []
+
+    def fetch(self: largefile.LargeFileJob, *args: object) -> None:
+        try:
+            real_fetch(self, *args)  # type: ignore[arg-type]
+        finally:
+            left_running.append(running[0])
+
+    monkeypatch.setattr(largefile, "_verify_write_reply", slow_task)
+    monkeypatch.setattr(largefile, "decode_ranges", failing_decode)
+    monkeypatch.setattr(largefile.LargeFileJob, "_fetch_ranges", fetch)
+    try:
+        try:
+            stats = tb5sync.sync(*sync)
+        except RemoteProtocolError as exc:
+            assert "fourth reply" in str(exc)
+        else:
+            assert stats.failures and "big.bin" in stats.failures[0].path
+        assert not final.exists()
+        assert most[0] >= 2  # replies were verified side by side
+        assert left_running and set(left_running) == {0}  # and none still ran when the fetch returned
+        monkeypatch.setattr(largefile, "decode_ranges", real_decode)
+        left_running.clear()
+        tb5sync.sync(*sync)
+        assert final.read_bytes() == data
+        assert set(left_running) == {0}
+    finally:
+        hashing.set_hash_threads(0)
