@@ -56,18 +56,27 @@ PARTS ?= models site-packages
 corpus:
 	bash scripts/make_corpus.sh $(CORPUS) $(PARTS)
 
+# where one `make bench` run keeps the JSON results its last step (benches/targets.py) reads
+ifeq ($(origin RUN), undefined)
+RUN := benches/results/run-$(shell date +%Y%m%d-%H%M%S)
+endif
+
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
 	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3'
-	$(BIN)/python benches/bench_sync.py --repeat 5
-	$(BIN)/python benches/bench_cpu.py
-	$(BIN)/python benches/bench_chunker.py --delta
+	mkdir -p $(RUN)
+	$(BIN)/python benches/bench_sync.py --repeat 5 --json-out $(RUN)/sync.json
+	$(BIN)/python benches/bench_sync.py --short --repeat 5 --no-raw --workloads tree_cold --json-out $(RUN)/sync-short.json
+	$(BIN)/python benches/bench_cpu.py --json-out $(RUN)/cpu.json
+	$(BIN)/python benches/bench_chunker.py --delta --json-out $(RUN)/chunker.json
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
-	$(BIN)/python benches/bench_fs.py
+	$(BIN)/python benches/bench_fs.py --json-out $(RUN)/fs.json
 	$(BIN)/python benches/bench_scaling.py
 	$(BIN)/python benches/bench_store.py
 	@command -v nginx >/dev/null && command -v ccache >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light ccache)
 	$(BIN)/python benches/bench_httpcache.py
+	$(BIN)/python benches/targets.py --sync $(RUN)/sync.json --sync-short $(RUN)/sync-short.json --cpu $(RUN)/cpu.json \
+		--chunker $(RUN)/chunker.json --fs $(RUN)/fs.json
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
