@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ._io import read_into, write_all
 from ._sparse import copy_sparse, has_zero_blocks, write_sparse
-from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name
+from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name, temp_tags
 from .entry import show_path
 from .errors import DestinationError, PathError, Tb5syncError, UsageError
 from .options import Failure
@@ -811,6 +811,7 @@ class Destination:
             batch: list[tuple[int, bytes, bytes, Any, int, int]] = []
             where: list[tuple[int, str]] = []
             fds: dict[str, int] = {}
+            tags = temp_tags(len(files))
             try:
                 for i, (rel, data, mode, mtime_ns) in enumerate(files):
                     head = rel.rpartition("/")[0] if rel else "\0.."
@@ -827,7 +828,7 @@ class Destination:
                         redo.append(i)  # the Python path meets (and names) the same error
                         continue
                     bname = os.fsencode(name)
-                    batch.append((dfd, os.fsencode(temp_name(name)), bname, data, mode & 0o7777, mtime_ns))
+                    batch.append((dfd, os.fsencode(temp_name(name, tags[i])), bname, data, mode & 0o7777, mtime_ns))
                     where.append((i, head))
                 results = _write_split(batch, [w[1] for w in where], self.fsync)
             finally:

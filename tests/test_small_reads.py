@@ -253,3 +253,15 @@ def test_write_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("TB5SYNC_WRITE_THREADS")
     assert destination_mod.write_threads() == destination_mod.WRITE_THREADS
 
+
+
+def test_temp_names_of_a_batch() -> None:
+    """A batch's temporary names (tags from one random draw) are temporary names, distinct, and
+    within NAME_MAX bytes for a name of 255 bytes."""
+    from tb5sync._paths import NAME_MAX, is_temp_name, temp_name, temp_tags
+
+    tags = temp_tags(1000)
+    assert len(set(tags)) > 990 and all(len(t) == 8 and int(t, 16) >= 0 for t in tags)
+    for name in ("f", "é" * 127 + "x", "n" * 255):
+        t = temp_name(name, tags[0])
+        assert is_temp_name(t) and tags[0] in t and len(t.encode()) <= NAME_MAX
