@@ -82,10 +82,11 @@ if os.environ.get("TB5SYNC_PUREPYTHON") == "1":
 #: ``"cython"`` or ``"python"``: which writer :meth:`Destination.write_files` uses.
 WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
 
-#: Threads writing one small-file batch (``$TB5SYNC_WRITE_THREADS``, 1..16): its directories are
-#: shared out among them, so that no two threads create files in one directory (they would
-#: contend on its lock). Two measured faster than one on ext4 (benches/README.md, p16s).
-WRITE_THREADS = 2
+#: Threads writing one small-file batch by default (``$TB5SYNC_WRITE_THREADS``, 1..16, sets it):
+#: its directories are shared out among them, so that no two threads create files in one
+#: directory (they would contend on its lock). Two were faster than one only for a batch writer
+#: alone with a core to spare, not in a whole push on the 2-core VM (benches/README.md, p16s).
+WRITE_THREADS = 1
 _MIN_SPLIT = 64  # files: smaller batches are written by one thread
 
 

@@ -446,7 +446,9 @@ class Receiver:
         :meth:`~tb5sync.destination.Destination.write_files`: one call of the Cython writer with
         the GIL released, so the link's threads receive, and this thread verifies, the next
         batches meanwhile. One batch is written at a time: creating files from several threads
-        was measured slower (ext4 contends on the same locks: rwsem spinning in the profile).
+        was measured slower (ext4 contends on the same locks: rwsem spinning in the profile);
+        ``$TB5SYNC_WRITE_THREADS`` shares one batch's directories out among threads
+        (:func:`~tb5sync.destination.write_threads`, default one).
         """
         meta, parts = fut.result()
         fm = FilesMeta.from_wire(meta, [e.path for e in batch])
