@@ -165,6 +165,7 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
             out[i] = r
     return out
 
+
 #: ``(st_size, st_mtime_ns, st_ino)`` of a file just committed (what its scan-cache row keeps).
 Committed = tuple[int, int, int]
 _NEW_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
@@ -324,10 +325,12 @@ class Destination:
     Not thread-safe, and with no lock: only the thread that runs
     :meth:`tb5sync.receiver.Receiver.run` updates it (commits small files, settles reused
     chunks, writes fetched and rebuilt chunks), or the receiver's one writer thread running
-    :meth:`write_files` while the run thread calls nothing here but :meth:`flush_records`
-    (which touches only the kept rows and the state). The other threads of a large-file job do
-    not touch it: the planner thread only builds chunks from basis sub-chunks (the run
-    thread verifies, writes and counts them), the chunk-list helper only asks for pieces,
+    :meth:`write_files` while the run thread calls nothing here but :meth:`record`,
+    :meth:`fail`, :meth:`tick`, :attr:`stats`, :attr:`changed` and :meth:`flush_records` (the
+    counts, failures and kept rows of the batch before, which :meth:`write_files` does not
+    touch). The other threads of a large-file job do not touch it: the planner thread only
+    builds chunks from basis sub-chunks (the run thread verifies, writes and counts them), the
+    chunk-list helper only asks for pieces,
     the hash pool only runs checked copies. :attr:`state` (a
     :class:`~tb5sync.state.TreeState`) locks on its own.
     """
