@@ -84,9 +84,10 @@ WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
 
 #: Threads writing one small-file batch by default (``$TB5SYNC_WRITE_THREADS``, 1..16, sets it):
 #: its directories are shared out among them, so that no two threads create files in one
-#: directory (they would contend on its lock). Two were faster than one only for a batch writer
-#: alone with a core to spare, not in a whole push on the 2-core VM (benches/README.md, p16s).
-WRITE_THREADS = 1
+#: directory (they would contend on its lock). Two (one on a one-CPU machine): a cold push of
+#: 2,000 files was 16-20% faster with two than with one on the 2-core VM, of 20,000 files 0-10%
+#: (benches/README.md, p16s).
+WRITE_THREADS = 2 if (os.cpu_count() or 1) > 1 else 1
 _MIN_SPLIT = 64  # files: smaller batches are written by one thread
 
 

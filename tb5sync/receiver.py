@@ -455,7 +455,7 @@ class Receiver:
         batches meanwhile. One batch is written at a time: creating files from several threads
         was measured slower (ext4 contends on the same locks: rwsem spinning in the profile);
         ``$TB5SYNC_WRITE_THREADS`` shares one batch's directories out among threads
-        (:func:`~tb5sync.destination.write_threads`, default one).
+        (:func:`~tb5sync.destination.write_threads`, default two, one directory per thread).
         """
         meta, parts = fut.result()
         fm = FilesMeta.from_wire(meta, [e.path for e in batch])
