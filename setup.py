@@ -1,6 +1,7 @@
 """Build the Cython cores: the FastCDC chunker ``tb5sync._cdc`` from ``ext/_cdc.pyx`` and the
 directory lister ``tb5sync._scan`` from ``ext/_scan.pyx``, the small-file writer
-``tb5sync._write`` from ``ext/_write.pyx``, and ``tb5sync._bytes`` (receive buffers
+``tb5sync._write`` from ``ext/_write.pyx``, the sender's batch reader of small files
+``tb5sync._read`` from ``ext/_read.pyx``, and ``tb5sync._bytes`` (receive buffers
 that are ``bytes``, for tb5:// reads) from ``ext/_bytes.pyx``.
 
 Set ``TB5SYNC_REQUIRE_CYTHON=1`` to make a failed extension build fatal (CI does);
@@ -41,8 +42,9 @@ def extensions():
     )
     scan = Extension("tb5sync._scan", ["ext/_scan.pyx"], extra_compile_args=["-O2"])
     write = Extension("tb5sync._write", ["ext/_write.pyx"], extra_compile_args=["-O2"])
+    read = Extension("tb5sync._read", ["ext/_read.pyx"], extra_compile_args=["-O2"])
     byt = Extension("tb5sync._bytes", ["ext/_bytes.pyx"], extra_compile_args=["-O2"])
-    return cythonize([ext, scan, write, byt], compiler_directives={"language_level": "3"})
+    return cythonize([ext, scan, write, read, byt], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -40,6 +40,7 @@ __all__ = [
     "resolve_in_root",
     "check_in_root",
     "temp_name",
+    "temp_tags",
     "is_temp_name",
     "claim_temp",
     "release_temp",
@@ -193,12 +194,14 @@ NAME_MAX = 255
 _TEMP_EXTRA = 1 + 1 + 8 + len(".tb5tmp")
 
 
-def temp_name(name: str) -> str:
+def temp_name(name: str, tag: str | None = None) -> str:
     """Temporary name for a file being written as ``name`` (a base name): ``.NAME.XXXXXXXX.tb5tmp``.
 
     Renamed into place when complete; :func:`is_temp_name` recognises it (listings hide it).
     ``NAME`` is cut, at a character boundary, so that the whole name stays within
     :data:`NAME_MAX` bytes (a name of 255 bytes in any script gets a temporary name too).
+    ``XXXXXXXX`` is ``tag`` (8 lowercase hex digits; a batch takes its tags from one
+    ``os.urandom`` call, see :func:`temp_tags`), else 4 random bytes in hex.
     """
     raw = name.encode("utf-8", "surrogateescape")
     keep = NAME_MAX - _TEMP_EXTRA
@@ -206,7 +209,13 @@ def temp_name(name: str) -> str:
         while keep > 1 and (raw[keep] & 0xC0) == 0x80:  # not inside a UTF-8 sequence
             keep -= 1
         name = raw[:keep].decode("utf-8", "surrogateescape")
-    return f".{name}.{os.urandom(4).hex()}.tb5tmp"
+    return f".{name}.{tag or os.urandom(4).hex()}.tb5tmp"
+
+
+def temp_tags(n: int) -> list[str]:
+    """``n`` random tags for :func:`temp_name` (8 hex digits each) from one ``os.urandom`` call."""
+    raw = os.urandom(4 * n).hex()
+    return [raw[8 * i : 8 * i + 8] for i in range(n)]
 
 
 def is_temp_name(name: str) -> bool:

@@ -229,8 +229,9 @@ class Receiver:
         self.params = params
         self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
         self.link_dest_root = link_dest_root
-        #: the small-file batch handed to the writer thread and not settled yet (:meth:`_settle_small`)
-        self._unsettled: _Written | None = None
+        #: the small-file batches handed to the writer thread and not settled yet, oldest first
+        #: (:meth:`_settle_small`): at most two, the one being written and the next, queued
+        self._unsettled: deque[_Written] = deque()
         self.listing_limits = listing_limits
         #: what the run warns of besides failures (rsync's "--link-dest arg does not exist: DIR"):
         #: in ``SyncStats.warnings``, so a server's reach its client
@@ -414,10 +415,13 @@ class Receiver:
             batches.append(cur)
         window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
         inflight: deque[tuple[list[Entry], Future[Any]]] = deque()
-        self._unsettled = None
+        self._unsettled = deque()
         # One writer thread: batch k is written (GIL released) while this thread waits for,
-        # checks and verifies batch k + 1. Only one of the two touches the destination at a time:
-        # the writer inside write_files, this thread before submitting and after settling.
+        # checks and verifies batch k + 1, queues it behind k (the writer goes on to it without
+        # waiting for this thread), then settles k. Only the writer touches the destination's
+        # files and directories meanwhile; this thread touches only the counts, failures and
+        # rows kept for the state (Destination.record, fail, flush_records), which the writer
+        # does not.
         writer = _Writer()
         try:
             writer.start()
@@ -429,24 +433,29 @@ class Receiver:
                 self._commit_small_batch(*inflight.popleft(), writer)
             self._settle_small()
         except BaseException:
-            if self._unsettled is not None and not self._unsettled.future.cancel():
-                writer.close()  # the batch being written is finished, then counted and kept in the state
-                with contextlib.suppress(BaseException):
-                    self._settle_small()
+            self._unsettled = deque(w for w in self._unsettled if not w.future.cancel())
+            if self._unsettled:
+                writer.close()  # the batches being written are finished, then counted and kept in the state
+                while self._unsettled:
+                    with contextlib.suppress(BaseException):
+                        self._settle_small(keep=len(self._unsettled) - 1)
             raise
         finally:
             writer.close()
 
     def _commit_small_batch(self, batch: list[Entry], fut: Future[Any], writer: _Writer) -> None:
-        """Verify the files of one ``read_files`` reply, settle the batch before, then hand this one
-        to ``writer`` (it is settled by the next call or the last :meth:`_settle_small`).
+        """Verify the files of one ``read_files`` reply, hand them to ``writer`` (queued behind the
+        batch before, so the writer never waits for this thread between batches), then settle the
+        batch before (this one is settled by the next call or the last :meth:`_settle_small`).
 
         Every file's chunks are verified first (BLAKE3; a mismatch stops the run before any file
         of the batch is written), then the batch is written by
         :meth:`~tb5sync.destination.Destination.write_files`: one call of the Cython writer with
         the GIL released, so the link's threads receive, and this thread verifies, the next
         batches meanwhile. One batch is written at a time: creating files from several threads
-        was measured slower (ext4 contends on the same locks: rwsem spinning in the profile).
+        was measured slower (ext4 contends on the same locks: rwsem spinning in the profile);
+        ``$TB5SYNC_WRITE_THREADS`` shares one batch's directories out among threads
+        (:func:`~tb5sync.destination.write_threads`, default two, one directory per thread).
         """
         meta, parts = fut.result()
         fm = FilesMeta.from_wire(meta, [e.path for e in batch])
@@ -471,35 +480,35 @@ class Receiver:
             verify_chunks(pieces, e.path, parallel=False)
             todo.append((e, refs))
             writes.append((e.path, mv, mode, mtime_ns))
-        self._settle_small()  # the batch before: its failures and rows first, in order
         dest = self.destination
+        self._unsettled.append(_Written(todo, parts, writer.submit(dest.write_files, writes)))
+        self._settle_small(keep=1)  # the batch before: its failures and rows first, in order
         for e, reason in missing:
             if reason is not None:
                 dest.fail(e.path, "source", reason)
             else:
                 log.warning("source file vanished or kept changing: %s", e.path)
                 dest.changed.append(e.path)
-        self._unsettled = _Written(todo, parts, writer.submit(dest.write_files, writes))
         dest.flush_records(min_rows=1024)  # the rows settled so far, while the writer writes (the state locks on its own)
 
-    def _settle_small(self) -> None:
-        """Wait for the batch last handed to the writer (if not settled yet); name its failures,
-        keep its scan-cache rows, count it. Each batch is settled once."""
-        written, self._unsettled = self._unsettled, None
-        if written is None:
-            return
-        results = written.future.result()
+    def _settle_small(self, keep: int = 0) -> None:
+        """Settle the batches handed to the writer, oldest first, until ``keep`` are left: wait
+        for each, name its failures, keep its scan-cache rows, count it. Each batch is settled
+        once (taken off :attr:`_unsettled` before it is waited for)."""
         dest = self.destination
-        for (e, refs), res in zip(written.todo, results):
-            if isinstance(res, OSError):
-                dest.fail(e.path, "destination", res)
-                continue
-            dest.record(e.path, res, refs)
-            dest.stats["files_transferred"] += 1
-            dest.stats["bytes_transferred"] += res[0]
-            dest.stats["chunks_sent"] += len(refs)
-            dest.tick(res[0])
-        self.link.recycle(written.parts)
+        while len(self._unsettled) > keep:
+            written = self._unsettled.popleft()
+            results = written.future.result()
+            for (e, refs), res in zip(written.todo, results):
+                if isinstance(res, OSError):
+                    dest.fail(e.path, "destination", res)
+                    continue
+                dest.record(e.path, res, refs)
+                dest.stats["files_transferred"] += 1
+                dest.stats["bytes_transferred"] += res[0]
+                dest.stats["chunks_sent"] += len(refs)
+                dest.tick(res[0])
+            self.link.recycle(written.parts)
 
     # ---- large files ------------------------------------------------------------------
     def _fetch_large_retrying(self, e: Entry, tries: int = 3) -> None:

@@ -320,10 +320,14 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
             continue
         if isinstance(result, tuple):
             meta, parts = result
+            del result
             try:
                 ch.send_data(header.rid, meta, parts)
             finally:
                 close_parts(parts)
+                # no reference to a sent reply while the next request is answered: its parts may
+                # be views of a reused buffer (the sender's ReadBuffers), free again once unviewed
+                del meta, parts
         elif isinstance(result, dict):
             ch.send_control(P.FrameType.RESPONSE, header.rid, result)
         else:

@@ -60,7 +60,24 @@ from ._parts import FileRange, SharedFd, close_parts
 if TYPE_CHECKING:
     from .state import TreeState
 
-__all__ = ["Sender", "ReadBuffers", "encode_part"]
+# The one import site that picks the small-file reader (TB5SYNC_PUREPYTHON=1 forces Python): the
+# Cython batch reader (ext/_read.pyx) or :meth:`Sender._read_one` once per file.
+_cy_read_files: Callable[..., tuple[list[Any], int]] | None
+try:
+    from ._read import NO_ROOM as _NO_ROOM, read_files as _cy_read_files
+except ImportError:
+    _cy_read_files, _NO_ROOM = None, -3
+if os.environ.get("TB5SYNC_PUREPYTHON") == "1":
+    _cy_read_files = None
+#: ``"cython"`` or ``"python"``: which reader :meth:`Sender.read_files` uses.
+READ_IMPLEMENTATION = "cython" if _cy_read_files is not None else "python"
+#: Bytes of one buffer the Cython reader fills with a ``read_files`` batch (reused, see
+#: :class:`ReadBuffers`); a batch that does not fit goes on in another one.
+READ_BUFFER = 8 * 1024 * 1024
+#: Most directories whose descriptors one call of the Cython reader holds (duplicates).
+_READ_DIRS = 256
+
+__all__ = ["Sender", "ReadBuffers", "encode_part", "READ_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
@@ -766,24 +783,29 @@ class Sender:
         failed: dict[int, str] = {}
         parts: list[Any] = []
         total = 0
-        for path in paths:
-            try:
-                item = self._read_one(path)
-            except SourceError as exc:
-                failed[len(files)] = str(exc).removeprefix(f"{show_path(path)}: ")
-                item = None
-            except OSError as exc:  # a read error (EIO, ...): this file only
-                failed[len(files)] = f"{exc.strerror or exc} ({exc.errno})"
-                item = None
+        batch = self._read_batch(paths)
+        for i, path in enumerate(paths):
+            item: tuple[int, int, int, Any] | None = batch[i]
+            if item is None:
+                try:
+                    one = self._read_one(path)
+                    if one is not None:
+                        st, data = one
+                        item = (st.st_size, st.st_mtime_ns, st.st_mode, data)
+                except SourceError as exc:
+                    failed[len(files)] = str(exc).removeprefix(f"{show_path(path)}: ")
+                except OSError as exc:  # a read error (EIO, ...): this file only
+                    failed[len(files)] = f"{exc.strerror or exc} ({exc.errno})"
             if item is None:
                 files.append(None)
                 continue
-            st, data, refs = item
-            total += len(data)
+            size, mtime_ns, st_mode, data = item
+            total += size
             if total > MAX_READ + 4 * 1024 * 1024:
                 raise UsageError(f"read_files of more than {MAX_READ} bytes")
+            refs = chunk_buffer(data, self.params)
             wire, codec = encode_part(data, self.options.compress)
-            files.append(FileInfo(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), refs, len(wire), codec))
+            files.append(FileInfo(size, mtime_ns, stat.S_IMODE(st_mode), refs, len(wire), codec))
             parts.append(wire)
         self._pace([(0, len(p), 0) for p in parts])
         return FilesMeta(files, failed).to_wire(), parts
@@ -800,7 +822,77 @@ class Sender:
 
             self._rate.take(sum(m[1] for m in meta_parts), ended, max_wait=getattr(self._guards, "max_wait", None))
 
-    def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes, list[tuple[bytes, int]]] | None:
+    def _read_batch(self, paths: list[str]) -> list[tuple[int, int, int, memoryview] | None]:
+        """Read the plain files of ``paths`` with the Cython reader (:data:`READ_IMPLEMENTATION`).
+
+        Per path, in order: ``(size, mtime_ns, st_mode, bytes)`` of a regular file read whole
+        and unchanged (its bytes a view of a reused :data:`READ_BUFFER` buffer, free again once
+        every view of it is gone), or ``None``: the caller reads that path on the Python path
+        (:meth:`_read_one`), which checks, names and retries it exactly as it always did. All
+        ``None`` without the Cython reader, for a single-file source and with ``-L`` /
+        ``--copy-unsafe-links`` (symlinks followed). Each file is opened ``O_NOFOLLOW``
+        relative to the jail's descriptor of its directory (a duplicate held for the call), as
+        :meth:`Jail.open_cached <tb5sync._paths.Jail.open_cached>` does; the GIL is released
+        while the batch is read, so the other streams' threads run meanwhile.
+        """
+        out: list[tuple[int, int, int, memoryview] | None] = [None] * len(paths)
+        if _cy_read_files is None or self._single or self.options.copy_links or self.options.copy_unsafe_links:
+            return out
+        budget = MAX_READ + 4 * 1024 * 1024  # read_files' own limit: what is past it is refused there
+        todo: list[int] = []
+        files: list[tuple[int, bytes]] = []
+        fds: dict[str, int] = {}
+        try:
+            for i, path in enumerate(paths):
+                if not path or ".tb5" in path:
+                    continue  # the Python path refuses the base, the state and temporary names
+                try:
+                    check_relpath(path)
+                    parent, _, name = path.rpartition("/")
+                    dfd = fds.get(parent)
+                    if dfd is None:
+                        if len(fds) >= _READ_DIRS:
+                            budget = self._read_into(todo, files, out, budget)
+                            todo, files = [], []
+                            for fd in fds.values():
+                                os.close(fd)
+                            fds.clear()
+                        # a duplicate: the jail's per-thread cache may close its own while
+                        # this batch's other directories are opened
+                        dfd = fds[parent] = os.dup(self._jail.dir_fd(parent))
+                except (OSError, UsageError):
+                    continue  # the Python path meets (and names) the same error
+                todo.append(i)
+                files.append((dfd, os.fsencode(name)))
+            self._read_into(todo, files, out, budget)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
+
+    def _read_into(self, todo: list[int], files: list[tuple[int, bytes]], out: list[Any], budget: int) -> int:
+        """Read ``files`` (``(dir_fd, name)``, for the paths ``todo`` index) with the Cython reader
+        into :data:`READ_BUFFER` buffers, one after another while each takes at least one file and
+        ``budget`` bytes are left; results into ``out``. Returns what is left of ``budget``."""
+        while files and budget > 0 and _cy_read_files is not None:
+            buf = self._read_bufs.get(READ_BUFFER)
+            results, used = _cy_read_files(files, buf)
+            budget -= used
+            later: list[int] = []
+            for j, (i, res) in enumerate(zip(todo, results)):
+                if isinstance(res, tuple):
+                    off, size, mtime_ns, st_mode = res
+                    out[i] = (size, mtime_ns, st_mode, buf[off : off + size])
+                elif res == _NO_ROOM and used > 0:
+                    later.append(j)  # a fresh buffer may hold it (else: the Python path)
+            del buf
+            todo, files = [todo[j] for j in later], [files[j] for j in later]
+        return budget
+
+    def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes] | None:
+        """Read the whole file ``path``: ``(stat, bytes)`` with size and mtime the same before
+        and after (up to ``tries`` attempts), or ``None`` when it vanished, is not a regular
+        file or kept changing; other errors raise as :meth:`_open` and ``os.pread`` do."""
         for _ in range(tries):
             try:
                 fd = self._open(path)
@@ -815,7 +907,7 @@ class Sender:
             finally:
                 os.close(fd)
             if len(data) == st.st_size and (st2.st_size, st2.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
-                return st, data, chunk_buffer(data, self.params)
+                return st, data
         log.warning("source file kept changing while read: %s", path)
         return None
 

@@ -333,6 +333,25 @@ def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return request.param
 
 
+@pytest.fixture(params=["cython", "python"])
+def read_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each small-file reader of the sender in turn: the Cython batch reader (``tb5sync._read``;
+    skipped when not built, failed under TB5SYNC_REQUIRE_CYTHON=1) and ``Sender._read_one`` per file."""
+    from tb5sync import sender
+
+    if request.param == "python":
+        monkeypatch.setattr(sender, "_cy_read_files", None)
+    elif sender._cy_read_files is None:
+        try:
+            from tb5sync._read import read_files
+        except ImportError:
+            if require_cython():
+                pytest.fail("tb5sync._read is not built but TB5SYNC_REQUIRE_CYTHON=1")
+            pytest.skip("tb5sync._read is not built")
+        monkeypatch.setattr(sender, "_cy_read_files", read_files)  # TB5SYNC_PUREPYTHON=1 run: both still
+    return request.param
+
+
 @pytest.fixture(params=["openat2", "portable"])
 def jail_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each lookup strategy of the Jail (openat2 where the kernel has it, and the portable walk)."""
