@@ -167,6 +167,17 @@ def test_a_failing_range_closes_the_file_once(tmp_path: Path, monkeypatch: pytes
         sender.close()
 
 
+def _big_file_route(route: str, tmp_path: Path, server: object, data: bytes) -> tuple[tuple[str, str], Path]:
+    """``src/big.bin`` holding ``data``; the sync's ``(SRC, DST)`` for ``route`` (local or a push to
+    ``server``) and where the file lands."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(data)
+    if route == "push":
+        return (str(src) + "/", server.url("d")), Path(server.root) / "d" / "big.bin"  # type: ignore[attr-defined]
+    return (str(src) + "/", str(tmp_path / "d")), tmp_path / "d" / "big.bin"
+
+
 @pytest.mark.parametrize("route", ["local", "push"])
 def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """One chunk arrives damaged on every request: the others are written (each verified first), that
@@ -174,16 +185,8 @@ def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Pat
     from tb5sync import largefile
     from tb5sync.errors import IntegrityError
 
-    src = tmp_path / "src"
-    src.mkdir()
     data = random.Random(6).randbytes(9 << 20)
-    (src / "big.bin").write_bytes(data)
-    if route == "push":
-        sync = (str(src) + "/", server.url("d"))  # type: ignore[attr-defined]
-        final = Path(server.root) / "d" / "big.bin"  # type: ignore[attr-defined]
-    else:
-        sync = (str(src) + "/", str(tmp_path / "d"))
-        final = tmp_path / "d" / "big.bin"
+    sync, final = _big_file_route(route, tmp_path, server, data)
     real_decode = largefile.decode_ranges
 
     def damaging(meta: dict[str, object], parts: list[object], lengths: list[int]) -> list[object]:
@@ -224,16 +227,8 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
 
     hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine
     monkeypatch.setattr(largefile, "VERIFYING_REPLIES", 4)
-    src = tmp_path / "src"
-    src.mkdir()
     data = random.Random(8).randbytes(40 << 20)  # 5 replies of 8 MiB
-    (src / "big.bin").write_bytes(data)
-    if route == "push":
-        sync = (str(src) + "/", server.url("d"))  # type: ignore[attr-defined]
-        final = Path(server.root) / "d" / "big.bin"  # type: ignore[attr-defined]
-    else:
-        sync = (str(src) + "/", str(tmp_path / "d"))
-        final = tmp_path / "d" / "big.bin"
+    sync, final = _big_file_route(route, tmp_path, server, data)
     real_task, real_decode = largefile._verify_write_reply, largefile.decode_ranges
     running = [0]
     most = [0]
@@ -278,12 +273,14 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
         else:
             assert stats.failures and "big.bin" in stats.failures[0].path
         assert not final.exists()
-        assert most[0] >= 2  # replies were verified side by side
-        assert left_running and set(left_running) == {0}  # and none still ran when the fetch returned
+        # none still ran when the fetch returned (tasks not started yet may have been cancelled:
+        # in a push the sender shares the hash pool, so how many ran before the failure varies)
+        assert left_running and set(left_running) == {0}
         monkeypatch.setattr(largefile, "decode_ranges", real_decode)
         left_running.clear()
         tb5sync.sync(*sync)
         assert final.read_bytes() == data
         assert set(left_running) == {0}
+        assert most[0] >= 2  # replies were verified side by side
     finally:
         hashing.set_hash_threads(0)
