@@ -763,6 +763,7 @@ class Bench:
         self.tree_dir = os.path.join(self.data, "tree")
         self.runs_dir = os.path.join(args.workdir, "runs")
         self.results: dict[str, dict[str, list[Run]]] = {w: {t.name: [] for t in tools} for w in WORKLOADS}
+        self.deferred: list[str] = []  # tree runs' directories, removed once the workload is over
 
     def fresh(self, label: str) -> str:
         d = os.path.join(self.runs_dir, label)
@@ -826,7 +827,10 @@ class Bench:
                 out["tree_nochange"] = again
             return out
         finally:
-            shutil.rmtree(d, ignore_errors=True)
+            if self.args.delete_between:
+                shutil.rmtree(d, ignore_errors=True)
+            else:  # see run_all
+                self.deferred.append(d)
 
     def big_delta(self, tool, i: int) -> dict:
         d = self.fresh(f"{tool.name}-big_delta-{i}")
@@ -869,6 +873,14 @@ class Bench:
                         self._progress(k, i, tool.name, run)
                     if not all(r.ok for r in runs.values()):
                         given_up.add(tool.name)  # a tool that fails once fails again: save time
+            # The trees' copies are removed only now, not after each run: on ext4 without a journal
+            # (this VM's disk) a new inode skips every inode of its group deleted in the last
+            # 60-360 s, which made whichever run followed a removal of 20,000 files pay 30-36% more
+            # CPU for its creates (benches/README.md, p16s). A Mac's APFS has no such rule; each tool's
+            # run now meets the same quiet file system. --delete-between restores the old order.
+            for d in self.deferred:
+                shutil.rmtree(d, ignore_errors=True)
+            self.deferred.clear()
 
     def size_of(self, key: str) -> tuple[int, int]:
         """(bytes, files) at the source of a workload."""
@@ -1111,6 +1123,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, help="per-command timeout in s (default 900, 300 with --short)")
     p.add_argument("--sample", type=int, default=200, help="files hashed per tree verification")
     p.add_argument("--keep", action="store_true", help="keep server logs under WORKDIR/logs")
+    p.add_argument("--delete-between", action="store_true",
+                   help="remove each tree run's copy right after it (default: after the workload's last run; "
+                        "needs the tree's size free per run)")
     a = p.parse_args(argv)
     a.workdir = os.path.abspath(a.workdir)
     a.timeout = a.timeout or (300.0 if a.short else 900.0)
