@@ -322,6 +322,8 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
+    if os.path.islink(dst_abs) and os.path.isdir(dst_abs):
+        dst_abs = os.path.realpath(dst_abs)  # a destination symlink to a directory: that directory (rsync)
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
