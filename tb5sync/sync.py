@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .errors import ArgumentTypeError, SourceNotFoundError, UsageError, partial_error
+from .excludes import exclude_option
 from .options import MIN_BWLIMIT, SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def sync(
     delete : bool
         Remove destination entries missing at the source (never excluded ones).
     exclude : sequence of str
-        rsync-style exclude patterns.
+        rsync-style exclude patterns, read as rsync reads ``--exclude``: ``"- PAT"`` is ``PAT``,
+        ``"!"`` clears the ones before it, ``"+ PAT"`` (an include rule) is refused.
     checksum : bool
         Compare content digests instead of size and mtime.
     dry_run : bool
@@ -176,7 +178,7 @@ def sync(
         raise UsageError("source and destination must not be empty")
     options = SyncOptions(
         delete=delete,
-        excludes=tuple(exclude),
+        excludes=exclude_option(exclude),  # rsync's '- PAT', '+ PAT' and '!' forms
         checksum=checksum,
         dry_run=dry_run,
         compress=compress,

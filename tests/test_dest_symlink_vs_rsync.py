@@ -59,3 +59,40 @@ def test_destination_symlink_to_a_directory(tmp_path: Path, route: str, spec: tu
         got[tool] = _tree(work / "real")
     assert got["tb5sync"] == got["rsync"]
     assert got["rsync"]  # the scenario wrote something
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync is not installed")
+@pytest.mark.parametrize("rules", [["- *.log"], ["*.tmp", "!", "- *.log"], ["- a/", "x"], ["!"]])
+def test_exclude_option_prefixes_as_rsync_reads_them(tmp_path: Path, rules: list[str]) -> None:
+    """``--exclude '- PAT'`` is the exclude rule PAT and ``--exclude '!'`` clears the list, as
+    rsync reads its --exclude options (the trees compared with rsync's)."""
+    src = tmp_path / "src"
+    for p in ("a/f.log", "a/g.tmp", "b.log", "c.tmp", "x", "- b.log"):
+        (src / p).parent.mkdir(parents=True, exist_ok=True)
+        (src / p).write_bytes(p.encode())
+    for tool in ("rsync", "tb5sync"):
+        dst = tmp_path / tool
+        if tool == "rsync":
+            subprocess.run(["rsync", "-a", *[f"--exclude={r}" for r in rules], f"{src}/", str(dst)], check=True,
+                           capture_output=True, timeout=60)
+        else:
+            tb5sync.sync(f"{src}/", str(dst), exclude=rules)
+    assert _tree(tmp_path / "tb5sync") == _tree(tmp_path / "rsync")
+
+
+@pytest.mark.timeout(60)
+def test_exclude_option_include_rule_is_refused(tmp_path: Path) -> None:
+    """``--exclude '+ PAT'`` is an include rule for rsync; tb5sync has none and says so, in one line,
+    before anything is written (it took it as a literal pattern and copied everything)."""
+    from tb5sync.errors import UsageError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.txt").write_bytes(b"f")
+    with pytest.raises(UsageError, match=r"include rule .*exclude rules only"):
+        tb5sync.sync(f"{src}/", str(tmp_path / "d"), exclude=["+ */", "+ *.txt", "*"])
+    assert not (tmp_path / "d").exists()
+    r = subprocess.run([os.sys.executable, "-m", "tb5sync.cli", "sync", "--exclude", "+ *.txt", f"{src}/", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "include rule" in r.stderr
