@@ -168,6 +168,8 @@ def pull(
         if kind not in (DIR, FILE, LINK):
             raise UsageError("server did not say what the source is")
         dst_abs = os.path.abspath(dst)
+        if os.path.islink(dst_abs) and os.path.isdir(dst_abs):
+            dst_abs = os.path.realpath(dst_abs)  # a destination symlink to a directory: that directory (rsync)
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
         fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)

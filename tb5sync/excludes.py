@@ -7,11 +7,12 @@ destination entries are protected from ``--delete``).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import UsageError
 
-__all__ = ["ExcludeRules", "NO_RULES"]
+__all__ = ["ExcludeRules", "NO_RULES", "exclude_option"]
 
 #: POSIX character classes inside ``[...]`` (rsync's wildmatch knows these), as regex ranges.
 _CLASSES = {
@@ -199,6 +200,32 @@ class _Glob:
                 return False
             cur = close(nxt)
         return m in cur
+
+
+def exclude_option(patterns: Sequence[str]) -> tuple[str, ...]:
+    """The patterns of rsync's ``--exclude`` options as rsync reads them: a pattern starting with
+    ``"- "`` is that exclude rule (the prefix dropped), a lone ``"!"`` clears the patterns given
+    before it, and one starting with ``"+ "`` (an include rule: rsync(1), FILTER RULES, "the
+    include/exclude command-line options ... only allow ... '+ ' or '- '") is refused, tb5sync
+    having no include rules; anything else is an exclude pattern as it is.
+
+    Raises
+    ------
+    UsageError
+        A ``"+ "`` pattern, naming it.
+    """
+    out: list[str] = []
+    for pat in patterns:
+        if pat == "!":
+            out.clear()
+        elif isinstance(pat, str) and pat.startswith("+ "):
+            raise UsageError(f"--exclude {pat!r} is an include rule ('+ ' prefix, as rsync reads it); "
+                             f"tb5sync has exclude rules only")
+        elif isinstance(pat, str) and pat.startswith("- "):
+            out.append(pat[2:])
+        else:
+            out.append(pat)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from ._paths import Jail
+from ._paths import STATE_DIR, Jail
 from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
 from .errors import PathError, Tb5syncError
@@ -100,6 +100,8 @@ class LinkDest:
         if e.kind != FILE:
             return False
         rel = "/".join(p for p in (self.prefix, e.path) if p)
+        if STATE_DIR in rel.split("/"):
+            return False  # never looked up: tb5sync's own state (the server's, at ROOT/.tb5sync)
         head, _, name = rel.rpartition("/")
         for j in self.jails:
             try:
@@ -119,6 +121,8 @@ class LinkDest:
         type, 2 for the first a file's quick check (size and mtime) passes, 3 for the first with every
         attribute equal (linked as it is); None when no directory holds one of that type."""
         rel = "/".join(p for p in (self.prefix, e.path) if p)
+        if STATE_DIR in rel.split("/"):
+            return None  # never looked up: tb5sync's own state (the server's, at ROOT/.tb5sync)
         head, _, name = rel.rpartition("/")
         best: tuple[int, Entry] | None = None
         for j in self.jails:

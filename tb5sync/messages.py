@@ -63,6 +63,7 @@ __all__ = [
     "CODEC_RAW",
     "CODEC_LZ4",
     "SENDER_MAX_READ",
+    "MAX_REQUEST_PATHS",
     "FS_MAX_READ",
     "FS_MAX_WRITE",
     "CAT_MANY_BUDGET",
@@ -192,16 +193,24 @@ def args_to_wire(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def paths_from_wire(value: object, what: str) -> list[str]:
+#: Most paths one request may name (``entries``' directories, ``file_digests``' and
+#: ``read_files``' paths): 4x the largest batch a tb5sync client sends (4,096 directories), so
+#: that one request cannot hold a session's thread for minutes (a million paths of a tiny file).
+MAX_REQUEST_PATHS: Final = 16384
+
+
+def paths_from_wire(value: object, what: str, limit: int = MAX_REQUEST_PATHS) -> list[str]:
     """A request's list of paths (str or bytes each) as Python holds them.
 
     Raises
     ------
     UsageError
-        Not a list of str or bytes.
+        Not a list of str or bytes, or more than ``limit`` of them (:data:`MAX_REQUEST_PATHS`).
     """
     if not isinstance(value, list):
         raise UsageError(f"{what} must be a list of paths")
+    if len(value) > limit:
+        raise UsageError(f"{what}: {len(value)} paths in one request, at most {limit}")
     return [path_from_wire(p) for p in value]
 
 

@@ -169,8 +169,12 @@ def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) 
     -------
     str
         ``dst`` itself for "contents of" and for a file onto a non-directory;
-        ``dst/name`` for a directory, and for a file onto an existing directory.
+        ``dst/name`` for a directory, and for a file onto an existing directory. A ``dst``
+        that is a symlink to a directory is that directory (rsync changes into it), resolved
+        here (a server resolves the result again inside its ROOT).
     """
+    if os.path.islink(dst) and os.path.isdir(dst):
+        dst = os.path.realpath(dst)
     if name is None:
         return dst
     if src_kind == DIR or dst_is_dir_hint or os.path.isdir(dst):

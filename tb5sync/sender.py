@@ -788,7 +788,7 @@ class Sender:
             item: tuple[int, int, int, Any] | None = batch[i]
             if item is None:
                 try:
-                    one = self._read_one(path)
+                    one = self._read_one(path, limit=MAX_READ + 4 * 1024 * 1024 - total)
                     if one is not None:
                         st, data = one
                         item = (st.st_size, st.st_mtime_ns, st.st_mode, data)
@@ -889,10 +889,14 @@ class Sender:
             todo, files = [todo[j] for j in later], [files[j] for j in later]
         return budget
 
-    def _read_one(self, path: str, tries: int = 3) -> tuple[os.stat_result, bytes] | None:
+    def _read_one(self, path: str, tries: int = 3, limit: int | None = None) -> tuple[os.stat_result, bytes] | None:
         """Read the whole file ``path``: ``(stat, bytes)`` with size and mtime the same before
         and after (up to ``tries`` attempts), or ``None`` when it vanished, is not a regular
-        file or kept changing; other errors raise as :meth:`_open` and ``os.pread`` do."""
+        file or kept changing; other errors raise as :meth:`_open` and ``os.pread`` do.
+
+        ``limit`` (bytes): a file larger is refused before anything is read (``UsageError``),
+        and no read asks for more than ``limit + 1`` bytes, so a peer naming a large file in
+        ``read_files`` never makes this side allocate it."""
         for _ in range(tries):
             try:
                 fd = self._open(path)
@@ -902,7 +906,9 @@ class Sender:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     return None
-                data = os.pread(fd, st.st_size + 1, 0)
+                if limit is not None and st.st_size > limit:
+                    raise UsageError(f"read_files of more than {MAX_READ} bytes ({show_path(path)} has {st.st_size})")
+                data = os.pread(fd, st.st_size + 1 if limit is None else min(st.st_size, limit) + 1, 0)
                 st2 = os.fstat(fd)
             finally:
                 os.close(fd)

@@ -965,6 +965,10 @@ class Server:
         if dest != dst:
             # dest_base looked through a symlink at dst: resolve again and refuse if it leaves ROOT
             dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
+        if STATE_DIR in os.path.relpath(dest, self.root).split("/"):
+            # a scan never lists a directory of that name, at any depth: a push into one (or of a
+            # source so named) is refused, as is every listed path naming it (check_peer_path)
+            raise PathError(os.path.relpath(dest, self.root), f"{STATE_DIR} is tb5sync's own state directory name")
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source

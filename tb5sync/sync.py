@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .errors import ArgumentTypeError, SourceNotFoundError, UsageError, partial_error
+from .excludes import exclude_option
 from .options import MIN_BWLIMIT, SyncOptions, SyncStats
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def sync(
     delete : bool
         Remove destination entries missing at the source (never excluded ones).
     exclude : sequence of str
-        rsync-style exclude patterns.
+        rsync-style exclude patterns, read as rsync reads ``--exclude``: ``"- PAT"`` is ``PAT``,
+        ``"!"`` clears the ones before it, ``"+ PAT"`` (an include rule) is refused.
     checksum : bool
         Compare content digests instead of size and mtime.
     dry_run : bool
@@ -176,7 +178,7 @@ def sync(
         raise UsageError("source and destination must not be empty")
     options = SyncOptions(
         delete=delete,
-        excludes=tuple(exclude),
+        excludes=exclude_option(exclude),  # rsync's '- PAT', '+ PAT' and '!' forms
         checksum=checksum,
         dry_run=dry_run,
         compress=compress,
@@ -322,6 +324,8 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
     dst_abs = os.path.abspath(dst)
+    if os.path.islink(dst_abs) and os.path.isdir(dst_abs):
+        dst_abs = os.path.realpath(dst_abs)  # a destination symlink to a directory: that directory (rsync)
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")

@@ -78,8 +78,9 @@ def parse_url(url: str) -> Remote | None:
     UsageError
         A ``tb5://`` URL that cannot be parsed (e.g. an unclosed ``[`` of an IPv6 host), without
         a host, with a bad port, or another scheme; or a local path
-        that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``): write
-        ``./tb5:...`` for a local name that really starts so. The message quotes the URL
+        that starts like a mistyped one (``tb5:/host/...``, ``tb5:host/...``) or like rsync's
+        remote-shell ``HOST:PATH`` (a colon before any slash, rsync's rule): write ``./NAME``
+        for a local name that really is so. The message quotes the URL
         without its token.
     """
     shown = redact_url(url)
@@ -87,6 +88,11 @@ def parse_url(url: str) -> Remote | None:
         if url.lower().startswith(("tb5:", "tb5s:")):
             raise UsageError(f"{shown!r} looks like a mistyped URL (expected tb5://HOST[:PORT]/PATH; "
                              f"write ./{shown} for a local path)")
+        colon = url.find(":")
+        if colon > 0 and "/" not in url[:colon]:  # rsync's rule: a colon before any slash names a host
+            raise UsageError(f"{shown!r} is rsync's HOST:PATH (remote shell) form, which tb5sync does not use: "
+                             f"write tb5://{url[:colon]}/{url[colon + 1:].lstrip(':').lstrip('/')} "
+                             f"(a tb5sync serve there), or ./{shown} for a local name with a colon")
         return None
     zone = ""
     zoned = _ZONED.match(url)

@@ -929,6 +929,22 @@ def test_mistyped_url_is_refused_not_made_a_local_path(tmp_path: Path, src: str,
     assert parse_url("./tb5:/x") is None  # the way to name such a local path
 
 
+@pytest.mark.parametrize("spec", ["host:/tmp/x", "host:x", "user@host:x", "host::module/x"])
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_rsync_remote_shell_form_is_refused_not_made_a_local_path(tmp_path: Path, src: str, spec: str, side: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """rsync takes ``HOST:PATH`` (a colon before any slash) for a remote shell; tb5sync, which speaks
+    only tb5://, says so in one line instead of creating a local directory named ``host:``."""
+    monkeypatch.chdir(tmp_path)
+    args = (src + "/", spec) if side == "dst" else (spec, str(tmp_path / "d"))
+    with pytest.raises(UsageError, match=r"rsync's HOST:PATH .* write tb5://"):
+        tb5sync.sync(*args)
+    assert not [p for p in os.listdir(tmp_path) if ":" in p] and not os.path.exists(tmp_path / "d")
+    assert parse_url("./host:x") is None and parse_url("a/b:c") is None  # local names with a colon
+    tb5sync.sync(src + "/", "./host:x")
+    assert os.path.isdir(tmp_path / "host:x")
+
+
 def test_errors_do_not_reveal_the_server_root(server: LiveServer, src: str, tmp_path: Path) -> None:
     """Messages name paths relative to the served tree, never where it lives on the server."""
     with pytest.raises(RemoteNotFoundError) as info:

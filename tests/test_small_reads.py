@@ -67,7 +67,7 @@ def test_reader_answers_as_the_python_path_and_as_the_files_are(tmp_path: Path, 
     sender = Sender(str(src), SyncOptions(compress="none"))
     slow: list[str] = []
     read_one = sender._read_one
-    monkeypatch.setattr(sender, "_read_one", lambda path: slow.append(path) or read_one(path))
+    monkeypatch.setattr(sender, "_read_one", lambda path, **kw: slow.append(path) or read_one(path, **kw))
     try:
         meta, parts = _answer(sender, paths)
     finally:
