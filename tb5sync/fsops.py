@@ -17,6 +17,11 @@ Safety
     ``open(path, "w")`` does, while ``rm`` and ``move`` act on the link itself.
     The state directory ``.tb5sync`` is neither listed nor reachable.
 
+Names
+    A path that is not valid UTF-8 (Python holds it with surrogate escapes) travels as
+    the bytes :func:`~tb5sync.entry.path_to_wire` gives, in requests
+    (:func:`args_from_wire`) and in replies' ``name``/``destination``.
+
 Atomicity
     File contents are written to ``.NAME.XXXXXXXX.tb5tmp`` in the target's
     directory and renamed over the final name on commit (``create`` mode links
@@ -56,6 +61,7 @@ from .errors import (
     UsageError,
     remote_os_error,
 )
+from .entry import path_from_wire, path_to_wire
 from .messages import CAT_MANY_BUDGET
 from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
@@ -138,6 +144,50 @@ def _info(name: str, st: os.stat_result, *, islink: bool = False, size: int | No
 
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
+
+
+def _wire_info(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as it travels: ``name`` and ``destination`` in :func:`~tb5sync.entry.path_to_wire`
+    form (bytes for a name that is not valid UTF-8; msgpack cannot carry surrogate escapes)."""
+    name, dest = info["name"], info.get("destination")
+    if name.isascii() and (dest is None or dest.isascii()):
+        return info
+    out = dict(info)
+    out["name"] = path_to_wire(name)
+    if dest is not None:
+        out["destination"] = path_to_wire(dest)
+    return out
+
+
+def _safe_text(text: str) -> str:
+    """``text`` fit for a msgpack str: surrogate escapes (bytes of a non-UTF-8 name) as ``\\xNN``."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+#: Request arguments of the fs session holding a path: str, or bytes (path_to_wire) for a name
+#: that is not valid UTF-8.
+_PATH_KEYS = ("path", "src", "dst")
+
+
+def args_from_wire(method: str, args: dict[str, Any]) -> dict[str, Any]:
+    """An fs request's arguments with their wire paths (bytes for non-UTF-8 names) as Python
+    holds them (surrogate escapes, :func:`~tb5sync.entry.path_from_wire`); others untouched."""
+    out = None
+    for k in _PATH_KEYS:
+        if isinstance(args.get(k), bytes):
+            out = out or dict(args)
+            out[k] = path_from_wire(args[k])
+    paths = args.get("paths")
+    if isinstance(paths, list) and any(isinstance(p, bytes) for p in paths):
+        out = out or dict(args)
+        out["paths"] = [path_from_wire(p) if isinstance(p, bytes) else p for p in paths]
+    items = args.get("items")
+    if method == "cat_many" and isinstance(items, list) and any(isinstance(i, list) and i and isinstance(i[0], bytes) for i in items):
+        out = out or dict(args)
+        out["items"] = [[path_from_wire(i[0]), *i[1:]] if isinstance(i, list) and i and isinstance(i[0], bytes) else i for i in items]
+    return args if out is None else out
 
 
 class _Write:
@@ -295,7 +345,7 @@ class FsOps:
             if size + n > PAGE_BYTES and pages[-1]:
                 pages.append([])
                 size = 0
-            pages[-1].append(e)
+            pages[-1].append(_wire_info(e))
             size += n
         first = pages.pop(0)
         return {"entries": first, "more": self.pages.put(pages) if pages else None}
@@ -311,7 +361,7 @@ class FsOps:
     @_translating()
     def info(self, path: str) -> dict[str, Any]:
         """``{"info": info dict}`` of ``path`` (fields as fsspec's LocalFileSystem: name, size, type, created, islink, mode, uid, gid, mtime, ino, nlink[, destination])."""
-        return {"info": self._stat(path)}
+        return {"info": _wire_info(self._stat(path))}
 
     @_translating()
     def ls(self, path: str) -> dict[str, Any]:
@@ -320,7 +370,7 @@ class FsOps:
         if info["islink"]:
             self.jail.resolve(path, follow=True)  # listing through a link leading outside: PathError
         if info["type"] != "directory":
-            return {"entries": [info]}
+            return {"entries": [_wire_info(info)]}
         parts = self.jail.resolve(path, follow=True)
         dfd = self.jail.open_dir(parts)
         try:
@@ -343,7 +393,7 @@ class FsOps:
         except FileNotFoundError:
             return {"entries": []}
         if top["type"] != "directory":
-            return {"entries": [top]}
+            return {"entries": [_wire_info(top)]}
         out: list[dict[str, Any]] = []
         if withdirs and top["name"]:
             out.append(top)
@@ -475,7 +525,7 @@ class FsOps:
                 except OSError as exc:
                     raise remote_os_error(exc, path if isinstance(path, str) else "") from exc
             except Tb5syncError as exc:
-                meta.append(["E", type(exc).__name__, str(exc), getattr(exc, "errno", None)])
+                meta.append(["E", type(exc).__name__, _safe_text(str(exc)), getattr(exc, "errno", None)])
                 continue
             if e - s > len(data):  # longer than one request may carry
                 meta.append(["M"])
