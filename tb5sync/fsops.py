@@ -74,6 +74,11 @@ __all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 PAGE_BYTES = 8 * 1024 * 1024
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
+#: Deepest level ``find`` descends to below its top (deeper: one UsageError).
+MAX_FIND_DEPTH = 1024
+#: Directory descriptors ``find`` keeps open along the current branch (the ancestors'
+#: below this depth are reopened from the deepest held one): its descriptors are bounded.
+_FIND_HELD = 16
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO must not block open()
 _TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -384,7 +389,9 @@ class FsOps:
 
         Symlinks are listed, not followed (as fsspec's ``walk`` over LocalFileSystem).
         ``maxdepth`` 1 means the directory's own entries. A file ``path`` gives
-        ``[its info]``; a missing one gives ``[]``. At most 2,000,000 entries.
+        ``[its info]``; a missing one gives ``[]``. At most 2,000,000 entries and
+        :data:`MAX_FIND_DEPTH` levels (more: UsageError); the walk holds at most
+        ``_FIND_HELD + 2`` descriptors (:meth:`_walk`).
         """
         if maxdepth is not None and (not isinstance(maxdepth, int) or maxdepth < 1):
             raise UsageError("maxdepth must be at least 1")
@@ -398,33 +405,89 @@ class FsOps:
         if withdirs and top["name"]:
             out.append(top)
         top_parts = self.jail.resolve(path, follow=True)
-        root_fd = self.jail.open_dir(top_parts)
-        stack: list[tuple[int, str, int]] = [(root_fd, top["name"], 1)]
-        try:
-            while stack:
-                dfd, rel, depth = stack.pop()
-                try:
-                    for info in self._listdir(dfd, rel, not top_parts and depth == 1):
-                        if info["type"] == "directory":
-                            if withdirs:
-                                out.append(info)
-                            if maxdepth is None or depth < maxdepth:
-                                name = info["name"].rpartition("/")[2]
-                                try:
-                                    stack.append((self.jail.open_dir([name], start=dfd), info["name"], depth + 1))
-                                except OSError:
-                                    pass  # vanished or swapped for a symlink while walking
-                        else:
-                            out.append(info)
-                        if len(out) > _MAX_FIND:
-                            raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
-                finally:
-                    os.close(dfd)
-        finally:
-            for dfd, _, _ in stack:
-                os.close(dfd)
+        self._walk(self.jail.open_dir(top_parts), top["name"], not top_parts, maxdepth, withdirs, out, path)
         out.sort(key=lambda i: i["name"])
         return self._paged(out)
+
+    def _walk(self, top_fd: int, top_name: str, at_root: bool, maxdepth: int | None, withdirs: bool,
+              out: list[dict[str, Any]], path: str) -> None:
+        """Depth first below ``top_fd`` (closed here), entries appended to ``out``.
+
+        A directory's descriptor is closed once it is listed, except along the current branch's
+        first :data:`_FIND_HELD` levels; a deeper directory is opened from the deepest held
+        ancestor by its relative path (each component without following a symlink). So one walk
+        holds at most ``_FIND_HELD + 2`` descriptors whatever the tree's width or depth.
+        """
+        # a frame: [held descriptor or -1, its name below top, depth, parts from the deepest held
+        # ancestor, subdirectories still to visit (names, reversed)]
+        frames: list[list[Any]] = []
+
+        def enter(dfd: int, rel: str, depth: int, parts: list[str]) -> None:
+            pending: list[str] = []
+            try:
+                for info in self._listdir(dfd, rel, at_root and depth == 1):
+                    if info["type"] == "directory":
+                        if withdirs:
+                            out.append(info)
+                        if maxdepth is None or depth < maxdepth:
+                            pending.append(info["name"].rpartition("/")[2])
+                    else:
+                        out.append(info)
+                    if len(out) > _MAX_FIND:
+                        raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
+            except BaseException:
+                os.close(dfd)
+                raise
+            if pending and depth >= MAX_FIND_DEPTH:
+                os.close(dfd)
+                raise UsageError(f"find {path!r}: deeper than {MAX_FIND_DEPTH} levels")
+            pending.reverse()
+            if pending and len(frames) < _FIND_HELD:
+                frames.append([dfd, rel, depth, parts, pending])
+            else:
+                os.close(dfd)
+                if pending:
+                    frames.append([-1, rel, depth, parts, pending])
+
+        try:
+            enter(top_fd, top_name, 1, [])
+            while frames:
+                frame = frames[-1]
+                held, rel, depth, parts, pending = frame
+                if not pending:
+                    frames.pop()
+                    if held >= 0:
+                        os.close(held)
+                    continue
+                name = pending.pop()
+                if held >= 0:
+                    start, sub = held, [name]
+                else:  # reopened from the deepest ancestor holding its descriptor (the first levels hold theirs)
+                    base = next(f for f in reversed(frames) if f[0] >= 0)
+                    start, sub = base[0], [*parts[len(base[3]) :], name]
+                try:
+                    dfd = self._open_below(start, sub)
+                except OSError:
+                    continue  # vanished or swapped for a symlink while walking
+                enter(dfd, _join(rel, name), depth + 1, [*parts, name])
+        finally:
+            for f in frames:
+                if f[0] >= 0:
+                    os.close(f[0])
+
+    def _open_below(self, start: int, parts: list[str]) -> int:
+        """Directory ``parts`` below descriptor ``start``: one open when the relative path is short,
+        else component by component (a deep path may pass PATH_MAX; each step holds one descriptor)."""
+        if len(parts) == 1 or sum(len(p) + 1 for p in parts) < 2048:
+            return self.jail.open_dir(parts, start=start)
+        fd = self.jail.open_dir(parts[:1], start=start)
+        for name in parts[1:]:
+            try:
+                nfd = self.jail.open_dir([name], start=fd)
+            finally:
+                os.close(fd)
+            fd = nfd
+        return fd
 
     @staticmethod
     def _range(size: int, start: int | None, end: int | None) -> tuple[int, int]:

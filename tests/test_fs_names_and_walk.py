@@ -4,7 +4,8 @@ Names are bytes on disk; the fs session carries one that is not valid UTF-8 as
 msgpack bin (:func:`tb5sync.entry.path_to_wire`) both ways, and the client gives
 it back as the surrogate-escaped str ``os.listdir`` gives (fsspec's
 LocalFileSystem). A reply that still cannot be encoded is one error for that
-request, never a dropped connection.
+request, never a dropped connection. ``find`` walks depth first and holds a
+bounded number of directory descriptors whatever the tree's width or depth.
 """
 
 from __future__ import annotations
@@ -104,3 +105,81 @@ def test_reply_that_cannot_be_encoded_is_one_error_and_the_session_goes_on(srv: 
     lines = [r for r in caplog.records if "cannot be sent" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0].getMessage() and lines[0].exc_info is None
     assert "internal error" not in caplog.text
+
+
+# ---- find: bounded descriptors -------------------------------------------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _fds_below(root: str) -> int:
+    """Descriptors of this process open on something below ``root`` (not ``root`` itself, nor the
+    state directory's database)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            n += target.startswith(root + "/") and not target.startswith(f"{root}/.tb5sync/")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_find_holds_a_bounded_number_of_descriptors(tmp_path: Any, monkeypatch: Any) -> None:
+    root = tmp_path / "root"
+    wide, deep = 400, 60
+    for i in range(wide):
+        (root / "wide" / f"d{i:04d}").mkdir(parents=True)
+    (root / "wide" / "d0007" / "f").write_bytes(b"f")
+    chain = root / "deep"
+    for i in range(deep):
+        chain = chain / f"l{i}"
+    chain.mkdir(parents=True)
+    (chain / "leaf").write_bytes(b"leaf")
+    live = start_server(str(root))
+    fs = tb5(live)
+    peak = [0]
+    real = fsops.FsOps._listdir
+
+    def spy(self: Any, dfd: int, parent: str, at_root: bool) -> Any:
+        peak[0] = max(peak[0], _fds_below(live.root))
+        return real(self, dfd, parent, at_root)
+
+    try:
+        fs.info("")  # the connections are open before the baseline
+        monkeypatch.setattr(fsops.FsOps, "_listdir", spy)
+        got = fs.find("", withdirs=True)
+        assert sorted(got) == _rel(live.root, LocalFileSystem().find(live.root, withdirs=True))
+        assert len(got) == 1 + wide + 1 + 1 + deep + 1
+        assert "deep/" + "/".join(f"l{i}" for i in range(deep)) + "/leaf" in got
+        # the held branch, the directory being listed and scandir's duplicate of it (was: every
+        # subdirectory of a directory at once, 400 here)
+        assert 3 <= peak[0] <= fsops._FIND_HELD + 2, peak[0]
+        # maxdepth still counts levels below the top
+        assert sorted(fs.find("deep", maxdepth=3, withdirs=True)) == ["deep", "deep/l0", "deep/l0/l1", "deep/l0/l1/l2"]
+        assert _fds_below(live.root) == 0  # nothing left open
+    finally:
+        fs._holder.close()
+        live.server.stop()
+
+
+def test_find_over_a_too_deep_tree_is_one_error(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(fsops, "MAX_FIND_DEPTH", 20)
+    root = tmp_path / "root"
+    chain = root
+    for i in range(30):
+        chain = chain / f"l{i}"
+    chain.mkdir(parents=True)
+    live = start_server(str(root))
+    fs = tb5(live)
+    try:
+        with pytest.raises(errors.UsageError, match="deeper than 20 levels"):
+            fs.find("")
+        assert _fds_below(live.root) == 0
+        assert len(fs.find("l0/l1/l2/l3/l4/l5/l6/l7/l8/l9/l10/l11", withdirs=True)) == 1 + 18  # the session goes on (the top and l12..l29)
+    finally:
+        fs._holder.close()
+        live.server.stop()
