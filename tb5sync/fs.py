@@ -55,6 +55,7 @@ from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
 from ._paths import temp_name
+from .entry import path_from_wire, path_to_wire
 from .errors import (
     ConnectError,
     ProtocolError,
@@ -102,6 +103,37 @@ def _known_range(start: Any, end: Any, expect: Any) -> tuple[int, int] | None:
     size = expect["size"]
     s = min(start, size)
     return s, max(s, min(end, size))
+
+
+def _args_to_wire(args: dict[str, Any]) -> dict[str, Any]:
+    """A request's paths as they travel (:func:`~tb5sync.entry.path_to_wire`: bytes for a name
+    that is not valid UTF-8, which Python holds with surrogate escapes); the rest untouched."""
+    out = None
+    for k in ("path", "src", "dst"):
+        v = args.get(k)
+        if isinstance(v, str) and not v.isascii():
+            out = out or dict(args)
+            out[k] = path_to_wire(v)
+    paths = args.get("paths")
+    if isinstance(paths, list) and not all(isinstance(p, str) and p.isascii() for p in paths):
+        out = out or dict(args)
+        out["paths"] = [path_to_wire(p) if isinstance(p, str) else p for p in paths]
+    items = args.get("items")
+    if isinstance(items, list) and not all(isinstance(i[0], str) and i[0].isascii() for i in items):
+        out = out or dict(args)
+        out["items"] = [[path_to_wire(i[0]), *i[1:]] if isinstance(i[0], str) else list(i) for i in items]
+    return args if out is None else out
+
+
+def _info_from_wire(info: Any) -> dict[str, Any]:
+    """A reply's info dict with ``name``/``destination`` as Python holds them (bytes on the wire
+    for a name that is not valid UTF-8 become the surrogate-escaped str ``os.listdir`` gives)."""
+    out = dict(info)
+    if isinstance(out.get("name"), bytes):
+        out["name"] = path_from_wire(out["name"])
+    if isinstance(out.get("destination"), bytes):
+        out["destination"] = path_from_wire(out["destination"])
+    return out
 
 
 class _Link:
@@ -349,7 +381,7 @@ class TB5FileSystem(AsyncFileSystem):
         for attempt in (0, 1):
             link = await self._link()
             try:
-                fut = link.requester.submit(method, args, channel=channel, into=into, owner=owner)
+                fut = link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
@@ -365,6 +397,7 @@ class TB5FileSystem(AsyncFileSystem):
 
     def _call_sync(self, method: str, args: dict[str, Any]) -> Any:
         """:meth:`_call` for the calling thread: no hop through fsspec's event loop (small ops' latency)."""
+        args = _args_to_wire(args)
         attempt = stale = 0
         while True:
             link = self._holder.link
@@ -388,7 +421,7 @@ class TB5FileSystem(AsyncFileSystem):
     # Sync twins of the latency-bound calls: fsspec's generic wrappers would run each through
     # its event loop thread and back, two thread hops that cost more than the round trip.
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        return dict(self._call_sync("info", {"path": self._strip_protocol(path)})["info"])
+        return _info_from_wire(self._call_sync("info", {"path": self._strip_protocol(path)})["info"])
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         try:
@@ -416,10 +449,10 @@ class TB5FileSystem(AsyncFileSystem):
         coroutine, keeps fsspec's async default, True).
         """
         resp = self._call_sync("ls", {"path": self._strip_protocol(path)})
-        entries = [dict(e) for e in resp["entries"]]
+        entries = [_info_from_wire(e) for e in resp["entries"]]
         while resp.get("more"):
             resp = self._call_sync("more", {"cursor": resp["more"]})
-            entries.extend(dict(e) for e in resp["entries"])
+            entries.extend(_info_from_wire(e) for e in resp["entries"])
         return entries if detail else [e["name"] for e in entries]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
@@ -448,7 +481,7 @@ class TB5FileSystem(AsyncFileSystem):
             view[:done] = first
             link.release([first])
         pieces = plan_pieces(path, s + done, e, pin, self.streams)
-        futs = [(a, link.requester.submit("cat", a, into=view[a["start"] - s : a["end"] - s], owner=owner)) for a in pieces]
+        futs = [(a, link.requester.submit("cat", _args_to_wire(a), into=view[a["start"] - s : a["end"] - s], owner=owner)) for a in pieces]
         for a, f in futs:
             check_piece(path, a, f.result(), view[a["start"] - s : a["end"] - s])
         return as_bytes(owner)
@@ -456,15 +489,15 @@ class TB5FileSystem(AsyncFileSystem):
     # ---- metadata -----------------------------------------------------------------------
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         resp = await self._call("info", {"path": self._strip_protocol(path)})
-        return dict(resp["info"])
+        return _info_from_wire(resp["info"])
 
     async def _listing(self, method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
         """Entries of an ``ls``/``find`` request, fetching every page of a long one."""
         resp = await self._call(method, args)
-        entries = [dict(e) for e in resp["entries"]]
+        entries = [_info_from_wire(e) for e in resp["entries"]]
         while resp.get("more"):
             resp = await self._call("more", {"cursor": resp["more"]})
-            entries.extend(dict(e) for e in resp["entries"])
+            entries.extend(_info_from_wire(e) for e in resp["entries"])
         return entries
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:

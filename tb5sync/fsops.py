@@ -17,6 +17,11 @@ Safety
     ``open(path, "w")`` does, while ``rm`` and ``move`` act on the link itself.
     The state directory ``.tb5sync`` is neither listed nor reachable.
 
+Names
+    A path that is not valid UTF-8 (Python holds it with surrogate escapes) travels as
+    the bytes :func:`~tb5sync.entry.path_to_wire` gives, in requests
+    (:func:`args_from_wire`) and in replies' ``name``/``destination``.
+
 Atomicity
     File contents are written to ``.NAME.XXXXXXXX.tb5tmp`` in the target's
     directory and renamed over the final name on commit (``create`` mode links
@@ -56,6 +61,7 @@ from .errors import (
     UsageError,
     remote_os_error,
 )
+from .entry import path_from_wire, path_to_wire
 from .messages import CAT_MANY_BUDGET
 from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
@@ -68,6 +74,11 @@ __all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 PAGE_BYTES = 8 * 1024 * 1024
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
+#: Deepest level ``find`` descends to below its top (deeper: one UsageError).
+MAX_FIND_DEPTH = 1024
+#: Directory descriptors ``find`` keeps open along the current branch (the ancestors'
+#: below this depth are reopened from the deepest held one): its descriptors are bounded.
+_FIND_HELD = 16
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO must not block open()
 _TMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -138,6 +149,50 @@ def _info(name: str, st: os.stat_result, *, islink: bool = False, size: int | No
 
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
+
+
+def _wire_info(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` as it travels: ``name`` and ``destination`` in :func:`~tb5sync.entry.path_to_wire`
+    form (bytes for a name that is not valid UTF-8; msgpack cannot carry surrogate escapes)."""
+    name, dest = info["name"], info.get("destination")
+    if name.isascii() and (dest is None or dest.isascii()):
+        return info
+    out = dict(info)
+    out["name"] = path_to_wire(name)
+    if dest is not None:
+        out["destination"] = path_to_wire(dest)
+    return out
+
+
+def _safe_text(text: str) -> str:
+    """``text`` fit for a msgpack str: surrogate escapes (bytes of a non-UTF-8 name) as ``\\xNN``."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+#: Request arguments of the fs session holding a path: str, or bytes (path_to_wire) for a name
+#: that is not valid UTF-8.
+_PATH_KEYS = ("path", "src", "dst")
+
+
+def args_from_wire(method: str, args: dict[str, Any]) -> dict[str, Any]:
+    """An fs request's arguments with their wire paths (bytes for non-UTF-8 names) as Python
+    holds them (surrogate escapes, :func:`~tb5sync.entry.path_from_wire`); others untouched."""
+    out = None
+    for k in _PATH_KEYS:
+        if isinstance(args.get(k), bytes):
+            out = out or dict(args)
+            out[k] = path_from_wire(args[k])
+    paths = args.get("paths")
+    if isinstance(paths, list) and any(isinstance(p, bytes) for p in paths):
+        out = out or dict(args)
+        out["paths"] = [path_from_wire(p) if isinstance(p, bytes) else p for p in paths]
+    items = args.get("items")
+    if method == "cat_many" and isinstance(items, list) and any(isinstance(i, list) and i and isinstance(i[0], bytes) for i in items):
+        out = out or dict(args)
+        out["items"] = [[path_from_wire(i[0]), *i[1:]] if isinstance(i, list) and i and isinstance(i[0], bytes) else i for i in items]
+    return args if out is None else out
 
 
 class _Write:
@@ -295,7 +350,7 @@ class FsOps:
             if size + n > PAGE_BYTES and pages[-1]:
                 pages.append([])
                 size = 0
-            pages[-1].append(e)
+            pages[-1].append(_wire_info(e))
             size += n
         first = pages.pop(0)
         return {"entries": first, "more": self.pages.put(pages) if pages else None}
@@ -311,7 +366,7 @@ class FsOps:
     @_translating()
     def info(self, path: str) -> dict[str, Any]:
         """``{"info": info dict}`` of ``path`` (fields as fsspec's LocalFileSystem: name, size, type, created, islink, mode, uid, gid, mtime, ino, nlink[, destination])."""
-        return {"info": self._stat(path)}
+        return {"info": _wire_info(self._stat(path))}
 
     @_translating()
     def ls(self, path: str) -> dict[str, Any]:
@@ -320,7 +375,7 @@ class FsOps:
         if info["islink"]:
             self.jail.resolve(path, follow=True)  # listing through a link leading outside: PathError
         if info["type"] != "directory":
-            return {"entries": [info]}
+            return {"entries": [_wire_info(info)]}
         parts = self.jail.resolve(path, follow=True)
         dfd = self.jail.open_dir(parts)
         try:
@@ -334,7 +389,9 @@ class FsOps:
 
         Symlinks are listed, not followed (as fsspec's ``walk`` over LocalFileSystem).
         ``maxdepth`` 1 means the directory's own entries. A file ``path`` gives
-        ``[its info]``; a missing one gives ``[]``. At most 2,000,000 entries.
+        ``[its info]``; a missing one gives ``[]``. At most 2,000,000 entries and
+        :data:`MAX_FIND_DEPTH` levels (more: UsageError); the walk holds at most
+        ``_FIND_HELD + 2`` descriptors (:meth:`_walk`).
         """
         if maxdepth is not None and (not isinstance(maxdepth, int) or maxdepth < 1):
             raise UsageError("maxdepth must be at least 1")
@@ -343,38 +400,94 @@ class FsOps:
         except FileNotFoundError:
             return {"entries": []}
         if top["type"] != "directory":
-            return {"entries": [top]}
+            return {"entries": [_wire_info(top)]}
         out: list[dict[str, Any]] = []
         if withdirs and top["name"]:
             out.append(top)
         top_parts = self.jail.resolve(path, follow=True)
-        root_fd = self.jail.open_dir(top_parts)
-        stack: list[tuple[int, str, int]] = [(root_fd, top["name"], 1)]
-        try:
-            while stack:
-                dfd, rel, depth = stack.pop()
-                try:
-                    for info in self._listdir(dfd, rel, not top_parts and depth == 1):
-                        if info["type"] == "directory":
-                            if withdirs:
-                                out.append(info)
-                            if maxdepth is None or depth < maxdepth:
-                                name = info["name"].rpartition("/")[2]
-                                try:
-                                    stack.append((self.jail.open_dir([name], start=dfd), info["name"], depth + 1))
-                                except OSError:
-                                    pass  # vanished or swapped for a symlink while walking
-                        else:
-                            out.append(info)
-                        if len(out) > _MAX_FIND:
-                            raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
-                finally:
-                    os.close(dfd)
-        finally:
-            for dfd, _, _ in stack:
-                os.close(dfd)
+        self._walk(self.jail.open_dir(top_parts), top["name"], not top_parts, maxdepth, withdirs, out, path)
         out.sort(key=lambda i: i["name"])
         return self._paged(out)
+
+    def _walk(self, top_fd: int, top_name: str, at_root: bool, maxdepth: int | None, withdirs: bool,
+              out: list[dict[str, Any]], path: str) -> None:
+        """Depth first below ``top_fd`` (closed here), entries appended to ``out``.
+
+        A directory's descriptor is closed once it is listed, except along the current branch's
+        first :data:`_FIND_HELD` levels; a deeper directory is opened from the deepest held
+        ancestor by its relative path (each component without following a symlink). So one walk
+        holds at most ``_FIND_HELD + 2`` descriptors whatever the tree's width or depth.
+        """
+        # a frame: [held descriptor or -1, its name below top, depth, parts from the deepest held
+        # ancestor, subdirectories still to visit (names, reversed)]
+        frames: list[list[Any]] = []
+
+        def enter(dfd: int, rel: str, depth: int, parts: list[str]) -> None:
+            pending: list[str] = []
+            try:
+                for info in self._listdir(dfd, rel, at_root and depth == 1):
+                    if info["type"] == "directory":
+                        if withdirs:
+                            out.append(info)
+                        if maxdepth is None or depth < maxdepth:
+                            pending.append(info["name"].rpartition("/")[2])
+                    else:
+                        out.append(info)
+                    if len(out) > _MAX_FIND:
+                        raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
+            except BaseException:
+                os.close(dfd)
+                raise
+            if pending and depth >= MAX_FIND_DEPTH:
+                os.close(dfd)
+                raise UsageError(f"find {path!r}: deeper than {MAX_FIND_DEPTH} levels")
+            pending.reverse()
+            if pending and len(frames) < _FIND_HELD:
+                frames.append([dfd, rel, depth, parts, pending])
+            else:
+                os.close(dfd)
+                if pending:
+                    frames.append([-1, rel, depth, parts, pending])
+
+        try:
+            enter(top_fd, top_name, 1, [])
+            while frames:
+                frame = frames[-1]
+                held, rel, depth, parts, pending = frame
+                if not pending:
+                    frames.pop()
+                    if held >= 0:
+                        os.close(held)
+                    continue
+                name = pending.pop()
+                if held >= 0:
+                    start, sub = held, [name]
+                else:  # reopened from the deepest ancestor holding its descriptor (the first levels hold theirs)
+                    base = next(f for f in reversed(frames) if f[0] >= 0)
+                    start, sub = base[0], [*parts[len(base[3]) :], name]
+                try:
+                    dfd = self._open_below(start, sub)
+                except OSError:
+                    continue  # vanished or swapped for a symlink while walking
+                enter(dfd, _join(rel, name), depth + 1, [*parts, name])
+        finally:
+            for f in frames:
+                if f[0] >= 0:
+                    os.close(f[0])
+
+    def _open_below(self, start: int, parts: list[str]) -> int:
+        """Directory ``parts`` below descriptor ``start``: one open when the relative path is short,
+        else component by component (a deep path may pass PATH_MAX; each step holds one descriptor)."""
+        if len(parts) == 1 or sum(len(p) + 1 for p in parts) < 2048:
+            return self.jail.open_dir(parts, start=start)
+        fd = self.jail.open_dir(parts[:1], start=start)
+        for name in parts[1:]:
+            try:
+                nfd = self.jail.open_dir([name], start=fd)
+            finally:
+                os.close(fd)
+            fd = nfd
+        return fd
 
     @staticmethod
     def _range(size: int, start: int | None, end: int | None) -> tuple[int, int]:
@@ -475,7 +588,7 @@ class FsOps:
                 except OSError as exc:
                     raise remote_os_error(exc, path if isinstance(path, str) else "") from exc
             except Tb5syncError as exc:
-                meta.append(["E", type(exc).__name__, str(exc), getattr(exc, "errno", None)])
+                meta.append(["E", type(exc).__name__, _safe_text(str(exc)), getattr(exc, "errno", None)])
                 continue
             if e - s > len(data):  # longer than one request may carry
                 meta.append(["M"])

@@ -14,6 +14,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable
 from typing import Any
 
 from . import protocol as P
@@ -21,6 +22,7 @@ from .errors import (
     ConnectError,
     LocalProtocolError,
     ProtocolError,
+    RemoteOSError,
     RemoteProtocolError,
     Tb5syncError,
     UsageError,
@@ -268,12 +270,22 @@ def split_parts(body: memoryview, lengths: list[int]) -> list[memoryview]:
     return out
 
 
-def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
+def _unsendable(ch: Channel, rid: int, method: Any, exc: BaseException) -> None:
+    """Answer request ``rid`` whose reply could not be encoded with one ERROR (and one log line)."""
+    log.warning("request %s: reply cannot be sent: %s: %s", method, type(exc).__name__, exc)
+    ch.send_error(rid, RemoteOSError(f"{method}: the reply cannot be sent ({type(exc).__name__}: {exc})"))
+
+
+def serve(ch: Channel, handler: Any, methods: frozenset[str],
+          args_from_wire: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
 
     A method returning a dict is answered with RESPONSE; one returning
     ``(meta, parts)`` with a DATA frame. A :class:`Tb5syncError`, ``OSError`` or
     bad arguments become an ERROR reply for that request and serving goes on;
+    so does a reply that cannot be encoded (a value msgpack cannot carry, or too
+    large): that request gets an ERROR naming why, logged on one line.
+    ``args_from_wire(method, args)``: the arguments as the handler takes them;
     a protocol violation ends the loop (after an ERROR frame) but never raises
     past it except as the returned exception's re-raise.
 
@@ -309,6 +321,8 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
         try:
             if method not in methods or not isinstance(args, dict):
                 raise UsageError(f"unknown request {method!r}")
+            if args_from_wire is not None:
+                args = args_from_wire(method, args)
             try:
                 result = getattr(handler, method)(**args)
             except TypeError as exc:
@@ -322,13 +336,23 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str]) -> None:
             meta, parts = result
             del result
             try:
-                ch.send_data(header.rid, meta, parts)
+                try:
+                    prefix = P.encode_data_prefix(header.rid, meta, sum(len(p) for p in parts))
+                except (ValueError, TypeError, OverflowError, LocalProtocolError) as exc:
+                    _unsendable(ch, header.rid, method, exc)
+                    continue
+                ch.send_encoded([prefix, *parts])
             finally:
                 close_parts(parts)
                 # no reference to a sent reply while the next request is answered: its parts may
                 # be views of a reused buffer (the sender's ReadBuffers), free again once unviewed
                 del meta, parts
         elif isinstance(result, dict):
-            ch.send_control(P.FrameType.RESPONSE, header.rid, result)
+            try:
+                frame = P.encode_control(P.FrameType.RESPONSE, header.rid, result)
+            except (ValueError, TypeError, OverflowError, LocalProtocolError) as exc:
+                _unsendable(ch, header.rid, method, exc)
+                continue
+            ch.send_encoded([frame])
         else:
             raise LocalProtocolError(f"handler {method} returned {type(result).__name__}")

@@ -50,7 +50,7 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .fsops import FsOps, Pages
+from .fsops import FsOps, Pages, args_from_wire
 from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
 from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
@@ -670,7 +670,7 @@ class Server:
             ops = FsOps(self.root, self.state, self.read_only, self._pages)
             try:
                 ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
-                serve(ch, ops, FS_METHODS)
+                serve(ch, ops, FS_METHODS, args_from_wire)
             finally:
                 ops.close()
             return False

@@ -395,6 +395,11 @@ class Channel:
         """Send one control frame."""
         self._sendall_parts([P.encode_control(ftype, rid, msg)])
 
+    def send_encoded(self, parts: list[Any]) -> None:
+        """Send frames already encoded (:func:`~tb5sync.protocol.encode_control`, or a DATA
+        prefix from :func:`~tb5sync.protocol.encode_data_prefix` followed by its body parts)."""
+        self._sendall_parts(parts)
+
     def send_data(self, rid: int, meta: dict[str, Any], parts: list[Any]) -> None:
         """Send one DATA frame: ``meta`` then the raw ``parts`` (scatter/gather, no copy)."""
         body = sum(len(p) for p in parts)
