@@ -37,6 +37,7 @@ from ._diskbench import remove_stale
 from ._paths import STATE_DIR, Jail, follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
+    shown,
     ArgumentTypeError,
     AuthError,
     BusyError,
@@ -700,7 +701,7 @@ class Server:
         if op == "push":
             self._push(ch, msg, path, options, streams)
             return False
-        raise UsageError(f"unknown session op {op!r}")
+        raise UsageError(f"unknown session op {shown(op)}")
 
     def _serve_store(self, ch: Channel) -> None:
         """A store session: :data:`~tb5sync.messages.STORE_METHODS` answered from ``--store``."""
@@ -951,7 +952,7 @@ class Server:
 
     def _push(self, ch: Channel, msg: dict[str, Any], path: str, options: SyncOptions, streams: int) -> None:
         if self.read_only:
-            raise ReadOnlyError(f"server is read-only; cannot write {path!r}")
+            raise ReadOnlyError(f"server is read-only; cannot write {shown(path)}")
         name = msg.get("name")
         if isinstance(name, bytes):
             name = path_from_wire(name)
