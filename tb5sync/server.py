@@ -168,8 +168,9 @@ class Server:
         listed entries together, :class:`tb5sync.generator.ListingLimits`); a listing past it, or
         whose first page announces more directories, ends the session with ``UsageError``.
     max_listing_bytes : int
-        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus its path,
-        link target and extended attributes); past it, the same.
+        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus
+        :data:`tb5sync.generator.STRING_COST` per byte of its path, link target and extended
+        attributes: what the server really holds, measured); past it, the same.
     max_unauthenticated_per_address : int
         Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
         handshake yet; more from it are refused at once with ``BusyError``, so one address
