@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .errors import PathError, RemoteNotFoundError, SourceNotFoundError, UsageError
+from .errors import PathError, RemoteNotFoundError, SourceNotFoundError, UsageError, shown
 
 __all__ = [
     "STATE_DIR",
@@ -532,7 +532,7 @@ class Jail:
         parts = list(path)
         for name in parts:
             if not isinstance(name, str):
-                raise PathError(repr(path), "components must be strings")
+                raise PathError(shown(path), "components must be strings")
             _check_name(name, "/".join(parts))
         return parts
 

@@ -117,7 +117,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a directory tree", parents=[common])
     if full("serve"):
-        from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES
+        from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
 
         s.add_argument("root", help="directory to serve; nothing outside it is read or written")
         s.add_argument("--bind", default="127.0.0.1:8873", help="HOST:PORT to listen on (default 127.0.0.1:8873; port 0 picks one); HOST may be an interface name "
@@ -141,8 +141,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help=f"entries of one pushing client's listing held (directories and entries together); "
                             f"a listing past it ends that session (default {MAX_ENTRIES})")
         s.add_argument("--max-listing-bytes", type=int, default=MAX_LISTING_BYTES, metavar="BYTES",
-                       help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus its path, link "
-                            f"target and xattrs); a listing past it ends that session (default {MAX_LISTING_BYTES})")
+                       help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus {STRING_COST} per byte "
+                            f"of its path, link target and xattrs: what the server holds); a listing past it ends that session (default {MAX_LISTING_BYTES})")
         s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
                        help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
         s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",

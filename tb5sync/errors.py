@@ -13,9 +13,12 @@ was the model: distinct codes for usage, protocol, file I/O and timeouts).
 from __future__ import annotations
 
 import errno
+import reprlib
 from typing import Any
 
 __all__ = [
+    "shown",
+    "SHOWN_LIMIT",
     "Tb5syncError",
     "UsageError",
     "ArgumentTypeError",
@@ -52,6 +55,26 @@ __all__ = [
     "RefExistsError",
     "RefPinnedError",
 ]
+
+
+
+#: Most characters of a peer's value an error message quotes (see :func:`shown`).
+SHOWN_LIMIT = 200
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxlist, _repr.maxdict, _repr.maxtuple, _repr.maxset = 2, 4, 4, 4, 4
+_repr.maxstring = _repr.maxother = _repr.maxlong = SHOWN_LIMIT
+
+
+def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
+    """``repr(value)`` bounded to about ``limit`` characters, in time and memory bounded too
+    (containers are not walked past their first items): how an error quotes what a peer sent."""
+    if isinstance(value, str) and len(value) <= limit:
+        return repr(value)
+    try:
+        text = _repr.repr(value)
+    except Exception:  # e.g. an int too long to print
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Tb5syncError(Exception):
@@ -152,7 +175,7 @@ class PathError(Tb5syncError, PermissionError):
     exit_code = 3
 
     def __init__(self, path: str, reason: str = "outside the served root") -> None:
-        super().__init__(f"refused path {path!r}: {reason}")
+        super().__init__(f"refused path {shown(path)}: {reason}")
         self.path = path
 
 
@@ -347,7 +370,7 @@ def remote_os_error(exc: OSError, path: str) -> Tb5syncError:
     code = exc.errno if isinstance(exc.errno, int) else 0
     cls = _BY_ERRNO.get(code, RemoteOSError)
     reason = exc.strerror or str(exc)
-    err = cls(f"{reason}: {path!r}" if path else reason)
+    err = cls(f"{reason}: {shown(path)}" if path else reason)
     err.errno = code or None  # type: ignore[attr-defined]
     return err
 

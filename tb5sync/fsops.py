@@ -53,6 +53,7 @@ from ._io import copy_range, read_into, write_all
 from ._parts import FileRange, SharedFd
 from ._paths import STATE_DIR, Jail, claim_temp, is_temp_name, release_temp, split_request_path, temp_name
 from .errors import (
+    shown,
     PathError,
     ReadOnlyError,
     RemoteExistsError,
@@ -434,13 +435,13 @@ class FsOps:
                     else:
                         out.append(info)
                     if len(out) > _MAX_FIND:
-                        raise UsageError(f"find {path!r}: more than {_MAX_FIND} entries")
+                        raise UsageError(f"find {shown(path)}: more than {_MAX_FIND} entries")
             except BaseException:
                 os.close(dfd)
                 raise
             if pending and depth >= MAX_FIND_DEPTH:
                 os.close(dfd)
-                raise UsageError(f"find {path!r}: deeper than {MAX_FIND_DEPTH} levels")
+                raise UsageError(f"find {shown(path)}: deeper than {MAX_FIND_DEPTH} levels")
             pending.reverse()
             if pending and len(frames) < _FIND_HELD:
                 frames.append([dfd, rel, depth, parts, pending])
@@ -614,7 +615,7 @@ class FsOps:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "Is a directory") if stat.S_ISDIR(st.st_mode) else UsageError(f"not a regular file: {path!r}")
+                raise IsADirectoryError(errno.EISDIR, "Is a directory") if stat.S_ISDIR(st.st_mode) else UsageError(f"not a regular file: {shown(path)}")
             fdigest, _ = self.state.chunks_of(fd, rel, st)
             return {"digest": fdigest, "size": st.st_size, "mtime": st.st_mtime}
         finally:
@@ -654,7 +655,7 @@ class FsOps:
     @staticmethod
     def _check_mode(mode: str) -> bool:
         if mode not in ("overwrite", "create"):
-            raise UsageError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+            raise UsageError(f"mode must be 'overwrite' or 'create', not {shown(mode)}")
         return mode == "create"
 
     @_writes
@@ -692,7 +693,7 @@ class FsOps:
                 except FileNotFoundError:
                     pass
                 else:
-                    raise RemoteExistsError(f"File exists: {path!r}")
+                    raise RemoteExistsError(f"File exists: {shown(path)}")
             tmp = temp_name(name)
             fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
             claim_temp(tmp)  # no descriptor stays open: a sync's stale-file cleanup must know it is live
@@ -726,7 +727,7 @@ class FsOps:
     def _handle(self, handle: int) -> _Write:
         w = self._writes.get(handle) if isinstance(handle, int) else None
         if w is None:
-            raise UsageError(f"no open write with handle {handle!r}")
+            raise UsageError(f"no open write with handle {shown(handle)}")
         return w
 
     def wwrite(self, handle: int, data: bytes) -> dict[str, Any]:
@@ -809,7 +810,7 @@ class FsOps:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 if not recursive:
-                    raise UsageError(f"cannot delete directory {path!r}: set recursive=True")
+                    raise UsageError(f"cannot delete directory {shown(path)}: set recursive=True")
                 shutil.rmtree(name, dir_fd=dfd)
             else:
                 os.unlink(name, dir_fd=dfd)
@@ -860,12 +861,12 @@ class FsOps:
                 except FileNotFoundError:
                     pass
                 else:
-                    raise RemoteExistsError(f"Destination path {dst!r} already exists")
+                    raise RemoteExistsError(f"Destination path {shown(dst)} already exists")
             with self.jail.parent(dst, create=mkdirs) as (dfd, dname, drel):
                 if drel == srel:
                     return {}
                 if drel.startswith(srel + "/"):
-                    raise UsageError(f"cannot move {src!r} into itself ({dst!r})")
+                    raise UsageError(f"cannot move {shown(src)} into itself ({shown(dst)})")
                 try:
                     os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
                 except OSError as exc:
@@ -886,7 +887,7 @@ class FsOps:
             if stat.S_ISDIR(st.st_mode):
                 return self.mkdir(path=dst, parents=True, exist_ok=True)
             if not stat.S_ISREG(st.st_mode):
-                raise UsageError(f"not a regular file: {src!r}")
+                raise UsageError(f"not a regular file: {shown(src)}")
 
             def fill(out: int) -> None:
                 off = 0
@@ -931,11 +932,11 @@ class FsOps:
                 return {}
             except OSError as exc:
                 if exc.errno == errno.ENXIO:  # a FIFO without a reader
-                    raise UsageError(f"not a regular file: {path!r}") from None
+                    raise UsageError(f"not a regular file: {shown(path)}") from None
                 raise
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise UsageError(f"not a regular file: {path!r}")
+                    raise UsageError(f"not a regular file: {shown(path)}")
                 os.utime(fd)
             finally:
                 os.close(fd)

@@ -23,12 +23,12 @@ from .destination import Destination
 from .entry import DIR, FILE, LINK, Entry
 from .errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
 from .hashing import chunk_fd, file_digest
-from .messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, EntriesPage, FileDigests, TreePage  # the caps live with the wire vocabulary; kept importable from here
+from .messages import ENTRY_COST, MAX_ENTRIES, STRING_COST, MAX_LISTING_BYTES, EntriesPage, FileDigests, TreePage  # the caps live with the wire vocabulary; kept importable from here
 from .options import SyncOptions, SyncStats
 from .plan import NONEMPTY, Plan, dry_run_changes, itemize_lines, name_fold, plan_sync
 from .scan import OVERFLOW, Tree
 
-__all__ = ["Generator", "Planned", "ListingLimits", "MAX_ENTRIES", "MAX_LISTING_BYTES", "ENTRY_COST"]
+__all__ = ["Generator", "Planned", "ListingLimits", "MAX_ENTRIES", "MAX_LISTING_BYTES", "ENTRY_COST", "STRING_COST"]
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class ListingLimits(NamedTuple):
     entries : int or None
         Most entries: directory summaries plus listed entries. None: no cap.
     nbytes : int or None
-        Most bytes, counted as :data:`ENTRY_COST` per entry plus its path's, link target's
-        and extended attributes' lengths. None: no cap.
+        Most bytes, counted as :data:`ENTRY_COST` per entry plus :data:`STRING_COST` per byte
+        of its path, link target and extended attributes (what the server really holds,
+        measured). None: no cap.
 
     A listing past either (or whose first page announces more directories than ``entries``)
     ends the run with :class:`~tb5sync.errors.UsageError` naming the cap.
@@ -244,7 +245,7 @@ class Generator:
         """
         held = self._held
         held[0] += entries
-        held[1] += nbytes + entries * ENTRY_COST
+        held[1] += nbytes * STRING_COST + entries * ENTRY_COST
         lim = self.limits
         if lim is None:
             return

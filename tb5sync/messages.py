@@ -49,6 +49,7 @@ __all__ = [
     "MAX_ENTRIES",
     "MAX_LISTING_BYTES",
     "ENTRY_COST",
+    "STRING_COST",
     "SENDER_METHODS",
     "PUSH_CLIENT_METHODS",
     "DATA_METHODS",
@@ -105,14 +106,22 @@ BENCH_MAX_BYTES: Final = 1 << 36
 BENCH_MAX_DISK: Final = 1 << 36
 
 #: A server's default cap on the entries of one session's source listing it holds (directory
-#: summaries and listed entries counted together; ``tb5sync serve --max-entries``).
-MAX_ENTRIES: Final = 10_000_000
+#: summaries and listed entries counted together; ``tb5sync serve --max-entries``): about what
+#: :data:`MAX_LISTING_BYTES` holds of short paths.
+MAX_ENTRIES: Final = 3_000_000
 #: A server's default cap on the bytes of one session's source listing it holds, counted as
-#: :data:`ENTRY_COST` per entry plus its path, link target and extended attributes
-#: (``tb5sync serve --max-listing-bytes``).
+#: :data:`ENTRY_COST` per entry plus :data:`STRING_COST` per byte of its path, link target and
+#: extended attributes (``tb5sync serve --max-listing-bytes``).
 MAX_LISTING_BYTES: Final = 2 << 30
-#: Bytes counted per entry besides its strings (its fixed fields and the objects that hold them).
-ENTRY_COST: Final = 64
+#: Bytes counted per entry besides its strings: what a server really holds per entry of a pushing
+#: peer's listing (its Entry, the objects of its fixed fields, its places in the generator's and the
+#: plan's lists and dicts, the itemized result), measured as peak RSS growth of ``tb5sync serve``
+#: over a dry-run push of 200,000 files (~700 bytes each with 9-byte names; attacker6's
+#: listing_mem.py: 1M entries held ~630 MiB while counted as 70 MiB at 64 bytes).
+ENTRY_COST: Final = 704
+#: Bytes counted per byte of an entry's path, link target and extended attributes: the same
+#: measure with 59-byte names grew ~2.9 bytes per name byte more (a path is held in several forms).
+STRING_COST: Final = 3
 
 #: Requests the fs session (``tb5://`` through fsspec) answers.
 FS_METHODS: Final = frozenset(

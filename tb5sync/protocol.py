@@ -44,7 +44,7 @@ from typing import Any, Final, NamedTuple
 
 import msgpack
 
-from .errors import AuthError, LocalProtocolError, RemoteProtocolError, Tb5syncError, VersionMismatchError, error_from_remote
+from .errors import SHOWN_LIMIT, AuthError, LocalProtocolError, RemoteProtocolError, Tb5syncError, VersionMismatchError, error_from_remote
 
 __all__ = [
     "MAGIC",
@@ -206,18 +206,79 @@ def encode_control(ftype: FrameType, rid: int, message: dict[str, Any]) -> bytes
     return encode_frame(ftype, rid, len(payload)) + payload
 
 
+#: Containers (arrays and maps) one control payload may decode into: one per
+#: :data:`PAYLOAD_PER_CONTAINER` bytes of it, plus :data:`CONTAINER_ALLOWANCE`. Every legitimate
+#: message spends several bytes per container (an entry row is ~20+, a ``hl`` pair 3-7), while an
+#: empty array is one byte that Python holds as a ~70-byte list: without this budget a 28 MiB frame
+#: of them became ~2.5 GB. A map counts :data:`MAP_WEIGHT` containers (an empty dict is ~4 lists).
+PAYLOAD_PER_CONTAINER: Final = 4
+CONTAINER_ALLOWANCE: Final = 4096
+MAP_WEIGHT: Final = 4
+#: Most characters of an ERROR frame's message: a bound on whatever it quotes (each quote of a
+#: peer's value is itself cut to :data:`tb5sync.errors.SHOWN_LIMIT`).
+MAX_ERROR_MESSAGE: Final = 1024
+
+
+class _Budget:
+    """Counts the containers msgpack builds for one payload; raises once over the budget."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def array(self, obj: list[Any]) -> list[Any]:
+        self.left -= 1
+        if self.left < 0:
+            raise RemoteProtocolError("control message holds too many arrays and maps for its size")
+        return obj
+
+    def map(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.left -= MAP_WEIGHT
+        if self.left < 0:
+            raise RemoteProtocolError("control message holds too many arrays and maps for its size")
+        return obj
+
+
+_ARRAY_HEADERS: Final = bytes([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_HEADERS: Final = bytes([*range(0x80, 0x90), 0xDE, 0xDF])
+_NOT_CONTAINER: Final = bytes(b for b in range(256) if b not in _ARRAY_HEADERS + _MAP_HEADERS)
+_NOT_MAP: Final = bytes(b for b in range(256) if b not in _MAP_HEADERS)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise RemoteProtocolError(f"msgpack extension type {code} is not part of the protocol")
+
+
 def decode_control(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Decode a control payload into a dict with str keys.
+
+    What Python builds is bounded by the payload's size, whatever its shape: at most one array
+    (or a quarter map) per :data:`PAYLOAD_PER_CONTAINER` bytes plus :data:`CONTAINER_ALLOWANCE`,
+    no msgpack extension types; checked while decoding, so an over-budget payload stops early.
 
     Raises
     ------
     RemoteProtocolError
-        Not valid msgpack, trailing bytes, or not a map with str keys.
+        Not valid msgpack, trailing bytes, over the container budget, or not a map with str keys.
     """
+    left = len(payload) // PAYLOAD_PER_CONTAINER + CONTAINER_ALLOWANCE
+    # Every array or map starts with one of its header bytes, so their counts in the payload bound
+    # how many there can be (a C pass, ~0.4 ms per MiB). Legitimate payloads are far under the
+    # budget this way and decode without hooks; the others are counted exactly while decoding.
+    data = payload if isinstance(payload, bytes) else bytes(payload)
+    heads = data.translate(None, _NOT_CONTAINER)
+    if len(heads) + (MAP_WEIGHT - 1) * len(heads.translate(None, _NOT_MAP)) <= left:
+        hooks: dict[str, Any] = {}
+    else:
+        budget = _Budget(left)
+        hooks = {"list_hook": budget.array, "object_hook": budget.map}
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, **hooks)
+    except RemoteProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated classes
-        raise RemoteProtocolError(f"malformed control message: {exc}") from exc
+        raise RemoteProtocolError(f"malformed control message: {str(exc)[:SHOWN_LIMIT]}") from exc
     if not isinstance(msg, dict) or not all(isinstance(k, str) for k in msg):
         raise RemoteProtocolError("control message is not a map with string keys")
     return msg
@@ -492,6 +553,8 @@ def error_frame(rid: int, exc: BaseException, message: str | None = None) -> byt
     ``message`` replaces ``str(exc)`` when given (e.g. with server paths made relative).
     """
     text = str(exc) if message is None else message
+    if len(text) > MAX_ERROR_MESSAGE:
+        text = text[: MAX_ERROR_MESSAGE - 3] + "..."
     if not text.isascii():  # a name that is not valid UTF-8 (surrogate escapes) shown as \xNN
         text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     msg: dict[str, Any] = {"kind": type(exc).__name__, "message": text}

@@ -19,6 +19,8 @@ from typing import Any
 
 from . import protocol as P
 from .errors import (
+    shown,
+    SHOWN_LIMIT,
     ConnectError,
     LocalProtocolError,
     ProtocolError,
@@ -319,14 +321,14 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
         method = msg.get("m")
         args = msg.get("a", {})
         try:
-            if method not in methods or not isinstance(args, dict):
-                raise UsageError(f"unknown request {method!r}")
+            if not isinstance(method, str) or method not in methods or not isinstance(args, dict):
+                raise UsageError(f"unknown request {shown(method)}")
             if args_from_wire is not None:
                 args = args_from_wire(method, args)
             try:
                 result = getattr(handler, method)(**args)
             except TypeError as exc:
-                raise UsageError(f"bad arguments for {method}: {exc}") from exc
+                raise UsageError(f"bad arguments for {method}: {str(exc)[:SHOWN_LIMIT]}") from exc
         except (Tb5syncError, OSError, ValueError) as exc:
             if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
                 log.info("request %s failed: %s", method, exc)

@@ -37,6 +37,7 @@ from ._diskbench import remove_stale
 from ._paths import STATE_DIR, Jail, follow_slash, resolve_in_root
 from .admission import AuthLimiter, Janitor, is_loopback, peer_key
 from .errors import (
+    shown,
     ArgumentTypeError,
     AuthError,
     BusyError,
@@ -167,8 +168,9 @@ class Server:
         listed entries together, :class:`tb5sync.generator.ListingLimits`); a listing past it, or
         whose first page announces more directories, ends the session with ``UsageError``.
     max_listing_bytes : int
-        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus its path,
-        link target and extended attributes); past it, the same.
+        Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus
+        :data:`tb5sync.generator.STRING_COST` per byte of its path, link target and extended
+        attributes: what the server really holds, measured); past it, the same.
     max_unauthenticated_per_address : int
         Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
         handshake yet; more from it are refused at once with ``BusyError``, so one address
@@ -700,7 +702,7 @@ class Server:
         if op == "push":
             self._push(ch, msg, path, options, streams)
             return False
-        raise UsageError(f"unknown session op {op!r}")
+        raise UsageError(f"unknown session op {shown(op)}")
 
     def _serve_store(self, ch: Channel) -> None:
         """A store session: :data:`~tb5sync.messages.STORE_METHODS` answered from ``--store``."""
@@ -951,7 +953,7 @@ class Server:
 
     def _push(self, ch: Channel, msg: dict[str, Any], path: str, options: SyncOptions, streams: int) -> None:
         if self.read_only:
-            raise ReadOnlyError(f"server is read-only; cannot write {path!r}")
+            raise ReadOnlyError(f"server is read-only; cannot write {shown(path)}")
         name = msg.get("name")
         if isinstance(name, bytes):
             name = path_from_wire(name)

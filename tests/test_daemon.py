@@ -721,3 +721,88 @@ def test_refused_addresses_get_no_thread_and_one_log_line(tmp_path: Path, caplog
         assert len([r for r in caplog.records if "not in --allow" in r.getMessage()]) == 1
     finally:
         live.server.stop()
+
+
+# ---- what one control frame may make the server build ------------------------------------------
+
+
+def _peak_rss_while(fn: Any) -> tuple[Any, int]:
+    """Run ``fn()``; return its result and this process's peak VmRSS growth meanwhile, KiB."""
+    base = rss_kib(os.getpid())
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_kib(os.getpid()))
+            time.sleep(0.005)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        out = fn()
+    finally:
+        done.set()
+        t.join()
+    return out, peak[0] - base
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+@pytest.mark.parametrize("item", [b"\x90", b"\x80", b"\x91\xc0", b"\x81\xa1k\xc0"], ids=["arrays", "maps", "arrays1", "maps1"])
+@pytest.mark.parametrize("ftype", [FrameType.OPEN, FrameType.REQUEST])
+def test_frame_of_empty_containers_is_refused_with_bounded_memory(tmp_path: Path, ftype: FrameType, item: bytes) -> None:
+    """attacker6's amplify.py: a frame of N bytes of one-byte arrays used to become ~90 N bytes of
+    Python lists (28.6 MiB -> 2.5 GB) and an error quoting their 120 MB repr. Now the decode stops
+    at its container budget: the session ends with a one-line error, the server's RSS grows by a
+    small multiple of N, and it goes on serving."""
+    n = 4 * 1024 * 1024 // len(item)
+    body = b"\x82\xa1m\xa4info\xa1a\x81\xa4path" + b"\xdd" + struct.pack("!I", n) + item * n
+    if ftype is FrameType.OPEN:
+        body = b"\x81\xa2op" + b"\xdd" + struct.pack("!I", n) + item * n
+    live = start_server(str(tmp_path / "root"), io_timeout=10.0)
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        if ftype is FrameType.REQUEST:
+            open_session(ch, {"op": "fs"})
+        frame = P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, int(ftype), 0, 1 if ftype is FrameType.REQUEST else 0, len(body)) + body
+
+        def attack() -> dict[str, Any]:
+            ch.sock.sendall(frame)
+            got = ch.recv_frame()
+            assert got is not None and got[0].type is FrameType.ERROR
+            return P.decode_control(got[1])
+
+        reply, grown = _peak_rss_while(attack)
+        print(f"{ftype.name} {item!r}: {len(body) >> 10} KiB frame, RSS +{grown} KiB")
+        assert reply["kind"] == "RemoteProtocolError", reply
+        assert "too many arrays and maps" in reply["message"] and "\n" not in reply["message"], reply
+        assert len(reply["message"]) < 300, len(reply["message"])
+        assert grown < 40 * len(body) // 1024, f"RSS grew by {grown} KiB for a {len(body) >> 10} KiB frame"
+        ch.close()
+        wait_for(lambda: live.server.connections == 0, 5, "the session ended")
+        serving(live)
+    finally:
+        live.server.stop()
+
+
+def test_error_quotes_at_most_a_bounded_repr_of_a_peer_value(tmp_path: Path) -> None:
+    """A request whose path is a big nested value (under the container budget) is answered with a
+    short error: its repr is neither built whole nor sent (the issue: a 120 MB repr)."""
+    live = start_server(str(tmp_path / "root"))
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        open_session(ch, {"op": "fs"})
+        for path in (["x" * 1000] * 20_000, [[["deep"] * 50] * 50] * 50, "a/" + "b" * 3_000_000):
+            ch.send_control(FrameType.REQUEST, 1, {"m": "info", "a": {"path": path}})
+            got = ch.recv_frame()
+            assert got is not None and got[0].type is FrameType.ERROR
+            msg = P.decode_control(got[1])["message"]
+            assert len(msg) < 400, (len(msg), msg[:100])
+        for bad in ({"m": ["x" * 1000] * 10_000, "a": {}}, {"m": "info", "a": {"k" * 100_000: 1}}):
+            ch.send_control(FrameType.REQUEST, 2, bad)
+            got = ch.recv_frame()
+            assert got is not None and got[0].type is FrameType.ERROR
+            assert len(P.decode_control(got[1])["message"]) < 400
+        ch.close()
+    finally:
+        live.server.stop()

@@ -19,7 +19,7 @@ from conftest import start_server, wait_for
 import tb5sync
 import tb5sync.sender as sender_mod
 from tb5sync.errors import UsageError
-from tb5sync.generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES
+from tb5sync.generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,7 @@ def _evil_tree(monkeypatch: pytest.MonkeyPatch, per_page: int, total: int, name_
 
 
 def test_defaults_are_documented_values() -> None:
-    assert (MAX_ENTRIES, MAX_LISTING_BYTES, ENTRY_COST) == (10_000_000, 2 << 30, 64)
+    assert (MAX_ENTRIES, MAX_LISTING_BYTES, ENTRY_COST, STRING_COST) == (3_000_000, 2 << 30, 704, 3)
 
 
 def test_announced_total_past_the_cap_is_refused_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,3 +114,80 @@ def test_caps_must_be_positive(tmp_path: Path, kw: dict[str, int]) -> None:
 
     with pytest.raises(UsageError, match=next(iter(kw))):
         Server(str(tmp_path), port=0, **kw)
+
+
+def _push_forged_listing(port: int, pid: int, n: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[str, int]:
+    """Dry-run push of a made-up listing of ``n`` files in one directory (attacker6's
+    listing_mem.py) to ``tb5sync serve`` at ``port``; returns the outcome and the server's peak
+    RSS growth meanwhile, bytes."""
+    import threading
+    import time
+
+    from test_daemon import rss_kib
+
+    from tb5sync.entry import Entry
+    from tb5sync.scan import Tree
+
+    now = time.time_ns()
+    files = [Entry(f"f{i:08d}", "f", 0o644, 0, now, "") for i in range(n)]
+    tree = Tree(entries=[Entry("", "d", 0o755, 0, now, "")] + files, children={"": files})
+    monkeypatch.setattr(sender_mod.Sender, "scanned", lambda self: tree)
+    base = rss_kib(pid)
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_kib(pid))
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    src = tmp_path / "empty"
+    src.mkdir(exist_ok=True)
+    try:
+        tb5sync.sync(str(src) + "/", f"tb5://127.0.0.1:{port}/lm{n}/", dry_run=True, timeout=60)
+        outcome = "ok"
+    except UsageError as exc:
+        outcome = str(exc)
+    finally:
+        done.set()
+        t.join()
+    return outcome, (peak[0] - base) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_listing_bytes_bound_the_servers_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attacker6's listing_mem.py: 1M entries counted as 70 MiB held ~630 MiB (64 bytes counted per
+    entry). The count is now what the server really holds: a listing within --max-listing-bytes
+    grows its RSS by about what was counted, no more, and one past it is refused before the
+    server holds much more than the cap."""
+    from test_daemon import start_serve_process
+
+    cap = 48 << 20
+    n_in = 50_000
+    counted_in = n_in * (ENTRY_COST + STRING_COST * 9) + ENTRY_COST  # 9-byte names, and the root
+    assert counted_in < cap
+    proc, port = start_serve_process(str(tmp_path / "root"), "--max-listing-bytes", str(cap))
+    try:
+        outcome, grown = _push_forged_listing(port, proc.pid, n_in, monkeypatch, tmp_path)
+        print(f"{n_in} entries: counted {counted_in >> 20} MiB, server RSS +{grown >> 20} MiB")
+        assert outcome == "ok"
+        assert grown < 1.25 * counted_in + (8 << 20), (grown, counted_in)
+        assert grown > 0.4 * counted_in, (grown, counted_in)  # not a wild overcount either
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        assert proc.stderr is not None
+        proc.stderr.close()
+    proc, port = start_serve_process(str(tmp_path / "root2"), "--max-listing-bytes", str(cap))
+    try:
+        outcome, grown = _push_forged_listing(port, proc.pid, 200_000, monkeypatch, tmp_path)
+        print(f"200000 entries, cap {cap >> 20} MiB: server RSS +{grown >> 20} MiB; {outcome[:80]}")
+        assert "--max-listing-bytes" in outcome
+        assert grown < 1.5 * cap, grown
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        assert proc.stderr is not None
+        proc.stderr.close()

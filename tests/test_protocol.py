@@ -762,3 +762,60 @@ def test_fuzz_decoders_alone(data: bytes) -> None:
             P.parse_header(data[:16])
         except (RemoteProtocolError, VersionMismatchError):
             pass
+
+
+# ---- the container budget of a control payload -------------------------------------------------
+
+
+@pytest.mark.parametrize("item", [b"\x90", b"\x80", b"\x91\x90", b"\x92\xc0\xc0", b"\x81\xa1k\x90"])
+def test_decode_stops_at_the_container_budget(item: bytes) -> None:
+    """A payload made of tiny arrays or maps (a byte each: ~70-200 bytes each in Python) is refused
+    while decoding, whatever the nesting: at most one array per PAYLOAD_PER_CONTAINER bytes."""
+    n = 1 << 20
+    payload = b"\x81\xa1x\xdd" + struct.pack("!I", n) + item * n
+    with pytest.raises(RemoteProtocolError, match="too many arrays and maps"):
+        P.decode_control(payload)
+
+
+def test_decode_refuses_extension_types() -> None:
+    with pytest.raises(RemoteProtocolError, match="extension type 5"):
+        P.decode_control(msgpack.packb({"x": msgpack.ExtType(5, b"abc")}))
+
+
+def test_legitimate_pages_are_within_the_budget() -> None:
+    """The densest legitimate messages: an entries page with a hardlink pair and an xattr per
+    entry, a read_files meta of empty files, a chunk list, fs info dicts."""
+    from tb5sync.entry import Entry
+    from tb5sync.messages import EntriesPage
+
+    entries = [Entry(f"{i}", "f", 0o644, 0, 1, "") for i in range(16384)]
+    page = EntriesPage(entries, False, {i: i // 2 for i in range(16384)}, {i: [(b"user.a", b"")] for i in range(16384)})
+    msgs = [
+        page.to_wire(),
+        {"files": [[0, 1, 0o644, [], 0, 0] for _ in range(100_000)], "wire": [0] * 100_000},
+        {"hl": [[i, i] for i in range(100_000)]},
+        {"chunks": [[b"d" * 32, 1] for _ in range(100_000)]},
+        {"entries": [{"name": f"{i}", "size": 0, "type": "file", "islink": False} for i in range(100_000)]},
+    ]
+    for msg in msgs:
+        assert P.decode_control(msgpack.packb(msg, use_bin_type=True)) == msgpack.unpackb(msgpack.packb(msg, use_bin_type=True), strict_map_key=True)
+
+
+def test_malformed_control_error_is_one_short_line() -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        P.decode_control(b"\xc1" * 10_000_000)
+    assert len(str(info.value)) < 300 and "\n" not in str(info.value)
+
+
+def test_error_frame_message_is_bounded() -> None:
+    body = P.decode_control(P.error_frame(1, RemoteProtocolError("x" * 1_000_000))[P.HEADER.size :])
+    assert len(body["message"]) <= P.MAX_ERROR_MESSAGE
+
+
+def test_shown_is_a_bounded_repr() -> None:
+    from tb5sync.errors import SHOWN_LIMIT, PathError, shown
+
+    assert shown("a/b") == "'a/b'"
+    for value in ("x" * 10_000_000, [[b"y" * 1000] * 1000] * 1000, {"k" * 5000: list(range(10**6))}, 10**5000):
+        assert len(shown(value)) <= SHOWN_LIMIT
+    assert len(str(PathError("z" * 10**6))) < SHOWN_LIMIT + 50
