@@ -104,6 +104,8 @@ class Generator:
         #: -H: source path -> hard-link group; -X: source path -> extended attributes (as listed)
         self.src_hardlinks: dict[str, int] = {}
         self.src_xattrs: dict[str, list[tuple[bytes, bytes]]] = {}
+        #: rsync's words for what the plan left undone that is not a failure (a server's reach its client)
+        self.warnings: list[str] = []
 
     # ---- listing and plan -------------------------------------------------------------
     def make_plan(self, dst_scan: Future[Tree]) -> Planned:
@@ -153,7 +155,8 @@ class Generator:
             for path, reason in dst_errors:
                 self.destination.fail(path, "destination", reason)
         if delete and (any(not why.startswith(OVERFLOW) for _, why in src_failed) or dst_errors):
-            log.warning("IO error encountered -- skipping file deletion")
+            self.warnings.append("IO error encountered -- skipping file deletion")
+            log.warning("%s", self.warnings[-1])
             delete = False
         fold = name_fold(*self.destination.folding(write=not self.options.dry_run))  # APFS: A.txt is a.txt
         o = self.options

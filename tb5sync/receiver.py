@@ -272,6 +272,7 @@ class Receiver:
         ld = None
         try:
             planned = generator.make_plan(dst_fut)
+            self.warnings.extend(generator.warnings)
             if self.fresh_base:
                 items = planned.plan.items
                 planned.plan.items = [("cd+++++++++", e) if e.path == "" and e.kind == DIR else (c, e) for c, e in items]

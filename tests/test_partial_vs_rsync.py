@@ -302,6 +302,8 @@ def test_unreadable_source_entries_like_rsync(shared_tmp: str, locked_dir: bool)
             for path, _side in expected:
                 assert sum(f"'{path}'" in ln for ln in p.stderr.splitlines()) == 1, p.stderr
             assert "Errno" not in p.stderr and "remote: remote" not in p.stderr, p.stderr
+            # rsync's line, on the client whichever side planned (a push's server used to keep it)
+            assert (p.stderr.count("IO error encountered -- skipping file deletion") == 1) == locked_dir, (r, p.stderr)
             assert_same(ref, digest_snapshot(finals[r], ()), r)
     finally:
         nobody_srv.stop()
