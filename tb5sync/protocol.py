@@ -212,6 +212,9 @@ def encode_control(ftype: FrameType, rid: int, message: dict[str, Any]) -> bytes
 #: empty array is one byte that Python holds as a ~70-byte list: without this budget a 28 MiB frame
 #: of them became ~2.5 GB. A map counts :data:`MAP_WEIGHT` containers (an empty dict is ~4 lists).
 PAYLOAD_PER_CONTAINER: Final = 4
+#: The same for the meta of a DATA frame (a reply with bytes after it), whose densest legitimate
+#: form, ``cat_many``'s ``[nbytes]`` per item, spends 2 bytes per array.
+DATA_META_PER_CONTAINER: Final = 2
 CONTAINER_ALLOWANCE: Final = 4096
 MAP_WEIGHT: Final = 4
 #: Most characters of an ERROR frame's message: a bound on whatever it quotes (each quote of a
@@ -250,19 +253,20 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise RemoteProtocolError(f"msgpack extension type {code} is not part of the protocol")
 
 
-def decode_control(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
+def decode_control(payload: bytes | bytearray | memoryview, per_container: int = PAYLOAD_PER_CONTAINER) -> dict[str, Any]:
     """Decode a control payload into a dict with str keys.
 
     What Python builds is bounded by the payload's size, whatever its shape: at most one array
-    (or a quarter map) per :data:`PAYLOAD_PER_CONTAINER` bytes plus :data:`CONTAINER_ALLOWANCE`,
-    no msgpack extension types; checked while decoding, so an over-budget payload stops early.
+    (or a quarter map) per ``per_container`` bytes (:data:`PAYLOAD_PER_CONTAINER`; a DATA
+    frame's meta :data:`DATA_META_PER_CONTAINER`) plus :data:`CONTAINER_ALLOWANCE`, no msgpack
+    extension types; checked while decoding, so an over-budget payload stops early.
 
     Raises
     ------
     RemoteProtocolError
         Not valid msgpack, trailing bytes, over the container budget, or not a map with str keys.
     """
-    left = len(payload) // PAYLOAD_PER_CONTAINER + CONTAINER_ALLOWANCE
+    left = len(payload) // per_container + CONTAINER_ALLOWANCE
     # Every array or map starts with one of its header bytes, so their counts in the payload bound
     # how many there can be (a C pass, ~0.4 ms per MiB). Legitimate payloads are far under the
     # budget this way and decode without hooks; the others are counted exactly while decoding.
@@ -313,7 +317,7 @@ def decode_data(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
     (mlen,) = _U32.unpack(view[: _U32.size])
     if mlen > len(view) - _U32.size:
         raise RemoteProtocolError(f"DATA meta length {mlen} exceeds frame payload {len(view)}")
-    meta = decode_control(view[_U32.size : _U32.size + mlen])
+    meta = decode_control(view[_U32.size : _U32.size + mlen], DATA_META_PER_CONTAINER)
     return meta, view[_U32.size + mlen :]
 
 

@@ -78,7 +78,7 @@ def call_direct(ch: Channel, method: str, args: dict[str, Any], into: memoryview
             raise ConnectError("server closed the connection")
         if into is not None and header.type is P.FrameType.DATA:
             meta, body = ch.recv_data_into(header, into)
-            return P.decode_control(meta), body
+            return P.decode_control(meta, P.DATA_META_PER_CONTAINER), body
         payload = ch.recv_payload(header)
     except OSError as exc:
         if isinstance(exc, Tb5syncError):
@@ -192,7 +192,7 @@ class Requester:
                     into = intos.get(header.rid)
                 if into is not None and header.type is P.FrameType.DATA:
                     raw_meta, body = ch.recv_data_into(header, into[0])
-                    meta = P.decode_control(raw_meta)
+                    meta = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER)
                     with self._lock:
                         fut = pending.pop(header.rid, None)
                         intos.pop(header.rid, None)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -203,6 +204,19 @@ def tb5fs(live: LiveServer, **kw: Any) -> Any:
     from tb5sync.fs import TB5FileSystem
 
     return TB5FileSystem(host="127.0.0.1", port=live.port, token=live.token, skip_instance_cache=True, **kw)
+
+
+@contextlib.contextmanager
+def served_fs(root: str, **kw: Any) -> Iterator[tuple[LiveServer, Any]]:
+    """A server on 127.0.0.1:0 over ``root`` (``kw``: :class:`~tb5sync.server.Server` options) and a
+    :func:`tb5fs` filesystem of it, ``(live, fs)``; both closed on exit."""
+    live = start_server(root, **kw)
+    fs = tb5fs(live)
+    try:
+        yield live, fs
+    finally:
+        fs._holder.close()
+        live.server.stop()
 
 
 def slurp(path: str) -> bytes:

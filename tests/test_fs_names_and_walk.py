@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from conftest import start_server
+from conftest import served_fs, start_server
 from conftest import tb5fs as tb5
 from tb5sync import errors, fsops
 from tb5sync.rpc import call_direct, open_session
@@ -37,13 +37,8 @@ def srv(tmp_path: Any) -> Any:
     with open(broot + b"/sub/enc/" + BAD, "wb") as f:
         f.write(b"x")
     os.symlink(BAD, broot + b"/sub/enc/l\xfa")
-    live = start_server(str(root))
-    fs = tb5(live)
-    try:
+    with served_fs(str(root)) as (live, fs):
         yield live, fs, live.root
-    finally:
-        fs._holder.close()
-        live.server.stop()
 
 
 def _rel(root: str, names: list[str]) -> list[str]:

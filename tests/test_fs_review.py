@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from conftest import LiveServer, slurp, start_server, tmp_files
+from conftest import LiveServer, served_fs, slurp, start_server, tmp_files
 from conftest import tb5fs as tb5
 from tb5sync import errors
 from tb5sync.rpc import Requester, open_session
@@ -30,13 +30,8 @@ def srv(tmp_path: Any) -> Any:
     (root / "sub").mkdir(parents=True)
     (root / "f").write_bytes(b"hello world")
     (root / "sub" / "g").write_bytes(b"gee")
-    live = start_server(str(root))
-    fs = tb5(live)
-    try:
+    with served_fs(str(root)) as (live, fs):
         yield live, fs, live.root
-    finally:
-        fs._holder.close()
-        live.server.stop()
 
 
 def _raw(live: LiveServer) -> Requester:
