@@ -321,6 +321,29 @@ def test_gc_keeps_a_ref_committed_between_its_mark_and_its_sweep(tmp_path: Any, 
         other.close()
 
 
+def test_quota_names_what_it_evicts(tmp_path: Any) -> None:
+    """``store quota SIZE`` (and a put over the quota) names each ref it evicts, on stderr, one line;
+    it said only the new quota while refs vanished."""
+    rnd = random.Random(10)
+    for i in range(2):
+        write(str(tmp_path / f"v{i}" / "f"), rnd.randbytes(3 * MiB))
+    st = ["--store", str(tmp_path / "st")]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", *st, *args], capture_output=True, text=True,
+                              timeout=60)
+
+    assert cli("put", "r/a", str(tmp_path / "v0")).returncode == 0
+    time.sleep(0.15)
+    assert cli("put", "r/b", str(tmp_path / "v1")).returncode == 0
+    p = cli("quota", "4M")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "4.0 MiB"  # what scripts read stays as it was
+    lines = [ln for ln in p.stderr.splitlines() if "evicted" in ln]
+    assert len(lines) == 1 and "ref r/a" in lines[0] and "r/b" not in lines[0], p.stderr
+    assert [ln.split()[-1] for ln in cli("ls").stdout.splitlines()] == ["r/b"]
+
+
 def test_quota_evicts_lru_and_never_pinned(tmp_path: Any) -> None:
     rnd = random.Random(9)
     for i in range(5):

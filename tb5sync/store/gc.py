@@ -383,6 +383,10 @@ def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
     for name in evicted:
         with contextlib.suppress(Exception):
             store.rm(name)
+    if evicted or blobs_out:  # named where the user sees it (the CLI's stderr, a server's log), as restic's forget does
+        log.warning("store %s: over the quota of %d bytes: evicted %s, least recently used first%s", store.path, quota,
+                    ", ".join(f"ref {n}" for n in evicted) or "no ref",
+                    f" (and {len(blobs_out)} keyed blobs)" if blobs_out else "")
     for k in range(0, len(blobs_out), 500):
         part = blobs_out[k : k + 500]
         with store._tx() as db:
