@@ -167,6 +167,16 @@ def _per_gb(cpu: float, nbytes: int) -> float:
     return cpu / nbytes * GB
 
 
+def _per_chunk(cuts: list[int], work) -> float:
+    """Thread CPU seconds of ``work(start, end)`` over each chunk of ``cuts`` (end offsets from 0)."""
+    t = time.thread_time()
+    s = 0
+    for e in cuts:
+        work(s, e)
+        s = e
+    return time.thread_time() - t
+
+
 def stages(args, path: str) -> dict:
     """Median over ``--repeat`` rounds of :func:`stages_once` (CPU s/GB per stage)."""
     rounds = [stages_once(args, path) for _ in range(args.repeat)]
@@ -208,24 +218,9 @@ def stages_once(args, path: str) -> dict:
             cut_cpu += time.thread_time() - t
             if not final and cuts:
                 n = cuts[-1]
-            t = time.thread_time()
-            s = 0
-            for e in cuts:
-                hashing.chunk_digest(mv[s:e])
-                s = e
-            hash_cpu += time.thread_time() - t
-            t = time.thread_time()
-            s = 0
-            for e in cuts:
-                hashing.quick_digest(mv[s:e])
-                s = e
-            xx_cpu += time.thread_time() - t
-            t = time.thread_time()
-            s = 0
-            for e in cuts:
-                sender._compressible(bytes(mv[s : s + sender._SAMPLE]))
-                s = e
-            lz_cpu += time.thread_time() - t
+            hash_cpu += _per_chunk(cuts, lambda s, e: hashing.chunk_digest(mv[s:e]))
+            xx_cpu += _per_chunk(cuts, lambda s, e: hashing.quick_digest(mv[s:e]))
+            lz_cpu += _per_chunk(cuts, lambda s, e: sender._compressible(bytes(mv[s : s + sender._SAMPLE])))
             nchunks += len(cuts)
             off += n
         out["FastCDC cut points (sender)"] = _per_gb(cut_cpu, size)

@@ -157,7 +157,7 @@ def pull(
         See :meth:`Receiver.run`.
     """
     from .links import RemoteLink
-    from .receiver import Receiver, dest_base
+    from .receiver import Receiver, dest_base, follow_dest_link
 
     chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()},
                                 options.streams, timeout=timeout, tls_ca=tls_ca)
@@ -167,9 +167,7 @@ def pull(
         kind = resp.get("kind")
         if kind not in (DIR, FILE, LINK):
             raise UsageError("server did not say what the source is")
-        dst_abs = os.path.abspath(dst)
-        if os.path.islink(dst_abs) and os.path.isdir(dst_abs):
-            dst_abs = os.path.realpath(dst_abs)  # a destination symlink to a directory: that directory (rsync)
+        dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
         fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)

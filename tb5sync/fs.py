@@ -455,6 +455,28 @@ class TB5FileSystem(AsyncFileSystem):
             entries.extend(_info_from_wire(e) for e in resp["entries"])
         return entries if detail else [e["name"] for e in entries]
 
+    def _first_reply(self, known: tuple[int, int] | None, got: tuple[dict[str, Any], Any] | None,
+                     expect: dict[str, Any] | None) -> tuple[bytes | None, tuple[int, int, Any, int, dict[str, Any]] | None]:
+        """What a ``cat_file`` (either form) does after its first step: ``got`` is the small read's
+        ``(meta, first bytes)``, or None when the range was ``known`` large (no request made).
+
+        Returns ``(bytes, None)`` when that reply answered the whole read (its buffer given back),
+        else ``(None, (start, end, first or None, bytes done, {"size", "mtime"} pinning the
+        file))`` for the pieces still to fetch.
+        """
+        if got is None:
+            assert known is not None and expect is not None
+            return None, (known[0], known[1], None, 0, {"size": expect["size"], "mtime": expect["mtime"]})
+        meta, first = got
+        s, e, done = meta["start"], meta["end"], len(first)
+        if s + done >= e:
+            out = bytes(first)
+            link = self._holder.link
+            if link is not None:
+                link.release([first])
+            return out, None
+        return None, (s, e, first, done, {"size": meta["size"], "mtime": meta["mtime"]})
+
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
         """Bytes ``[start:end]`` of ``path`` (see :meth:`_cat_file`), read from the calling thread.
 
@@ -463,18 +485,12 @@ class TB5FileSystem(AsyncFileSystem):
         """
         path = self._strip_protocol(path)
         known = _known_range(start, end, expect)
-        if known is None or known[1] - known[0] <= SMALL_READ:
-            meta, first = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect})
-            s, e, done = meta["start"], meta["end"], len(first)
-            if s + done >= e:
-                link = self._holder.link
-                out = bytes(first)
-                if link is not None:
-                    link.release([first])
-                return out
-            pin = {"size": meta["size"], "mtime": meta["mtime"]}
-        else:
-            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        small = known is None or known[1] - known[0] <= SMALL_READ
+        got = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect}) if small else None
+        out, rest = self._first_reply(known, got, expect)
+        if rest is None:
+            return out  # type: ignore[return-value]
+        s, e, first, done, pin = rest
         owner, view = new_buffer(e - s)
         link = self._holder.link or self._connect()
         if first is not None:
@@ -598,18 +614,12 @@ class TB5FileSystem(AsyncFileSystem):
         """
         path = self._strip_protocol(path)
         known = _known_range(start, end, expect)
-        if known is None or known[1] - known[0] <= SMALL_READ:
-            meta, first = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect})
-            s, e, done = meta["start"], meta["end"], len(first)
-            if s + done >= e:
-                out = bytes(first)
-                link = self._holder.link
-                if link is not None:
-                    link.release([first])
-                return out
-            pin = {"size": meta["size"], "mtime": meta["mtime"]}
-        else:
-            (s, e), first, done, pin = known, None, 0, {"size": expect["size"], "mtime": expect["mtime"]}  # type: ignore[index]
+        small = known is None or known[1] - known[0] <= SMALL_READ
+        got = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect}) if small else None
+        out, rest = self._first_reply(known, got, expect)
+        if rest is None:
+            return out  # type: ignore[return-value]
+        s, e, first, done, pin = rest
         owner, view = new_buffer(e - s)
         if first is not None:
             view[:done] = first

@@ -88,6 +88,13 @@ class LinkDest:
             j.close()
         self.jails = []
 
+    def _where(self, e: Entry) -> str | None:
+        """Where ``e`` is looked up in each directory (the source's name before its path when it
+        was named without a slash); None for a path naming tb5sync's state directory, which is
+        never looked up (on a server, ROOT/.tb5sync)."""
+        rel = "/".join(p for p in (self.prefix, e.path) if p)
+        return None if STATE_DIR in rel.split("/") else rel
+
     def link(self, e: Entry) -> bool:
         """Hard-link the file ``e`` from the first directory holding it identical; False when none does
         (or no link can be made there: it is then fetched as usual).
@@ -97,11 +104,9 @@ class LinkDest:
         OSError
             The link or the rename at the destination failed.
         """
-        if e.kind != FILE:
+        rel = self._where(e) if e.kind == FILE else None
+        if rel is None:
             return False
-        rel = "/".join(p for p in (self.prefix, e.path) if p)
-        if STATE_DIR in rel.split("/"):
-            return False  # never looked up: tb5sync's own state (the server's, at ROOT/.tb5sync)
         head, _, name = rel.rpartition("/")
         for j in self.jails:
             try:
@@ -120,9 +125,9 @@ class LinkDest:
         ``try_dests_non`` in generator.c): ``(level, entry there)``, level 1 for the first of the same
         type, 2 for the first a file's quick check (size and mtime) passes, 3 for the first with every
         attribute equal (linked as it is); None when no directory holds one of that type."""
-        rel = "/".join(p for p in (self.prefix, e.path) if p)
-        if STATE_DIR in rel.split("/"):
-            return None  # never looked up: tb5sync's own state (the server's, at ROOT/.tb5sync)
+        rel = self._where(e)
+        if rel is None:
+            return None
         head, _, name = rel.rpartition("/")
         best: tuple[int, Entry] | None = None
         for j in self.jails:

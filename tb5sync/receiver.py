@@ -151,6 +151,12 @@ class _Writer:
             raise interrupted
 
 
+def follow_dest_link(dst: str) -> str:
+    """``dst``, or the directory it points to when it is a symlink to one (rsync changes into a
+    destination given so; below it nothing is followed)."""
+    return os.path.realpath(dst) if os.path.islink(dst) and os.path.isdir(dst) else dst
+
+
 def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) -> str:
     """Where the source base lands, with rsync's trailing-slash rules.
 
@@ -170,11 +176,10 @@ def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) 
     str
         ``dst`` itself for "contents of" and for a file onto a non-directory;
         ``dst/name`` for a directory, and for a file onto an existing directory. A ``dst``
-        that is a symlink to a directory is that directory (rsync changes into it), resolved
-        here (a server resolves the result again inside its ROOT).
+        that is a symlink to a directory is that directory (:func:`follow_dest_link`; a server
+        resolves the result again inside its ROOT).
     """
-    if os.path.islink(dst) and os.path.isdir(dst):
-        dst = os.path.realpath(dst)
+    dst = follow_dest_link(dst)
     if name is None:
         return dst
     if src_kind == DIR or dst_is_dir_hint or os.path.isdir(dst):

@@ -908,7 +908,7 @@ class Sender:
                     return None
                 if limit is not None and st.st_size > limit:
                     raise UsageError(f"read_files of more than {MAX_READ} bytes ({show_path(path)} has {st.st_size})")
-                data = os.pread(fd, st.st_size + 1 if limit is None else min(st.st_size, limit) + 1, 0)
+                data = os.pread(fd, st.st_size + 1, 0)  # within limit, checked above
                 st2 = os.fstat(fd)
             finally:
                 os.close(fd)

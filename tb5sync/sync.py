@@ -315,7 +315,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     from .client import local_state
     from .entry import DIR, kind_of, source_name
     from .links import LocalLink
-    from .receiver import Receiver, dest_base
+    from .receiver import Receiver, dest_base, follow_dest_link
     from .sender import Sender
 
     src_abs = os.path.abspath(src)
@@ -323,9 +323,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
         raise SourceNotFoundError(f"local source does not exist: {src}")
     src_abs = follow_slash(src_abs, src, follow=options.copy_links)  # "link/" is the directory it points to (rsync, POSIX)
     kind = kind_of(src_abs)
-    dst_abs = os.path.abspath(dst)
-    if os.path.islink(dst_abs) and os.path.isdir(dst_abs):
-        dst_abs = os.path.realpath(dst_abs)  # a destination symlink to a directory: that directory (rsync)
+    dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")

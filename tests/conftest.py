@@ -219,6 +219,18 @@ def served_fs(root: str, **kw: Any) -> Iterator[tuple[LiveServer, Any]]:
         live.server.stop()
 
 
+def http_cache_port(stderr: Any, lines: int = 5) -> int:
+    """The port a ``tb5sync serve --http-cache``/``http-cache`` child announces on ``stderr`` (a text
+    stream) within its first ``lines`` lines; 0 when it says none."""
+    import re
+
+    for _ in range(lines):
+        m = re.search(r"http cache of .* on 127\.0\.0\.1:(\d+)", stderr.readline())
+        if m:
+            return int(m.group(1))
+    return 0
+
+
 def slurp(path: str) -> bytes:
     """The bytes of a local file."""
     with open(path, "rb") as f:
@@ -328,42 +340,41 @@ def local_agrees_with_rsync(src: str, tmp: str, what: str = "local") -> None:
 # --- the small-file writer (tb5sync.destination / tb5sync._write) -----------------------------
 
 
-@pytest.fixture(params=["cython", "python"])
-def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``; skipped when
-    not built, failed under TB5SYNC_REQUIRE_CYTHON=1) and :meth:`Destination.write_file` per file."""
-    from tb5sync import destination
-
+def _both_impls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, module: Any, attr: str, ext: str) -> str:
+    """Run the test with ``module.<attr>`` (a Cython core's batch function, ``tb5sync.<ext>``) set,
+    then with it None (the per-file Python path); skipped when the core is not built, failed under
+    TB5SYNC_REQUIRE_CYTHON=1. In the TB5SYNC_PUREPYTHON=1 run both are still tested."""
     if request.param == "python":
-        monkeypatch.setattr(destination, "_cy_write_files", None)
-    elif destination._cy_write_files is None:
+        monkeypatch.setattr(module, attr, None)
+    elif getattr(module, attr) is None:
+        import importlib
+
         try:
-            from tb5sync._write import write_files
+            fn = getattr(importlib.import_module(f"tb5sync.{ext}"), attr.removeprefix("_cy_"))
         except ImportError:
             if require_cython():
-                pytest.fail("tb5sync._write is not built but TB5SYNC_REQUIRE_CYTHON=1")
-            pytest.skip("tb5sync._write is not built")
-        monkeypatch.setattr(destination, "_cy_write_files", write_files)  # TB5SYNC_PUREPYTHON=1 run: both still
-    return request.param
+                pytest.fail(f"tb5sync.{ext} is not built but TB5SYNC_REQUIRE_CYTHON=1")
+            pytest.skip(f"tb5sync.{ext} is not built")
+        monkeypatch.setattr(module, attr, fn)
+    return str(request.param)
+
+
+@pytest.fixture(params=["cython", "python"])
+def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``) and
+    :meth:`Destination.write_file` per file."""
+    from tb5sync import destination
+
+    return _both_impls(request, monkeypatch, destination, "_cy_write_files", "_write")
 
 
 @pytest.fixture(params=["cython", "python"])
 def read_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each small-file reader of the sender in turn: the Cython batch reader (``tb5sync._read``;
-    skipped when not built, failed under TB5SYNC_REQUIRE_CYTHON=1) and ``Sender._read_one`` per file."""
+    """Each small-file reader of the sender in turn: the Cython batch reader (``tb5sync._read``) and
+    ``Sender._read_one`` per file."""
     from tb5sync import sender
 
-    if request.param == "python":
-        monkeypatch.setattr(sender, "_cy_read_files", None)
-    elif sender._cy_read_files is None:
-        try:
-            from tb5sync._read import read_files
-        except ImportError:
-            if require_cython():
-                pytest.fail("tb5sync._read is not built but TB5SYNC_REQUIRE_CYTHON=1")
-            pytest.skip("tb5sync._read is not built")
-        monkeypatch.setattr(sender, "_cy_read_files", read_files)  # TB5SYNC_PUREPYTHON=1 run: both still
-    return request.param
+    return _both_impls(request, monkeypatch, sender, "_cy_read_files", "_read")
 
 
 @pytest.fixture(params=["openat2", "portable"])

@@ -177,11 +177,8 @@ def test_disk_op_bounds(server: LiveServer) -> None:
     assert d["bytes"] == 2 * 1024 * 1024 and leftovers(server.root) == []
 
 
-def test_disk_rates_free_space_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tb5sync.errors import DestinationError
-
-    with pytest.raises(DestinationError, match="disk test in"):
-        _diskbench.disk_rates(tmp_path / "missing", 2 * 1024 * 1024)
+def _almost_full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file system reports 10 blocks free (``os.statvfs``), its block size as it is."""
     real = os.statvfs
 
     class Tiny:
@@ -190,6 +187,14 @@ def test_disk_rates_free_space_and_errors(tmp_path: Path, monkeypatch: pytest.Mo
             self.f_bavail = 10
 
     monkeypatch.setattr(os, "statvfs", lambda p: Tiny(real(p)))
+
+
+def test_disk_rates_free_space_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tb5sync.errors import DestinationError
+
+    with pytest.raises(DestinationError, match="disk test in"):
+        _diskbench.disk_rates(tmp_path / "missing", 2 * 1024 * 1024)
+    _almost_full_disk(monkeypatch)
     with pytest.raises(DestinationError, match="choose a smaller size"):
         _diskbench.disk_rates(tmp_path, 2 * 1024 * 1024)
     assert leftovers(str(tmp_path)) == []
@@ -199,14 +204,7 @@ def test_sync_test_needs_free_space(server: LiveServer, tmp_path: Path, monkeypa
     from tb5sync.bench import sync_round_trip
     from tb5sync.errors import DestinationError
 
-    real = os.statvfs
-
-    class Tiny:
-        def __init__(self, st: Any) -> None:
-            self.f_frsize = st.f_frsize
-            self.f_bavail = 10
-
-    monkeypatch.setattr(os, "statvfs", lambda p: Tiny(real(p)))
+    _almost_full_disk(monkeypatch)
     with pytest.raises(DestinationError, match="choose a smaller size"):
         sync_round_trip(parse_url(server.url()), None, str(tmp_path), 2 * 1024 * 1024, 2)
     assert leftovers(str(tmp_path), server.root) == []

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_tree, snapshot, start_server, wait_for
+from conftest import http_cache_port, make_tree, snapshot, start_server, wait_for
 
 import tb5sync
 import tb5sync._diskbench as diskbench
@@ -388,7 +388,6 @@ def test_read_only_serve_http_cache_writes_nothing(tmp_path: Path) -> None:
     """``serve --read-only --http-cache``: the cache's store is opened read-only (its counters stay
     in memory); a missing one is not created (the server does not start)."""
     import http.client
-    import re
     import signal
     import subprocess
     import sys
@@ -415,12 +414,7 @@ def test_read_only_serve_http_cache_writes_nothing(tmp_path: Path) -> None:
     p = serve()
     try:
         assert p.stderr is not None
-        port = 0
-        for _ in range(5):
-            m = re.search(r"http cache of .* on 127\.0\.0\.1:(\d+)", p.stderr.readline())
-            if m:
-                port = int(m.group(1))
-                break
+        port = http_cache_port(p.stderr)
         assert port
         h = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         for _ in range(3):

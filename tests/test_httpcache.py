@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import http_cache_port
 
 from tb5sync.cli import main
 from tb5sync.httpcache import EMPTY_SHA256, HttpCache, parse_action_result
@@ -432,7 +433,6 @@ def test_bazel_build_gets_remote_hits_after_clean(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("how", ["serve", "http-cache"])
 def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> None:
-    import re
     import signal
     import sys
 
@@ -449,12 +449,7 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None
-        port = 0
-        for _ in range(5):
-            m = re.search(r"http cache of .* on 127\.0\.0\.1:(\d+)", p.stderr.readline())
-            if m:
-                port = int(m.group(1))
-                break
+        port = http_cache_port(p.stderr)
         assert port
         h = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         _OPEN.append(h)

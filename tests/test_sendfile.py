@@ -178,6 +178,16 @@ def _big_file_route(route: str, tmp_path: Path, server: object, data: bytes) -> 
     return (str(src) + "/", str(tmp_path / "d")), tmp_path / "d" / "big.bin"
 
 
+def _sync_fails_on_the_big_file(sync: tuple[str, str], error: type[Exception], says: str) -> None:
+    """``sync`` either raises ``error`` saying ``says`` (a local run) or reports ``big.bin`` failed."""
+    try:
+        stats = tb5sync.sync(*sync)
+    except error as exc:
+        assert says in str(exc)
+    else:
+        assert stats.failures and "big.bin" in stats.failures[0].path
+
+
 @pytest.mark.parametrize("route", ["local", "push"])
 def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """One chunk arrives damaged on every request: the others are written (each verified first), that
@@ -203,12 +213,7 @@ def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Pat
 
     monkeypatch.setattr(largefile, "decode_ranges", damaging)
     monkeypatch.setattr(largefile, "pwrite_all", spy)
-    try:
-        stats = tb5sync.sync(*sync)
-    except IntegrityError as exc:
-        assert "big.bin" in str(exc)
-    else:
-        assert stats.failures and "big.bin" in stats.failures[0].path
+    _sync_fails_on_the_big_file(sync, IntegrityError, "big.bin")
     assert not final.exists()
     assert writes  # the good chunks were written ...
     for off, buf in writes:  # ... and nothing else
@@ -266,12 +271,7 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     monkeypatch.setattr(largefile, "decode_ranges", failing_decode)
     monkeypatch.setattr(largefile.LargeFileJob, "_fetch_ranges", fetch)
     try:
-        try:
-            stats = tb5sync.sync(*sync)
-        except RemoteProtocolError as exc:
-            assert "fourth reply" in str(exc)
-        else:
-            assert stats.failures and "big.bin" in stats.failures[0].path
+        _sync_fails_on_the_big_file(sync, RemoteProtocolError, "fourth reply")
         assert not final.exists()
         # none still ran when the fetch returned (tasks not started yet may have been cancelled:
         # in a push the sender shares the hash pool, so how many ran before the failure varies)
