@@ -222,6 +222,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         y.add_argument("--bwlimit", default=None, metavar="RATE",
                        help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
+        y.add_argument("--mkpath", action="store_true",
+                       help="create the destination's missing parent directories (without it a missing parent fails "
+                            "the sync, exit 11, as rsync 3)")
         _rsync_aliases(y)
         y.error = lambda message: _sync_usage_error(y, message)  # type: ignore[method-assign]
 
@@ -462,6 +465,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             ignore_existing=a.ignore_existing,
             size_only=a.size_only,
             bwlimit=a.bwlimit,
+            mkpath=a.mkpath,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -485,6 +489,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             out["changes"] = changes
         print(json.dumps(out))
     else:
+        if a.itemize_changes or names or changes is not None:  # rsync -v / -i / -n -v: "created directory DST" first
+            for line in stats.created:
+                print(line)
         for line in (_verbose_names(stats.itemized) if names else stats.itemized):  # -i: rsync's lines, dry run or not
             print(line)
         if changes is not None:  # -n: the change list, as rsync -n -v lists it

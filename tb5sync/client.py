@@ -157,7 +157,7 @@ def pull(
         See :meth:`Receiver.run`.
     """
     from .links import RemoteLink
-    from .receiver import Receiver, dest_base, follow_dest_link
+    from .receiver import Receiver, dest_base, follow_dest_link, prepare_dest_dir
 
     chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()},
                                 options.streams, timeout=timeout, tls_ca=tls_ca)
@@ -169,10 +169,11 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
+        created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), str(kind), mkpath=options.mkpath, dry_run=options.dry_run)
         fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
         stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh).run()
-        return _on_server(stats, "source")
+        return _on_server(dataclasses.replace(stats, created=created), "source")
     finally:
         requester.close(bye=True)
         if state is not None:
@@ -304,7 +305,7 @@ def push(
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
     fields = {k: v for k, v in stats.items()
-              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized", "warnings")}
+              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized", "warnings", "created")}
     itemized = stats.get("itemized", [])
     if not (isinstance(itemized, list) and all(isinstance(x, str) for x in itemized)):
         raise RemoteProtocolError("the server's itemized changes are malformed")
@@ -316,6 +317,10 @@ def push(
     for w in warnings:  # the server's warning, shown here as a local run shows it
         log.warning("%s", w)
     fields["warnings"] = tuple(warnings)
+    created = stats.get("created", [])  # absent from an older server's statistics
+    if not (isinstance(created, list) and all(isinstance(x, str) for x in created)):
+        raise RemoteProtocolError("the server's created-directory lines are malformed")
+    fields["created"] = tuple(created)
     skipped = stats.get("skipped", [])
     if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
         raise RemoteProtocolError("the server's skipped entries are malformed")

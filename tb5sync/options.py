@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
 __all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS",
-           "RSYNC_OPTIONS", "known_options", "parse_rate", "MIN_BWLIMIT"]
+           "RSYNC_OPTIONS", "LENIENT_OPTIONS", "known_options", "parse_rate", "MIN_BWLIMIT"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
@@ -120,6 +120,11 @@ class SyncOptions:
         Bytes per second the sender puts on the wire, all streams of the session together
         (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited, else at least
         :data:`MIN_BWLIMIT` (512, rsync's floor; ``UsageError`` below it, a peer's too).
+    mkpath : bool
+        Create the destination's missing parent directories (rsync ``--mkpath``; the default, as
+        the Python API always did). False: rsync 3's rule, the CLI's without ``--mkpath``: a
+        missing parent fails the sync (:func:`tb5sync.receiver.prepare_dest_dir`). A server
+        that does not know it is not refused for it (:data:`LENIENT_OPTIONS`).
     """
 
     delete: bool = False
@@ -147,6 +152,7 @@ class SyncOptions:
     ignore_existing: bool = False
     size_only: bool = False
     bwlimit: int = 0
+    mkpath: bool = True
 
     def __post_init__(self) -> None:
         if self.delete_excluded and not self.delete:
@@ -201,7 +207,7 @@ class SyncOptions:
         names = set(known) if isinstance(known, list) else set(BASE_OPTIONS)
         default = SyncOptions()
         return [f.name for f in dataclasses.fields(self)
-                if f.name not in names and getattr(self, f.name) != getattr(default, f.name)]
+                if f.name not in names and f.name not in LENIENT_OPTIONS and getattr(self, f.name) != getattr(default, f.name)]
 
     @classmethod
     def from_wire(cls, d: object) -> SyncOptions:
@@ -224,11 +230,16 @@ class SyncOptions:
         if isinstance(kw.get("link_dest"), (list, tuple)):
             kw["link_dest"] = tuple(path_from_wire(d) if isinstance(d, (str, bytes)) else d for d in kw["link_dest"])
         for k in ("delete", "checksum", "dry_run", "fsync", *LINK_OPTIONS,
-                  "delete_excluded", "itemize", "update", "ignore_existing", "size_only"):
+                  "delete_excluded", "itemize", "update", "ignore_existing", "size_only", "mkpath"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
         return cls(**kw)
 
+
+#: Options a server that does not know them may ignore without losing anything: ``mkpath``
+#: False asks for rsync's missing-parent check, which an older server skips by creating the
+#: parents (what ``mkpath`` True does): it does more than asked, never deletes or leaves out.
+LENIENT_OPTIONS = frozenset({"mkpath"})
 
 #: The option names this version reads: a server's OPEN reply lists them, so that a client
 #: never sends an option a server would silently ignore (:meth:`SyncOptions.unsupported`).
@@ -359,6 +370,10 @@ class SyncStats:
     warnings : tuple of str
         Warnings of the receiving side that are not failures, in rsync's words (``"--link-dest
         arg does not exist: DIR"``); also logged where they arise, and by a client for its server's.
+    created : tuple of str
+        The lines rsync ``-v``/``-i`` print when the destination directory is (or, dry run,
+        would be) created: ``"created directory DST"``, ``"created N directories for DST"``
+        (``mkpath``), DST as the user named it (a push: the URL's path).
     """
 
     files_total: int = 0
@@ -376,6 +391,7 @@ class SyncStats:
     deletes_skipped: int = 0
     itemized: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    created: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:

@@ -337,7 +337,7 @@ def rsync_item_order(items: list[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
         if e.kind == DIR:
             path = tuple((1, c) for c in parts)
         else:
-            path = (*((1, c) for c in parts[:-1]), (0, parts[-1]))
+            path = (*((1, c) for c in parts[:-1]), (0, parts[-1] if parts else b""))  # "": a single file synced
         if code == "*deleting" or code == NONEMPTY:
             return (-1, ())  # stable: their own order
         return (1 if code.startswith("h") else 0, path)
