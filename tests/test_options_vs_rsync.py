@@ -565,12 +565,15 @@ def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any, server: Any, sl
             write(os.path.join(dst, "src", "old.txt"), b"old", 0o644, T0)
         cp_a(dst, os.path.join(server.root, "dst"))
     s = src + "/" if slash else src
-    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", s, dst], capture_output=True, text=True,
-                         timeout=60, check=True)
+    # run in tmp_path with "dst" relative: rsync's "created directory dst" names the destination as
+    # given, and a push's is the URL's path
+    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", s, "dst"], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=tmp_path)
     want = sorted(ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size")))
-    for target in (dst, server.url("dst")):
+    assert ("created directory dst" in want) == (not exists)
+    for target in ("dst", server.url("dst")):
         cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", s, target]
-        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
         assert sorted(got.stdout.splitlines()) == want, target
         with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
         assert any(ln.startswith("files:") and "would transfer" in ln for ln in with_stats.stdout.splitlines())
