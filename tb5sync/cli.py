@@ -3,7 +3,8 @@
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
 11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found or partial
-transfer, 24 source files vanished, 30 I/O timeout, 130 interrupted). A partial transfer
+transfer, 24 source files vanished, 30 I/O timeout, 20 interrupted by SIGINT, SIGTERM or SIGHUP,
+as rsync's). A partial transfer
 (rsync's 23/24) first names each entry that was not synced on its own line
 (``tb5sync: source 'a/b': Permission denied (13)``), and ``--json`` then still prints
 the statistics, their ``failures`` included.
@@ -615,6 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store,
                 "http-cache": _cmd_http_cache}
+    restore = _interrupt_on_signals() if a.command not in ("serve", "http-cache") else {}
     try:
         from .hashing import check_environment
 
@@ -631,9 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Tb5syncError as exc:
         print(f"tb5sync: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("tb5sync: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: what was being written was removed on the way out
+        print(f"tb5sync: error: {INTERRUPTED}", file=sys.stderr)
+        return 20
     except BrokenPipeError:  # output piped into e.g. `head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -641,6 +643,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"tb5sync: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", file=sys.stderr)
         return 11
+    finally:
+        for signum, handler in restore.items():
+            signal.signal(signum, handler)
+
+
+#: rsync's words for a run ended by a signal (exit code 20, as rsync's).
+INTERRUPTED = "received SIGINT, SIGTERM, or SIGHUP (code 20)"
+
+
+def _interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGTERM and SIGHUP end the command as SIGINT does (a ``KeyboardInterrupt`` in the main
+    thread: temporary files are removed and connections closed on the way out, then exit 20 with
+    rsync's message); returns the previous handlers. Nothing when not called from the main thread
+    (a caller embedding :func:`main`) or where a signal does not exist (SIGHUP on Windows)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            old[signum] = signal.signal(signum, interrupt)
+    return old
 
 
 def run() -> NoReturn:
