@@ -106,6 +106,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         q.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                        help="I/O timeout: a stalled server or a dead link ends the command after this long (default 60; 0: none)")
         q.add_argument("--tls-ca", metavar="PEM", help="CA certificates to check a tb5s:// server against (default: the system's)")
+        family_opts(q)
 
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
     p.add_argument("--version", action=_VersionAction, nargs=0, help="show the version and the chunker in use, and exit")
@@ -311,6 +312,14 @@ def _unsupported_sync_options(extras: list[str]) -> str:
             "(see tb5sync sync --help for the options it takes)")
 
 
+def family_opts(q: argparse.ArgumentParser) -> None:
+    """rsync's ``-4``/``--ipv4`` and ``-6``/``--ipv6`` (``ip_version``: 4, 6 or None; the last given wins)."""
+    q.add_argument("-4", "--ipv4", dest="ip_version", action="store_const", const=4, default=None,
+                   help="reach the server over IPv4 only")
+    q.add_argument("-6", "--ipv6", dest="ip_version", action="store_const", const=6, default=None,
+                   help="reach the server over IPv6 only")
+
+
 def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--http-basic-file", metavar="FILE", help="file holding USER:PASSWORD for HTTP basic auth of the cache")
     q.add_argument("--http-token-file", metavar="FILE", help="file holding a bearer token the cache accepts")
@@ -467,6 +476,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             size_only=a.size_only,
             bwlimit=a.bwlimit,
             mkpath=a.mkpath,
+            ip_version=a.ip_version,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -527,9 +537,12 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     from .entry import show_path
     from .errors import UsageError
 
+    from .urls import with_family
+
     r = parse_url(a.url)
     if r is None:
         raise UsageError(f"ls needs a tb5:// URL, not {a.url!r}")
+    r = with_family(r, a.ip_version)
     entries = ls(r, token=_read_token(a.token_file, env=False), timeout=a.timeout or None, tls_ca=a.tls_ca)
     import stat as _stat
 
@@ -545,12 +558,13 @@ def _cmd_ls(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     from .bench import format_report, run_bench
     from .storecli import parse_size
-    from .urls import Remote, parse_url
+    from .urls import Remote, parse_url, with_family
 
     r = parse_url(a.host) if "://" in a.host else None
     if r is None:  # the older HOST[:PORT] form
         host, port = _parse_bind(a.host)
         r = Remote(host.strip("[]"), port, "")
+    r = with_family(r, a.ip_version)
 
     def say(line: str) -> None:
         if not a.json:

@@ -43,7 +43,7 @@ __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "measure_r
 
 
 def _connect(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | os.PathLike[str] | None) -> Channel:
-    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout)
+    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout, family=r.family)
 
 
 def _open_streams(

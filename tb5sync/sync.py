@@ -57,6 +57,7 @@ def sync(
     size_only: bool = False,
     bwlimit: int | float | str | None = None,
     mkpath: bool = True,
+    ip_version: int | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -139,6 +140,9 @@ def sync(
         a Python caller, like fsspec's ``put``, expects writing to a path to make its parents, and
         this API always did. False is rsync 3's rule (the CLI's without ``--mkpath``): a missing
         parent raises :class:`~tb5sync.errors.MissingParentError` before anything is written.
+    ip_version : {4, 6} or None
+        Reach the server over IPv4 or IPv6 only (rsync ``-4``/``-6``); a host without an address
+        of that family is a :class:`~tb5sync.errors.ConnectError` saying so. None: either.
 
     Returns
     -------
@@ -207,7 +211,10 @@ def sync(
     from .client import parse_url, pull, push
     from .entry import source_name
 
+    from .urls import with_family
+
     rsrc, rdst = parse_url(src_s), parse_url(dst_s)
+    rsrc, rdst = (None if r is None else with_family(r, ip_version) for r in (rsrc, rdst))
     # rsync's transfer root: the source's parent when it has no trailing slash (exclude anchoring)
     options = dataclasses.replace(options, exclude_root=source_name(rsrc.path if rsrc is not None else src_s) or "")
     if rsrc is not None and rdst is not None:
