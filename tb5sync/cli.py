@@ -106,7 +106,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         q.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                        help="I/O timeout: a stalled server or a dead link ends the command after this long (default 60; 0: none)")
         q.add_argument("--tls-ca", metavar="PEM", help="CA certificates to check a tb5s:// server against (default: the system's)")
-        family_opts(q)
+        from .storecli import add_family_options
+
+        add_family_options(q)
 
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
     p.add_argument("--version", action=_VersionAction, nargs=0, help="show the version and the chunker in use, and exit")
@@ -310,14 +312,6 @@ def _unsupported_sync_options(extras: list[str]) -> str:
         return f"unexpected argument {extras[0]!r} (tb5sync sync takes SRC and DST only)"
     return (f"rsync option {opts[0].split('=', 1)[0]} is not supported by tb5sync sync "
             "(see tb5sync sync --help for the options it takes)")
-
-
-def family_opts(q: argparse.ArgumentParser) -> None:
-    """rsync's ``-4``/``--ipv4`` and ``-6``/``--ipv6`` (``ip_version``: 4, 6 or None; the last given wins)."""
-    q.add_argument("-4", "--ipv4", dest="ip_version", action="store_const", const=4, default=None,
-                   help="reach the server over IPv4 only")
-    q.add_argument("-6", "--ipv6", dest="ip_version", action="store_const", const=6, default=None,
-                   help="reach the server over IPv6 only")
 
 
 def _http_cache_options(q: argparse.ArgumentParser) -> None:
@@ -601,9 +595,42 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: The options of ``tb5sync`` itself (before the command); ``_TAKES_VALUE`` take one.
+_GLOBAL = ("-v", "--verbose", "--version", "-h", "--help", "--hash-threads", "--chunk-threads")
+_TAKES_VALUE = ("--hash-threads", "--chunk-threads")
+
+
+def _misplaced_before_command(argv: Sequence[str]) -> str | None:
+    """The one-line error for an option of a command given before it (``tb5sync --store DIR store
+    ls``: argparse would take ``DIR`` for the command), naming where it goes; None otherwise."""
+    first: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return None
+        if arg.startswith("-") and len(arg) > 1:
+            name = arg.split("=", 1)[0]
+            full = [g for g in _GLOBAL if g == name or (name.startswith("--") and len(name) > 2 and g.startswith(name))]
+            if full or (len(arg) > 1 and set(arg[1:]) == {"v"}):  # -vv
+                i += 2 if full and full[0] in _TAKES_VALUE and "=" not in arg else 1
+                continue
+            first = first or name
+        elif arg in COMMANDS:
+            if first is None:
+                return None
+            return f"{first} is not an option of tb5sync itself: put it after the command (tb5sync {arg} {first} ...)"
+        i += 1
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    misplaced = _misplaced_before_command(argv)
+    if misplaced:
+        sys.stderr.write(f"tb5sync: error: {misplaced}\n")
+        return 2
     parser = build_parser(_command_of(argv))
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
@@ -618,6 +645,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             parser.exit(2, "tb5sync: error: tb5sync sync needs SRC and DST\n")
     elif extras:
+        if a.command == "store":  # an option of the subcommand given before it: say where it goes
+            from .storecli import misplaced_store_option
+
+            where = misplaced_store_option(parser, extras, a.store_command)
+            if where:
+                parser.exit(2, f"tb5sync: error: {where}\n")
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     level = logging.WARNING - 10 * min(a.verbose, 2)
     logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
