@@ -21,7 +21,7 @@ from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire
 from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
-from .messages import PUSH_CLIENT_METHODS
+from .messages import PUSH_CLIENT_METHODS, ResultPages
 from .protocol import FrameType, decode_data
 from .rpc import Requester, open_session, reply_of, serve
 from .transport import IO_TIMEOUT, Channel, dial, host_port
@@ -190,6 +190,7 @@ class _PushHandler:
         self.total = total
         self.done = 0
         self._lock = threading.Lock()
+        self.pages = ResultPages()
         for name in ("tree", "entries", "chunk_list", "file_digests", "sub_chunks"):
             setattr(self, name, getattr(sender, name))
 
@@ -215,7 +216,15 @@ class _PushHandler:
         self._tick(meta)
         return meta, parts
 
+    def finish_part(self, section: object = None, key: object = None, items: object = None) -> dict[str, Any]:
+        """One page of a long result (:func:`tb5sync.messages.result_pages`), ahead of ``finish``."""
+        with self._lock:
+            self.pages.add(section, key, items)
+        return {}
+
     def finish(self, **result: Any) -> dict[str, Any]:
+        with self._lock:
+            result = self.pages.merge(result)
         self.result = result
         stats = result.get("stats")
         if self.progress is not None and isinstance(stats, dict):

@@ -54,7 +54,7 @@ from .errors import (
 )
 from .fsops import FsOps, Pages, args_from_wire
 from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
-from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
+from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
@@ -1009,6 +1009,9 @@ class Server:
                 message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
                 result = {"error": {"kind": "DestinationError", "message": message}}
             try:
+                result, pages = result_pages(result)  # a long result goes ahead in pages
+                for page in pages:
+                    requester.call("finish_part", page, timeout=30)
                 requester.call("finish", result, timeout=30)
             except (Tb5syncError, OSError, TimeoutError) as exc:
                 log.info("push session %s: could not report the result: %s", sid, exc)
