@@ -679,7 +679,7 @@ def result_pages(result: dict[str, Any], whole_max: int | None = None,
     pages: list[dict[str, Any]] = []
     for section, key in sorted(RESULT_PAGED):
         items = rest.get(section, {}).get(key) if isinstance(rest.get(section), dict) else None
-        if not isinstance(items, list) or not items:
+        if not isinstance(items, (list, tuple)) or not items:  # SyncStats.as_dict keeps tuples
             continue
         page: list[Any] = []
         size = 0
