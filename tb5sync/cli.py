@@ -624,6 +624,32 @@ def _misplaced_before_command(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _negative_values_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--opt -N`` written ``--opt=-N`` for each option taking a value: argparse reads
+    ``-N`` as an option once a parser has options that look like negative numbers (``-4``, ``-6``),
+    while rsync takes ``--max-delete -1`` (as 0)."""
+    import re
+
+    acts: dict[str, argparse.Action] = {}
+    todo = [parser]
+    while todo:
+        q = todo.pop()
+        acts.update(q._option_string_actions)
+        todo += [c for a in q._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        act = acts.get(argv[i])
+        if (act is not None and act.nargs is None and i + 1 < len(argv)
+                and re.fullmatch(r"-(\d+\.?\d*|\.\d+)", argv[i + 1]) and argv[i].startswith("--")):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -632,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"tb5sync: error: {misplaced}\n")
         return 2
     parser = build_parser(_command_of(argv))
+    argv = _negative_values_joined(parser, argv)
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
                  else x) for i, x in enumerate(argv)]

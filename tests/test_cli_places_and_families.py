@@ -170,3 +170,22 @@ def test_a_name_with_one_family(tmp_path: Any, server: Any, v6_server: Any, monk
         tb5sync.sync(src + "/", "tb5://nothing.invalid/a", ip_version=6)
     with pytest.raises(tb5sync.UsageError, match="ip_version must be 4, 6 or None"):
         tb5sync.sync(src + "/", f"tb5://v6only.test:{v6_server.port}/a", ip_version=5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("need_rsync")
+def test_negative_option_values_as_rsync_takes_them(tmp_path: Any) -> None:
+    """``-4``/``-6`` make argparse read ``-1`` as an option; ``--max-delete -1`` is still a value,
+    which rsync takes as 0 (no deletion, exit 25)."""
+    src = str(tmp_path / "src")
+    make_tree(src, files=3)
+    for d in ("ref", "mine"):
+        os.makedirs(tmp_path / d)
+        (tmp_path / d / "extra").write_bytes(b"x")
+    ref = subprocess.run(["rsync", "-a", "--delete", "--max-delete", "-1", src + "/", str(tmp_path / "ref")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    got = _cli("sync", "--delete", "--max-delete", "-1", src + "/", str(tmp_path / "mine"))
+    assert got.returncode == ref.returncode == 25, (got.stderr, ref.stderr)
+    assert (tmp_path / "mine" / "extra").exists() and (tmp_path / "ref" / "extra").exists()
+    bad = _cli("sync", "--streams", "-3", src + "/", str(tmp_path / "mine"))
+    assert bad.returncode == 2 and "streams must be an integer from 1 to 64, not -3" in bad.stderr
