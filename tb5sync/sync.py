@@ -137,9 +137,9 @@ def sync(
         4,000,000 B/s); 0 or None: unlimited.
     mkpath : bool
         Create the destination's missing parent directories (rsync ``--mkpath``). True by default:
-        a Python caller, like fsspec's ``put``, expects writing to a path to make its parents, and
-        this API always did. False is rsync 3's rule (the CLI's without ``--mkpath``): a missing
-        parent raises :class:`~tb5sync.errors.MissingParentError` before anything is written.
+        this API always did, and code calling it would otherwise break at run time; the CLI follows
+        rsync instead. False is rsync 3's rule (the CLI's without ``--mkpath``): a missing parent
+        raises :class:`~tb5sync.errors.MissingParentError` before anything is written.
     ip_version : {4, 6} or None
         Reach the server over IPv4 or IPv6 only (rsync ``-4``/``-6``); a host without an address
         of that family is a :class:`~tb5sync.errors.ConnectError` saying so. None: either.
