@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import assert_same, digest_snapshot
+from conftest import assert_same, digest_snapshot, slurp
 from test_options_vs_rsync import ITEM
 from test_vs_rsync import T0, cp_a, write
 
@@ -125,3 +125,24 @@ def test_api_keeps_making_parents_and_takes_mkpath_false(tmp_path: Any, server: 
     assert not os.path.exists(tmp_path / "m2")
     with pytest.raises(TypeError, match="mkpath"):
         tb5sync.sync(src + "/", str(tmp_path / "n"), mkpath="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_fsspec_put_into_missing_directory_as_local_filesystem(tmp_path: Any, server: Any) -> None:
+    """The ``tb5://`` filesystem keeps fsspec's LocalFileSystem behaviour (unchanged by ``--mkpath``):
+    ``put`` into a missing directory raises FileNotFoundError; after ``makedirs`` it works."""
+    import fsspec
+    from conftest import tb5fs
+
+    f = tmp_path / "f"
+    f.write_bytes(b"hi")
+    local = fsspec.filesystem("file")
+    with pytest.raises(FileNotFoundError):
+        local.put(str(f), str(tmp_path / "x" / "y" / "f"))
+    fs = tb5fs(server)
+    with pytest.raises(FileNotFoundError):
+        fs.put(str(f), "/x/y/f")
+    assert not os.path.exists(os.path.join(server.root, "x"))
+    fs.makedirs("/x/y", exist_ok=True)
+    fs.put(str(f), "/x/y/f")
+    assert slurp(os.path.join(server.root, "x", "y", "f")) == b"hi"
