@@ -47,6 +47,7 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = 
     if not full:
         return
     _store_options(s, after=False)
+    s.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv for debug)")
     # The same options are taken after the subcommand too (store ls --store DIR), as the global
     # -v/--hash-threads/--chunk-threads: there they override (--storage-option adds).
     after = argparse.ArgumentParser(add_help=False, parents=[common])

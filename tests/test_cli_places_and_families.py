@@ -52,6 +52,8 @@ def test_every_store_subcommand_takes_the_store_options_after_it() -> None:
         assert before.storage_options + getattr(before, "storage_options_after", []) == ["a=1"]
         assert after.storage_options + after.storage_options_after == ["a=1"], name
         assert (after.timeout, after.verbose, after.hash_threads) == (5.0, 1, 2), name
+        middle = parser.parse_args(["store", "-v", "--chunk-threads", "3", name, *pos])
+        assert (middle.verbose, middle.chunk_threads) == (1, 3), name
         both = parser.parse_args(["store", "--store", "A", "--storage-option", "a=1", name, *pos, "--store", "B",
                                   "--storage-option", "b=2"])
         assert both.store == "B" and both.storage_options + both.storage_options_after == ["a=1", "b=2"], name
