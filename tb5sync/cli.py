@@ -469,7 +469,7 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             ignore_existing=a.ignore_existing,
             size_only=a.size_only,
             bwlimit=a.bwlimit,
-            mkpath=a.mkpath,
+            mkpath=a.mkpath,  # the CLI: rsync's rule unless --mkpath (the API's default, None, makes parents)
             ip_version=a.ip_version,
         )
     except PartialTransferError as exc:

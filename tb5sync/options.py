@@ -120,11 +120,12 @@ class SyncOptions:
         Bytes per second the sender puts on the wire, all streams of the session together
         (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited, else at least
         :data:`MIN_BWLIMIT` (512, rsync's floor; ``UsageError`` below it, a peer's too).
-    mkpath : bool
-        Create the destination's missing parent directories (rsync ``--mkpath``; the default, as
-        the Python API always did). False: rsync 3's rule, the CLI's without ``--mkpath``: a
-        missing parent fails the sync (:func:`tb5sync.receiver.prepare_dest_dir`). A server
-        that does not know it is not refused for it (:data:`LENIENT_OPTIONS`).
+    mkpath : bool or None
+        True: rsync ``--mkpath`` (the destination's missing directories made first). False: rsync
+        3's rule, the CLI's without ``--mkpath``: a missing parent fails the sync. None (the
+        Python API's default): rsync's rule where the parent exists, missing parents made where
+        not, as the API always did (:func:`tb5sync.receiver.prepare_dest_dir`). A server that
+        does not know it is not refused for it (:data:`LENIENT_OPTIONS`).
     """
 
     delete: bool = False
@@ -152,7 +153,7 @@ class SyncOptions:
     ignore_existing: bool = False
     size_only: bool = False
     bwlimit: int = 0
-    mkpath: bool = True
+    mkpath: bool | None = None
 
     def __post_init__(self) -> None:
         if self.delete_excluded and not self.delete:
@@ -230,15 +231,18 @@ class SyncOptions:
         if isinstance(kw.get("link_dest"), (list, tuple)):
             kw["link_dest"] = tuple(path_from_wire(d) if isinstance(d, (str, bytes)) else d for d in kw["link_dest"])
         for k in ("delete", "checksum", "dry_run", "fsync", *LINK_OPTIONS,
-                  "delete_excluded", "itemize", "update", "ignore_existing", "size_only", "mkpath"):
+                  "delete_excluded", "itemize", "update", "ignore_existing", "size_only"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
+        if kw.get("mkpath") is not None and not isinstance(kw["mkpath"], bool):
+            raise UsageError("option mkpath must be a boolean or None")
         return cls(**kw)
 
 
 #: Options a server that does not know them may ignore without losing anything: ``mkpath``
 #: False asks for rsync's missing-parent check, which an older server skips by creating the
-#: parents (what ``mkpath`` True does): it does more than asked, never deletes or leaves out.
+#: parents; True, for them made first, which an older server does as it goes: it does more (or
+#: the same) than asked, never deletes or leaves out.
 LENIENT_OPTIONS = frozenset({"mkpath"})
 
 #: The option names this version reads: a server's OPEN reply lists them, so that a client

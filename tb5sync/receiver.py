@@ -187,7 +187,7 @@ def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) 
     return dst
 
 
-def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mkpath: bool, dry_run: bool,
+def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mkpath: bool | None, dry_run: bool,
                      makedirs: Callable[[str], None] | None = None) -> tuple[str, ...]:
     """rsync 3.x's checks and messages for the directory a sync lands in, made before the receiver runs.
 
@@ -197,7 +197,10 @@ def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mk
     else rsync fails (``mkdir "DST" failed``, exit 11; for a file's directory ``change_dir``,
     exit 3), and so does this, naming ``--mkpath``. A dry run creates nothing and only a file's
     missing directory fails it, as rsync's. With ``mkpath`` the missing directories are created
-    here, at once (``makedirs``; a dry run only says so), as rsync ``--mkpath`` does.
+    here, at once (``makedirs``; a dry run only says so), as rsync ``--mkpath`` does. ``mkpath``
+    None (the Python API's default) is rsync's rule where the parent exists, and creates missing
+    parents (not the directory itself, made by the receiver as rsync makes it) where it does not,
+    as this API always did.
 
     Parameters
     ----------
@@ -209,8 +212,10 @@ def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mk
         ``dst`` was written with a trailing slash.
     src_kind : str
         The source's kind (``"d"``, ``"f"`` or ``"l"``).
-    mkpath, dry_run : bool
-        rsync's ``--mkpath`` and ``-n``.
+    mkpath : bool or None
+        rsync's ``--mkpath`` (True), rsync's rule (False) or the API's (None, above).
+    dry_run : bool
+        rsync's ``-n``.
     makedirs : callable(str), optional
         Creates an absolute directory path and its missing parents (default ``os.makedirs``; a
         server passes one that stays inside its ROOT).
@@ -254,11 +259,14 @@ def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mk
         return tuple(lines)
     hint = ("; add --mkpath to create the missing parent directories (rsync 3's rule; "
             "tb5sync 0.1 created them without it)")
-    if not into:
+    if mkpath is None:  # the API's: missing parents made, then as rsync
+        if not dry_run and (missing > 1 or not into):
+            (makedirs or os.makedirs)(os.path.dirname(target) if into else target)
+    elif not into:
         raise MissingDirectoryError(f'change_dir "{name}" failed: No such file or directory (2){hint}', name)
-    if missing > 1 and not dry_run:
+    elif missing > 1 and not dry_run:
         raise MissingParentError(f'mkdir "{name}" failed: No such file or directory (2){hint}', name)
-    return (f"created directory {name}",)
+    return (f"created directory {name}",) if into else ()
 
 
 class Receiver:

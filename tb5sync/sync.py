@@ -56,7 +56,7 @@ def sync(
     ignore_existing: bool = False,
     size_only: bool = False,
     bwlimit: int | float | str | None = None,
-    mkpath: bool = True,
+    mkpath: bool | None = None,
     ip_version: int | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
@@ -135,11 +135,13 @@ def sync(
         The rate the sender puts on the wire, all streams together, in rsync's units: a number is
         KiB/s, a str may carry a suffix (``"512b"``, ``"100K"``, ``"4M"``, ``"1.5G"``; ``"4MB"`` =
         4,000,000 B/s); 0 or None: unlimited.
-    mkpath : bool
-        Create the destination's missing parent directories (rsync ``--mkpath``). True by default:
-        this API always did, and code calling it would otherwise break at run time; the CLI follows
-        rsync instead. False is rsync 3's rule (the CLI's without ``--mkpath``): a missing parent
-        raises :class:`~tb5sync.errors.MissingParentError` before anything is written.
+    mkpath : bool or None
+        None (the default): missing parent directories of the destination are created, as this
+        API always did (code calling it would otherwise break at run time; the CLI follows rsync
+        instead), and where the parent exists all is as rsync's. True: rsync ``--mkpath`` (the
+        missing directories made first, "created N directories for DST"). False: rsync 3's rule
+        (the CLI's without ``--mkpath``): a missing parent raises
+        :class:`~tb5sync.errors.MissingParentError` before anything is written.
     ip_version : {4, 6} or None
         Reach the server over IPv4 or IPv6 only (rsync ``-4``/``-6``); a host without an address
         of that family is a :class:`~tb5sync.errors.ConnectError` saying so. None: either.
@@ -233,7 +235,7 @@ def sync(
 
 def _check_rsync_options(
     delete_excluded: object, max_delete: object, itemize_changes: object, update: object,
-    ignore_existing: object, size_only: object, bwlimit: object, mkpath: object = True,
+    ignore_existing: object, size_only: object, bwlimit: object, mkpath: object = None,
 ) -> int:
     """Check the rsync options' arguments of :func:`sync`; returns ``bwlimit`` in bytes per second.
 
@@ -248,7 +250,7 @@ def _check_rsync_options(
 
     for name, v in (("delete_excluded", delete_excluded), ("itemize_changes", itemize_changes), ("update", update),
                     ("ignore_existing", ignore_existing), ("size_only", size_only), ("mkpath", mkpath)):
-        if not isinstance(v, bool):
+        if not isinstance(v, bool) and not (name == "mkpath" and v is None):
             raise ArgumentTypeError(f"sync(): {name} must be a bool, not {type(v).__name__} {v!r:.80}")
     if max_delete is not None:
         if isinstance(max_delete, bool) or not isinstance(max_delete, int):

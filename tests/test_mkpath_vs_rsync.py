@@ -102,14 +102,17 @@ def test_destination_directory_like_rsync(tmp_path: Any, server: Any, src_spec: 
 
 @pytest.mark.timeout(60)
 def test_api_keeps_making_parents_and_takes_mkpath_false(tmp_path: Any, server: Any) -> None:
-    """The Python API creates missing parents by default (as fsspec users expect, and as it always
-    did), on every route; ``mkpath=False`` applies rsync's rule and raises before writing anything."""
+    """The Python API creates missing parents by default (as it always did), on every route, else as
+    rsync without --mkpath; ``mkpath=True`` is rsync's --mkpath; ``mkpath=False`` applies rsync's
+    rule and raises before writing anything."""
     src = str(tmp_path / "src")
     _src(src)
     cp_a(src, os.path.join(server.root, "src"))
     for dst in (str(tmp_path / "l" / "x" / "d"), server.url("p/x/d")):
         st = tb5sync.sync(src + "/", dst)
-        assert st.files_transferred == 2 and st.created == (f"created 3 directories for {dst.split('/', 3)[-1] if '://' in dst else dst}",)
+        assert st.files_transferred == 2 and st.created == (f"created directory {dst.split('/', 3)[-1] if '://' in dst else dst}",)
+    st = tb5sync.sync(src + "/", str(tmp_path / "k" / "x" / "d"), mkpath=True, itemize_changes=True)  # rsync --mkpath's
+    assert st.created == (f"created 3 directories for {tmp_path / 'k' / 'x' / 'd'}",) and ".d..t...... ./" in st.itemized
     st = tb5sync.sync(server.url("src/"), str(tmp_path / "pl" / "x" / "d"))
     assert st.files_transferred == 2 and os.path.isfile(tmp_path / "pl" / "x" / "d" / "sub" / "b")
     for dst in (str(tmp_path / "m" / "x" / "d"), server.url("m/x/d")):
