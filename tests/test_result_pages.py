@@ -76,11 +76,13 @@ def test_small_pages_dry_run_and_itemized(tmp_path: Any, monkeypatch: pytest.Mon
         assert sorted(st.extra["changes"]["lines"]) == want
         assert len(sent) > 20 and {"changes.lines", "changes.transfer"} <= set(sent)
         sent.clear()
-        os.makedirs(tmp_path / "ref")
         ref = subprocess.run(["rsync", "-a", "-i", src + "/", str(tmp_path / "ref")], capture_output=True, text=True,
                              timeout=300, check=True).stdout.splitlines()
+        assert ref[0] == f"created directory {tmp_path / 'ref'}"
+        ref = ref[1:]
         st = tb5sync.sync(src + "/", live.url("dst"), itemize_changes=True)
         assert sorted("<" + x[1:] if x.startswith(">") else x for x in ref) == sorted(st.itemized)
+        assert st.created == ("created directory dst",)
         assert len(sent) > 20 and "stats.itemized" in sent and set(sent) <= {"stats.itemized", "stats.created"}
         sent.clear()
         assert tb5sync.sync(src + "/", live.url("dst"), itemize_changes=True).itemized == ()
