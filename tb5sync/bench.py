@@ -67,7 +67,7 @@ _CPU_MAX = 256 * 1024 * 1024
 
 
 def _dial(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | None) -> Channel:
-    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout)
+    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout, family=r.family)
 
 
 def _rate(nbytes: int, seconds: float) -> float:
@@ -132,7 +132,7 @@ def sync_round_trip(r: Remote, token: bytes | None, directory: str, size: int, s
     work = tempfile.mkdtemp(prefix=".tb5sync-bench-", dir=directory)
     name = f".tb5sync-bench-{secrets.token_hex(8)}"
     remote_path = (r.path.rstrip("/") + "/" + name) if r.path.strip("/") else name
-    target = Remote(r.host, r.port, remote_path, r.token, r.tls)
+    target = Remote(r.host, r.port, remote_path, r.token, r.tls, r.family)
     opts = SyncOptions(streams=streams)
     out: dict[str, Any] = {}
     pushed = False

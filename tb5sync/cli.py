@@ -3,7 +3,8 @@
 Exit status 0 on success; otherwise the error class's ``exit_code`` with a
 one-line reason on stderr (2 usage, 3 path/permission, 5 auth, 10 connect,
 11 destination, 12 protocol, 13 integrity, 14 remote, 23 not found or partial
-transfer, 24 source files vanished, 30 I/O timeout, 130 interrupted). A partial transfer
+transfer, 24 source files vanished, 30 I/O timeout, 20 interrupted by SIGINT, SIGTERM or SIGHUP,
+as rsync's). A partial transfer
 (rsync's 23/24) first names each entry that was not synced on its own line
 (``tb5sync: source 'a/b': Permission denied (13)``), and ``--json`` then still prints
 the statistics, their ``failures`` included.
@@ -105,6 +106,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         q.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                        help="I/O timeout: a stalled server or a dead link ends the command after this long (default 60; 0: none)")
         q.add_argument("--tls-ca", metavar="PEM", help="CA certificates to check a tb5s:// server against (default: the system's)")
+        from .storecli import add_family_options
+
+        add_family_options(q)
 
     p = argparse.ArgumentParser(prog="tb5sync", description="Move files between machines at link speed.")
     p.add_argument("--version", action=_VersionAction, nargs=0, help="show the version and the chunker in use, and exit")
@@ -222,6 +226,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         y.add_argument("--bwlimit", default=None, metavar="RATE",
                        help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
+        y.add_argument("--mkpath", action="store_true",
+                       help="create the destination's missing parent directories (without it a missing parent fails "
+                            "the sync, exit 11, as rsync 3)")
         _rsync_aliases(y)
         y.error = lambda message: _sync_usage_error(y, message)  # type: ignore[method-assign]
 
@@ -462,6 +469,8 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             ignore_existing=a.ignore_existing,
             size_only=a.size_only,
             bwlimit=a.bwlimit,
+            mkpath=a.mkpath,  # the CLI: rsync's rule unless --mkpath (the API's default, None, makes parents)
+            ip_version=a.ip_version,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -485,6 +494,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             out["changes"] = changes
         print(json.dumps(out))
     else:
+        if a.itemize_changes or names or changes is not None:  # rsync -v / -i / -n -v: "created directory DST" first
+            for line in stats.created:
+                print(line)
         for line in (_verbose_names(stats.itemized) if names else stats.itemized):  # -i: rsync's lines, dry run or not
             print(line)
         if changes is not None:  # -n: the change list, as rsync -n -v lists it
@@ -519,9 +531,12 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     from .entry import show_path
     from .errors import UsageError
 
+    from .urls import with_family
+
     r = parse_url(a.url)
     if r is None:
         raise UsageError(f"ls needs a tb5:// URL, not {a.url!r}")
+    r = with_family(r, a.ip_version)
     entries = ls(r, token=_read_token(a.token_file, env=False), timeout=a.timeout or None, tls_ca=a.tls_ca)
     import stat as _stat
 
@@ -537,12 +552,13 @@ def _cmd_ls(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     from .bench import format_report, run_bench
     from .storecli import parse_size
-    from .urls import Remote, parse_url
+    from .urls import Remote, parse_url, with_family
 
     r = parse_url(a.host) if "://" in a.host else None
     if r is None:  # the older HOST[:PORT] form
         host, port = _parse_bind(a.host)
         r = Remote(host.strip("[]"), port, "")
+    r = with_family(r, a.ip_version)
 
     def say(line: str) -> None:
         if not a.json:
@@ -579,10 +595,70 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: The options of ``tb5sync`` itself (before the command); ``_TAKES_VALUE`` take one.
+_GLOBAL = ("-v", "--verbose", "--version", "-h", "--help", "--hash-threads", "--chunk-threads")
+_TAKES_VALUE = ("--hash-threads", "--chunk-threads")
+
+
+def _misplaced_before_command(argv: Sequence[str]) -> str | None:
+    """The one-line error for an option of a command given before it (``tb5sync --store DIR store
+    ls``: argparse would take ``DIR`` for the command), naming where it goes; None otherwise."""
+    first: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return None
+        if arg.startswith("-") and len(arg) > 1:
+            name = arg.split("=", 1)[0]
+            full = [g for g in _GLOBAL if g == name or (name.startswith("--") and len(name) > 2 and g.startswith(name))]
+            if full or (len(arg) > 1 and set(arg[1:]) == {"v"}):  # -vv
+                i += 2 if full and full[0] in _TAKES_VALUE and "=" not in arg else 1
+                continue
+            first = first or name
+        elif arg in COMMANDS:
+            if first is None:
+                return None
+            return f"{first} is not an option of tb5sync itself: put it after the command (tb5sync {arg} {first} ...)"
+        i += 1
+    return None
+
+
+def _negative_values_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with ``--opt -N`` written ``--opt=-N`` for each option taking a value: argparse reads
+    ``-N`` as an option once a parser has options that look like negative numbers (``-4``, ``-6``),
+    while rsync takes ``--max-delete -1`` (as 0)."""
+    import re
+
+    acts: dict[str, argparse.Action] = {}
+    todo = [parser]
+    while todo:
+        q = todo.pop()
+        acts.update(q._option_string_actions)
+        todo += [c for a in q._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        act = acts.get(argv[i])
+        if (act is not None and act.nargs is None and i + 1 < len(argv)
+                and re.fullmatch(r"-(\d+\.?\d*|\.\d+)", argv[i + 1]) and argv[i].startswith("--")):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    misplaced = _misplaced_before_command(argv)
+    if misplaced:
+        sys.stderr.write(f"tb5sync: error: {misplaced}\n")
+        return 2
     parser = build_parser(_command_of(argv))
+    argv = _negative_values_joined(parser, argv)
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
                  else x) for i, x in enumerate(argv)]
@@ -596,6 +672,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             parser.exit(2, "tb5sync: error: tb5sync sync needs SRC and DST\n")
     elif extras:
+        if a.command == "store":  # an option of the subcommand given before it: say where it goes
+            from .storecli import misplaced_store_option
+
+            where = misplaced_store_option(parser, extras, a.store_command)
+            if where:
+                parser.exit(2, f"tb5sync: error: {where}\n")
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     level = logging.WARNING - 10 * min(a.verbose, 2)
     logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
@@ -608,6 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store,
                 "http-cache": _cmd_http_cache}
+    restore = _interrupt_on_signals() if a.command not in ("serve", "http-cache") else {}
     try:
         from .hashing import check_environment
 
@@ -624,9 +707,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Tb5syncError as exc:
         print(f"tb5sync: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("tb5sync: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: what was being written was removed on the way out
+        print(f"tb5sync: error: {INTERRUPTED}", file=sys.stderr)
+        return 20
     except BrokenPipeError:  # output piped into e.g. `head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -634,6 +717,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"tb5sync: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", file=sys.stderr)
         return 11
+    finally:
+        for signum, handler in restore.items():
+            signal.signal(signum, handler)
+
+
+#: rsync's words for a run ended by a signal (exit code 20, as rsync's).
+INTERRUPTED = "received SIGINT, SIGTERM, or SIGHUP (code 20)"
+
+
+def _interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGTERM and SIGHUP end the command as SIGINT does (a ``KeyboardInterrupt`` in the main
+    thread: temporary files are removed and connections closed on the way out, then exit 20 with
+    rsync's message); returns the previous handlers. Nothing when not called from the main thread
+    (a caller embedding :func:`main`) or where a signal does not exist (SIGHUP on Windows)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            old[signum] = signal.signal(signum, interrupt)
+    return old
 
 
 def run() -> NoReturn:

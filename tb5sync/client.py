@@ -21,7 +21,7 @@ from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire
 from .options import Failure, SyncOptions, SyncStats
 from .sender import Sender
 from ._parts import close_parts
-from .messages import PUSH_CLIENT_METHODS
+from .messages import PUSH_CLIENT_METHODS, ResultPages
 from .protocol import FrameType, decode_data
 from .rpc import Requester, open_session, reply_of, serve
 from .transport import IO_TIMEOUT, Channel, dial, host_port
@@ -43,7 +43,7 @@ __all__ = ["Remote", "parse_url", "push", "pull", "ls", "bench_link", "measure_r
 
 
 def _connect(r: Remote, token: bytes | None, timeout: float | None, tls_ca: str | os.PathLike[str] | None) -> Channel:
-    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout)
+    return dial(r.host, r.port, token, tls=r.tls, tls_ca=tls_ca, io_timeout=timeout, family=r.family)
 
 
 def _open_streams(
@@ -157,7 +157,7 @@ def pull(
         See :meth:`Receiver.run`.
     """
     from .links import RemoteLink
-    from .receiver import Receiver, dest_base, follow_dest_link
+    from .receiver import Receiver, dest_base, follow_dest_link, prepare_dest_dir
 
     chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()},
                                 options.streams, timeout=timeout, tls_ca=tls_ca)
@@ -169,10 +169,11 @@ def pull(
             raise UsageError("server did not say what the source is")
         dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
         dest = dest_base(dst_abs, dst.endswith("/"), source_name(src.path), str(kind))
+        created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), str(kind), mkpath=options.mkpath, dry_run=options.dry_run)
         fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
         stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh).run()
-        return _on_server(stats, "source")
+        return _on_server(dataclasses.replace(stats, created=created), "source")
     finally:
         requester.close(bye=True)
         if state is not None:
@@ -189,6 +190,7 @@ class _PushHandler:
         self.total = total
         self.done = 0
         self._lock = threading.Lock()
+        self.pages = ResultPages()
         for name in ("tree", "entries", "chunk_list", "file_digests", "sub_chunks"):
             setattr(self, name, getattr(sender, name))
 
@@ -214,7 +216,15 @@ class _PushHandler:
         self._tick(meta)
         return meta, parts
 
+    def finish_part(self, section: object = None, key: object = None, items: object = None) -> dict[str, Any]:
+        """One page of a long result (:func:`tb5sync.messages.result_pages`), ahead of ``finish``."""
+        with self._lock:
+            self.pages.add(section, key, items)
+        return {}
+
     def finish(self, **result: Any) -> dict[str, Any]:
+        with self._lock:
+            result = self.pages.merge(result)
         self.result = result
         stats = result.get("stats")
         if self.progress is not None and isinstance(stats, dict):
@@ -304,7 +314,7 @@ def push(
     if not isinstance(stats, dict):
         raise ConnectError("server sent no statistics")
     fields = {k: v for k, v in stats.items()
-              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized", "warnings")}
+              if k in SyncStats.__dataclass_fields__ and k not in ("extra", "failures", "skipped", "itemized", "warnings", "created")}
     itemized = stats.get("itemized", [])
     if not (isinstance(itemized, list) and all(isinstance(x, str) for x in itemized)):
         raise RemoteProtocolError("the server's itemized changes are malformed")
@@ -316,6 +326,10 @@ def push(
     for w in warnings:  # the server's warning, shown here as a local run shows it
         log.warning("%s", w)
     fields["warnings"] = tuple(warnings)
+    created = stats.get("created", [])  # absent from an older server's statistics
+    if not (isinstance(created, list) and all(isinstance(x, str) for x in created)):
+        raise RemoteProtocolError("the server's created-directory lines are malformed")
+    fields["created"] = tuple(created)
     skipped = stats.get("skipped", [])
     if not (isinstance(skipped, list) and all(isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("what"), str) for x in skipped)):
         raise RemoteProtocolError("the server's skipped entries are malformed")

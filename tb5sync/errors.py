@@ -40,6 +40,8 @@ __all__ = [
     "SourceChangedError",
     "DestinationError",
     "DestinationExistsError",
+    "MissingParentError",
+    "MissingDirectoryError",
     "SourceError",
     "PartialTransferError",
     "VanishedSourceError",
@@ -227,6 +229,30 @@ class DestinationError(Tb5syncError, OSError):
     exit_code = 11
 
 
+class MissingParentError(DestinationError, FileNotFoundError):
+    """The directory the destination lands in has missing parents and ``--mkpath`` was not given
+    (rsync 3.x: ``mkdir "DST" failed: No such file or directory (2)``, exit 11).
+
+    Attributes
+    ----------
+    path : str
+        The destination directory as the user named it (``""`` when rebuilt from a server's error).
+    """
+
+    exit_code = 11
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class MissingDirectoryError(MissingParentError):
+    """A single file's destination directory is missing and ``--mkpath`` was not given (rsync 3.x:
+    ``change_dir "DIR" failed: No such file or directory (2)``, exit 3, as rsync's)."""
+
+    exit_code = 3
+
+
 class DestinationExistsError(DestinationError, FileExistsError):
     """The destination exists and replacing it was not asked for (a usage error: ``--force`` replaces it)."""
 
@@ -380,6 +406,8 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
     cls.__name__: cls
     for cls in (
         UsageError,
+        MissingParentError,
+        MissingDirectoryError,
         AuthError,
         RefusedError,
         BusyError,

@@ -76,6 +76,14 @@ class Planned(NamedTuple):
     temps: tuple[str, ...] = ()
 
 
+def _pretended(plan: Plan) -> int:
+    """The directories a dry run itemizes as deleted though they stay (``plan.kept_dirs`` inside
+    another being cleared: rsync ``-n`` does not try their ``rmdir`` and says ``*deleting``, and its
+    ``--stats`` counts them among the deleted files, as this does)."""
+    kept = set(plan.kept_dirs)
+    return sum(1 for c, e in plan.items if c == "*deleting" and e.path in kept) if kept else 0
+
+
 class Generator:
     """Compare the sender's source with the destination, plan, and shape the destination tree.
 
@@ -187,7 +195,7 @@ class Generator:
             files_transferred=len(plan.files),
             bytes_transferred=self.destination.total_bytes,
             wire_bytes=self.link.wire_bytes,
-            files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}),
+            files_deleted=sum(1 for d in plan.delete if d.path not in {e.path for e in src}) + _pretended(plan),
             seconds=time.perf_counter() - t0,
             failures=tuple(self.destination.failures),
             skipped=tuple(self.destination.specials),

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 from .entry import STATE_DIR, Entry, check_relpath, path_from_wire, path_to_wire
-from .errors import RemoteProtocolError, UsageError
+from .errors import RemoteProtocolError, UsageError, shown
 from .protocol import MAX_PAYLOAD
 
 __all__ = [
@@ -52,6 +52,10 @@ __all__ = [
     "STRING_COST",
     "SENDER_METHODS",
     "PUSH_CLIENT_METHODS",
+    "RESULT_WHOLE_MAX",
+    "RESULT_PAGE_BYTES",
+    "result_pages",
+    "ResultPages",
     "DATA_METHODS",
     "READ_METHODS",
     "FS_METHODS",
@@ -90,8 +94,9 @@ DEFAULT_PORT: Final = 8873
 
 #: Requests a sender answers (the server's in a pull, the client's in a push).
 SENDER_METHODS: Final = frozenset({"tree", "entries", "chunk_list", "file_digests", "read_ranges", "read_files", "sub_chunks"})
-#: Requests the push client answers: a sender's, plus the server's final ``finish``.
-PUSH_CLIENT_METHODS: Final = SENDER_METHODS | {"finish"}
+#: Requests the push client answers: a sender's, plus the server's result: ``finish_part`` (a page
+#: of a long list of it, :func:`result_pages`) then ``finish``.
+PUSH_CLIENT_METHODS: Final = SENDER_METHODS | {"finish", "finish_part"}
 #: Sender requests answered with DATA frames (file bytes): sent on the data streams.
 DATA_METHODS: Final = frozenset({"read_ranges", "read_files"})
 #: Sender requests answered with RESPONSE that read file data: also sent on the data streams.
@@ -638,3 +643,89 @@ class SubChunksReply:
         if not isinstance(subs, list) or len(subs) != count:
             raise RemoteProtocolError("sub_chunks reply does not match the request")
         return cls(subs)
+
+
+# ---- a push's result, in pages ----------------------------------------------------------------
+
+#: A push's result (``finish``) encoded larger than this travels in pages: its long lists go ahead
+#: in ``finish_part`` requests of at most :data:`RESULT_PAGE_BYTES` each (a dry run of 200,000
+#: files with 109-byte names lists ~44 MB: over a control frame's 32 MiB). Smaller results go
+#: whole, as a server before pages sent them, which any client reads.
+RESULT_WHOLE_MAX = 16 << 20
+#: Most bytes of the items of one ``finish_part`` page (msgpack-encoded).
+RESULT_PAGE_BYTES = 4 << 20
+#: The lists of a push's result that may travel in pages: (section, key).
+RESULT_PAGED = frozenset({("stats", "itemized"), ("stats", "failures"), ("stats", "skipped"), ("stats", "warnings"),
+                          ("stats", "created"), ("changes", "transfer"), ("changes", "delete"), ("changes", "lines")})
+
+
+def result_pages(result: dict[str, Any], whole_max: int | None = None,
+                 page_bytes: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Split a push's ``finish`` result whose encoding exceeds ``whole_max`` bytes (None:
+    :data:`RESULT_WHOLE_MAX`; ``page_bytes`` None: :data:`RESULT_PAGE_BYTES`).
+
+    Returns ``(rest, pages)``: each page ``{"section", "key", "items"}`` holds consecutive items
+    (at most ``page_bytes`` encoded, at least one) of the list ``result[section][key]`` (one of
+    :data:`RESULT_PAGED`), in order; ``rest`` is ``result`` with those lists emptied and
+    ``"pages"`` (their count) set. No pages (``rest`` is ``result``) when it fits whole.
+    """
+    import msgpack
+
+    whole_max = RESULT_WHOLE_MAX if whole_max is None else whole_max
+    page_bytes = RESULT_PAGE_BYTES if page_bytes is None else page_bytes
+    if len(msgpack.packb(result, use_bin_type=True)) <= whole_max:
+        return result, []
+    rest = {k: dict(v) if isinstance(v, dict) else v for k, v in result.items()}
+    pages: list[dict[str, Any]] = []
+    for section, key in sorted(RESULT_PAGED):
+        items = rest.get(section, {}).get(key) if isinstance(rest.get(section), dict) else None
+        if not isinstance(items, (list, tuple)) or not items:  # SyncStats.as_dict keeps tuples
+            continue
+        page: list[Any] = []
+        size = 0
+        for item in items:
+            n = len(msgpack.packb(item, use_bin_type=True))
+            if page and size + n > page_bytes:
+                pages.append({"section": section, "key": key, "items": page})
+                page, size = [], 0
+            page.append(item)
+            size += n
+        pages.append({"section": section, "key": key, "items": page})
+        rest[section][key] = []
+    rest["pages"] = len(pages)
+    return rest, pages
+
+
+class ResultPages:
+    """The client's side of :func:`result_pages`: collects ``finish_part`` pages, then puts them
+    back into the ``finish`` result (:meth:`merge`).
+
+    Raises
+    ------
+    RemoteProtocolError
+        A page of an unknown list, or whose items are not a list; a result announcing another
+        number of pages than arrived.
+    """
+
+    def __init__(self) -> None:
+        self.lists: dict[tuple[str, str], list[Any]] = {}
+        self.count = 0
+
+    def add(self, section: object, key: object, items: object) -> None:
+        """One page (the ``finish_part`` request's arguments)."""
+        if (section, key) not in RESULT_PAGED or not isinstance(items, list):
+            raise RemoteProtocolError(f"malformed result page from the server: {shown((section, key))}")
+        self.lists.setdefault((str(section), str(key)), []).extend(items)
+        self.count += 1
+
+    def merge(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``result`` (the ``finish`` request's arguments) with the pages' lists in their places."""
+        announced = result.get("pages", 0)
+        if announced != self.count:
+            raise RemoteProtocolError(f"the server announced {shown(announced)} result pages and sent {self.count}")
+        for (section, key), items in self.lists.items():
+            part = result.get(section)
+            if not isinstance(part, dict):
+                raise RemoteProtocolError(f"the server's paged result has no {section!r}")
+            part[key] = items + list(part.get(key) or [])
+        return result

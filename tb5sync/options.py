@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .excludes import ExcludeRules
 
 __all__ = ["SyncOptions", "SyncStats", "Failure", "COMPRESS_MODES", "SIDES", "LINK_OPTIONS", "BASE_OPTIONS", "WIRE_OPTIONS",
-           "RSYNC_OPTIONS", "known_options", "parse_rate", "MIN_BWLIMIT"]
+           "RSYNC_OPTIONS", "LENIENT_OPTIONS", "known_options", "parse_rate", "MIN_BWLIMIT"]
 
 COMPRESS_MODES = ("auto", "lz4", "none")
 #: The sides a :class:`Failure` can name.
@@ -120,6 +120,12 @@ class SyncOptions:
         Bytes per second the sender puts on the wire, all streams of the session together
         (rsync ``--bwlimit``, there in KiB/s); 0 = unlimited, else at least
         :data:`MIN_BWLIMIT` (512, rsync's floor; ``UsageError`` below it, a peer's too).
+    mkpath : bool or None
+        True: rsync ``--mkpath`` (the destination's missing directories made first). False: rsync
+        3's rule, the CLI's without ``--mkpath``: a missing parent fails the sync. None (the
+        Python API's default): rsync's rule where the parent exists, missing parents made where
+        not, as the API always did (:func:`tb5sync.receiver.prepare_dest_dir`). A server that
+        does not know it is not refused for it (:data:`LENIENT_OPTIONS`).
     """
 
     delete: bool = False
@@ -147,6 +153,7 @@ class SyncOptions:
     ignore_existing: bool = False
     size_only: bool = False
     bwlimit: int = 0
+    mkpath: bool | None = None
 
     def __post_init__(self) -> None:
         if self.delete_excluded and not self.delete:
@@ -201,7 +208,7 @@ class SyncOptions:
         names = set(known) if isinstance(known, list) else set(BASE_OPTIONS)
         default = SyncOptions()
         return [f.name for f in dataclasses.fields(self)
-                if f.name not in names and getattr(self, f.name) != getattr(default, f.name)]
+                if f.name not in names and f.name not in LENIENT_OPTIONS and getattr(self, f.name) != getattr(default, f.name)]
 
     @classmethod
     def from_wire(cls, d: object) -> SyncOptions:
@@ -227,8 +234,16 @@ class SyncOptions:
                   "delete_excluded", "itemize", "update", "ignore_existing", "size_only"):
             if k in kw and not isinstance(kw[k], bool):
                 raise UsageError(f"option {k} must be a boolean")
+        if kw.get("mkpath") is not None and not isinstance(kw["mkpath"], bool):
+            raise UsageError("option mkpath must be a boolean or None")
         return cls(**kw)
 
+
+#: Options a server that does not know them may ignore without losing anything: ``mkpath``
+#: False asks for rsync's missing-parent check, which an older server skips by creating the
+#: parents; True, for them made first, which an older server does as it goes: it does more (or
+#: the same) than asked, never deletes or leaves out.
+LENIENT_OPTIONS = frozenset({"mkpath"})
 
 #: The option names this version reads: a server's OPEN reply lists them, so that a client
 #: never sends an option a server would silently ignore (:meth:`SyncOptions.unsupported`).
@@ -359,6 +374,10 @@ class SyncStats:
     warnings : tuple of str
         Warnings of the receiving side that are not failures, in rsync's words (``"--link-dest
         arg does not exist: DIR"``); also logged where they arise, and by a client for its server's.
+    created : tuple of str
+        The lines rsync ``-v``/``-i`` print when the destination directory is (or, dry run,
+        would be) created: ``"created directory DST"``, ``"created N directories for DST"``
+        (``mkpath``), DST as the user named it (a push: the URL's path).
     """
 
     files_total: int = 0
@@ -376,6 +395,7 @@ class SyncStats:
     deletes_skipped: int = 0
     itemized: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    created: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:

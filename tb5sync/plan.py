@@ -212,7 +212,7 @@ def plan_sync(
             uniq.append(d)
     plan.delete = uniq
     _keep_nonempty_dirs(plan, have, src_paths, protected or set())
-    _refuse_nonempty_replacements(plan, have, src_paths)
+    _refuse_nonempty_replacements(plan, have, src_paths, protected or set())
     if itemize:
         refused = {p for p, _ in plan.refused}
         plan.items = _deletion_order(plan, extraneous, have, src, max_delete, protected or set(), dry_run)
@@ -337,7 +337,7 @@ def rsync_item_order(items: list[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
         if e.kind == DIR:
             path = tuple((1, c) for c in parts)
         else:
-            path = (*((1, c) for c in parts[:-1]), (0, parts[-1]))
+            path = (*((1, c) for c in parts[:-1]), (0, parts[-1] if parts else b""))  # "": a single file synced
         if code == "*deleting" or code == NONEMPTY:
             return (-1, ())  # stable: their own order
         return (1 if code.startswith("h") else 0, path)
@@ -487,25 +487,18 @@ def _limit_deletes(plan: Plan, have: dict[str, Entry], src: list[Entry], limit: 
     plan.delete = [d for d in plan.delete if d.path in src_paths or d.path in deleted]
 
 
-def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str]) -> None:
+def _refuse_nonempty_replacements(plan: Plan, have: dict[str, Entry], src_paths: set[str], protected: set[str]) -> None:
     """Take out of ``plan`` each non-directory that would replace a directory which stays non-empty.
 
     A directory keeps its children that are not deleted (no ``--delete``, or protected by
-    an exclude rule); rsync then says "cannot delete non-empty directory" and "could not
+    an exclude rule: ``protected``, which the destination's listing does not show); rsync then says "cannot delete non-empty directory" and "could not
     make way for new ..." and exits 23. The entry goes to ``plan.refused``; the directory
     stays as it is (its deletable children are still deleted, as rsync does).
     """
     replaced_dirs = [d.path for d in plan.delete if d.kind == DIR and d.path in src_paths]
     if not replaced_dirs:
         return
-    deleted = {d.path for d in plan.delete}
-    kept_parents: set[str] = set()  # every ancestor of a destination entry that stays
-    for p in have:
-        if p and p not in deleted:
-            parent = p.rpartition("/")[0]
-            while parent and parent not in kept_parents:
-                kept_parents.add(parent)
-                parent = parent.rpartition("/")[0]
+    kept_parents = _nonempty_after(plan, have, protected)  # every ancestor of an entry that stays (protected ones too)
     refused = {p for p in replaced_dirs if p in kept_parents}
     if not refused:
         return

@@ -68,7 +68,7 @@ from ._paths import Jail
 from .scan import Tree, scan_tree
 from .state import TreeState
 
-__all__ = ["Receiver", "dest_base", "scan_in_background", "SMALL_FILE", "DELTA_FILE", "ProgressFn"]
+__all__ = ["Receiver", "dest_base", "prepare_dest_dir", "scan_in_background", "SMALL_FILE", "DELTA_FILE", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,88 @@ def dest_base(dst: str, dst_is_dir_hint: bool, name: str | None, src_kind: str) 
     if src_kind == DIR or dst_is_dir_hint or os.path.isdir(dst):
         return os.path.join(dst, name)
     return dst
+
+
+def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mkpath: bool | None, dry_run: bool,
+                     makedirs: Callable[[str], None] | None = None) -> tuple[str, ...]:
+    """rsync 3.x's checks and messages for the directory a sync lands in, made before the receiver runs.
+
+    The directory is ``dst`` itself when the source is a directory, when ``dst`` was written with a
+    trailing slash or is a directory; otherwise (a single file onto a file path) its parent.
+    Without ``mkpath`` the directory may be created, one level, only when its parent exists:
+    else rsync fails (``mkdir "DST" failed``, exit 11; for a file's directory ``change_dir``,
+    exit 3), and so does this, naming ``--mkpath``. A dry run creates nothing and only a file's
+    missing directory fails it, as rsync's. With ``mkpath`` the missing directories are created
+    here, at once (``makedirs``; a dry run only says so), as rsync ``--mkpath`` does. ``mkpath``
+    None (the Python API's default) is rsync's rule where the parent exists, and creates missing
+    parents (not the directory itself, made by the receiver as rsync makes it) where it does not,
+    as this API always did.
+
+    Parameters
+    ----------
+    dst : str
+        The destination as an absolute path (on the side that writes).
+    shown : str
+        The destination as the user named it (a local path, or a URL's path), for messages.
+    dst_slash : bool
+        ``dst`` was written with a trailing slash.
+    src_kind : str
+        The source's kind (``"d"``, ``"f"`` or ``"l"``).
+    mkpath : bool or None
+        rsync's ``--mkpath`` (True), rsync's rule (False) or the API's (None, above).
+    dry_run : bool
+        rsync's ``-n``.
+    makedirs : callable(str), optional
+        Creates an absolute directory path and its missing parents (default ``os.makedirs``; a
+        server passes one that stays inside its ROOT).
+
+    Returns
+    -------
+    tuple of str
+        The lines rsync ``-v``/``-i`` print about it, in its words: ``"created directory DST"``,
+        ``"created N directories for DST"`` (``SyncStats.created``).
+
+    Raises
+    ------
+    MissingParentError
+        (exit 11) The directory's parent is missing, without ``mkpath``.
+    MissingDirectoryError
+        (exit 3) A single file's destination directory is missing, without ``mkpath``.
+    """
+    from .errors import MissingDirectoryError, MissingParentError
+
+    into = src_kind == DIR or dst_slash or os.path.isdir(dst)
+    target = dst if into else os.path.dirname(dst)
+    name = shown.rstrip("/") or ("/" if shown.startswith("/") else ".")
+    if not into:
+        name = os.path.dirname(name) or "."
+    missing, p = 0, target
+    while not os.path.lexists(p):
+        missing += 1
+        up = os.path.dirname(p)
+        if up == p:
+            break
+        p = up
+    if missing == 0:
+        return ()
+    if mkpath:
+        lines = [f"created {missing} director{'y' if missing == 1 else 'ies'} for {name}"]
+        if dry_run:
+            if into:
+                lines.append(f"created directory {name}")
+        else:
+            (makedirs or os.makedirs)(target)
+        return tuple(lines)
+    hint = ("; add --mkpath to create the missing parent directories (rsync 3's rule; "
+            "tb5sync 0.1 created them without it)")
+    if mkpath is None:  # the API's: missing parents made, then as rsync
+        if not dry_run and (missing > 1 or not into):
+            (makedirs or os.makedirs)(os.path.dirname(target) if into else target)
+    elif not into:
+        raise MissingDirectoryError(f'change_dir "{name}" failed: No such file or directory (2){hint}', name)
+    elif missing > 1 and not dry_run:
+        raise MissingParentError(f'mkdir "{name}" failed: No such file or directory (2){hint}', name)
+    return (f"created directory {name}",) if into else ()
 
 
 class Receiver:

@@ -22,6 +22,7 @@ the peer); the server itself keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -53,14 +54,14 @@ from .errors import (
 )
 from .fsops import FsOps, Pages, args_from_wire
 from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
-from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS
+from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
 from .options import SyncOptions, known_options
 from .protocol import FrameType
 from .links import RemoteLink
-from .receiver import Receiver, dest_base, scan_in_background
+from .receiver import Receiver, dest_base, prepare_dest_dir, scan_in_background
 from .sender import Sender
 from .state import TreeState, check_own_dir
 from .rpc import Requester, serve
@@ -951,6 +952,12 @@ class Server:
                 threading.Event().wait(0.05)
             s.sender.close()
 
+    def _makedirs(self, path: str) -> None:
+        """Create the directory ``path`` (absolute, under ROOT) and its missing parents, through
+        the ROOT's jail: no symlink on the way is followed (``--mkpath`` of a push)."""
+        with Jail(self.root) as jail:
+            os.close(jail.open_dir(os.path.relpath(path, self.root), create=True))
+
     def _push(self, ch: Channel, msg: dict[str, Any], path: str, options: SyncOptions, streams: int) -> None:
         if self.read_only:
             raise ReadOnlyError(f"server is read-only; cannot write {shown(path)}")
@@ -971,6 +978,8 @@ class Server:
             # a scan never lists a directory of that name, at any depth: a push into one (or of a
             # source so named) is refused, as is every listed path naming it (check_peer_path)
             raise PathError(os.path.relpath(dest, self.root), f"{STATE_DIR} is tb5sync's own state directory name")
+        created = prepare_dest_dir(dst, path, bool(msg.get("dst_slash")), str(src_kind), mkpath=options.mkpath,
+                                   dry_run=options.dry_run, makedirs=self._makedirs)
         sid, s = self._new_session("push", streams)
         s.channels[0] = ch
         # the destination is scanned while the other streams join and the client scans its source
@@ -988,7 +997,7 @@ class Server:
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
                                 link_dest_root=self.root, listing_limits=self.listing_limits)
             try:
-                stats = receiver.run()
+                stats = dataclasses.replace(receiver.run(), created=created)
                 result: dict[str, Any] = {"stats": stats.as_dict()}
                 if "changes" in stats.extra:  # paths as they travel (bytes when not valid UTF-8)
                     result["changes"] = {k: [path_to_wire(p) for p in v] for k, v in stats.extra["changes"].items()}
@@ -1000,6 +1009,9 @@ class Server:
                 message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
                 result = {"error": {"kind": "DestinationError", "message": message}}
             try:
+                result, pages = result_pages(result)  # a long result goes ahead in pages
+                for page in pages:
+                    requester.call("finish_part", page, timeout=30)
                 requester.call("finish", result, timeout=30)
             except (Tb5syncError, OSError, TimeoutError) as exc:
                 log.info("push session %s: could not report the result: %s", sid, exc)

@@ -46,19 +46,17 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = 
     s = sub.add_parser("store", help="the artifact store: put, get, push and pull named snapshots", parents=[common])
     if not full:
         return
-    s.add_argument("--store", metavar="DIR|URL",
-                   help="store directory or object store URL, e.g. s3://bucket/prefix "
-                        "(default: $TB5SYNC_STORE, else the user's data directory)")
-    s.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", dest="storage_options",
-                   help="an fsspec storage option for an object store URL (repeatable; e.g. "
-                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
-    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="object store only: give up on a request with no answer after about SECONDS + 3 "
-                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60)")
+    _store_options(s, after=False)
+    s.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv for debug)")
+    # The same options are taken after the subcommand too (store ls --store DIR), as the global
+    # -v/--hash-threads/--chunk-threads: there they override (--storage-option adds).
+    after = argparse.ArgumentParser(add_help=False, parents=[common])
+    after.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv for debug)")
+    _store_options(after, after=True)
     ss = s.add_subparsers(dest="store_command", required=True)
 
     def cmd(name: str, help_: str, json_: bool = False) -> argparse.ArgumentParser:
-        q = ss.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        q = ss.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".", parents=[after])
         if json_:
             q.add_argument("--json", action="store_true", help="print the result as JSON")
         return q
@@ -83,6 +81,7 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = 
     q.add_argument("prefix", nargs="?", default="")
     q.add_argument("--url", metavar="tb5://HOST[:PORT]", help="list a server's store instead")
     q.add_argument("--token-file")
+    add_family_options(q)
     q = cmd("rm", "remove refs (their chunks go at the next gc); a pinned ref only with --force")
     q.add_argument("refs", nargs="+", metavar="REF")
     q.add_argument("--force", action="store_true", help="remove pinned refs too")
@@ -115,6 +114,54 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = 
         q.add_argument("--force", action="store_true", help="replace the ref on the other side if it exists")
         q.add_argument("--streams", type=int, default=4, metavar="N", help="TCP streams (default 4)")
         q.add_argument("--token-file")
+        add_family_options(q)
+
+
+def _store_options(q: argparse.ArgumentParser, *, after: bool) -> None:
+    """``store``'s own options: ``--store``, ``--storage-option``, ``--timeout``; ``after``: as a
+    subcommand takes them (no defaults: given there, they override those before it)."""
+    none = argparse.SUPPRESS if after else None
+    q.add_argument("--store", metavar="DIR|URL", default=none,
+                   help="store directory or object store URL, e.g. s3://bucket/prefix "
+                        "(default: $TB5SYNC_STORE, else the user's data directory)")
+    q.add_argument("--storage-option", action="append", default=argparse.SUPPRESS if after else [], metavar="KEY=VALUE",
+                   dest="storage_options_after" if after else "storage_options",
+                   help="an fsspec storage option for an object store URL (repeatable; e.g. "
+                        "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
+    q.add_argument("--timeout", type=float, default=none, metavar="SECONDS",
+                   help="object store only: give up on a request with no answer after about SECONDS + 3 "
+                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60)")
+
+
+def add_family_options(q: argparse.ArgumentParser) -> None:
+    """rsync's ``-4``/``--ipv4`` and ``-6``/``--ipv6`` (``ip_version``: 4, 6 or None; the last given wins)."""
+    q.add_argument("-4", "--ipv4", dest="ip_version", action="store_const", const=4, default=None,
+                   help="reach the server over IPv4 only")
+    q.add_argument("-6", "--ipv6", dest="ip_version", action="store_const", const=6, default=None,
+                   help="reach the server over IPv6 only")
+
+
+#: The options of ``store`` itself (given before the subcommand or after it).
+STORE_OPTIONS = ("--store", "--storage-option", "--timeout")
+
+
+def misplaced_store_option(parser: argparse.ArgumentParser, extras: list[str], command: str) -> str | None:
+    """The one-line error for ``extras`` (what argparse left of a ``store`` command line) when one
+    is an option of a ``store`` subcommand given before it (``store --json ls``): where it goes,
+    or which subcommands take it when ``command`` (the one given) does not; None when none is."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # the command's parsers
+    store = sub.choices["store"]
+    ssub = next(a for a in store._actions if isinstance(a, argparse._SubParsersAction))
+    for x in extras:
+        name = x.split("=", 1)[0]
+        if not name.startswith("-"):
+            continue
+        takers = [n for n, q in ssub.choices.items() if name in q._option_string_actions]
+        if command in takers:
+            return f"{name} is an option of tb5sync store {command}: put it after {command} (tb5sync store {command} ... {name})"
+        if takers:
+            return f"{name} is an option of tb5sync store {'/'.join(takers)}, not of store {command}"
+    return None
 
 
 def _fmt(n: float) -> str:
@@ -134,9 +181,9 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _remote(url: str) -> Any:
+def _remote(url: str, ip_version: int | None = None) -> Any:
     from .errors import UsageError
-    from .urls import parse_url, redact_url
+    from .urls import parse_url, redact_url, with_family
 
     r = parse_url(url)
     if r is None:
@@ -144,7 +191,7 @@ def _remote(url: str) -> Any:
     if r.path.strip("/"):
         raise UsageError(f"{redact_url(url)}: a server has one store, reached without a path: give "
                          f"tb5://HOST[:PORT] (the ref name says where in the store)")
-    return r
+    return with_family(r, ip_version)
 
 
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
@@ -182,12 +229,12 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
     from .store.store import check_ref_name
 
     c = a.store_command
-    opts = parse_storage_options(a.storage_options)
+    opts = parse_storage_options(a.storage_options + getattr(a, "storage_options_after", []))
     out = sys.stdout
     if c == "ls" and a.url:
         from .storeclient import remote_refs
 
-        _print_refs(remote_refs(_remote(a.url), a.prefix, token=read_token(a.token_file)), a.json)
+        _print_refs(remote_refs(_remote(a.url, a.ip_version), a.prefix, token=read_token(a.token_file)), a.json)
         return 0
     is_url = a.store is not None and "://" in a.store and not a.store.startswith("file://")
     if a.timeout is not None and not is_url:
@@ -293,7 +340,16 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         elif c == "pull" and a.sources:
             from .fanout import pull_fanout
 
-            srcs = list(a.sources) + ([a.url] if a.url else [])
+            srcs: list[Any] = list(a.sources) + ([a.url] if a.url else [])
+            if a.ip_version is not None:  # -4/-6: the tb5:// sources over that family only
+                from .fanout import PeerSource
+                from .urls import with_family
+
+                peers = [PeerSource(x, read_token(a.token_file)) if x.startswith("tb5://") else x for x in srcs]
+                for x in peers:
+                    if isinstance(x, PeerSource):
+                        x.remote = with_family(x.remote, a.ip_version)
+                srcs = peers
             res = pull_fanout(st, a.ref, srcs, as_name=a.as_name, replace=a.force, storage_options=opts or None,
                               token=read_token(a.token_file))
             if a.json:
@@ -311,7 +367,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 raise UsageError(f"store {c}: give tb5://HOST[:PORT]" + (" or --from SRC" if c == "pull" else ""))
 
             fn = push_ref if c == "push" else pull_ref
-            res = fn(st, a.ref, _remote(a.url), token=read_token(a.token_file), streams=a.streams,
+            res = fn(st, a.ref, _remote(a.url, a.ip_version), token=read_token(a.token_file), streams=a.streams,
                      as_name=a.as_name, replace=a.force)
             if a.json:
                 print(json.dumps(res))

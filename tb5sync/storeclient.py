@@ -60,7 +60,7 @@ class StoreSession:
         chans: list[Channel] = []
         try:
             for _ in range(streams):
-                ch = connect(remote.host, remote.port, tok)
+                ch = connect(remote.host, remote.port, tok, family=remote.family)
                 chans.append(ch)
                 resp = open_session(ch, {"op": "store"})
             self.read_only = bool(resp.get("read_only"))

@@ -56,6 +56,8 @@ def sync(
     ignore_existing: bool = False,
     size_only: bool = False,
     bwlimit: int | float | str | None = None,
+    mkpath: bool | None = None,
+    ip_version: int | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -133,6 +135,16 @@ def sync(
         The rate the sender puts on the wire, all streams together, in rsync's units: a number is
         KiB/s, a str may carry a suffix (``"512b"``, ``"100K"``, ``"4M"``, ``"1.5G"``; ``"4MB"`` =
         4,000,000 B/s); 0 or None: unlimited.
+    mkpath : bool or None
+        None (the default): missing parent directories of the destination are created, as this
+        API always did (code calling it would otherwise break at run time; the CLI follows rsync
+        instead), and where the parent exists all is as rsync's. True: rsync ``--mkpath`` (the
+        missing directories made first, "created N directories for DST"). False: rsync 3's rule
+        (the CLI's without ``--mkpath``): a missing parent raises
+        :class:`~tb5sync.errors.MissingParentError` before anything is written.
+    ip_version : {4, 6} or None
+        Reach the server over IPv4 or IPv6 only (rsync ``-4``/``-6``); a host without an address
+        of that family is a :class:`~tb5sync.errors.ConnectError` saying so. None: either.
 
     Returns
     -------
@@ -163,13 +175,17 @@ def sync(
     VanishedSourceError
         (A ``PartialTransferError`` and a ``SourceChangedError``, exit code 24.) The only
         failures were source files that vanished or kept changing while they were read.
+    MissingParentError
+        (A ``DestinationError``, exit 11.) ``mkpath=False`` and the destination directory's
+        parent is missing; :class:`~tb5sync.errors.MissingDirectoryError` (exit 3) when a single
+        file's destination directory is.
     DestinationError, IntegrityError
         From the receiver; nothing half-written is left at a final path.
     """
     _check_arguments(src, dst, delete, exclude, checksum, dry_run, streams, compress, progress, token, state_dir)
     links = _check_link_arguments(hard_links=hard_links, sparse=sparse, xattrs=xattrs, copy_links=copy_links,
                                   copy_unsafe_links=copy_unsafe_links, safe_links=safe_links, link_dest=link_dest)
-    rate = _check_rsync_options(delete_excluded, max_delete, itemize_changes, update, ignore_existing, size_only, bwlimit)
+    rate = _check_rsync_options(delete_excluded, max_delete, itemize_changes, update, ignore_existing, size_only, bwlimit, mkpath)
     from .chunking import warn_if_pure_python
 
     warn_if_pure_python()
@@ -192,11 +208,15 @@ def sync(
         ignore_existing=ignore_existing,
         size_only=size_only,
         bwlimit=rate,
+        mkpath=mkpath,
     )
     from .client import parse_url, pull, push
     from .entry import source_name
 
+    from .urls import with_family
+
     rsrc, rdst = parse_url(src_s), parse_url(dst_s)
+    rsrc, rdst = (None if r is None else with_family(r, ip_version) for r in (rsrc, rdst))
     # rsync's transfer root: the source's parent when it has no trailing slash (exclude anchoring)
     options = dataclasses.replace(options, exclude_root=source_name(rsrc.path if rsrc is not None else src_s) or "")
     if rsrc is not None and rdst is not None:
@@ -215,7 +235,7 @@ def sync(
 
 def _check_rsync_options(
     delete_excluded: object, max_delete: object, itemize_changes: object, update: object,
-    ignore_existing: object, size_only: object, bwlimit: object,
+    ignore_existing: object, size_only: object, bwlimit: object, mkpath: object = None,
 ) -> int:
     """Check the rsync options' arguments of :func:`sync`; returns ``bwlimit`` in bytes per second.
 
@@ -229,8 +249,8 @@ def _check_rsync_options(
     from .options import parse_rate
 
     for name, v in (("delete_excluded", delete_excluded), ("itemize_changes", itemize_changes), ("update", update),
-                    ("ignore_existing", ignore_existing), ("size_only", size_only)):
-        if not isinstance(v, bool):
+                    ("ignore_existing", ignore_existing), ("size_only", size_only), ("mkpath", mkpath)):
+        if not isinstance(v, bool) and not (name == "mkpath" and v is None):
             raise ArgumentTypeError(f"sync(): {name} must be a bool, not {type(v).__name__} {v!r:.80}")
     if max_delete is not None:
         if isinstance(max_delete, bool) or not isinstance(max_delete, int):
@@ -315,7 +335,7 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     from .client import local_state
     from .entry import DIR, kind_of, source_name
     from .links import LocalLink
-    from .receiver import Receiver, dest_base, follow_dest_link
+    from .receiver import Receiver, dest_base, follow_dest_link, prepare_dest_dir
     from .sender import Sender
 
     src_abs = os.path.abspath(src)
@@ -327,13 +347,15 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
     if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
         raise UsageError(f"destination {dst} is inside the source {src}")
+    created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), kind, mkpath=options.mkpath, dry_run=options.dry_run)
     fresh = not os.path.lexists(dest)
     state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
     sender = Sender(src_abs, options)
     sender.prepare()
     link = LocalLink(sender)
     try:
-        return Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()
+        stats = Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()
+        return dataclasses.replace(stats, created=created)
     finally:
         link.close()
         state.close()

@@ -674,6 +674,49 @@ def server_handshake(ch: Channel, token: bytes | None,
         raise
 
 
+#: The address families a client may be limited to: family -> (name, rsync's flag).
+FAMILIES = {socket.AF_INET: ("IPv4", "-4"), socket.AF_INET6: ("IPv6", "-6")}
+
+
+def _open_tcp(host: str, port: int, timeout: float, family: int = 0) -> socket.socket:
+    """A TCP connection to ``host:port``: each address ``getaddrinfo`` gives (of ``family`` only,
+    when not 0) tried in turn, as ``socket.create_connection`` does.
+
+    Raises
+    ------
+    ConnectError
+        The name does not resolve (to an address of ``family``: the message says which family was
+        asked and what the name does resolve to), or no address accepted the connection.
+    """
+    where = host_port(host, port)
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        if family not in FAMILIES:
+            raise ConnectError(f"cannot connect to {where}: {why}") from exc
+        name, flag = FAMILIES[family]
+        try:  # what the name does resolve to, to say why the family asked for fails
+            others = sorted({FAMILIES.get(i[0], ("?", ""))[0] for i in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)})
+        except (OSError, UnicodeError):
+            others = []
+        has = f"{host} has only {' and '.join(others)} addresses" if others else f"{host} does not resolve ({why})"
+        raise ConnectError(f"cannot connect to {where} over {name} ({flag} asked): {has}") from exc
+    last: OSError | None = None
+    for fam, kind, proto, _, addr in infos:
+        sock = socket.socket(fam, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    asked = f" over {FAMILIES[family][0]}" if family in FAMILIES else ""
+    why = (last.strerror or str(last)) if last is not None else "no address"
+    raise ConnectError(f"cannot connect to {where}{asked}: {why}") from last
+
+
 def connect(
     host: str,
     port: int,
@@ -683,6 +726,7 @@ def connect(
     io_timeout: float | None = IO_TIMEOUT,
     keepalive: float | None = KEEPALIVE,
     tls: ssl.SSLContext | None = None,
+    family: int = 0,
 ) -> Channel:
     """Open a TCP connection to a tb5sync server (TLS when ``tls`` is given) and authenticate.
 
@@ -701,20 +745,21 @@ def connect(
         TCP keepalive idle time, seconds (see :func:`set_keepalive`); None: off.
     tls : ssl.SSLContext or None
         Wrap the connection in TLS with this client context (its CA and hostname checks).
+    family : int
+        ``socket.AF_INET`` or ``socket.AF_INET6`` to use only that address family (rsync's ``-4``,
+        ``-6``); 0 (``AF_UNSPEC``): any, in the resolver's order.
 
     Raises
     ------
     ConnectError
-        Unreachable host, refused connection, or a failed TLS handshake (naming the address).
+        Unreachable host, refused connection, a host with no address of the asked ``family``, or
+        a failed TLS handshake (naming the address).
     BusyError
         The server is at its connection or session cap.
     AuthError, VersionMismatchError, RemoteProtocolError
         From the handshake.
     """
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise ConnectError(f"cannot connect to {host_port(host, port)}: {exc.strerror or exc}") from exc
+    sock = _open_tcp(host, port, timeout, family)
     tune_socket(sock)
     set_keepalive(sock, keepalive, io_timeout)
     if tls is not None:
@@ -768,6 +813,7 @@ def dial(
     tls_ca: str | os.PathLike[str] | None = None,
     io_timeout: float | None = IO_TIMEOUT,
     timeout: float = 10.0,
+    family: int = 0,
 ) -> Channel:
     """:func:`connect` with the client's defaults: TLS when ``tls`` (CAs from ``tls_ca`` or the
     system), keepalive a quarter of ``io_timeout`` (at most :data:`KEEPALIVE`; a dead link is then
@@ -780,4 +826,4 @@ def dial(
     """
     keepalive = KEEPALIVE if io_timeout is None else max(1.0, min(KEEPALIVE, io_timeout / 4))
     ctx = client_tls(tls_ca) if tls or tls_ca is not None else None
-    return connect(host, port, token, timeout, io_timeout=io_timeout, keepalive=keepalive, tls=ctx)
+    return connect(host, port, token, timeout, io_timeout=io_timeout, keepalive=keepalive, tls=ctx, family=family)

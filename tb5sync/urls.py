@@ -30,7 +30,7 @@ from .errors import UsageError
 from .messages import DEFAULT_PORT
 from .transport import host_port  # noqa: F401  (re-exported: the one host:port form of messages)
 
-__all__ = ["Remote", "parse_url", "token_of", "redact_url", "url_host", "SCHEMES"]
+__all__ = ["Remote", "parse_url", "token_of", "redact_url", "url_host", "with_family", "SCHEMES"]
 
 #: URL schemes: plain TCP and TLS.
 SCHEMES = ("tb5", "tb5s")
@@ -41,7 +41,8 @@ class Remote:
     """A parsed ``tb5://HOST[:PORT]/PATH`` URL. ``path`` is relative to the server's root.
 
     ``token`` is the one written in the URL (never shown by ``repr``), ``tls`` is True for
-    ``tb5s://``.
+    ``tb5s://``. ``family`` limits connections to one address family (``socket.AF_INET`` or
+    ``AF_INET6``: rsync's ``-4``/``-6``, set by the caller, never by the URL); 0: any.
     """
 
     host: str
@@ -49,6 +50,7 @@ class Remote:
     path: str
     token: bytes | None = field(default=None, repr=False, compare=False)
     tls: bool = False
+    family: int = field(default=0, compare=False)
 
     @property
     def slash(self) -> bool:
@@ -131,6 +133,24 @@ def parse_url(url: str) -> Remote | None:
     secret = parts.password if parts.password is not None else parts.username
     token = unquote(secret).encode() if secret else None
     return Remote(hostname, port, path, token, parts.scheme == "tb5s")
+
+
+def with_family(remote: Remote, ip_version: object) -> Remote:
+    """``remote`` limited to IPv4 (``ip_version`` 4, rsync's ``-4``) or IPv6 (6, ``-6``); None: as it is.
+
+    Raises
+    ------
+    UsageError
+        ``ip_version`` is not None, 4 or 6.
+    """
+    import dataclasses
+    import socket
+
+    if ip_version is None:
+        return remote
+    if isinstance(ip_version, bool) or ip_version not in (4, 6):
+        raise UsageError(f"ip_version must be 4, 6 or None, not {ip_version!r:.80}")
+    return dataclasses.replace(remote, family=socket.AF_INET if ip_version == 4 else socket.AF_INET6)
 
 
 def url_host(host: str) -> str:

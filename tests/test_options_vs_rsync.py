@@ -347,14 +347,18 @@ def test_itemize_cli_and_json(tmp_path: Any) -> None:
     src = str(tmp_path / "src")
     _small_tree(src)
     settle(src)
-    ref = subprocess.run(["rsync", "-a", "-i", src + "/", str(tmp_path / "r")], capture_output=True, text=True,
-                         timeout=100, check=True)
+    os.makedirs(tmp_path / "rsync")  # rsync names the destination as given: "t" in both runs
+    ref = subprocess.run(["rsync", "-a", "-i", src + "/", "t"], capture_output=True, text=True,
+                         timeout=100, check=True, cwd=tmp_path / "rsync")
+    created = [ln for ln in ref.stdout.splitlines() if ln.startswith("created directory ")]
+    assert created == ["created directory t"]
     cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-i"]
-    got = subprocess.run([*cmd, src + "/", str(tmp_path / "t")], capture_output=True, text=True, timeout=100, check=True)
-    assert sorted(got.stdout.splitlines()) == sorted(items_of(ref.stdout))
-    js = subprocess.run([*cmd, "-n", "--json", src + "/", str(tmp_path / "j")], capture_output=True, text=True,
-                        timeout=100, check=True)
+    got = subprocess.run([*cmd, src + "/", "t"], capture_output=True, text=True, timeout=100, check=True, cwd=tmp_path)
+    assert sorted(got.stdout.splitlines()) == sorted(items_of(ref.stdout) + created)
+    js = subprocess.run([*cmd, "-n", "--json", src + "/", "t2"], capture_output=True, text=True,
+                        timeout=100, check=True, cwd=tmp_path)
     assert sorted(json.loads(js.stdout)["itemized"]) == sorted(items_of(ref.stdout))
+    assert json.loads(js.stdout)["created"] == ["created directory t2"]
 
 
 # ---- -u, --ignore-existing, --size-only -------------------------------------------------------
@@ -565,13 +569,15 @@ def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any, server: Any, sl
             write(os.path.join(dst, "src", "old.txt"), b"old", 0o644, T0)
         cp_a(dst, os.path.join(server.root, "dst"))
     s = src + "/" if slash else src
-    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", s, dst], capture_output=True, text=True,
-                         timeout=60, check=True)
-    want = sorted(ln for ln in ref.stdout.splitlines()[1:]
-                  if ln and not ln.startswith(("sent ", "total size", "created directory ")))
-    for target in (dst, server.url("dst")):
+    # run in tmp_path with "dst" relative: rsync's "created directory dst" names the destination as
+    # given, and a push's is the URL's path
+    ref = subprocess.run(["rsync", "-a", "-n", "-v", "--delete", s, "dst"], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=tmp_path)
+    want = sorted(ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size")))
+    assert ("created directory dst" in want) == (not exists)
+    for target in ("dst", server.url("dst")):
         cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", s, target]
-        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
         assert sorted(got.stdout.splitlines()) == want, target
         with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
         assert any(ln.startswith("files:") and "would transfer" in ln for ln in with_stats.stdout.splitlines())
@@ -687,7 +693,9 @@ def test_cli_takes_rsync_archive_spellings(tmp_path: Any) -> None:
                          timeout=100, check=True)
     got = _cli("sync", "-av", src + "/", str(tmp_path / "t"))
     assert got.returncode == 0, got.stderr
-    ref_names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size", "created "))]
+    ref_names = [ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size"))]
+    assert f"created directory {tmp_path / 'r'}" in ref_names  # rsync -v names the destination it made
+    ref_names = [f"created directory {tmp_path / 't'}" if ln.startswith("created directory ") else ln for ln in ref_names]
     assert sorted(got.stdout.splitlines()) == sorted(ref_names)
     assert digest_snapshot(str(tmp_path / "t")) == digest_snapshot(str(tmp_path / "r"))
     for flags in (["-rlptgoD"], ["-a", "-z", "-P", "-h", "--stats"], ["--archive", "--partial", "--verbose", "--compress"], ["--compress", "none", "-a"],

@@ -1,0 +1,89 @@
+"""``tb5sync sync`` ended by SIGINT, SIGTERM or SIGHUP, against rsync ended the same way: exit 20 and
+rsync's "received SIGINT, SIGTERM, or SIGHUP (code 20)", one line; no temporary file left and no
+partial file at a final path, on the client (local, pull) and on the server (push)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from conftest import slurp, tmp_files, wait_for
+from test_vs_rsync import write
+
+pytestmark = pytest.mark.usefixtures("need_rsync")
+
+MiB = 1 << 20
+
+
+def _tree(src: str) -> None:
+    write(os.path.join(src, "big"), os.urandom(6 * MiB))
+    for i in range(120):
+        write(os.path.join(src, f"d{i % 4}", f"f{i:03d}"), os.urandom(20_000))
+
+
+def _interrupt(cmd: list[str], landed: str, signum: int, cwd: str | None = None) -> tuple[int, str]:
+    """Run ``cmd``, send ``signum`` once something has landed under ``landed`` (while it is still
+    running: ``--bwlimit`` makes it last seconds); returns (exit code, stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    try:
+        wait_for(lambda: os.path.isdir(landed) and len(os.listdir(landed)) > 1 or proc.poll() is not None, 30,
+                 f"{cmd[0]} to start writing {landed}")
+        time.sleep(0.3)
+        assert proc.poll() is None, "the run finished before it could be interrupted"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode, err
+
+
+def _whole_or_absent(src: str, dst: str) -> int:
+    """Every regular file under ``dst`` (but tb5sync's state directory) is its source's whole content;
+    returns how many there are."""
+    n = 0
+    for d, dirs, names in os.walk(dst):
+        dirs[:] = [x for x in dirs if x != ".tb5sync"]
+        for name in names:
+            rel = os.path.relpath(os.path.join(d, name), dst)
+            assert slurp(os.path.join(dst, rel)) == slurp(os.path.join(src, rel)), rel
+            n += 1
+    return n
+
+
+@pytest.mark.timeout(180)
+def test_signals_end_a_sync_as_rsync(tmp_path: Any, server: Any) -> None:
+    src = str(tmp_path / "src")
+    _tree(src)
+    os.makedirs(os.path.join(server.root, "pullsrc"))
+    subprocess.run(["cp", "-a", src + "/.", os.path.join(server.root, "pullsrc")], check=True, timeout=60)
+    ref_code, ref_err = _interrupt(["rsync", "-a", "--bwlimit=1M", src + "/", str(tmp_path / "ref")],
+                                   str(tmp_path / "ref"), signal.SIGTERM)
+    assert ref_code == 20
+    words = "received SIGINT, SIGTERM, or SIGHUP (code 20)"
+    assert words in ref_err
+    tb5 = [sys.executable, "-m", "tb5sync.cli", "sync", "--bwlimit=1M"]
+    runs = [("local", signal.SIGTERM, [src + "/", str(tmp_path / "l1")], str(tmp_path / "l1")),
+            ("local", signal.SIGHUP, [src + "/", str(tmp_path / "l2")], str(tmp_path / "l2")),
+            ("local", signal.SIGINT, [src + "/", str(tmp_path / "l3")], str(tmp_path / "l3")),
+            ("pull", signal.SIGTERM, [server.url("pullsrc/"), str(tmp_path / "p1")], str(tmp_path / "p1")),
+            ("push", signal.SIGTERM, [src + "/", server.url("pushed")], os.path.join(server.root, "pushed")),
+            ("push", signal.SIGINT, [src + "/", server.url("pushed2")], os.path.join(server.root, "pushed2"))]
+    for route, signum, args, landed in runs:
+        code, err = _interrupt([*tb5, *args], landed, signum)
+        assert code == ref_code, (route, signum, err)
+        assert err.strip().splitlines() == [f"tb5sync: error: {words}"], (route, err)
+        if route == "push":  # the server notices the client is gone and removes what it was writing
+            wait_for(lambda: not tmp_files(landed), 20, "the server to remove its temporary files")
+        assert tmp_files(landed) == [], route
+        assert _whole_or_absent(src, landed) < 121, route  # interrupted: not everything arrived
+    # the server is still serving: a whole push then completes
+    done = subprocess.run([*tb5[:-1], src + "/", server.url("pushed")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _whole_or_absent(src, os.path.join(server.root, "pushed")) == 121
