@@ -578,13 +578,14 @@ class Server:
             pending = False
             self._authenticated(addr[0])
             ch.max_payload = P.MAX_PAYLOAD
+            ch.max_decoded = P.SERVER_MAX_DECODED
             got = ch.recv_frame()
             if got is None:
                 return
             header, payload = got
             if header.type is not FrameType.OPEN:
                 raise UsageError(f"expected OPEN, got {header.type.name}")
-            msg = P.decode_control(payload)
+            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
             self._janitor.cancel(deadline)
             if ch.closed:  # the deadline passed just now
                 return
@@ -833,7 +834,7 @@ class Server:
             header, payload = fr
             if header.type is not FrameType.DATA:
                 raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
-            got += len(P.decode_data(payload)[1])
+            got += len(P.decode_data(payload, ch.max_decoded)[1])
         if got != nbytes:
             raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
         ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
