@@ -1763,8 +1763,9 @@ struct __pyx_memoryviewslice_obj;
 enum  {
   __pyx_e_7tb5sync_5_skim_OBJ = 16,
   __pyx_e_7tb5sync_5_skim_LIST_BASE = 64,
-  __pyx_e_7tb5sync_5_skim_DICT_BASE = 0xC0,
-  __pyx_e_7tb5sync_5_skim_DICT_PER = 40,
+  __pyx_e_7tb5sync_5_skim_DICT_SMALL = 0xC8,
+  __pyx_e_7tb5sync_5_skim_DICT_BASE = 0x80,
+  __pyx_e_7tb5sync_5_skim_DICT_PER = 38,
   __pyx_e_7tb5sync_5_skim_INT_COST = 40,
   __pyx_e_7tb5sync_5_skim_FLOAT_COST = 24,
   __pyx_e_7tb5sync_5_skim_STR_ASCII = 56,
@@ -17929,7 +17930,7 @@ static PyObject *__pyx_unpickle_Enum__set_state(struct __pyx_MemviewEnum_obj *__
   return __pyx_r;
 }
 
-/* "ext/_skim.pyx":29
+/* "ext/_skim.pyx":30
  * 
  * 
  * cdef inline uint64_t _be(const unsigned char* p, int n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -17945,7 +17946,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
   int __pyx_t_2;
   int __pyx_t_3;
 
-  /* "ext/_skim.pyx":30
+  /* "ext/_skim.pyx":31
  * 
  * cdef inline uint64_t _be(const unsigned char* p, int n) noexcept nogil:
  *     cdef uint64_t v = 0             # <<<<<<<<<<<<<<
@@ -17954,7 +17955,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
 */
   __pyx_v_v = 0;
 
-  /* "ext/_skim.pyx":32
+  /* "ext/_skim.pyx":33
  *     cdef uint64_t v = 0
  *     cdef int i
  *     for i in range(n):             # <<<<<<<<<<<<<<
@@ -17968,7 +17969,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "ext/_skim.pyx":33
+    /* "ext/_skim.pyx":34
  *     cdef int i
  *     for i in range(n):
  *         v = (v << 8) | p[i]             # <<<<<<<<<<<<<<
@@ -17979,7 +17980,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
   }
 
 
-  /* "ext/_skim.pyx":34
+  /* "ext/_skim.pyx":35
  *     for i in range(n):
  *         v = (v << 8) | p[i]
  *     return v             # <<<<<<<<<<<<<<
@@ -17992,7 +17993,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
   }
   goto __pyx_L0;
 
-  /* "ext/_skim.pyx":29
+  /* "ext/_skim.pyx":30
  * 
  * 
  * cdef inline uint64_t _be(const unsigned char* p, int n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -18007,7 +18008,7 @@ static CYTHON_INLINE uint64_t __pyx_f_7tb5sync_5_skim__be(unsigned char const *_
   return __pyx_r;
 }
 
-/* "ext/_skim.pyx":37
+/* "ext/_skim.pyx":38
  * 
  * 
  * cdef inline int64_t _str_cost(const unsigned char* p, uint64_t n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -18031,7 +18032,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   int __pyx_t_7;
   int __pyx_t_8;
 
-  /* "ext/_skim.pyx":38
+  /* "ext/_skim.pyx":39
  * 
  * cdef inline int64_t _str_cost(const unsigned char* p, uint64_t n) noexcept nogil:
  *     cdef uint64_t i, chars = 0             # <<<<<<<<<<<<<<
@@ -18040,7 +18041,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
   __pyx_v_chars = 0;
 
-  /* "ext/_skim.pyx":39
+  /* "ext/_skim.pyx":40
  * cdef inline int64_t _str_cost(const unsigned char* p, uint64_t n) noexcept nogil:
  *     cdef uint64_t i, chars = 0
  *     cdef unsigned char c, top = 0             # <<<<<<<<<<<<<<
@@ -18049,7 +18050,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
   __pyx_v_top = 0;
 
-  /* "ext/_skim.pyx":41
+  /* "ext/_skim.pyx":42
  *     cdef unsigned char c, top = 0
  *     cdef int width
  *     if n == 0:             # <<<<<<<<<<<<<<
@@ -18061,7 +18062,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   if (__pyx_t_1) {
 
 
-    /* "ext/_skim.pyx":42
+    /* "ext/_skim.pyx":43
  *     cdef int width
  *     if n == 0:
  *         return 0             # <<<<<<<<<<<<<<
@@ -18074,7 +18075,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
     }
     goto __pyx_L0;
 
-    /* "ext/_skim.pyx":41
+    /* "ext/_skim.pyx":42
  *     cdef unsigned char c, top = 0
  *     cdef int width
  *     if n == 0:             # <<<<<<<<<<<<<<
@@ -18083,7 +18084,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
   }
 
-  /* "ext/_skim.pyx":43
+  /* "ext/_skim.pyx":44
  *     if n == 0:
  *         return 0
  *     for i in range(n):             # <<<<<<<<<<<<<<
@@ -18097,7 +18098,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_i = __pyx_t_4;
 
-    /* "ext/_skim.pyx":44
+    /* "ext/_skim.pyx":45
  *         return 0
  *     for i in range(n):
  *         c = p[i]             # <<<<<<<<<<<<<<
@@ -18106,7 +18107,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
     __pyx_v_c = (__pyx_v_p[__pyx_v_i]);
 
-    /* "ext/_skim.pyx":45
+    /* "ext/_skim.pyx":46
  *     for i in range(n):
  *         c = p[i]
  *         if (c & 0xC0) != 0x80:             # <<<<<<<<<<<<<<
@@ -18118,7 +18119,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
     if (__pyx_t_1) {
 
 
-      /* "ext/_skim.pyx":46
+      /* "ext/_skim.pyx":47
  *         c = p[i]
  *         if (c & 0xC0) != 0x80:
  *             chars += 1             # <<<<<<<<<<<<<<
@@ -18127,7 +18128,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
       __pyx_v_chars = (__pyx_v_chars + 1);
 
-      /* "ext/_skim.pyx":45
+      /* "ext/_skim.pyx":46
  *     for i in range(n):
  *         c = p[i]
  *         if (c & 0xC0) != 0x80:             # <<<<<<<<<<<<<<
@@ -18136,7 +18137,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
     }
 
-    /* "ext/_skim.pyx":47
+    /* "ext/_skim.pyx":48
  *         if (c & 0xC0) != 0x80:
  *             chars += 1
  *         if c > top:             # <<<<<<<<<<<<<<
@@ -18148,7 +18149,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
     if (__pyx_t_1) {
 
 
-      /* "ext/_skim.pyx":48
+      /* "ext/_skim.pyx":49
  *             chars += 1
  *         if c > top:
  *             top = c             # <<<<<<<<<<<<<<
@@ -18157,7 +18158,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
       __pyx_v_top = __pyx_v_c;
 
-      /* "ext/_skim.pyx":47
+      /* "ext/_skim.pyx":48
  *         if (c & 0xC0) != 0x80:
  *             chars += 1
  *         if c > top:             # <<<<<<<<<<<<<<
@@ -18168,7 +18169,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   }
 
 
-  /* "ext/_skim.pyx":49
+  /* "ext/_skim.pyx":50
  *         if c > top:
  *             top = c
  *     if top < 0x80:             # <<<<<<<<<<<<<<
@@ -18180,7 +18181,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   if (__pyx_t_1) {
 
 
-    /* "ext/_skim.pyx":50
+    /* "ext/_skim.pyx":51
  *             top = c
  *     if top < 0x80:
  *         return 0 if n == 1 else <int64_t>(STR_ASCII + OBJ + n)             # <<<<<<<<<<<<<<
@@ -18202,7 +18203,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
     }
     goto __pyx_L0;
 
-    /* "ext/_skim.pyx":49
+    /* "ext/_skim.pyx":50
  *         if c > top:
  *             top = c
  *     if top < 0x80:             # <<<<<<<<<<<<<<
@@ -18211,7 +18212,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 */
   }
 
-  /* "ext/_skim.pyx":53
+  /* "ext/_skim.pyx":54
  *     # lead bytes: 0xC2-0xC3 latin-1 (width 1), up to 0xEF the BMP (2), past it astral (4);
  *     # a bad encoding fails in msgpack later, counted here at the widest
  *     width = 1 if top < 0xC4 else (2 if top < 0xF0 else 4)             # <<<<<<<<<<<<<<
@@ -18239,7 +18240,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
 
   __pyx_v_width = __pyx_t_6;
 
-  /* "ext/_skim.pyx":54
+  /* "ext/_skim.pyx":55
  *     # a bad encoding fails in msgpack later, counted here at the widest
  *     width = 1 if top < 0xC4 else (2 if top < 0xF0 else 4)
  *     return <int64_t>(STR_WIDE + OBJ + (chars + 1) * width)             # <<<<<<<<<<<<<<
@@ -18252,7 +18253,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   }
   goto __pyx_L0;
 
-  /* "ext/_skim.pyx":37
+  /* "ext/_skim.pyx":38
  * 
  * 
  * cdef inline int64_t _str_cost(const unsigned char* p, uint64_t n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -18270,7 +18271,7 @@ static CYTHON_INLINE int64_t __pyx_f_7tb5sync_5_skim__str_cost(unsigned char con
   return __pyx_r;
 }
 
-/* "ext/_skim.pyx":57
+/* "ext/_skim.pyx":58
  * 
  * 
  * def skim(const unsigned char[::1] data):             # <<<<<<<<<<<<<<
@@ -18318,32 +18319,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_data,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 57, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 58, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 57, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 58, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "skim", 0) < (0)) __PYX_ERR(0, 57, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "skim", 0) < (0)) __PYX_ERR(0, 58, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("skim", 1, 1, 1, i); __PYX_ERR(0, 57, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("skim", 1, 1, 1, i); __PYX_ERR(0, 58, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 57, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 58, __pyx_L3_error)
     }
-    __pyx_v_data = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(values[0], 0); if (unlikely(!__pyx_v_data.memview)) __PYX_ERR(0, 57, __pyx_L3_error)
+    __pyx_v_data = __Pyx_PyObject_to_MemoryviewSlice_dc_unsigned_char__const__(values[0], 0); if (unlikely(!__pyx_v_data.memview)) __PYX_ERR(0, 58, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("skim", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 57, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("skim", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 58, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -18390,18 +18391,19 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
   size_t __pyx_t_6;
   int __pyx_t_7;
   int __pyx_t_8;
-  int __pyx_t_9;
-  uint64_t __pyx_t_10;
+  int64_t __pyx_t_9;
+  int __pyx_t_10;
   uint64_t __pyx_t_11;
-  PyObject *__pyx_t_12 = NULL;
+  uint64_t __pyx_t_12;
   PyObject *__pyx_t_13 = NULL;
   PyObject *__pyx_t_14 = NULL;
+  PyObject *__pyx_t_15 = NULL;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("skim", 0);
 
-  /* "ext/_skim.pyx":69
+  /* "ext/_skim.pyx":70
  *         ``data`` ends inside the value, or holds a byte that starts no msgpack value (0xC1).
  *     """
  *     cdef const unsigned char* p = &data[0] if data.shape[0] else NULL             # <<<<<<<<<<<<<<
@@ -18421,7 +18423,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 
   __pyx_v_p = __pyx_t_1;
 
-  /* "ext/_skim.pyx":70
+  /* "ext/_skim.pyx":71
  *     """
  *     cdef const unsigned char* p = &data[0] if data.shape[0] else NULL
  *     cdef Py_ssize_t size = data.shape[0], pos = 0             # <<<<<<<<<<<<<<
@@ -18431,7 +18433,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
   __pyx_v_size = (__pyx_v_data.shape[0]);
   __pyx_v_pos = 0;
 
-  /* "ext/_skim.pyx":71
+  /* "ext/_skim.pyx":72
  *     cdef const unsigned char* p = &data[0] if data.shape[0] else NULL
  *     cdef Py_ssize_t size = data.shape[0], pos = 0
  *     cdef uint64_t pending = 1, n, need             # <<<<<<<<<<<<<<
@@ -18440,7 +18442,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
   __pyx_v_pending = 1;
 
-  /* "ext/_skim.pyx":72
+  /* "ext/_skim.pyx":73
  *     cdef Py_ssize_t size = data.shape[0], pos = 0
  *     cdef uint64_t pending = 1, n, need
  *     cdef int64_t cost = 0, containers = 0             # <<<<<<<<<<<<<<
@@ -18450,7 +18452,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
   __pyx_v_cost = 0;
   __pyx_v_containers = 0;
 
-  /* "ext/_skim.pyx":73
+  /* "ext/_skim.pyx":74
  *     cdef uint64_t pending = 1, n, need
  *     cdef int64_t cost = 0, containers = 0
  *     cdef int ext = 0, have_ext = 0, hdr             # <<<<<<<<<<<<<<
@@ -18460,7 +18462,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
   __pyx_v_ext = 0;
   __pyx_v_have_ext = 0;
 
-  /* "ext/_skim.pyx":76
+  /* "ext/_skim.pyx":77
  *     cdef unsigned char b
  *     cdef signed char sv
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -18473,7 +18475,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "ext/_skim.pyx":77
+        /* "ext/_skim.pyx":78
  *     cdef signed char sv
  *     with nogil:
  *         while pending:             # <<<<<<<<<<<<<<
@@ -18486,7 +18488,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 
           if (!__pyx_t_2) break;
 
-          /* "ext/_skim.pyx":78
+          /* "ext/_skim.pyx":79
  *     with nogil:
  *         while pending:
  *             if pos >= size:             # <<<<<<<<<<<<<<
@@ -18498,7 +18500,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (unlikely(__pyx_t_2)) {
 
 
-            /* "ext/_skim.pyx":79
+            /* "ext/_skim.pyx":80
  *         while pending:
  *             if pos >= size:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -18509,7 +18511,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                 /*try:*/ {
 
-                  /* "ext/_skim.pyx":80
+                  /* "ext/_skim.pyx":81
  *             if pos >= size:
  *                 with gil:
  *                     raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -18522,15 +18524,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                     __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 80, __pyx_L12_error)
+                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 81, __pyx_L12_error)
                     __Pyx_GOTREF(__pyx_t_4);
                   }
                   __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                  __PYX_ERR(0, 80, __pyx_L12_error)
+                  __PYX_ERR(0, 81, __pyx_L12_error)
                 }
 
-                /* "ext/_skim.pyx":79
+                /* "ext/_skim.pyx":80
  *         while pending:
  *             if pos >= size:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -18545,7 +18547,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 }
             }
 
-            /* "ext/_skim.pyx":78
+            /* "ext/_skim.pyx":79
  *     with nogil:
  *         while pending:
  *             if pos >= size:             # <<<<<<<<<<<<<<
@@ -18554,7 +18556,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":81
+          /* "ext/_skim.pyx":82
  *                 with gil:
  *                     raise ValueError("msgpack data ends inside a value")
  *             b = p[pos]             # <<<<<<<<<<<<<<
@@ -18563,7 +18565,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           __pyx_v_b = (__pyx_v_p[__pyx_v_pos]);
 
-          /* "ext/_skim.pyx":82
+          /* "ext/_skim.pyx":83
  *                     raise ValueError("msgpack data ends inside a value")
  *             b = p[pos]
  *             pending -= 1             # <<<<<<<<<<<<<<
@@ -18572,7 +18574,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           __pyx_v_pending = (__pyx_v_pending - 1);
 
-          /* "ext/_skim.pyx":83
+          /* "ext/_skim.pyx":84
  *             b = p[pos]
  *             pending -= 1
  *             if b <= 0x7F or b >= 0xE0:  # fixint: -32..-6 are not cached             # <<<<<<<<<<<<<<
@@ -18598,7 +18600,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (__pyx_t_2) {
 
 
-            /* "ext/_skim.pyx":84
+            /* "ext/_skim.pyx":85
  *             pending -= 1
  *             if b <= 0x7F or b >= 0xE0:  # fixint: -32..-6 are not cached
  *                 pos += 1             # <<<<<<<<<<<<<<
@@ -18607,7 +18609,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + 1);
 
-            /* "ext/_skim.pyx":85
+            /* "ext/_skim.pyx":86
  *             if b <= 0x7F or b >= 0xE0:  # fixint: -32..-6 are not cached
  *                 pos += 1
  *                 sv = <signed char>b             # <<<<<<<<<<<<<<
@@ -18616,7 +18618,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_sv = ((signed char)__pyx_v_b);
 
-            /* "ext/_skim.pyx":86
+            /* "ext/_skim.pyx":87
  *                 pos += 1
  *                 sv = <signed char>b
  *                 if sv < -5:             # <<<<<<<<<<<<<<
@@ -18628,7 +18630,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":87
+              /* "ext/_skim.pyx":88
  *                 sv = <signed char>b
  *                 if sv < -5:
  *                     cost += INT_COST + OBJ             # <<<<<<<<<<<<<<
@@ -18637,7 +18639,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_cost = (__pyx_v_cost + (__pyx_e_7tb5sync_5_skim_INT_COST + __pyx_e_7tb5sync_5_skim_OBJ));
 
-              /* "ext/_skim.pyx":86
+              /* "ext/_skim.pyx":87
  *                 pos += 1
  *                 sv = <signed char>b
  *                 if sv < -5:             # <<<<<<<<<<<<<<
@@ -18646,7 +18648,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":88
+            /* "ext/_skim.pyx":89
  *                 if sv < -5:
  *                     cost += INT_COST + OBJ
  *                 continue             # <<<<<<<<<<<<<<
@@ -18655,7 +18657,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":83
+            /* "ext/_skim.pyx":84
  *             b = p[pos]
  *             pending -= 1
  *             if b <= 0x7F or b >= 0xE0:  # fixint: -32..-6 are not cached             # <<<<<<<<<<<<<<
@@ -18664,7 +18666,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":89
+          /* "ext/_skim.pyx":90
  *                     cost += INT_COST + OBJ
  *                 continue
  *             if b <= 0x8F or (b >= 0x90 and b <= 0x9F) or b == 0xDC or b == 0xDD or b == 0xDE or b == 0xDF:             # <<<<<<<<<<<<<<
@@ -18718,7 +18720,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (__pyx_t_2) {
 
 
-            /* "ext/_skim.pyx":90
+            /* "ext/_skim.pyx":91
  *                 continue
  *             if b <= 0x8F or (b >= 0x90 and b <= 0x9F) or b == 0xDC or b == 0xDD or b == 0xDE or b == 0xDF:
  *                 if b <= 0x8F:             # <<<<<<<<<<<<<<
@@ -18730,7 +18732,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":91
+              /* "ext/_skim.pyx":92
  *             if b <= 0x8F or (b >= 0x90 and b <= 0x9F) or b == 0xDC or b == 0xDD or b == 0xDE or b == 0xDF:
  *                 if b <= 0x8F:
  *                     n = b & 0x0F; hdr = 1             # <<<<<<<<<<<<<<
@@ -18740,7 +18742,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               __pyx_v_n = (__pyx_v_b & 0x0F);
               __pyx_v_hdr = 1;
 
-              /* "ext/_skim.pyx":90
+              /* "ext/_skim.pyx":91
  *                 continue
  *             if b <= 0x8F or (b >= 0x90 and b <= 0x9F) or b == 0xDC or b == 0xDD or b == 0xDE or b == 0xDF:
  *                 if b <= 0x8F:             # <<<<<<<<<<<<<<
@@ -18750,7 +18752,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               goto __pyx_L23;
             }
 
-            /* "ext/_skim.pyx":92
+            /* "ext/_skim.pyx":93
  *                 if b <= 0x8F:
  *                     n = b & 0x0F; hdr = 1
  *                 elif b <= 0x9F:             # <<<<<<<<<<<<<<
@@ -18762,7 +18764,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":93
+              /* "ext/_skim.pyx":94
  *                     n = b & 0x0F; hdr = 1
  *                 elif b <= 0x9F:
  *                     n = b & 0x0F; hdr = 1             # <<<<<<<<<<<<<<
@@ -18772,7 +18774,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               __pyx_v_n = (__pyx_v_b & 0x0F);
               __pyx_v_hdr = 1;
 
-              /* "ext/_skim.pyx":92
+              /* "ext/_skim.pyx":93
  *                 if b <= 0x8F:
  *                     n = b & 0x0F; hdr = 1
  *                 elif b <= 0x9F:             # <<<<<<<<<<<<<<
@@ -18782,7 +18784,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               goto __pyx_L23;
             }
 
-            /* "ext/_skim.pyx":95
+            /* "ext/_skim.pyx":96
  *                     n = b & 0x0F; hdr = 1
  *                 else:
  *                     hdr = 3 if (b == 0xDC or b == 0xDE) else 5             # <<<<<<<<<<<<<<
@@ -18801,7 +18803,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               }
               __pyx_v_hdr = __pyx_t_8;
 
-              /* "ext/_skim.pyx":96
+              /* "ext/_skim.pyx":97
  *                 else:
  *                     hdr = 3 if (b == 0xDC or b == 0xDE) else 5
  *                     if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -18813,7 +18815,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               if (unlikely(__pyx_t_2)) {
 
 
-                /* "ext/_skim.pyx":97
+                /* "ext/_skim.pyx":98
  *                     hdr = 3 if (b == 0xDC or b == 0xDE) else 5
  *                     if pos + hdr > size:
  *                         with gil:             # <<<<<<<<<<<<<<
@@ -18824,7 +18826,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                     /*try:*/ {
 
-                      /* "ext/_skim.pyx":98
+                      /* "ext/_skim.pyx":99
  *                     if pos + hdr > size:
  *                         with gil:
  *                             raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -18837,15 +18839,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                         PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 98, __pyx_L28_error)
+                        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 99, __pyx_L28_error)
                         __Pyx_GOTREF(__pyx_t_4);
                       }
                       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                      __PYX_ERR(0, 98, __pyx_L28_error)
+                      __PYX_ERR(0, 99, __pyx_L28_error)
                     }
 
-                    /* "ext/_skim.pyx":97
+                    /* "ext/_skim.pyx":98
  *                     hdr = 3 if (b == 0xDC or b == 0xDE) else 5
  *                     if pos + hdr > size:
  *                         with gil:             # <<<<<<<<<<<<<<
@@ -18860,7 +18862,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     }
                 }
 
-                /* "ext/_skim.pyx":96
+                /* "ext/_skim.pyx":97
  *                 else:
  *                     hdr = 3 if (b == 0xDC or b == 0xDE) else 5
  *                     if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -18869,7 +18871,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               }
 
-              /* "ext/_skim.pyx":99
+              /* "ext/_skim.pyx":100
  *                         with gil:
  *                             raise ValueError("msgpack data ends inside a value")
  *                     n = _be(p + pos + 1, hdr - 1)             # <<<<<<<<<<<<<<
@@ -18880,7 +18882,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             }
             __pyx_L23:;
 
-            /* "ext/_skim.pyx":100
+            /* "ext/_skim.pyx":101
  *                             raise ValueError("msgpack data ends inside a value")
  *                     n = _be(p + pos + 1, hdr - 1)
  *                 pos += hdr             # <<<<<<<<<<<<<<
@@ -18889,20 +18891,20 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + __pyx_v_hdr);
 
-            /* "ext/_skim.pyx":101
+            /* "ext/_skim.pyx":102
  *                     n = _be(p + pos + 1, hdr - 1)
  *                 pos += hdr
  *                 containers += 1             # <<<<<<<<<<<<<<
  *                 if b <= 0x8F or b >= 0xDE:  # map
- *                     cost += DICT_BASE + OBJ + DICT_PER * <int64_t>n
+ *                     cost += (DICT_SMALL if n <= 5 else DICT_BASE + DICT_PER * <int64_t>n) + OBJ
 */
             __pyx_v_containers = (__pyx_v_containers + 1);
 
-            /* "ext/_skim.pyx":102
+            /* "ext/_skim.pyx":103
  *                 pos += hdr
  *                 containers += 1
  *                 if b <= 0x8F or b >= 0xDE:  # map             # <<<<<<<<<<<<<<
- *                     cost += DICT_BASE + OBJ + DICT_PER * <int64_t>n
+ *                     cost += (DICT_SMALL if n <= 5 else DICT_BASE + DICT_PER * <int64_t>n) + OBJ
  *                     pending += 2 * n
 */
             __pyx_t_7 = (__pyx_v_b <= 0x8F);
@@ -18924,35 +18926,46 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":103
+              /* "ext/_skim.pyx":104
  *                 containers += 1
  *                 if b <= 0x8F or b >= 0xDE:  # map
- *                     cost += DICT_BASE + OBJ + DICT_PER * <int64_t>n             # <<<<<<<<<<<<<<
+ *                     cost += (DICT_SMALL if n <= 5 else DICT_BASE + DICT_PER * <int64_t>n) + OBJ             # <<<<<<<<<<<<<<
  *                     pending += 2 * n
  *                 else:
 */
-              __pyx_v_cost = (__pyx_v_cost + ((__pyx_e_7tb5sync_5_skim_DICT_BASE + __pyx_e_7tb5sync_5_skim_OBJ) + (__pyx_e_7tb5sync_5_skim_DICT_PER * ((int64_t)__pyx_v_n))));
+              __pyx_t_2 = (__pyx_v_n <= 5);
 
-              /* "ext/_skim.pyx":104
+              if (__pyx_t_2) {
+
+                __pyx_t_9 = __pyx_e_7tb5sync_5_skim_DICT_SMALL;
+              } else {
+
+                __pyx_t_9 = (__pyx_e_7tb5sync_5_skim_DICT_BASE + (__pyx_e_7tb5sync_5_skim_DICT_PER * ((int64_t)__pyx_v_n)));
+              }
+
+              __pyx_v_cost = (__pyx_v_cost + (__pyx_t_9 + __pyx_e_7tb5sync_5_skim_OBJ));
+
+
+              /* "ext/_skim.pyx":105
  *                 if b <= 0x8F or b >= 0xDE:  # map
- *                     cost += DICT_BASE + OBJ + DICT_PER * <int64_t>n
+ *                     cost += (DICT_SMALL if n <= 5 else DICT_BASE + DICT_PER * <int64_t>n) + OBJ
  *                     pending += 2 * n             # <<<<<<<<<<<<<<
  *                 else:
  *                     cost += LIST_BASE + OBJ + 8 * <int64_t>n
 */
               __pyx_v_pending = (__pyx_v_pending + (2 * __pyx_v_n));
 
-              /* "ext/_skim.pyx":102
+              /* "ext/_skim.pyx":103
  *                 pos += hdr
  *                 containers += 1
  *                 if b <= 0x8F or b >= 0xDE:  # map             # <<<<<<<<<<<<<<
- *                     cost += DICT_BASE + OBJ + DICT_PER * <int64_t>n
+ *                     cost += (DICT_SMALL if n <= 5 else DICT_BASE + DICT_PER * <int64_t>n) + OBJ
  *                     pending += 2 * n
 */
               goto __pyx_L30;
             }
 
-            /* "ext/_skim.pyx":106
+            /* "ext/_skim.pyx":107
  *                     pending += 2 * n
  *                 else:
  *                     cost += LIST_BASE + OBJ + 8 * <int64_t>n             # <<<<<<<<<<<<<<
@@ -18962,7 +18975,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             /*else*/ {
               __pyx_v_cost = (__pyx_v_cost + ((__pyx_e_7tb5sync_5_skim_LIST_BASE + __pyx_e_7tb5sync_5_skim_OBJ) + (8 * ((int64_t)__pyx_v_n))));
 
-              /* "ext/_skim.pyx":107
+              /* "ext/_skim.pyx":108
  *                 else:
  *                     cost += LIST_BASE + OBJ + 8 * <int64_t>n
  *                     pending += n             # <<<<<<<<<<<<<<
@@ -18973,7 +18986,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             }
             __pyx_L30:;
 
-            /* "ext/_skim.pyx":108
+            /* "ext/_skim.pyx":109
  *                     cost += LIST_BASE + OBJ + 8 * <int64_t>n
  *                     pending += n
  *                 continue             # <<<<<<<<<<<<<<
@@ -18982,7 +18995,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":89
+            /* "ext/_skim.pyx":90
  *                     cost += INT_COST + OBJ
  *                 continue
  *             if b <= 0x8F or (b >= 0x90 and b <= 0x9F) or b == 0xDC or b == 0xDD or b == 0xDE or b == 0xDF:             # <<<<<<<<<<<<<<
@@ -18991,7 +19004,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":109
+          /* "ext/_skim.pyx":110
  *                     pending += n
  *                 continue
  *             if b >= 0xA0 and b <= 0xBF:  # fixstr             # <<<<<<<<<<<<<<
@@ -19017,7 +19030,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (__pyx_t_2) {
 
 
-            /* "ext/_skim.pyx":110
+            /* "ext/_skim.pyx":111
  *                 continue
  *             if b >= 0xA0 and b <= 0xBF:  # fixstr
  *                 n = b & 0x1F             # <<<<<<<<<<<<<<
@@ -19026,7 +19039,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_n = (__pyx_v_b & 0x1F);
 
-            /* "ext/_skim.pyx":111
+            /* "ext/_skim.pyx":112
  *             if b >= 0xA0 and b <= 0xBF:  # fixstr
  *                 n = b & 0x1F
  *                 if pos + 1 + <Py_ssize_t>n > size:             # <<<<<<<<<<<<<<
@@ -19038,7 +19051,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (unlikely(__pyx_t_2)) {
 
 
-              /* "ext/_skim.pyx":112
+              /* "ext/_skim.pyx":113
  *                 n = b & 0x1F
  *                 if pos + 1 + <Py_ssize_t>n > size:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19049,7 +19062,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                   /*try:*/ {
 
-                    /* "ext/_skim.pyx":113
+                    /* "ext/_skim.pyx":114
  *                 if pos + 1 + <Py_ssize_t>n > size:
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19062,15 +19075,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 113, __pyx_L40_error)
+                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 114, __pyx_L40_error)
                       __Pyx_GOTREF(__pyx_t_4);
                     }
                     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                    __PYX_ERR(0, 113, __pyx_L40_error)
+                    __PYX_ERR(0, 114, __pyx_L40_error)
                   }
 
-                  /* "ext/_skim.pyx":112
+                  /* "ext/_skim.pyx":113
  *                 n = b & 0x1F
  *                 if pos + 1 + <Py_ssize_t>n > size:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19085,7 +19098,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   }
               }
 
-              /* "ext/_skim.pyx":111
+              /* "ext/_skim.pyx":112
  *             if b >= 0xA0 and b <= 0xBF:  # fixstr
  *                 n = b & 0x1F
  *                 if pos + 1 + <Py_ssize_t>n > size:             # <<<<<<<<<<<<<<
@@ -19094,7 +19107,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":114
+            /* "ext/_skim.pyx":115
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 cost += _str_cost(p + pos + 1, n)             # <<<<<<<<<<<<<<
@@ -19103,7 +19116,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_cost = (__pyx_v_cost + __pyx_f_7tb5sync_5_skim__str_cost(((__pyx_v_p + __pyx_v_pos) + 1), __pyx_v_n));
 
-            /* "ext/_skim.pyx":115
+            /* "ext/_skim.pyx":116
  *                         raise ValueError("msgpack data ends inside a value")
  *                 cost += _str_cost(p + pos + 1, n)
  *                 pos += 1 + n             # <<<<<<<<<<<<<<
@@ -19112,7 +19125,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + (1 + __pyx_v_n));
 
-            /* "ext/_skim.pyx":116
+            /* "ext/_skim.pyx":117
  *                 cost += _str_cost(p + pos + 1, n)
  *                 pos += 1 + n
  *                 continue             # <<<<<<<<<<<<<<
@@ -19121,7 +19134,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":109
+            /* "ext/_skim.pyx":110
  *                     pending += n
  *                 continue
  *             if b >= 0xA0 and b <= 0xBF:  # fixstr             # <<<<<<<<<<<<<<
@@ -19130,7 +19143,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":117
+          /* "ext/_skim.pyx":118
  *                 pos += 1 + n
  *                 continue
  *             if b == 0xC0 or b == 0xC2 or b == 0xC3:             # <<<<<<<<<<<<<<
@@ -19142,7 +19155,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             case 0xC2:
             case 0xC3:
 
-            /* "ext/_skim.pyx":118
+            /* "ext/_skim.pyx":119
  *                 continue
  *             if b == 0xC0 or b == 0xC2 or b == 0xC3:
  *                 pos += 1             # <<<<<<<<<<<<<<
@@ -19151,7 +19164,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + 1);
 
-            /* "ext/_skim.pyx":119
+            /* "ext/_skim.pyx":120
  *             if b == 0xC0 or b == 0xC2 or b == 0xC3:
  *                 pos += 1
  *                 continue             # <<<<<<<<<<<<<<
@@ -19160,7 +19173,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":117
+            /* "ext/_skim.pyx":118
  *                 pos += 1 + n
  *                 continue
  *             if b == 0xC0 or b == 0xC2 or b == 0xC3:             # <<<<<<<<<<<<<<
@@ -19171,7 +19184,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             default: break;
           }
 
-          /* "ext/_skim.pyx":120
+          /* "ext/_skim.pyx":121
  *                 pos += 1
  *                 continue
  *             if b == 0xC1:             # <<<<<<<<<<<<<<
@@ -19183,7 +19196,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (unlikely(__pyx_t_2)) {
 
 
-            /* "ext/_skim.pyx":121
+            /* "ext/_skim.pyx":122
  *                 continue
  *             if b == 0xC1:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -19194,7 +19207,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                 /*try:*/ {
 
-                  /* "ext/_skim.pyx":122
+                  /* "ext/_skim.pyx":123
  *             if b == 0xC1:
  *                 with gil:
  *                     raise ValueError("byte 0xc1 starts no msgpack value")             # <<<<<<<<<<<<<<
@@ -19207,15 +19220,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_byte_0xc1_starts_no_msgpack_valu};
                     __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 122, __pyx_L46_error)
+                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 123, __pyx_L46_error)
                     __Pyx_GOTREF(__pyx_t_4);
                   }
                   __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                  __PYX_ERR(0, 122, __pyx_L46_error)
+                  __PYX_ERR(0, 123, __pyx_L46_error)
                 }
 
-                /* "ext/_skim.pyx":121
+                /* "ext/_skim.pyx":122
  *                 continue
  *             if b == 0xC1:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -19230,7 +19243,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 }
             }
 
-            /* "ext/_skim.pyx":120
+            /* "ext/_skim.pyx":121
  *                 pos += 1
  *                 continue
  *             if b == 0xC1:             # <<<<<<<<<<<<<<
@@ -19239,7 +19252,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":123
+          /* "ext/_skim.pyx":124
  *                 with gil:
  *                     raise ValueError("byte 0xc1 starts no msgpack value")
  *             if b == 0xC4 or b == 0xC5 or b == 0xC6 or b == 0xD9 or b == 0xDA or b == 0xDB:  # bin, str             # <<<<<<<<<<<<<<
@@ -19254,7 +19267,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             case 0xDA:
             case 0xDB:
 
-            /* "ext/_skim.pyx":124
+            /* "ext/_skim.pyx":125
  *                     raise ValueError("byte 0xc1 starts no msgpack value")
  *             if b == 0xC4 or b == 0xC5 or b == 0xC6 or b == 0xD9 or b == 0xDA or b == 0xDB:  # bin, str
  *                 hdr = 2 if (b == 0xC4 or b == 0xD9) else (3 if (b == 0xC5 or b == 0xDA) else 5)             # <<<<<<<<<<<<<<
@@ -19285,18 +19298,18 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               __pyx_L48_bool_binop_done:;
               if (__pyx_t_2) {
 
-                __pyx_t_9 = 3;
+                __pyx_t_10 = 3;
               } else {
 
-                __pyx_t_9 = 5;
+                __pyx_t_10 = 5;
               }
 
-              __pyx_t_8 = __pyx_t_9;
+              __pyx_t_8 = __pyx_t_10;
               break;
             }
             __pyx_v_hdr = __pyx_t_8;
 
-            /* "ext/_skim.pyx":125
+            /* "ext/_skim.pyx":126
  *             if b == 0xC4 or b == 0xC5 or b == 0xC6 or b == 0xD9 or b == 0xDA or b == 0xDB:  # bin, str
  *                 hdr = 2 if (b == 0xC4 or b == 0xD9) else (3 if (b == 0xC5 or b == 0xDA) else 5)
  *                 if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -19308,7 +19321,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (unlikely(__pyx_t_2)) {
 
 
-              /* "ext/_skim.pyx":126
+              /* "ext/_skim.pyx":127
  *                 hdr = 2 if (b == 0xC4 or b == 0xD9) else (3 if (b == 0xC5 or b == 0xDA) else 5)
  *                 if pos + hdr > size:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19319,7 +19332,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                   /*try:*/ {
 
-                    /* "ext/_skim.pyx":127
+                    /* "ext/_skim.pyx":128
  *                 if pos + hdr > size:
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19332,15 +19345,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 127, __pyx_L54_error)
+                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 128, __pyx_L54_error)
                       __Pyx_GOTREF(__pyx_t_4);
                     }
                     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                    __PYX_ERR(0, 127, __pyx_L54_error)
+                    __PYX_ERR(0, 128, __pyx_L54_error)
                   }
 
-                  /* "ext/_skim.pyx":126
+                  /* "ext/_skim.pyx":127
  *                 hdr = 2 if (b == 0xC4 or b == 0xD9) else (3 if (b == 0xC5 or b == 0xDA) else 5)
  *                 if pos + hdr > size:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19355,7 +19368,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   }
               }
 
-              /* "ext/_skim.pyx":125
+              /* "ext/_skim.pyx":126
  *             if b == 0xC4 or b == 0xC5 or b == 0xC6 or b == 0xD9 or b == 0xDA or b == 0xDB:  # bin, str
  *                 hdr = 2 if (b == 0xC4 or b == 0xD9) else (3 if (b == 0xC5 or b == 0xDA) else 5)
  *                 if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -19364,7 +19377,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":128
+            /* "ext/_skim.pyx":129
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 n = _be(p + pos + 1, hdr - 1)             # <<<<<<<<<<<<<<
@@ -19373,7 +19386,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_n = __pyx_f_7tb5sync_5_skim__be(((__pyx_v_p + __pyx_v_pos) + 1), (__pyx_v_hdr - 1));
 
-            /* "ext/_skim.pyx":129
+            /* "ext/_skim.pyx":130
  *                         raise ValueError("msgpack data ends inside a value")
  *                 n = _be(p + pos + 1, hdr - 1)
  *                 if <uint64_t>(size - pos - hdr) < n:             # <<<<<<<<<<<<<<
@@ -19385,7 +19398,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (unlikely(__pyx_t_2)) {
 
 
-              /* "ext/_skim.pyx":130
+              /* "ext/_skim.pyx":131
  *                 n = _be(p + pos + 1, hdr - 1)
  *                 if <uint64_t>(size - pos - hdr) < n:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19396,7 +19409,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                   /*try:*/ {
 
-                    /* "ext/_skim.pyx":131
+                    /* "ext/_skim.pyx":132
  *                 if <uint64_t>(size - pos - hdr) < n:
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19409,15 +19422,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 131, __pyx_L60_error)
+                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 132, __pyx_L60_error)
                       __Pyx_GOTREF(__pyx_t_4);
                     }
                     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                    __PYX_ERR(0, 131, __pyx_L60_error)
+                    __PYX_ERR(0, 132, __pyx_L60_error)
                   }
 
-                  /* "ext/_skim.pyx":130
+                  /* "ext/_skim.pyx":131
  *                 n = _be(p + pos + 1, hdr - 1)
  *                 if <uint64_t>(size - pos - hdr) < n:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19432,7 +19445,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   }
               }
 
-              /* "ext/_skim.pyx":129
+              /* "ext/_skim.pyx":130
  *                         raise ValueError("msgpack data ends inside a value")
  *                 n = _be(p + pos + 1, hdr - 1)
  *                 if <uint64_t>(size - pos - hdr) < n:             # <<<<<<<<<<<<<<
@@ -19441,7 +19454,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":132
+            /* "ext/_skim.pyx":133
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if b >= 0xD9:             # <<<<<<<<<<<<<<
@@ -19453,7 +19466,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":133
+              /* "ext/_skim.pyx":134
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if b >= 0xD9:
  *                     cost += _str_cost(p + pos + hdr, n)             # <<<<<<<<<<<<<<
@@ -19462,7 +19475,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_cost = (__pyx_v_cost + __pyx_f_7tb5sync_5_skim__str_cost(((__pyx_v_p + __pyx_v_pos) + __pyx_v_hdr), __pyx_v_n));
 
-              /* "ext/_skim.pyx":132
+              /* "ext/_skim.pyx":133
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if b >= 0xD9:             # <<<<<<<<<<<<<<
@@ -19472,7 +19485,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               goto __pyx_L62;
             }
 
-            /* "ext/_skim.pyx":134
+            /* "ext/_skim.pyx":135
  *                 if b >= 0xD9:
  *                     cost += _str_cost(p + pos + hdr, n)
  *                 elif n > 1:             # <<<<<<<<<<<<<<
@@ -19484,7 +19497,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":135
+              /* "ext/_skim.pyx":136
  *                     cost += _str_cost(p + pos + hdr, n)
  *                 elif n > 1:
  *                     cost += BYTES_BASE + OBJ + <int64_t>n             # <<<<<<<<<<<<<<
@@ -19493,7 +19506,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_cost = (__pyx_v_cost + ((__pyx_e_7tb5sync_5_skim_BYTES_BASE + __pyx_e_7tb5sync_5_skim_OBJ) + ((int64_t)__pyx_v_n)));
 
-              /* "ext/_skim.pyx":134
+              /* "ext/_skim.pyx":135
  *                 if b >= 0xD9:
  *                     cost += _str_cost(p + pos + hdr, n)
  *                 elif n > 1:             # <<<<<<<<<<<<<<
@@ -19503,7 +19516,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             }
             __pyx_L62:;
 
-            /* "ext/_skim.pyx":136
+            /* "ext/_skim.pyx":137
  *                 elif n > 1:
  *                     cost += BYTES_BASE + OBJ + <int64_t>n
  *                 pos += hdr + n             # <<<<<<<<<<<<<<
@@ -19512,7 +19525,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + (__pyx_v_hdr + __pyx_v_n));
 
-            /* "ext/_skim.pyx":137
+            /* "ext/_skim.pyx":138
  *                     cost += BYTES_BASE + OBJ + <int64_t>n
  *                 pos += hdr + n
  *                 continue             # <<<<<<<<<<<<<<
@@ -19521,7 +19534,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":123
+            /* "ext/_skim.pyx":124
  *                 with gil:
  *                     raise ValueError("byte 0xc1 starts no msgpack value")
  *             if b == 0xC4 or b == 0xC5 or b == 0xC6 or b == 0xD9 or b == 0xDA or b == 0xDB:  # bin, str             # <<<<<<<<<<<<<<
@@ -19532,7 +19545,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             default: break;
           }
 
-          /* "ext/_skim.pyx":138
+          /* "ext/_skim.pyx":139
  *                 pos += hdr + n
  *                 continue
  *             if b == 0xC7 or b == 0xC8 or b == 0xC9 or (b >= 0xD4 and b <= 0xD8):  # ext             # <<<<<<<<<<<<<<
@@ -19588,7 +19601,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (__pyx_t_2) {
 
 
-            /* "ext/_skim.pyx":139
+            /* "ext/_skim.pyx":140
  *                 continue
  *             if b == 0xC7 or b == 0xC8 or b == 0xC9 or (b >= 0xD4 and b <= 0xD8):  # ext
  *                 if b >= 0xD4:             # <<<<<<<<<<<<<<
@@ -19600,7 +19613,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":140
+              /* "ext/_skim.pyx":141
  *             if b == 0xC7 or b == 0xC8 or b == 0xC9 or (b >= 0xD4 and b <= 0xD8):  # ext
  *                 if b >= 0xD4:
  *                     n = 1 << (b - 0xD4); hdr = 2             # <<<<<<<<<<<<<<
@@ -19610,7 +19623,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               __pyx_v_n = (1 << (__pyx_v_b - 0xD4));
               __pyx_v_hdr = 2;
 
-              /* "ext/_skim.pyx":139
+              /* "ext/_skim.pyx":140
  *                 continue
  *             if b == 0xC7 or b == 0xC8 or b == 0xC9 or (b >= 0xD4 and b <= 0xD8):  # ext
  *                 if b >= 0xD4:             # <<<<<<<<<<<<<<
@@ -19620,7 +19633,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               goto __pyx_L69;
             }
 
-            /* "ext/_skim.pyx":142
+            /* "ext/_skim.pyx":143
  *                     n = 1 << (b - 0xD4); hdr = 2
  *                 else:
  *                     hdr = 3 if b == 0xC7 else (4 if b == 0xC8 else 6)             # <<<<<<<<<<<<<<
@@ -19638,18 +19651,18 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 
                 if (__pyx_t_7) {
 
-                  __pyx_t_9 = 4;
+                  __pyx_t_10 = 4;
                 } else {
 
-                  __pyx_t_9 = 6;
+                  __pyx_t_10 = 6;
                 }
 
-                __pyx_t_8 = __pyx_t_9;
+                __pyx_t_8 = __pyx_t_10;
               }
 
               __pyx_v_hdr = __pyx_t_8;
 
-              /* "ext/_skim.pyx":143
+              /* "ext/_skim.pyx":144
  *                 else:
  *                     hdr = 3 if b == 0xC7 else (4 if b == 0xC8 else 6)
  *                     if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -19661,7 +19674,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
               if (unlikely(__pyx_t_2)) {
 
 
-                /* "ext/_skim.pyx":144
+                /* "ext/_skim.pyx":145
  *                     hdr = 3 if b == 0xC7 else (4 if b == 0xC8 else 6)
  *                     if pos + hdr > size:
  *                         with gil:             # <<<<<<<<<<<<<<
@@ -19672,7 +19685,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                     /*try:*/ {
 
-                      /* "ext/_skim.pyx":145
+                      /* "ext/_skim.pyx":146
  *                     if pos + hdr > size:
  *                         with gil:
  *                             raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19685,15 +19698,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                         PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 145, __pyx_L74_error)
+                        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 146, __pyx_L74_error)
                         __Pyx_GOTREF(__pyx_t_4);
                       }
                       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                      __PYX_ERR(0, 145, __pyx_L74_error)
+                      __PYX_ERR(0, 146, __pyx_L74_error)
                     }
 
-                    /* "ext/_skim.pyx":144
+                    /* "ext/_skim.pyx":145
  *                     hdr = 3 if b == 0xC7 else (4 if b == 0xC8 else 6)
  *                     if pos + hdr > size:
  *                         with gil:             # <<<<<<<<<<<<<<
@@ -19708,7 +19721,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     }
                 }
 
-                /* "ext/_skim.pyx":143
+                /* "ext/_skim.pyx":144
  *                 else:
  *                     hdr = 3 if b == 0xC7 else (4 if b == 0xC8 else 6)
  *                     if pos + hdr > size:             # <<<<<<<<<<<<<<
@@ -19717,7 +19730,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               }
 
-              /* "ext/_skim.pyx":146
+              /* "ext/_skim.pyx":147
  *                         with gil:
  *                             raise ValueError("msgpack data ends inside a value")
  *                     n = _be(p + pos + 1, hdr - 2)             # <<<<<<<<<<<<<<
@@ -19728,7 +19741,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             }
             __pyx_L69:;
 
-            /* "ext/_skim.pyx":147
+            /* "ext/_skim.pyx":148
  *                             raise ValueError("msgpack data ends inside a value")
  *                     n = _be(p + pos + 1, hdr - 2)
  *                 if pos + hdr > size or <uint64_t>(size - pos - hdr) < n:             # <<<<<<<<<<<<<<
@@ -19754,7 +19767,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (unlikely(__pyx_t_2)) {
 
 
-              /* "ext/_skim.pyx":148
+              /* "ext/_skim.pyx":149
  *                     n = _be(p + pos + 1, hdr - 2)
  *                 if pos + hdr > size or <uint64_t>(size - pos - hdr) < n:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19765,7 +19778,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                   /*try:*/ {
 
-                    /* "ext/_skim.pyx":149
+                    /* "ext/_skim.pyx":150
  *                 if pos + hdr > size or <uint64_t>(size - pos - hdr) < n:
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19778,15 +19791,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 149, __pyx_L82_error)
+                      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 150, __pyx_L82_error)
                       __Pyx_GOTREF(__pyx_t_4);
                     }
                     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                    __PYX_ERR(0, 149, __pyx_L82_error)
+                    __PYX_ERR(0, 150, __pyx_L82_error)
                   }
 
-                  /* "ext/_skim.pyx":148
+                  /* "ext/_skim.pyx":149
  *                     n = _be(p + pos + 1, hdr - 2)
  *                 if pos + hdr > size or <uint64_t>(size - pos - hdr) < n:
  *                     with gil:             # <<<<<<<<<<<<<<
@@ -19801,7 +19814,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                   }
               }
 
-              /* "ext/_skim.pyx":147
+              /* "ext/_skim.pyx":148
  *                             raise ValueError("msgpack data ends inside a value")
  *                     n = _be(p + pos + 1, hdr - 2)
  *                 if pos + hdr > size or <uint64_t>(size - pos - hdr) < n:             # <<<<<<<<<<<<<<
@@ -19810,7 +19823,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":150
+            /* "ext/_skim.pyx":151
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if not have_ext:             # <<<<<<<<<<<<<<
@@ -19822,7 +19835,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":151
+              /* "ext/_skim.pyx":152
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if not have_ext:
  *                     have_ext = 1             # <<<<<<<<<<<<<<
@@ -19831,7 +19844,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_have_ext = 1;
 
-              /* "ext/_skim.pyx":152
+              /* "ext/_skim.pyx":153
  *                 if not have_ext:
  *                     have_ext = 1
  *                     ext = <signed char>p[pos + hdr - 1]             # <<<<<<<<<<<<<<
@@ -19840,7 +19853,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_ext = ((signed char)(__pyx_v_p[((__pyx_v_pos + __pyx_v_hdr) - 1)]));
 
-              /* "ext/_skim.pyx":150
+              /* "ext/_skim.pyx":151
  *                     with gil:
  *                         raise ValueError("msgpack data ends inside a value")
  *                 if not have_ext:             # <<<<<<<<<<<<<<
@@ -19849,7 +19862,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":153
+            /* "ext/_skim.pyx":154
  *                     have_ext = 1
  *                     ext = <signed char>p[pos + hdr - 1]
  *                 cost += BYTES_BASE + OBJ + <int64_t>n             # <<<<<<<<<<<<<<
@@ -19858,7 +19871,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_cost = (__pyx_v_cost + ((__pyx_e_7tb5sync_5_skim_BYTES_BASE + __pyx_e_7tb5sync_5_skim_OBJ) + ((int64_t)__pyx_v_n)));
 
-            /* "ext/_skim.pyx":154
+            /* "ext/_skim.pyx":155
  *                     ext = <signed char>p[pos + hdr - 1]
  *                 cost += BYTES_BASE + OBJ + <int64_t>n
  *                 pos += hdr + n             # <<<<<<<<<<<<<<
@@ -19867,7 +19880,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_pos = (__pyx_v_pos + (__pyx_v_hdr + __pyx_v_n));
 
-            /* "ext/_skim.pyx":155
+            /* "ext/_skim.pyx":156
  *                 cost += BYTES_BASE + OBJ + <int64_t>n
  *                 pos += hdr + n
  *                 continue             # <<<<<<<<<<<<<<
@@ -19876,7 +19889,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             goto __pyx_L6_continue;
 
-            /* "ext/_skim.pyx":138
+            /* "ext/_skim.pyx":139
  *                 pos += hdr + n
  *                 continue
  *             if b == 0xC7 or b == 0xC8 or b == 0xC9 or (b >= 0xD4 and b <= 0xD8):  # ext             # <<<<<<<<<<<<<<
@@ -19885,7 +19898,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":157
+          /* "ext/_skim.pyx":158
  *                 continue
  *             # numbers: 0xCA float32, 0xCB float64, 0xCC-0xCF uint, 0xD0-0xD3 int
  *             need = 5 if b == 0xCA else (9 if b == 0xCB else 1 + (1 << ((b - 0xCC) & 3)))             # <<<<<<<<<<<<<<
@@ -19896,24 +19909,24 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 
           if (__pyx_t_2) {
 
-            __pyx_t_10 = 5;
+            __pyx_t_11 = 5;
           } else {
             __pyx_t_7 = (__pyx_v_b == 0xCB);
 
             if (__pyx_t_7) {
 
-              __pyx_t_11 = 9;
+              __pyx_t_12 = 9;
             } else {
 
-              __pyx_t_11 = (1 + (1 << ((__pyx_v_b - 0xCC) & 3)));
+              __pyx_t_12 = (1 + (1 << ((__pyx_v_b - 0xCC) & 3)));
             }
 
-            __pyx_t_10 = __pyx_t_11;
+            __pyx_t_11 = __pyx_t_12;
           }
 
-          __pyx_v_need = __pyx_t_10;
+          __pyx_v_need = __pyx_t_11;
 
-          /* "ext/_skim.pyx":158
+          /* "ext/_skim.pyx":159
  *             # numbers: 0xCA float32, 0xCB float64, 0xCC-0xCF uint, 0xD0-0xD3 int
  *             need = 5 if b == 0xCA else (9 if b == 0xCB else 1 + (1 << ((b - 0xCC) & 3)))
  *             if pos + <Py_ssize_t>need > size:             # <<<<<<<<<<<<<<
@@ -19925,7 +19938,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
           if (unlikely(__pyx_t_2)) {
 
 
-            /* "ext/_skim.pyx":159
+            /* "ext/_skim.pyx":160
  *             need = 5 if b == 0xCA else (9 if b == 0xCB else 1 + (1 << ((b - 0xCC) & 3)))
  *             if pos + <Py_ssize_t>need > size:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -19936,7 +19949,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 PyGILState_STATE __pyx_gilstate_save = __Pyx_PyGILState_Ensure();
                 /*try:*/ {
 
-                  /* "ext/_skim.pyx":160
+                  /* "ext/_skim.pyx":161
  *             if pos + <Py_ssize_t>need > size:
  *                 with gil:
  *                     raise ValueError("msgpack data ends inside a value")             # <<<<<<<<<<<<<<
@@ -19949,15 +19962,15 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                     PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_msgpack_data_ends_inside_a_value};
                     __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_6, (2-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
                     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 160, __pyx_L89_error)
+                    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 161, __pyx_L89_error)
                     __Pyx_GOTREF(__pyx_t_4);
                   }
                   __Pyx_Raise(__pyx_t_4, 0, 0, 0);
                   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-                  __PYX_ERR(0, 160, __pyx_L89_error)
+                  __PYX_ERR(0, 161, __pyx_L89_error)
                 }
 
-                /* "ext/_skim.pyx":159
+                /* "ext/_skim.pyx":160
  *             need = 5 if b == 0xCA else (9 if b == 0xCB else 1 + (1 << ((b - 0xCC) & 3)))
  *             if pos + <Py_ssize_t>need > size:
  *                 with gil:             # <<<<<<<<<<<<<<
@@ -19972,7 +19985,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
                 }
             }
 
-            /* "ext/_skim.pyx":158
+            /* "ext/_skim.pyx":159
  *             # numbers: 0xCA float32, 0xCB float64, 0xCC-0xCF uint, 0xD0-0xD3 int
  *             need = 5 if b == 0xCA else (9 if b == 0xCB else 1 + (1 << ((b - 0xCC) & 3)))
  *             if pos + <Py_ssize_t>need > size:             # <<<<<<<<<<<<<<
@@ -19981,7 +19994,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
           }
 
-          /* "ext/_skim.pyx":161
+          /* "ext/_skim.pyx":162
  *                 with gil:
  *                     raise ValueError("msgpack data ends inside a value")
  *             if b == 0xCA or b == 0xCB:             # <<<<<<<<<<<<<<
@@ -19992,7 +20005,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             case 0xCA:
             case 0xCB:
 
-            /* "ext/_skim.pyx":162
+            /* "ext/_skim.pyx":163
  *                     raise ValueError("msgpack data ends inside a value")
  *             if b == 0xCA or b == 0xCB:
  *                 cost += FLOAT_COST + OBJ             # <<<<<<<<<<<<<<
@@ -20001,7 +20014,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_cost = (__pyx_v_cost + (__pyx_e_7tb5sync_5_skim_FLOAT_COST + __pyx_e_7tb5sync_5_skim_OBJ));
 
-            /* "ext/_skim.pyx":161
+            /* "ext/_skim.pyx":162
  *                 with gil:
  *                     raise ValueError("msgpack data ends inside a value")
  *             if b == 0xCA or b == 0xCB:             # <<<<<<<<<<<<<<
@@ -20011,7 +20024,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             break;
             case 0xCC:
 
-            /* "ext/_skim.pyx":163
+            /* "ext/_skim.pyx":164
  *             if b == 0xCA or b == 0xCB:
  *                 cost += FLOAT_COST + OBJ
  *             elif b == 0xCC:             # <<<<<<<<<<<<<<
@@ -20021,7 +20034,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             break;
             case 0xD0:
 
-            /* "ext/_skim.pyx":166
+            /* "ext/_skim.pyx":167
  *                 pass  # 0..255: CPython's cached ints
  *             elif b == 0xD0:
  *                 sv = <signed char>p[pos + 1]             # <<<<<<<<<<<<<<
@@ -20030,7 +20043,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             __pyx_v_sv = ((signed char)(__pyx_v_p[(__pyx_v_pos + 1)]));
 
-            /* "ext/_skim.pyx":167
+            /* "ext/_skim.pyx":168
  *             elif b == 0xD0:
  *                 sv = <signed char>p[pos + 1]
  *                 if sv < -5:             # <<<<<<<<<<<<<<
@@ -20042,7 +20055,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             if (__pyx_t_2) {
 
 
-              /* "ext/_skim.pyx":168
+              /* "ext/_skim.pyx":169
  *                 sv = <signed char>p[pos + 1]
  *                 if sv < -5:
  *                     cost += INT_COST + OBJ             # <<<<<<<<<<<<<<
@@ -20051,7 +20064,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
               __pyx_v_cost = (__pyx_v_cost + (__pyx_e_7tb5sync_5_skim_INT_COST + __pyx_e_7tb5sync_5_skim_OBJ));
 
-              /* "ext/_skim.pyx":167
+              /* "ext/_skim.pyx":168
  *             elif b == 0xD0:
  *                 sv = <signed char>p[pos + 1]
  *                 if sv < -5:             # <<<<<<<<<<<<<<
@@ -20060,7 +20073,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
 */
             }
 
-            /* "ext/_skim.pyx":165
+            /* "ext/_skim.pyx":166
  *             elif b == 0xCC:
  *                 pass  # 0..255: CPython's cached ints
  *             elif b == 0xD0:             # <<<<<<<<<<<<<<
@@ -20070,7 +20083,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             break;
             default:
 
-            /* "ext/_skim.pyx":170
+            /* "ext/_skim.pyx":171
  *                     cost += INT_COST + OBJ
  *             else:
  *                 cost += INT_COST + OBJ             # <<<<<<<<<<<<<<
@@ -20081,7 +20094,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
             break;
           }
 
-          /* "ext/_skim.pyx":171
+          /* "ext/_skim.pyx":172
  *             else:
  *                 cost += INT_COST + OBJ
  *             pos += need             # <<<<<<<<<<<<<<
@@ -20092,7 +20105,7 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
         }
       }
 
-      /* "ext/_skim.pyx":76
+      /* "ext/_skim.pyx":77
  *     cdef unsigned char b
  *     cdef signed char sv
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -20114,55 +20127,55 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
       }
   }
 
-  /* "ext/_skim.pyx":172
+  /* "ext/_skim.pyx":173
  *                 cost += INT_COST + OBJ
  *             pos += need
  *     return cost, containers, (ext if have_ext else None), pos             # <<<<<<<<<<<<<<
 */
-  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_cost); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 172, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_cost); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 173, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_containers); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 172, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_containers); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 173, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_2 = (__pyx_v_have_ext != 0);
 
   if (__pyx_t_2) {
-    __pyx_t_13 = __Pyx_PyLong_From_int(__pyx_v_ext); if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 172, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_13);
-    __pyx_t_12 = __pyx_t_13;
-    __pyx_t_13 = 0;
+    __pyx_t_14 = __Pyx_PyLong_From_int(__pyx_v_ext); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 173, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_14);
+    __pyx_t_13 = __pyx_t_14;
+    __pyx_t_14 = 0;
   } else {
     __Pyx_INCREF(Py_None);
-    __pyx_t_12 = Py_None;
+    __pyx_t_13 = Py_None;
   }
 
-  __pyx_t_13 = PyLong_FromSsize_t(__pyx_v_pos); if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 172, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_13);
-  __pyx_t_14 = PyTuple_New(4); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 172, __pyx_L1_error)
+  __pyx_t_14 = PyLong_FromSsize_t(__pyx_v_pos); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 173, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_14);
+  __pyx_t_15 = PyTuple_New(4); if (unlikely(!__pyx_t_15)) __PYX_ERR(0, 173, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_15);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_14, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 172, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 173, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_14, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 172, __pyx_L1_error);
-  __Pyx_GIVEREF(__pyx_t_12);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_14, 2, __pyx_t_12) != (0)) __PYX_ERR(0, 172, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 173, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_13);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_14, 3, __pyx_t_13) != (0)) __PYX_ERR(0, 172, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 2, __pyx_t_13) != (0)) __PYX_ERR(0, 173, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_14);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 3, __pyx_t_14) != (0)) __PYX_ERR(0, 173, __pyx_L1_error);
   __pyx_t_4 = 0;
   __pyx_t_5 = 0;
-  __pyx_t_12 = 0;
   __pyx_t_13 = 0;
+  __pyx_t_14 = 0;
   {
     PyObject *__pyx_temp;
     {
       __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_14;
+      __pyx_r = __pyx_t_15;
     }
     __Pyx_XDECREF(__pyx_temp);
   }
-  __pyx_t_14 = 0;
+  __pyx_t_15 = 0;
   goto __pyx_L0;
 
-  /* "ext/_skim.pyx":57
+  /* "ext/_skim.pyx":58
  * 
  * 
  * def skim(const unsigned char[::1] data):             # <<<<<<<<<<<<<<
@@ -20174,9 +20187,9 @@ static PyObject *__pyx_pf_7tb5sync_5_skim_skim(CYTHON_UNUSED PyObject *__pyx_sel
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_4);
   __Pyx_XDECREF(__pyx_t_5);
-  __Pyx_XDECREF(__pyx_t_12);
   __Pyx_XDECREF(__pyx_t_13);
   __Pyx_XDECREF(__pyx_t_14);
+  __Pyx_XDECREF(__pyx_t_15);
   __Pyx_AddTraceback("tb5sync._skim.skim", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
@@ -22345,19 +22358,19 @@ __Pyx_RefNannySetupContext("PyInit__skim", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Enum, __pyx_t_4) < (0)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "ext/_skim.pyx":57
+  /* "ext/_skim.pyx":58
  * 
  * 
  * def skim(const unsigned char[::1] data):             # <<<<<<<<<<<<<<
  *     """``(cost, containers, ext, end)`` of the msgpack value at the start of ``data``.
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_7tb5sync_5_skim_1skim, 0, __pyx_mstate_global->__pyx_n_u_skim, NULL, __pyx_mstate_global->__pyx_n_u_tb5sync__skim, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 57, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_7tb5sync_5_skim_1skim, 0, __pyx_mstate_global->__pyx_n_u_skim, NULL, __pyx_mstate_global->__pyx_n_u_tb5sync__skim, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_skim, __pyx_t_4) < (0)) __PYX_ERR(0, 57, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_skim, __pyx_t_4) < (0)) __PYX_ERR(0, 58, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "ext/_skim.pyx":1
@@ -22535,30 +22548,30 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
     const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{33},{15},{7},{6},{13},{2},{9},{32},{50},{30},{37},{5},{8},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{18},{1},{4},{1},{18},{10},{4},{5},{4},{15},{6},{9},{5},{3},{5},{6},{7},{8},{3},{2},{5},{5},{8},{7},{4},{1},{4},{4},{4},{3},{1},{4},{7},{3},{3},{8},{10},{5},{4},{4},{5},{4},{4},{6},{2},{13},{6},{6},{6},{1}};
-    const struct { const unsigned int length: 11; } bytes_length_index[] = {{1},{1190}};
+    const struct { const unsigned int length: 11; } bytes_length_index[] = {{1},{1201}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1465 bytes) */
-static const char cstring[] = "x\332\225TMs\323F\030\256\363\301\264%\323\306\211\003\201\002\335$\020\267\224\2708\037\375d\350$!\314\244Lil\047\0143\005\304j\265vD\344\225\254]\271v{\351\221\243\216:\356QG\035u\324\321G\037u\314O\340\047\364]\331\316\007\2232\323\3148Z\355\373\371<\357\363\na\201\356w\220\255\277\241D<,\375\204\036\374F\233\266\333}f\322?\221]G\017\210\315\204\331\360l\217#\314\014d\230\256r|\377\332d#\003\027\256iP\343\2143\262\335\017\332\317\337\235x>\374e\0333f\013\20497\033\014\t\033\271\024\033+6\263\272\250\2315\331\206&wY\033[\246\201\232\266A\357!\332q \026R\025IQ\325-\326mW\270\230\025\357\241\006\244\0329\363C\354P(\205p\307\344\350\251-(\022\207\300\304vW\034\332\014\301\235A-S\247.\026\024\252\251\376 \253\253\234\030\332\333\331[Y\377a=\353\326\245\2127\216\270\247\023\013\032\245\\\221\246{\246% \273\350:\224\227\320n\035um\0171\n}\001\n\007\374\316\006\210C\312\020\247B\035P1\303\214\205i3\r\302M\326(\016i2\333TE?\306\026\247%l\030\032\370Q\275\013\255\337\357\2202\364\210]h\204\331\250\311\033\016&G\010\240z\224\330\226\245\202m\306KX\047\206\311\261nQ\312\262\377\035\361\255\306\217\314f\311\351v\032\304\344\203kc\224\300\300\002#\312\014\016Lq\030\020\302\203\234P\303\240u\354Y\002i\232K\r\217PMC\206\227\365\307l\266\002t\265Ml\201\225\230\314\024\232\346e\211\225\031[\226M\200U\204]\027w\263\022\245\013\254\203\001)\206\007\332\340\245\315\332\366\356\356\216e\231\0167y\215\266\240\rB\225JK\247\202\325\264\275n\007~\217`Z\332S\200W\245uM\0332\n=B?\212\363\323C\203\nS\320\246\2720T\014\374\325=F\324\023L|\024e6\035\220\221:5\261\311\262\247mxVfc\2709x\252\362\232\006Lj\344\220\222#\3565\007o\303,\352\250\36408y\3141\311\021d\330a#\277\266P,\250\034-\017[\243\264#zON$\223\350\231\013\332Q/\240\237\223V\370\231\326O\316\247q\202r\205\305\344\032\261]\333\003\241RP\306\210zM\367\352u\020>\3572b\332\245\023\027\256\353\230SB,8k@\002l\025\241:\310D}\t\200\025\352rbsAl\217\t5U#\003\013E\006\237\026\230\026,(\005\264\331RQ\327\265]\030P\335\302\r\016;\332\304b\270""\251\207\270\2550\211C\003\346\016\037\003\332Q\023\342\203\177\177QX|\265\365j\333\231\302\013_\213\246Z,\250\342(\321:\352\2065\034\333ql\356\322\206\311ao\201\204\241`3]\251<J\366\203\225\021\324\341\302\206\237\353\301&\267\205\276\241\240\227\262\305\2001AN\317\001@4\223>\357\374\376O\356\335\374G\223KrA\256\313Vx)4\242\3458\027\317\047\371t\342\213`=h\313\212|\023\345\322\211\033\301f:1\337\237\377*\204\227Y\377\241\314\277\273\364\321\247\227\323\217?{\213\323\251\317\337\n\177\315\307\351\334\225\264p=\270+7e%\235\232\366s~\336_H\247\256\372-\345\342\372\263\376N0\033l\005D\346\323iu;=\347\277\224\013\351\364,D\223 \237\026n\004\273\262*\301\220?\215(\004\325\200\313;R\204\253a-\272\024\221x&^\213i\262\226\350\275\361\336F\177\257\326\257\035\364\017\236\367\237\277\354\277|\335\177\255\367u\332\247u\225u\325\257\005\271\2640\037\214\005\213\301c\271\014\315\317]\365y\260p\356\356\030z^\226crI\036\204Ka5\344\3217q%-\\\365E\260\032\354\313\031YNo\336Jo,\312\273\341fXQ\241\343A\031`\350rBnI\022\026 \2465\004t+\300\243\302\223A-KZQ\260~\225z8\021n\205f\344\306\327\022\250\377e\340\252\314\307glz4\026}\035\227\225\355\"\006\200\247\202\277\345\353\200\010*\254\373n0\003\375\275\010g\200\227Jz\355z:\177+x\023\346B\340v>\370D\346\345\"tg\204\213\341\366\240;\345_>\227w0\2139\2000\023\256\205x\010\341\304a\363\374</\216\242\321Z\244\307\343\361F2\236\254&\265\336d\257\326\337\253\366\2530\221g\351\364\025\277~\316\333\212\227\223\261d)9\350-\365\252=\336\257\302\310^\215\340(\230\255\363@\n\376\266\337\312&\365(\343r\037\262\224\225\377\317\001\225\253\331\353\006\260\266p>\352d\360JN\025`w,\274\r\354NF\0255~w \264\047\322\315&\327\215s\n\270\232u\345\003\354\320h\035F7\033\357$\205\244\232\360\336\302{\372\272\rr\030\223\305\360J\330Rz\272\003\343\235\225OB/\332\002\301^O\312\377_O\247\244xr[\376\035\335\201\372\205\270\032{\311V\202\337\007\274\016\223\313t\003\265W`\223sY\026\021\255\002f\220\303\345!Y?F\233g\301\036O\315\372\033\320\374R\360G8\231)\377n\274""\025\223d&\331\350\215\365\026{\217\373\325\375\376\376\301`\301W\375\027\300\206\256v\350\277e\221\037U\253\244y\265\325\370x\360\030\256\272,\313G0\215\013V\3768\023\255\342\006z*\247\023\227\337~\347\337\014\032\362U\364}\274\360/\177X\350\026";
-    PyObject *data = __Pyx_DecompressString(cstring, 1465, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1485 bytes) */
+static const char cstring[] = "x\332\225TMs\323F\030\306\371\240\037d\3328q \245@7\t$-%.\316G[Z\206N\034\302L\312\224\306vB\031\232 V\322\332\021\221W\262v\345\332\364\322#G\035u\334\243\216:\352\250\243\217:\352\230\237\300O\350\273\262\235\017\2062S\317\310Z\355\276_\317\363>\357\"\314\321\335\016\262\324WD\343\017\212?\241\373\277\221\246\345t\237\032\344/d\325\321}\315\242\334h\270\226\313\020\246:\322\rG\032\276\273m\320\341\001\343\216\241\023\375\2141\262\234\017\236\237\337;\261|\360\313&\246\324\342\0103f4(\342\026r\010\326\227-jvQ3+\262\rEn\32366\r\0355-\235\334A\244c\203/\204Z\322\226d\336\245\272\345p\007\323\245;\250\001\241\206\306\354\020\333\004R!\3341\030zbq\202\370!0\261\331\345\207\026E\260\247\023\323P\211\2039\201l\262>\210\352H#\212v\266v\226\327~\\\313\252u\210\344\215!\346\252\232\t\205\022&IS]\303\344\020\235wm\302\212h\273\216\272\226\213(\201\272\000\205\rvg\035\370!\241\210\021.\027h)\303\214\271aQ\005\334\r\332X\032\320d\264\211\364~\204MF\212X\327\025\260#j\027J\277\333\321JP#v\240\020j\241&k\330X;B\000\325%\232e\232\322\331\242\254\210UM7\030VMBh\366\337\341\337)\354\310h\026\355n\247\241\031\254\277\255\017\003\350\230cD\250\316\200)\006\rB\270\037\023r\350\244\216]\223#Eq\210\356jDQ\220\356f\365Q\213.\003]m\003\233p\252\031\324\340\212\342f\201\34516MK\003V\021v\034\334\315R\024\337s\332o\220d\270\257\rV\334\250mnoo\231\246a3\203\325H\013\312\320\210Ti\361T\260\212\262\323\355\300\363\020\272\245<\001xURW\224\001\243P#\324#9?]4\01078i\312\r]\372\300\257\356RM\276\341\210\r\275\214\246\r2\222\253&6h\366\266t\327\314\316(n\366\3372\275\242\000\223\212vH\264#\3466\373_\203(r)\365\320_\271\3246\264#\210\260E\207vm.Y\2201Z.6\207a\207\364\236\254\264L\242g6HG~\200~NJagJ?Y\237\372q\302$\026\203)\232\345X.\010\225\2002\206\324+\252[\257\203\360Y\227j\206U<1a\252\212\031\3214\023\326\n\220\000S\245\021\025d\"o\002`\2058L\263\030\327,\227r\331U=\003\013I\372W\013t\013\006\224\000\332l\250\210\343X\0164\250n\342\006\203\031mb>\230\324C\334\226\230\370\241\016}\207\313\200td""\207X\377\3575\201\301\227S/\247\235J\274p[4\345`A\026[\212\326\226;\264a[\266m1\2074\014\006s\013$\014\004\233\351J\306\221\262\357\217\014\0476\343\026<\216\013\223\334\346\352\272\204^\314\006\003\332\0041]\033\000\221L\372\254\363\373?\271\267\263\027\306\027\304\234X\023\255\340b\240\207\213Q.\232\215\363\351\330\227\376\232\337\026\025\361*\314\245c\327\374\215tl6\231\375:\200\217i\357\201\310\277\275x\341\323K\351\307\237\275\301\351\304\347o\270\267\352\341t\346rZ\270\352\337\026\033\242\222NLz9/\357\315\245\023W\274\2264q\274io\313\237\366\313\276&\362\351\244\334\235\234\361\016\304\\:9\r\336\232\237O\013\327\374mQ\025p\220?\365(\370U\237\211[\202\007+A-\274\030j\321T\264\032\221x5V{\243\275\365d\247\226\324\366\222\275g\311\263\203\344\340e\362RMT\222\220\272\214\272\342\325\374\\Z\230\365G\374y\377\221X\204\342g\256x\314\237;\267w\0145/\212\021\261 \366\202\205\240\032\260\360\333\250\222\026\256x\334_\361w\305\224(\245\327o\244\327\346\305\355`#\250H\327Q\277\0040T1&\312B\013\n\340\323\032\000\272\341\343a\342q\277\226\005\005\217\353\376\213\254\370\217\302\327\361T|\257W\356\031\311\037\317\223\347\373\311\376AZ\370\312wd\222c@\377\253P\203\261\240\034\250\341H\370MT\222g\357#\003(+xeO\005p\220l\315s\374)(u?\230\202,\225\364\213\253\351\354\r\377U\220\013\200\346Y\377\023\221\027\363P\250\036\314\007\233\375B\245}\351\\\334~[f\000\315T\260\032\340\001\232\023\203\215\363\255}\277\027\tWC5\032\215\326\343\321x%\256\365\306{\265d\247\232T\2419O\323\311\313^\375\234\265\031-\306#\361B\274\327[\350U{,\251B\367^\014\341H\230\255\363@\n\336\246\327\312\232\3660\243u\027\242\224\244\375\317>\021+\331\347:\2606w\336\353D\003RY\025`w$\270\t\354\216\207\025\251\004\247\257\271\307\302\311\232\330\215r\022\270l{\345\003\354\220p-t\242\351h+.\304\325\230\365\346\336\221\332MP\306\210X\n.\007-)\255[\320\336i\3618p\3032h\367j\\\372\377\322:%\305\025\233\342\357\360\026\344/D\325\310\215\3131~\027\360\032t.\323\r\344^\206\241\316eQx\270\002\230A\016\227\006d\335""\0137\316\202=\236\230\366\326\241\370\005\377\317`<\033\202\333Q9\322@\256\353\275\221\336|\357QR\335Mv\367\372\263\276\342\355\003\033\252\034\247\377\226E~\230\255\222\346\345\200\343\343\376k0\365\242$\036B7\3363\375\307\231h%7PS)\035\273\364\346{\357\272\337\020/\302\037\242\271\177\001\003\322\355\372";
+    PyObject *data = __Pyx_DecompressString(cstring, 1485, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1894 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject>.:\377 <Memory\377View of \377<contigu\377ous and gdir%\001\007\rin\021\005\177strided\"\010o or \004\031><(\t\376A\006>?Canno\377t assign\377 to read\177-only m\240\002\375v\242\000Invali\377d mode, \347exp\305\000|\000\047c\047\376t\001\047fortra\237n\047, gH\000%\005s\357hape\222\000 ax\377is Note \373th\207 Cytho\373n \021\000delib\237eratek\000\320\001c\367ter!\001n PE\337P-484\212\"re\376\264!s subcl\366\246\000es\261!buil\373ti\260\000ypes.\377 If you \223ne\224 \303\000p\316\000%\tt\177hen set\200\000\367e \047\357\002atio\377n_typing\355\047\355$iv\242\000o F\377alse.add\335_\231 eby\270\0000x\377c1 start\377s no msg\337pack \225 ue\317coll\327@L\000s.\377abcdisab\357leen\001\002xt/\377_skim.py_xgcis\021\003d9\005\377data end5s\274@s\322@ aN\003a\000\377default \377__reduce\337__ du\233\002no{n-\200`vial\033\000\377cinit__u|k\002\277Aalloc\323 \177 array _\001\341.\013\020\233C\355a\312cs.A\377SCIIElli\377psisSequ\257ence\242\204\001.\247\204\007_\357_Pyx\001\000Dic\377t_NextRegf__\313$\241\000__\240B\373__\001\005getit\313em\r\001d0\001\027\000fu\243nc\035\001\030\000\320 t1\002i\363mp\304`3\001main\336\003\002odulM\002na\315m\002\003ewT\001\307 _c?hecksuT\000\n\001\340?\004\025\001\316@\247 \037\001unp\267ick?\000En \005vyt\226A\230\001qualO\005\304\327%\340&c\236\204\002\277\001\363$ex\004\314\001\275`_\203\005\311`\262\006\003\006.\007\367tes\220@_is_\377coroutin\371e\227`\221E_buff\377erasynci\373o.\032\006sbbas\257eccl,\000_\202 t\037raceb\345`\235\207\001\223 \377erscostc/ount\265ad\350\002b\000l\325\207\003\253@od\365`um\320\205\002\337error\236@fl\377agsforma}t\243\206\004have_\270@\377hdridind\353ex\236As\000\002ize\247mem\362\206\001\352\206\001n\367!n\367dim\325\205\001objp\356\362\204\001pen3\000gpo\377pposregi\233st\227\000et\252\204\004\364\206\002s\370E\000\363\204\001\255\205\003tepst\375o\001\000ructsv\227tb5\367\001.\224\205\002\244@a\377ckupdate\376\312\205\002sxO\200\001\360\030\377\000\005#\240!\2404\240\377q\250""\006\250d\260&\270\377\001\270\030\300\021\330\004\033\377\2304\230v\240Q\240j\377\260\001\330\004\034\230A\330\277\004\030\320\030(\250\n\000\023\377\220>\240\021\360\006\000\n\377\013\330\010\016\210a\330\014\377\017\210t\2203\220a\330\377\025\026\330\024\032\230*\240\377A\240Q\330\014\020\220\001\377\220\021\220!\330\014\027\220\375q\037\001r\220\023\220E\230\377\023\230B\230c\240\021\330\375\020\022\001\020\025\220]\240!\367\330\020\023;\000c\230\021\330\377\024\034\230I\240R\240q\367\330\020\021(\007\024\230R\230\377s\240%\240t\2502\250\377S\260\006\260c\270\022\270\3773\270e\3003\300b\310\377\003\3105\320PS\320S\377U\320UX\320X]\320\377]`\320`b\320be\367\320efR\0012\220S\230\377\001\330\024\030\230\002\230\"\357\230F\240&\272\000\025\027\220\327s\230!\007\n\340\261\000&\240\377\002\240#\240U\250#\250\377R\250s\260+\270Q\330\377\024\027\220t\2302\230T\377\240\022\2401\330\035\036\330\177\034\"\240*\250A\250\026\000\337\030\230\003\2301\304\000b\240\177\004\240B\240c\250\0241\000\335q\312\004\036\230aq\005\005\230\371SP\002H\000\034\230J\240b\377\250\004\250B\250i\260rw\270\031\300}\000\037\230rV\001\373\340\024\022\007b\260\002\260)?\2701\330\024\037\230\356\021\245 \237\024\220B\220b\317\000\256 4\357\220r\230\022\235\000\\\250\022\376\225 Q\330\031\032\330\030\036\337\230j\250\001\250\331 \030\230\337\t\240\021\240\"\233\000d\250O\"\250C\250\231\002,\0011\315*\372\206C\025\300\000\022\2503\250a4\215D\362&A\302K\017\210\266I.\005\377e\2603\260b\270\003\270\3775\300\003\3002\300S\310\377\005\310S\320PR\320R~\217@V\330\020\026\220f\353B\376\\\005l\270&\300\002\300#\377\300U\310#\310R\310s\233\320R\260@^\330\310\004\345Aq\276\273\013\024\220C\220q\271BD\362\234BT\353\000\301\000\023\220;\230\257e\2402\240\013\0015\263 !\246\361\013\023\220\362D\313aQ\367 \002\377\250$\250b\260\005\260Qu\330\374@r\343cK\240r\265B\247y\270\001\211\204\001\350AQ\2038e\373\2604\270@\023\270E\300\024\277\300R\300s\310!\321l$\373\230b\300`\047\250\026\250q\372\314a%\334@\023\240K\250u""\377\260B\260c\270\032\3001\346\236\203/\023\220\340A\372\204\001u\240C\357\240{\260%\270`\024\270R\277\270u\300B\300a\341\r4\373\220q\262c\024\032\230-\240\271q\204`\222\204\001t\2602\361\000\020w\030\230\013\246$9\260A\341\t\377\340\014\023\2205\230\002\230\337#\230[\250\005\365\204\002*\270\377B\270c\300\022\3005\310\377\002\310\"\310F\320RT\367\320TU\333\206\0032\220\\\240\007\025\240b\300\205\001\333\206\t\211k\370bj\001\267Q\330\021\322\206\001a\340\001\003\330\376\345\206\003\2401\240D\250\002\250\312\340\206\020\340\243\000\t\347\205\002\221\0001\330\377\004\013\2106\220\035\230g?\240^\2607\270!";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1894, 2520);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1910 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject>.:\377 <Memory\377View of \377<contigu\377ous and gdir%\001\007\rin\021\005\177strided\"\010o or \004\031><(\t\376A\006>?Canno\377t assign\377 to read\177-only m\240\002\375v\242\000Invali\377d mode, \347exp\305\000|\000\047c\047\376t\001\047fortra\237n\047, gH\000%\005s\357hape\222\000 ax\377is Note \373th\207 Cytho\373n \021\000delib\237eratek\000\320\001c\367ter!\001n PE\337P-484\212\"re\376\264!s subcl\366\246\000es\261!buil\373ti\260\000ypes.\377 If you \223ne\224 \303\000p\316\000%\tt\177hen set\200\000\367e \047\357\002atio\377n_typing\355\047\355$iv\242\000o F\377alse.add\335_\231 eby\270\0000x\377c1 start\377s no msg\337pack \225 ue\317coll\327@L\000s.\377abcdisab\357leen\001\002xt/\377_skim.py_xgcis\021\003d9\005\377data end5s\274@s\322@ aN\003a\000\377default \377__reduce\337__ du\233\002no{n-\200`vial\033\000\377cinit__u|k\002\277Aalloc\323 \177 array _\001\341.\013\020\233C\355a\312cs.A\377SCIIElli\377psisSequ\257ence\242\204\001.\247\204\007_\357_Pyx\001\000Dic\377t_NextRegf__\313$\241\000__\240B\373__\001\005getit\313em\r\001d0\001\027\000fu\243nc\035\001\030\000\320 t1\002i\363mp\304`3\001main\336\003\002odulM\002na\315m\002\003ewT\001\307 _c?hecksuT\000\n\001\340?\004\025\001\316@\247 \037\001unp\267ick?\000En \005vyt\226A\230\001qualO\005\304\327%\340&c\236\204\002\277\001\363$ex\004\314\001\275`_\203\005\311`\262\006\003\006.\007\367tes\220@_is_\377coroutin\371e\227`\221E_buff\377erasynci\373o.\032\006sbbas\257eccl,\000_\202 t\037raceb\345`\235\207\001\223 \377erscostc/ount\265ad\350\002b\000l\325\207\003\253@od\365`um\320\205\002\337error\236@fl\377agsforma}t\243\206\004have_\270@\377hdridind\353ex\236As\000\002ize\247mem\362\206\001\352\206\001n\367!n\367dim\325\205\001objp\356\362\204\001pen3\000gpo\377pposregi\233st\227\000et\252\204\004\364\206\002s\370E\000\363\204\001\255\205\003tepst\375o\001\000ructsv\227tb5\367\001.\224\205\002\244@a\377ckupdate\376\312\205\002sxO\200\001\360\030\377\000\005#\240!\2404\240\377q\250""\006\250d\260&\270\377\001\270\030\300\021\330\004\033\377\2304\230v\240Q\240j\377\260\001\330\004\034\230A\330\277\004\030\320\030(\250\n\000\023\377\220>\240\021\360\006\000\n\377\013\330\010\016\210a\330\014\377\017\210t\2203\220a\330\377\025\026\330\024\032\230*\240\377A\240Q\330\014\020\220\001\377\220\021\220!\330\014\027\220\375q\037\001r\220\023\220E\230\377\023\230B\230c\240\021\330\375\020\022\001\020\025\220]\240!\367\330\020\023;\000c\230\021\330\377\024\034\230I\240R\240q\367\330\020\021(\007\024\230R\230\377s\240%\240t\2502\250\377S\260\006\260c\270\022\270\3773\270e\3003\300b\310\377\003\3105\320PS\320S\377U\320UX\320X]\320\377]`\320`b\320be\367\320efR\0012\220S\230\377\001\330\024\030\230\002\230\"\357\230F\240&\272\000\025\027\220\327s\230!\007\n\340\261\000&\240\377\002\240#\240U\250#\250\377R\250s\260+\270Q\330\377\024\027\220t\2302\230T\377\240\022\2401\330\035\036\330\177\034\"\240*\250A\250\026\000\337\030\230\003\2301\304\000b\240\177\004\240B\240c\250\0241\000\335q\312\004\036\230aq\005\005\230\271SP\002H\000\035\230^\270\002\007\377\260z\300\022\3009\310B\377\310i\320WZ\320Z\\\377\320\\]\330\024\037\230r\372a\001\340\373\000J\240b\250\004\377\250B\250b\260\002\260)\343\2701\030\001\371\021\260 \024\220B\363\220b\332\000\271 4\220r\230\335\022\250\000\\\250\022\240 Q\330\377\031\032\330\030\036\230j\250\373\001\250\344 \030\230\t\240\021\373\240\"\246\000d\250\"\250CI\250\244\002,\0011\330*\221C\025\313\000\237\022\2503\250a\230D\375&A\346\315K\017\210\301I.\005e\2603\377\260b\270\003\2705\300\003\377\3002\300S\310\005\310S\337\320PR\320R\232@V\330\317\020\026\220f\366B\\\005l\270\377&\300\002\300#\300U\310\177#\310R\310s\320R\273@\323^\330\310\004\360Aq\273\013\024\220WC\220q\304BD\247BT\353\000\376\301\000\023\220;\230e\2402\325\240\013\0015\263 !\361\013\023\220t\375D\326aQ\333 \002\250$\333 \257\005\260Q\330\207`r\356cK;\240r\300By\270\001\224\204\001\363A\375Q\2038e\2604\260r\270\377\023\270E\300\024\300R\300ws\310!\334l$\230b\313`_\047""\250\026\250q\327a%\334@\377\023\240K\250u\260B\260\337c\270\032\3001\251\203/\023\220\374\340A\205\205\001u\240C\240{\260\375%}\000\024\270R\270u\300wB\300a\341\r4\220q\262c?\024\032\230-\240q\204`\235\204\001\367t\2602\361\000\020\030\230\013\356\246$9\260A\341\t\340\014\023\377\2205\230\002\230#\230[\373\250\005\200\205\002*\270B\270c\377\300\022\3005\310\002\310\"\377\310F\320RT\320TU\376\346\206\0032\220\\\240\025\240b\340\313\205\001\346\206\t\211k\370bj\001Q\330\021\326\335\206\001a\340\001\003\330\360\206\003\2401_\240D\250\002\250\353\206\020\340\243\000\371\t\362\205\002\221\0001\330\004\013\210\3776\220\035\230g\240^\260\0077\270!";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1910, 2531);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (2520 bytes) */
-static const char bytes[] = " at 0x object>.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebyte 0xc1 starts no msgpack valuecollections.abcdisableenableext/_skim.pyxgcisenabledmsgpack data ends inside a valueno default __reduce__ due to non-trivial __cinit__unable to allocate array data.unable to allocate shape and strides.ASCIIEllipsisSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferasyncio.coroutinesbbaseccline_in_tracebackcontainerscostcountdatadtype_is_objectencodeenumerateerrorextflagsformatfortranhave_exthdridindexitemsitemsizememviewmodennamendimneedobjppackpendingpopposregistersetdefaultshapesizeskimstartstepstopstructsvtb5sync._skimunpackupdatevaluesxO\200\001\360\030\000\005#\240!\2404\240q\250\006\250d\260&\270\001\270\030\300\021\330\004\033\2304\230v\240Q\240j\260\001\330\004\034\230A\330\004\030\320\030(\250\001\330\004\023\220>\240\021\360\006\000\n\013\330\010\016\210a\330\014\017\210t\2203\220a\330\025\026\330\024\032\230*\240A\240Q\330\014\020\220\001\220\021\220!\330\014\027\220q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\021\330\020\027\220q\330\020\025\220]\240!\330\020\023\2203\220c\230\021\330\024\034\230I\240R\240q\330\020\021\330\014\017\210r\220\023\220E\230\024\230R\230s\240%\240t\2502\250S\260\006\260c\270\022\2703\270e\3003\300b\310\003\3105\320PS\320SU\320UX""\320X]\320]`\320`b\320be\320ef\330\020\023\2202\220S\230\001\330\024\030\230\002\230\"\230F\240&\250\001\330\025\027\220s\230!\330\024\030\230\002\230\"\230F\240&\250\001\340\024\032\230&\240\002\240#\240U\250#\250R\250s\260+\270Q\330\024\027\220t\2302\230T\240\022\2401\330\035\036\330\034\"\240*\250A\250Q\330\024\030\230\003\2301\230B\230b\240\004\240B\240c\250\024\250R\250q\330\020\027\220q\330\020\036\230a\330\020\023\2202\220S\230\005\230S\240\002\240#\240Q\330\024\034\230J\240b\250\004\250B\250i\260r\270\031\300!\330\024\037\230r\240\022\2401\340\024\034\230J\240b\250\004\250B\250b\260\002\260)\2701\330\024\037\230q\330\020\021\330\014\017\210r\220\023\220E\230\024\230R\230s\240!\330\020\024\220B\220b\230\001\330\020\023\2204\220r\230\022\2302\230\\\250\022\2502\250Q\330\031\032\330\030\036\230j\250\001\250\021\330\020\030\230\t\240\021\240\"\240B\240d\250\"\250C\250q\330\020\027\220r\230\022\2301\330\020\021\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250a\330\020\027\220q\330\020\021\330\014\017\210r\220\023\220A\330\025\026\330\024\032\230*\240A\240Q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250e\2603\260b\270\003\2705\300\003\3002\300S\310\005\310S\320PR\320RU\320UV\330\020\026\220f\230B\230c\240\025\240c\250\022\2503\250l\270&\300\002\300#\300U\310#\310R\310s\320R]\320]^\330\020\023\2204\220r\230\024\230R\230q\330\031\032\330\030\036\230j\250\001\250\021\330\020\024\220C\220q\230\002\230\"\230D\240\002\240#\240T\250\022\2501\330\020\023\220;\230e\2402\240T\250\022\2505\260\002\260!\330\031\032\330\030\036\230j\250\001\250\021\330\020\023\2202\220S\230\001\330\024\034\230I\240Q\240b\250\002\250$\250b\260\005\260Q\330\025\027\220r\230\021\330\024\034\230K\240r\250\024\250R\250y\270\001\330\020\027\220t\2302\230Q\330\020\021\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250e\2604\260r\270\023\270E\300\024\300R\300s\310!\330\020\023\2202\220S\230\001\330\024\030\230\002""\230$\230b\240\002\240\047\250\026\250q\340\024\032\230%\230r\240\023\240K\250u\260B\260c\270\032\3001\330\024\027\220t\2302\230T\240\022\2401\330\035\036\330\034\"\240*\250A\250Q\330\024\030\230\003\2301\230B\230b\240\004\240B\240c\250\024\250R\250q\330\020\023\2204\220r\230\024\230R\230u\240C\240{\260%\260r\270\024\270R\270u\300B\300a\330\031\032\330\030\036\230j\250\001\250\021\330\020\023\2204\220q\330\024\037\230q\330\024\032\230-\240q\250\001\250\024\250R\250t\2602\260Q\330\020\030\230\013\2402\240T\250\022\2509\260A\330\020\027\220t\2302\230Q\330\020\021\340\014\023\2205\230\002\230#\230[\250\005\250R\250s\260*\270B\270c\300\022\3005\310\002\310\"\310F\320RT\320TU\330\014\017\210t\2202\220\\\240\025\240b\250\001\330\025\026\330\024\032\230*\240A\240Q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\021\330\020\030\230\013\2402\240Q\330\021\023\2203\220a\340\021\023\2203\220a\330\020\025\220]\240!\2401\240D\250\002\250!\330\020\023\2203\220c\230\021\330\024\034\230I\240R\240q\340\020\030\230\t\240\022\2401\330\014\023\2201\330\004\013\2106\220\035\230g\240^\2607\270!";
+    #else /* compression: none (2531 bytes) */
+static const char bytes[] = " at 0x object>.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notebyte 0xc1 starts no msgpack valuecollections.abcdisableenableext/_skim.pyxgcisenabledmsgpack data ends inside a valueno default __reduce__ due to non-trivial __cinit__unable to allocate array data.unable to allocate shape and strides.ASCIIEllipsisSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferasyncio.coroutinesbbaseccline_in_tracebackcontainerscostcountdatadtype_is_objectencodeenumerateerrorextflagsformatfortranhave_exthdridindexitemsitemsizememviewmodennamendimneedobjppackpendingpopposregistersetdefaultshapesizeskimstartstepstopstructsvtb5sync._skimunpackupdatevaluesxO\200\001\360\030\000\005#\240!\2404\240q\250\006\250d\260&\270\001\270\030\300\021\330\004\033\2304\230v\240Q\240j\260\001\330\004\034\230A\330\004\030\320\030(\250\001\330\004\023\220>\240\021\360\006\000\n\013\330\010\016\210a\330\014\017\210t\2203\220a\330\025\026\330\024\032\230*\240A\240Q\330\014\020\220\001\220\021\220!\330\014\027\220q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\021\330\020\027\220q\330\020\025\220]\240!\330\020\023\2203\220c\230\021\330\024\034\230I\240R\240q\330\020\021\330\014\017\210r\220\023\220E\230\024\230R\230s\240%\240t\2502\250S\260\006\260c\270\022\2703\270e\3003\300b\310\003\3105\320PS\320SU\320UX""\320X]\320]`\320`b\320be\320ef\330\020\023\2202\220S\230\001\330\024\030\230\002\230\"\230F\240&\250\001\330\025\027\220s\230!\330\024\030\230\002\230\"\230F\240&\250\001\340\024\032\230&\240\002\240#\240U\250#\250R\250s\260+\270Q\330\024\027\220t\2302\230T\240\022\2401\330\035\036\330\034\"\240*\250A\250Q\330\024\030\230\003\2301\230B\230b\240\004\240B\240c\250\024\250R\250q\330\020\027\220q\330\020\036\230a\330\020\023\2202\220S\230\005\230S\240\002\240#\240Q\330\024\035\230^\2502\250S\260\007\260z\300\022\3009\310B\310i\320WZ\320Z\\\320\\]\330\024\037\230r\240\022\2401\340\024\034\230J\240b\250\004\250B\250b\260\002\260)\2701\330\024\037\230q\330\020\021\330\014\017\210r\220\023\220E\230\024\230R\230s\240!\330\020\024\220B\220b\230\001\330\020\023\2204\220r\230\022\2302\230\\\250\022\2502\250Q\330\031\032\330\030\036\230j\250\001\250\021\330\020\030\230\t\240\021\240\"\240B\240d\250\"\250C\250q\330\020\027\220r\230\022\2301\330\020\021\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250a\330\020\027\220q\330\020\021\330\014\017\210r\220\023\220A\330\025\026\330\024\032\230*\240A\240Q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250e\2603\260b\270\003\2705\300\003\3002\300S\310\005\310S\320PR\320RU\320UV\330\020\026\220f\230B\230c\240\025\240c\250\022\2503\250l\270&\300\002\300#\300U\310#\310R\310s\320R]\320]^\330\020\023\2204\220r\230\024\230R\230q\330\031\032\330\030\036\230j\250\001\250\021\330\020\024\220C\220q\230\002\230\"\230D\240\002\240#\240T\250\022\2501\330\020\023\220;\230e\2402\240T\250\022\2505\260\002\260!\330\031\032\330\030\036\230j\250\001\250\021\330\020\023\2202\220S\230\001\330\024\034\230I\240Q\240b\250\002\250$\250b\260\005\260Q\330\025\027\220r\230\021\330\024\034\230K\240r\250\024\250R\250y\270\001\330\020\027\220t\2302\230Q\330\020\021\330\014\017\210r\220\023\220E\230\023\230B\230c\240\025\240c\250\022\2503\250e\2604\260r\270\023\270E\300\024\300R\300s\310!\330\020\023\2202\220S\230""\001\330\024\030\230\002\230$\230b\240\002\240\047\250\026\250q\340\024\032\230%\230r\240\023\240K\250u\260B\260c\270\032\3001\330\024\027\220t\2302\230T\240\022\2401\330\035\036\330\034\"\240*\250A\250Q\330\024\030\230\003\2301\230B\230b\240\004\240B\240c\250\024\250R\250q\330\020\023\2204\220r\230\024\230R\230u\240C\240{\260%\260r\270\024\270R\270u\300B\300a\330\031\032\330\030\036\230j\250\001\250\021\330\020\023\2204\220q\330\024\037\230q\330\024\032\230-\240q\250\001\250\024\250R\250t\2602\260Q\330\020\030\230\013\2402\240T\250\022\2509\260A\330\020\027\220t\2302\230Q\330\020\021\340\014\023\2205\230\002\230#\230[\250\005\250R\250s\260*\270B\270c\300\022\3005\310\002\310\"\310F\320RT\320TU\330\014\017\210t\2202\220\\\240\025\240b\250\001\330\025\026\330\024\032\230*\240A\240Q\330\014\017\210r\220\023\220E\230\023\230B\230c\240\021\330\020\030\230\013\2402\240Q\330\021\023\2203\220a\340\021\023\2203\220a\330\020\025\220]\240!\2401\240D\250\002\250!\330\020\023\2203\220c\230\021\330\024\034\230I\240R\240q\340\020\030\230\t\240\022\2401\330\014\023\2201\330\004\013\2106\220\035\230g\240^\2607\270!";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
@@ -22682,7 +22695,7 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 14, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 57};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 14, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 58};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_data, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_size, __pyx_mstate->__pyx_n_u_pos, __pyx_mstate->__pyx_n_u_pending, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_need, __pyx_mstate->__pyx_n_u_cost, __pyx_mstate->__pyx_n_u_containers, __pyx_mstate->__pyx_n_u_ext, __pyx_mstate->__pyx_n_u_have_ext, __pyx_mstate->__pyx_n_u_hdr, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_sv};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_ext__skim_pyx, __pyx_mstate->__pyx_n_u_skim, __pyx_mstate->__pyx_kp_b_iso88591_4q_d_4vQj_A_a_t3a_AQ_q_r_E_Bc_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
