@@ -67,6 +67,7 @@ from .messages import CAT_MANY_BUDGET
 from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
 from .state import TreeState
+from .quota import WriteQuota
 
 __all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 
@@ -263,8 +264,12 @@ class FsOps:
         ``root`` cannot be opened.
     """
 
-    def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None) -> None:
+    def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None,
+                 quota: WriteQuota | None = None) -> None:
         self.root = root
+        #: the session's write limits (a server's ``--max-session-bytes``/``--min-free-space``):
+        #: ``put``, ``wwrite``, ``copy`` and an appending ``wopen`` charge their bytes before writing
+        self.quota = quota
         self.state = state
         self.read_only = read_only
         self.pages = pages if pages is not None else Pages()
@@ -276,6 +281,11 @@ class FsOps:
         for handle in list(self._writes):
             self._abort(handle)
         self.jail.close()
+
+    def _charge(self, nbytes: int, path: str) -> None:
+        """Count ``nbytes`` about to be written to ``path`` against :attr:`quota` (QuotaError past it)."""
+        if self.quota is not None:
+            self.quota.charge(nbytes, path)
 
     # ---- path resolution ----------------------------------------------------------------
     def _through(self, path: str) -> str:
@@ -669,6 +679,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
+        self._charge(len(data), path)
         with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
             self._write_file(dfd, name, lambda fd: write_all(fd, data), exclusive)
         return {}
@@ -700,6 +711,10 @@ class FsOps:
             self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
             try:
                 if append:
+                    try:
+                        self._charge(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size, path)
+                    except FileNotFoundError:
+                        pass
                     self._copy_existing(dfd, name, fd)
             except BaseException:
                 os.close(fd)
@@ -736,6 +751,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
         try:
+            self._charge(len(data), w.path)  # refused: the write is aborted, its temporary file removed
             fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK, shown=w.path)
             try:
                 write_all(fd, data)
@@ -888,6 +904,7 @@ class FsOps:
                 return self.mkdir(path=dst, parents=True, exist_ok=True)
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {shown(src)}")
+            self._charge(st.st_size, dst)
 
             def fill(out: int) -> None:
                 off = 0
