@@ -135,3 +135,69 @@ def test_link_dest_never_looks_into_the_servers_state(tmp_path: Path) -> None:
         assert ld.link(e) is False and ld._alt(e) is None
     finally:
         ld.close()
+
+
+# ---- what a peer's reply claims is checked before it is allocated ------------------------------
+
+
+def _lz4_bomb(total: int) -> bytes:
+    """An lz4 block of ~total/255 bytes that decompresses to ``total`` zero bytes (one literal, one
+    long match at offset 1, five closing literals: the block format's own rules)."""
+    ext = total - 1 - 5 - 4 - 15
+    return bytes([0x1F, 0x00, 0x01, 0x00]) + b"\xff" * (ext // 255) + bytes([ext % 255, 0x50]) + b"\0" * 5
+
+
+def test_chunk_longer_than_any_read_is_refused() -> None:
+    """A chunk is fetched by one read (at most SENDER_MAX_READ): a peer's chunk list naming a
+    longer one is refused as it is checked (the receiver used to allocate a buffer of its length
+    to rebuild it from a basis)."""
+    from tb5sync.errors import RemoteProtocolError
+    from tb5sync.messages import ChunkListPiece, check_chunks
+
+    assert check_chunks([[b"d" * 32, SENDER_MAX_READ]], SENDER_MAX_READ, "f") == [(b"d" * 32, SENDER_MAX_READ)]
+    with pytest.raises(RemoteProtocolError, match="chunk of f longer than"):
+        check_chunks([[b"d" * 32, SENDER_MAX_READ + 1]], SENDER_MAX_READ + 1, "f")
+    wire = {"size": 1 << 40, "mtime_ns": 1, "start": 0, "end": 1 << 40, "chunks": [[b"d" * 32, 1 << 40]]}
+    with pytest.raises(RemoteProtocolError, match="longer than"):
+        ChunkListPiece.from_wire(wire, "f")
+
+
+def test_read_files_reply_past_its_limit_is_refused_before_it_is_decompressed() -> None:
+    from tb5sync.errors import RemoteProtocolError
+    from tb5sync.messages import READ_FILES_MAX, FilesMeta
+
+    n = READ_FILES_MAX // 2 + 1
+    chunks = [[b"d" * 32, n // 2], [b"e" * 32, n - n // 2]]
+    meta = {"files": [[n, 1, 0o644, chunks, 10, 1], [n, 1, 0o644, chunks, 10, 1]], "wire": [10, 10]}
+    with pytest.raises(RemoteProtocolError, match="read_files reply of .* bytes exceeds"):
+        FilesMeta.from_wire(meta, ["a", "b"])
+    meta = {"files": [[n, 1, 0o644, chunks, 10, 1]], "wire": [10]}
+    assert FilesMeta.from_wire(meta, ["a"]).files[0].size == n  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+def test_pushing_peer_cannot_make_the_server_inflate_a_bomb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push client whose read_files answers a small file with a 1 MiB lz4 part claiming 256 MiB
+    (one chunk of that length) used to make the server allocate and fill 256 MiB before the digest
+    check failed; the reply is now refused as it is checked, before anything is decompressed."""
+    import tb5sync.sender as sender_mod
+    from tb5sync.errors import RemoteProtocolError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 100)
+    claim = 256 * 1024 * 1024
+    part = _lz4_bomb(claim)
+
+    def read_files(self: Any, paths: list[str]) -> tuple[dict[str, Any], list[bytes]]:
+        files = [[claim, 1, 0o100644, [[b"\1" * 32, claim]], len(part), 1] for _ in paths]
+        return {"files": files, "wire": [len(part)] * len(paths)}, [part] * len(paths)
+
+    monkeypatch.setattr(sender_mod.Sender, "read_files", read_files)
+    live = start_server(str(tmp_path / "root"))
+    try:
+        with pytest.raises(RemoteProtocolError, match="longer than|exceeds"):
+            tb5sync.sync(str(src) + "/", live.url("dst/"), timeout=30)
+        assert not os.path.exists(tmp_path / "root" / "dst" / "f")
+    finally:
+        live.server.stop()
