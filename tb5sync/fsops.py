@@ -74,6 +74,10 @@ __all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 #: Largest byte range one ``cat`` request returns (bytes); clients split larger reads.
 #: Size budget of one page of an ``ls``/``find`` reply (bytes of msgpack, estimated).
 PAGE_BYTES = 8 * 1024 * 1024
+#: Most entries of long listings a server keeps waiting for their ``more`` requests, all its
+#: connections together (~1 KB each held: ~2.5 GB); past it the oldest listings are dropped. One
+#: whole ``find`` (at most 2,000,000 entries) always fits.
+PAGES_MAX_ENTRIES = 2_500_000
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
 #: Deepest level ``find`` descends to below its top (deeper: one UsageError).
@@ -210,23 +214,31 @@ class Pages:
     """Pages of long listings waiting for the client, shared by a server's connections.
 
     A listing larger than :data:`PAGE_BYTES` is answered with its first page and a
-    cursor; ``more(cursor)`` hands out the next ones. At most 64 listings wait (the
-    oldest is dropped first); an unknown or dropped cursor is a
-    :class:`~tb5sync.errors.UsageError`.
+    cursor; ``more(cursor)`` hands out the next ones. At most ``limit`` (64) listings and
+    :data:`PAGES_MAX_ENTRIES` entries wait (the oldest listing is dropped first, never the one
+    just put); an unknown or dropped cursor is a :class:`~tb5sync.errors.UsageError`.
     """
 
     def __init__(self, limit: int = 64) -> None:
         self._lock = threading.Lock()
         self._waiting: OrderedDict[str, list[list[dict[str, Any]]]] = OrderedDict()
         self._limit = limit
+        self._entries = 0
+
+    def waiting_entries(self) -> int:
+        """Entries of the listings waiting now."""
+        with self._lock:
+            return self._entries
 
     def put(self, pages: list[list[dict[str, Any]]]) -> str:
         """Keep ``pages`` (in order); returns their cursor."""
         cursor = secrets.token_hex(12)
         with self._lock:
             self._waiting[cursor] = pages
-            while len(self._waiting) > self._limit:
-                self._waiting.popitem(last=False)
+            self._entries += sum(len(p) for p in pages)
+            while len(self._waiting) > 1 and (len(self._waiting) > self._limit or self._entries > PAGES_MAX_ENTRIES):
+                _, dropped = self._waiting.popitem(last=False)
+                self._entries -= sum(len(p) for p in dropped)
         return cursor
 
     def take(self, cursor: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -236,6 +248,7 @@ class Pages:
             if pages is None:
                 raise UsageError("listing cursor unknown or expired; list again")
             page = pages.pop(0)
+            self._entries -= len(page)
             if not pages:
                 return page, None
             self._waiting[cursor] = pages

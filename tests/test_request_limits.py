@@ -201,3 +201,34 @@ def test_pushing_peer_cannot_make_the_server_inflate_a_bomb(tmp_path: Path, monk
         assert not os.path.exists(tmp_path / "root" / "dst" / "f")
     finally:
         live.server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_unfetched_listing_pages_are_bounded_in_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long ``find``/``ls`` reply waits server-side for its ``more`` requests. The server kept the
+    last 64 such listings whatever their size (each up to 2,000,000 entries, ~1 KB each held), so
+    64 unfetched finds of a big tree could pin ~100 GB; now what waits is bounded in entries
+    (``fsops.PAGES_MAX_ENTRIES``), the oldest dropped first (its cursor then says "list again")."""
+    import tb5sync.fsops as fsops_mod
+    from tb5sync.errors import UsageError as Usage
+
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    for i in range(200):
+        (root / "d" / f"f{i:03d}").write_bytes(b"")
+    monkeypatch.setattr(fsops_mod, "PAGE_BYTES", 2000)  # ~12 entries a page
+    monkeypatch.setattr(fsops_mod, "PAGES_MAX_ENTRIES", 1000)
+    live = start_server(str(root))
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        open_session(ch, {"op": "fs"})
+        cursors = [call_direct(ch, "find", {"path": "d"})["more"] for _ in range(20)]
+        waiting = live.server._pages.waiting_entries()
+        assert 0 < waiting <= 1000 + 200, waiting
+        with pytest.raises(Usage, match="list again"):
+            call_direct(ch, "more", {"cursor": cursors[0]})
+        got = call_direct(ch, "more", {"cursor": cursors[-1]})  # the newest still waits
+        assert got["entries"]
+        ch.close()
+    finally:
+        live.server.stop()
