@@ -232,3 +232,26 @@ def test_unfetched_listing_pages_are_bounded_in_entries(tmp_path: Path, monkeypa
         ch.close()
     finally:
         live.server.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("excludes", [[f"p{i}*x[ab]" for i in range(100_000)], ["*a" * 50_000 + "b"]], ids=["many", "long"])
+def test_a_peers_exclude_rules_are_bounded(tmp_path: Path, excludes: list[str]) -> None:
+    """OPEN's options name the exclude rules the server compiles and then matches against every
+    entry (each costs time per entry and pattern token). 100,000 patterns in a 1.3 MiB OPEN took
+    the server over a minute of CPU (and ~100 MiB) before answering, and slowed every entry's
+    match; one pattern of 100,000 tokens, the same per entry. Both are refused at once."""
+    from tb5sync.messages import MAX_WIRE_EXCLUDES, MAX_PATTERN
+
+    live = start_server(str(tmp_path / "root"))
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        t0 = time.monotonic()
+        with pytest.raises(UsageError, match=f"at most {MAX_WIRE_EXCLUDES} exclude patterns|longer than {MAX_PATTERN}"):
+            open_session(ch, {"op": "push", "path": "", "name": "x", "src_kind": "d", "dst_slash": True,
+                              "options": {"excludes": excludes}, "streams": 1})
+        assert time.monotonic() - t0 < 5
+        ch.close()
+        assert remote_ls(parse_url(live.url("")))  # type: ignore[arg-type]
+    finally:
+        live.server.stop()
