@@ -241,7 +241,7 @@ def test_a_peers_exclude_rules_are_bounded(tmp_path: Path, excludes: list[str]) 
     entry (each costs time per entry and pattern token). 100,000 patterns in a 1.3 MiB OPEN took
     the server over a minute of CPU (and ~100 MiB) before answering, and slowed every entry's
     match; one pattern of 100,000 tokens, the same per entry. Both are refused at once."""
-    from tb5sync.messages import MAX_WIRE_EXCLUDES, MAX_PATTERN
+    from tb5sync.options import MAX_PATTERN, MAX_WIRE_EXCLUDES
 
     live = start_server(str(tmp_path / "root"))
     try:
