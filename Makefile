@@ -31,7 +31,7 @@ test: $(STAMP)
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py tests/test_small_reads.py \
-		tests/test_small_writes.py tests/test_receiver_jail.py tests/test_leftovers.py tests/test_readonly_dirs_vs_rsync.py
+		tests/test_small_writes.py tests/test_receiver_jail.py tests/test_leftovers.py tests/test_readonly_dirs_vs_rsync.py tests/test_protocol.py
 
 ## fuzz: the fuzz targets of tests/test_fuzz.py (frame reader, handshakes, every message decoder)
 ## with FUZZ_EXAMPLES inputs each instead of the suite's 100
