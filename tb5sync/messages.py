@@ -65,6 +65,7 @@ __all__ = [
     "CODEC_LZ4",
     "SENDER_MAX_READ",
     "READ_FILES_MAX",
+    "READ_FILES_SLACK",
     "MAX_CHUNK",
     "MAX_REQUEST_PATHS",
     "FS_MAX_READ",
@@ -169,9 +170,11 @@ CODEC_LZ4: Final = 1
 
 #: Most bytes one sender read request (``read_ranges``/``read_files``) may ask for.
 SENDER_MAX_READ: Final = 32 * 1024 * 1024
+#: What a ``read_files`` reply may carry past :data:`SENDER_MAX_READ` (its last file), bytes.
+READ_FILES_SLACK: Final = 4 * 1024 * 1024
 #: Most bytes of file data one ``read_files`` reply carries (the sender stops its batch there, and
 #: refuses a file past what is left): a reply claiming more is refused before it is decompressed.
-READ_FILES_MAX: Final = SENDER_MAX_READ + 4 * 1024 * 1024
+READ_FILES_MAX: Final = SENDER_MAX_READ + READ_FILES_SLACK
 #: Longest chunk a chunk list may name, bytes: a chunk is fetched by one read (``read_ranges``,
 #: at most :data:`SENDER_MAX_READ`), so a longer one could never arrive; refused before anything
 #: is sized by it.
