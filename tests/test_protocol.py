@@ -818,7 +818,7 @@ _VALUES = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_VALUES)
 def test_skim_bounds_what_msgpack_builds(value: Any) -> None:
     """Both skimmers agree, and the bound they give is at least what msgpack really allocates
@@ -841,6 +841,25 @@ def test_skim_bounds_what_msgpack_builds(value: Any) -> None:
         for skim in _skims():
             with pytest.raises(ValueError):
                 skim(payload[:cut])
+
+
+def _skim_or_error(skim: Any, data: bytes) -> Any:
+    try:
+        return skim(data)
+    except ValueError as exc:
+        return str(exc)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200), _VALUES, st.integers(min_value=0, max_value=255), st.integers(min_value=0))
+def test_skim_twins_agree_on_any_bytes(noise: bytes, value: Any, byte: int, where: int) -> None:
+    """Random bytes, and a valid encoding with one byte changed or cut short: the C skimmer (no
+    bounds checks) and its Python twin give the same result or the same error."""
+    payload = bytearray(msgpack.packb(value, use_bin_type=True))
+    payload[where % len(payload)] = byte
+    for data in (noise, bytes(payload), bytes(payload[: where % len(payload)])):
+        results = [_skim_or_error(skim, data) for skim in _skims()]
+        assert all(r == results[0] for r in results), (data, results)
 
 
 @pytest.mark.parametrize("item", [b"\xe0", b"\xa2ab", b"\xd1\x01\x02", b"\xca\0\0\0\0", b"\xc4\x02ab"],
