@@ -8,13 +8,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 .PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check
 
-$(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx ext/_write.pyx ext/_read.pyx ext/_bytes.pyx
+$(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx ext/_write.pyx ext/_read.pyx ext/_bytes.pyx ext/_skim.pyx
 	$(PY) -m venv $(VENV)
 	TB5SYNC_REQUIRE_CYTHON=1 $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/python -c "import tb5sync.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
 	$(BIN)/python -c "import tb5sync.scan as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
 	$(BIN)/python -c "import tb5sync.destination as m; assert m.WRITE_IMPLEMENTATION == 'cython', m.WRITE_IMPLEMENTATION"
-	$(BIN)/python -c "import tb5sync._bytes"
+	$(BIN)/python -c "import tb5sync._bytes, tb5sync._skim"
 	touch $(STAMP)
 
 ## demo: push the stdlib (and the model corpus when built) through a loopback server, pull it back, verify;
@@ -31,7 +31,7 @@ test: $(STAMP)
 	if [ -z "$$TB5SYNC_CORPUS" ] && [ -d $(CORPUS)/models ]; then export TB5SYNC_CORPUS=$$PWD/$(CORPUS); fi; \
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py tests/test_small_reads.py \
-		tests/test_small_writes.py tests/test_receiver_jail.py tests/test_leftovers.py tests/test_readonly_dirs_vs_rsync.py
+		tests/test_small_writes.py tests/test_receiver_jail.py tests/test_leftovers.py tests/test_readonly_dirs_vs_rsync.py tests/test_protocol.py
 
 ## fuzz: the fuzz targets of tests/test_fuzz.py (frame reader, handshakes, every message decoder)
 ## with FUZZ_EXAMPLES inputs each instead of the suite's 100
@@ -87,4 +87,4 @@ bench-short: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --short
 
 clean:
-	rm -rf $(VENV) build ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c tb5sync/*.so *.egg-info
+	rm -rf $(VENV) build ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info

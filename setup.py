@@ -2,7 +2,8 @@
 directory lister ``tb5sync._scan`` from ``ext/_scan.pyx``, the small-file writer
 ``tb5sync._write`` from ``ext/_write.pyx``, the sender's batch reader of small files
 ``tb5sync._read`` from ``ext/_read.pyx``, and ``tb5sync._bytes`` (receive buffers
-that are ``bytes``, for tb5:// reads) from ``ext/_bytes.pyx``.
+that are ``bytes``, for tb5:// reads) from ``ext/_bytes.pyx``, and the msgpack skimmer
+``tb5sync._skim`` (what a peer's payload costs to decode) from ``ext/_skim.pyx``.
 
 Set ``TB5SYNC_REQUIRE_CYTHON=1`` to make a failed extension build fatal (CI does);
 otherwise a failed build falls back to the pure-Python twins.
@@ -44,7 +45,8 @@ def extensions():
     write = Extension("tb5sync._write", ["ext/_write.pyx"], extra_compile_args=["-O2"])
     read = Extension("tb5sync._read", ["ext/_read.pyx"], extra_compile_args=["-O2"])
     byt = Extension("tb5sync._bytes", ["ext/_bytes.pyx"], extra_compile_args=["-O2"])
-    return cythonize([ext, scan, write, read, byt], compiler_directives={"language_level": "3"})
+    skim = Extension("tb5sync._skim", ["ext/_skim.pyx"], extra_compile_args=["-O2"])
+    return cythonize([ext, scan, write, read, byt, skim], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -147,6 +147,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         s.add_argument("--max-listing-bytes", type=int, default=MAX_LISTING_BYTES, metavar="BYTES",
                        help=f"bytes of one pushing client's listing held ({ENTRY_COST} per entry plus {STRING_COST} per byte "
                             f"of its path, link target and xattrs: what the server holds); a listing past it ends that session (default {MAX_LISTING_BYTES})")
+        s.add_argument("--max-session-bytes", metavar="SIZE",
+                       help="bytes one session (a push, an fs or store client) may write, e.g. 50G; a file past it "
+                            "is refused before any of it is written (default: no limit)")
+        s.add_argument("--min-free-space", metavar="SIZE",
+                       help="free space a write must leave on ROOT's file system, e.g. 10G; a write past it is refused (default: not checked)")
         s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
                        help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
         s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -356,7 +361,7 @@ def _cmd_http_cache(a: argparse.Namespace) -> int:
 def _cmd_serve(a: argparse.Namespace) -> int:
     from .server import Server
     from .urls import host_port
-    from .storecli import parse_storage_options
+    from .storecli import parse_size, parse_storage_options
 
     host, port = _parse_bind(a.bind)
     store = os.path.join(a.root, ".tb5sync", "store") if a.store == "" or (a.store is None and a.http_cache) else a.store
@@ -365,6 +370,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         no_auth=a.no_auth, tls_cert=a.tls_cert, tls_key=a.tls_key,
         max_connections=a.max_connections, max_sessions=a.max_sessions,
         max_entries=a.max_entries, max_listing_bytes=a.max_listing_bytes,
+        max_session_bytes=parse_size(a.max_session_bytes) if a.max_session_bytes is not None else None,
+        min_free_space=parse_size(a.min_free_space) if a.min_free_space is not None else 0,
         max_unauthenticated_per_address=a.max_pending_per_address, handshake_timeout=a.handshake_timeout,
         io_timeout=a.timeout or None, idle_timeout=a.idle_timeout or None, keepalive=a.keepalive or None,
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,

@@ -41,6 +41,7 @@ from ._paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name, t
 from .entry import show_path
 from .errors import DestinationError, PathError, Tb5syncError, UsageError
 from .options import Failure
+from .quota import WriteQuota
 from .state import TreeState
 
 __all__ = ["Destination", "ProgressFn", "STAT_COUNTERS", "STALE_GRACE", "FATAL_ERRNOS", "WRITE_IMPLEMENTATION", "Committed"]
@@ -338,9 +339,12 @@ class Destination:
 
     def __init__(
         self, base: str, state: TreeState | None = None, state_prefix: str = "", progress: ProgressFn | None = None, *, fsync: bool = False,
-        sparse: bool = False,
+        sparse: bool = False, quota: WriteQuota | None = None,
     ) -> None:
         self.base = base
+        #: a server session's write limits (``--max-session-bytes``, ``--min-free-space``),
+        #: charged with each file's size before any byte of it is written
+        self.quota = quota
         self.state = state
         self.state_prefix = state_prefix
         self.progress = progress
@@ -807,9 +811,14 @@ class Destination:
         ------
         PathError
             A directory on the way is a symlink (the run stops; nothing is written through it).
+        QuotaError
+            The batch passes :attr:`quota` (the run stops; nothing of the batch is written).
         Tb5syncError
             Raised by the Python path (not returned).
         """
+        if self.quota is not None:  # before any byte of the batch: a refusal leaves nothing behind
+            for rel, data, _mode, _mtime in files:
+                self.quota.charge(len(data), rel)
         out: list[Committed | OSError | None] = [None] * len(files)
         redo: list[int] = []
         if _cy_write_files is not None and not self.sparse:

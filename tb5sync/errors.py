@@ -42,6 +42,7 @@ __all__ = [
     "DestinationExistsError",
     "MissingParentError",
     "MissingDirectoryError",
+    "QuotaError",
     "SourceError",
     "PartialTransferError",
     "VanishedSourceError",
@@ -253,6 +254,17 @@ class MissingDirectoryError(MissingParentError):
     exit_code = 3
 
 
+class QuotaError(DestinationError):
+    """A write the server refuses by its limits: the session's ``--max-session-bytes`` or the
+    ``--min-free-space`` it keeps (``errno`` ENOSPC). Nothing of the refused file is written."""
+
+    exit_code = 11
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
 class DestinationExistsError(DestinationError, FileExistsError):
     """The destination exists and replacing it was not asked for (a usage error: ``--force`` replaces it)."""
 
@@ -427,6 +439,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RefExistsError,
         RefPinnedError,
         DestinationExistsError,
+        QuotaError,
     )
 }
 

@@ -67,12 +67,17 @@ from .messages import CAT_MANY_BUDGET
 from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
 from .state import TreeState
+from .quota import WriteQuota
 
 __all__ = ["FsOps", "Pages", "PAGE_BYTES"]
 
 #: Largest byte range one ``cat`` request returns (bytes); clients split larger reads.
 #: Size budget of one page of an ``ls``/``find`` reply (bytes of msgpack, estimated).
 PAGE_BYTES = 8 * 1024 * 1024
+#: Most entries of long listings a server keeps waiting for their ``more`` requests, all its
+#: connections together (~1 KB each held: ~2.5 GB); past it the oldest listings are dropped. One
+#: whole ``find`` (at most 2,000,000 entries) always fits.
+PAGES_MAX_ENTRIES = 2_500_000
 _MAX_WRITES = 1024
 _MAX_FIND = 2_000_000
 #: Deepest level ``find`` descends to below its top (deeper: one UsageError).
@@ -209,23 +214,31 @@ class Pages:
     """Pages of long listings waiting for the client, shared by a server's connections.
 
     A listing larger than :data:`PAGE_BYTES` is answered with its first page and a
-    cursor; ``more(cursor)`` hands out the next ones. At most 64 listings wait (the
-    oldest is dropped first); an unknown or dropped cursor is a
-    :class:`~tb5sync.errors.UsageError`.
+    cursor; ``more(cursor)`` hands out the next ones. At most ``limit`` (64) listings and
+    :data:`PAGES_MAX_ENTRIES` entries wait (the oldest listing is dropped first, never the one
+    just put); an unknown or dropped cursor is a :class:`~tb5sync.errors.UsageError`.
     """
 
     def __init__(self, limit: int = 64) -> None:
         self._lock = threading.Lock()
         self._waiting: OrderedDict[str, list[list[dict[str, Any]]]] = OrderedDict()
         self._limit = limit
+        self._entries = 0
+
+    def waiting_entries(self) -> int:
+        """Entries of the listings waiting now."""
+        with self._lock:
+            return self._entries
 
     def put(self, pages: list[list[dict[str, Any]]]) -> str:
         """Keep ``pages`` (in order); returns their cursor."""
         cursor = secrets.token_hex(12)
         with self._lock:
             self._waiting[cursor] = pages
-            while len(self._waiting) > self._limit:
-                self._waiting.popitem(last=False)
+            self._entries += sum(len(p) for p in pages)
+            while len(self._waiting) > 1 and (len(self._waiting) > self._limit or self._entries > PAGES_MAX_ENTRIES):
+                _, dropped = self._waiting.popitem(last=False)
+                self._entries -= sum(len(p) for p in dropped)
         return cursor
 
     def take(self, cursor: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -235,6 +248,7 @@ class Pages:
             if pages is None:
                 raise UsageError("listing cursor unknown or expired; list again")
             page = pages.pop(0)
+            self._entries -= len(page)
             if not pages:
                 return page, None
             self._waiting[cursor] = pages
@@ -263,8 +277,12 @@ class FsOps:
         ``root`` cannot be opened.
     """
 
-    def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None) -> None:
+    def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None,
+                 quota: WriteQuota | None = None) -> None:
         self.root = root
+        #: the session's write limits (a server's ``--max-session-bytes``/``--min-free-space``):
+        #: ``put``, ``wwrite``, ``copy`` and an appending ``wopen`` charge their bytes before writing
+        self.quota = quota
         self.state = state
         self.read_only = read_only
         self.pages = pages if pages is not None else Pages()
@@ -276,6 +294,11 @@ class FsOps:
         for handle in list(self._writes):
             self._abort(handle)
         self.jail.close()
+
+    def _charge(self, nbytes: int, path: str) -> None:
+        """Count ``nbytes`` about to be written to ``path`` against :attr:`quota` (QuotaError past it)."""
+        if self.quota is not None:
+            self.quota.charge(nbytes, path)
 
     # ---- path resolution ----------------------------------------------------------------
     def _through(self, path: str) -> str:
@@ -669,6 +692,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
+        self._charge(len(data), path)
         with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
             self._write_file(dfd, name, lambda fd: write_all(fd, data), exclusive)
         return {}
@@ -700,6 +724,10 @@ class FsOps:
             self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
             try:
                 if append:
+                    try:
+                        self._charge(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size, path)
+                    except FileNotFoundError:
+                        pass
                     self._copy_existing(dfd, name, fd)
             except BaseException:
                 os.close(fd)
@@ -736,6 +764,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"wwrite: data must be at most {MAX_WRITE} bytes")
         try:
+            self._charge(len(data), w.path)  # refused: the write is aborted, its temporary file removed
             fd = self.jail.open_file([*w.dir_parts, w.tmp], os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK, shown=w.path)
             try:
                 write_all(fd, data)
@@ -888,6 +917,7 @@ class FsOps:
                 return self.mkdir(path=dst, parents=True, exist_ok=True)
             if not stat.S_ISREG(st.st_mode):
                 raise UsageError(f"not a regular file: {shown(src)}")
+            self._charge(st.st_size, dst)
 
             def fill(out: int) -> None:
                 off = 0

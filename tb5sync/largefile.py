@@ -196,6 +196,8 @@ class LargeFileJob:
             is committed).
         RemoteProtocolError
             A malformed reply.
+        QuotaError
+            The file's size passes the destination's quota (a server's session limits).
         OSError
             The work file cannot be written or renamed into place.
         """
@@ -230,6 +232,8 @@ class LargeFileJob:
         key = None
         if dest.state is not None and dest.partials:
             key = chunk_digest(f"{dest.spath(self.rel)}\0{size}\0{mtime_ns}".encode("utf-8", "surrogateescape"))
+        if dest.quota is not None:  # before the work file exists: a refusal leaves nothing behind
+            dest.quota.charge(size, self.rel)
         committed = False
         wdir, keep_partial = -1, True
         try:

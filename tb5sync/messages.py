@@ -68,6 +68,9 @@ __all__ = [
     "CODEC_RAW",
     "CODEC_LZ4",
     "SENDER_MAX_READ",
+    "READ_FILES_MAX",
+    "READ_FILES_SLACK",
+    "MAX_CHUNK",
     "MAX_REQUEST_PATHS",
     "FS_MAX_READ",
     "FS_MAX_WRITE",
@@ -172,6 +175,15 @@ CODEC_LZ4: Final = 1
 
 #: Most bytes one sender read request (``read_ranges``/``read_files``) may ask for.
 SENDER_MAX_READ: Final = 32 * 1024 * 1024
+#: What a ``read_files`` reply may carry past :data:`SENDER_MAX_READ` (its last file), bytes.
+READ_FILES_SLACK: Final = 4 * 1024 * 1024
+#: Most bytes of file data one ``read_files`` reply carries (the sender stops its batch there, and
+#: refuses a file past what is left): a reply claiming more is refused before it is decompressed.
+READ_FILES_MAX: Final = SENDER_MAX_READ + READ_FILES_SLACK
+#: Longest chunk a chunk list may name, bytes: a chunk is fetched by one read (``read_ranges``,
+#: at most :data:`SENDER_MAX_READ`), so a longer one could never arrive; refused before anything
+#: is sized by it.
+MAX_CHUNK: Final = SENDER_MAX_READ
 #: Most bytes one fs ``cat`` reply carries (a longer read is split into several requests).
 FS_MAX_READ: Final = 16 * 1024 * 1024
 #: Most bytes one fs ``put``/``wwrite`` request may carry.
@@ -274,7 +286,8 @@ def check_chunks(value: object, total: int, where: str) -> list[tuple[bytes, int
     Raises
     ------
     RemoteProtocolError
-        Not a list of ``[32-byte digest, positive length]``, or the lengths do not add up to ``total``.
+        Not a list of ``[32-byte digest, positive length]``, a length over :data:`MAX_CHUNK`, or
+        the lengths do not add up to ``total``.
     """
     if not isinstance(value, list):
         raise RemoteProtocolError(f"chunk list of {where} is not a list")
@@ -286,6 +299,8 @@ def check_chunks(value: object, total: int, where: str) -> list[tuple[bytes, int
         d, n = item
         if not isinstance(d, bytes) or len(d) != DIGEST_SIZE or not _is_uint(n) or n == 0:
             raise RemoteProtocolError(f"malformed chunk in the chunk list of {where}")
+        if n > MAX_CHUNK:
+            raise RemoteProtocolError(f"chunk of {where} longer than {MAX_CHUNK} bytes ({n}): no read could fetch it")
         refs.append((d, n))
         acc += n
     if acc != total:
@@ -605,6 +620,7 @@ class FilesMeta:
             raise RemoteProtocolError("read_files reply does not match the request")
         assert isinstance(meta, dict)
         out: list[FileInfo | None] = []
+        total = 0
         for path, info in zip(paths, files):
             if info is None:
                 out.append(None)
@@ -614,6 +630,9 @@ class FilesMeta:
             size, mtime_ns, mode, chunks, wirelen, codec = info
             if not (_is_uint(size) and isinstance(mtime_ns, int) and _is_uint(mode) and _is_uint(wirelen)) or codec not in (CODEC_RAW, CODEC_LZ4):
                 raise _bad(f"read_files entry for {path}")
+            total += size
+            if total > READ_FILES_MAX:
+                raise RemoteProtocolError(f"read_files reply of {total}+ bytes exceeds the {READ_FILES_MAX} one may carry")
             out.append(FileInfo(size, mtime_ns, mode, check_chunks(chunks, size, path), wirelen, codec))
         wire = _check_wire(meta, sum(f is not None for f in out), "read_files")
         if wire != [f.wirelen for f in out if f is not None]:

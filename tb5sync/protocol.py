@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +45,18 @@ from typing import Any, Final, NamedTuple
 
 import msgpack
 
+from ._skim_py import skim as _py_skim
 from .errors import SHOWN_LIMIT, AuthError, LocalProtocolError, RemoteProtocolError, Tb5syncError, VersionMismatchError, error_from_remote
+
+# The one import site that picks the msgpack skimmer (TB5SYNC_PUREPYTHON=1 forces Python).
+_cy_skim: Callable[[bytes | bytearray | memoryview], tuple[int, int, int | None, int]] | None
+try:
+    from ._skim import skim as _cy_skim
+except ImportError:  # pragma: no cover - only without the Cython build
+    _cy_skim = None
+_skim = _cy_skim if _cy_skim is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1" else _py_skim
+#: ``"cython"`` or ``"python"``: which skimmer :func:`decode_control` uses.
+SKIM_IMPLEMENTATION: Final = "cython" if _skim is _cy_skim else "python"
 
 __all__ = [
     "MAGIC",
@@ -53,6 +65,8 @@ __all__ = [
     "MAX_CONTROL",
     "MAX_PAYLOAD",
     "MAX_HANDSHAKE",
+    "MAX_DECODED",
+    "SERVER_MAX_DECODED",
     "FrameType",
     "Header",
     "Frame",
@@ -209,76 +223,67 @@ def encode_control(ftype: FrameType, rid: int, message: dict[str, Any]) -> bytes
 #: Containers (arrays and maps) one control payload may decode into: one per
 #: :data:`PAYLOAD_PER_CONTAINER` bytes of it, plus :data:`CONTAINER_ALLOWANCE`. Every legitimate
 #: message spends several bytes per container (an entry row is ~20+, a ``hl`` pair 3-7), while an
-#: empty array is one byte that Python holds as a ~70-byte list: without this budget a 28 MiB frame
-#: of them became ~2.5 GB. A map counts :data:`MAP_WEIGHT` containers (an empty dict is ~4 lists).
+#: empty array is one byte that Python holds as a ~70-byte list.
 PAYLOAD_PER_CONTAINER: Final = 4
 #: The same for the meta of a DATA frame (a reply with bytes after it), whose densest legitimate
 #: form, ``cat_many``'s ``[nbytes]`` per item, spends 2 bytes per array.
 DATA_META_PER_CONTAINER: Final = 2
 CONTAINER_ALLOWANCE: Final = 4096
-MAP_WEIGHT: Final = 4
+#: Most bytes one decoded control payload (or DATA meta) may hold in Python, as
+#: :func:`tb5sync._skim_py.skim` bounds it before anything is built. A client's limit: the densest
+#: page a server sends (an fs ``ls`` page of ~52,000 one-character names, ~100 MiB by that bound;
+#: 45 MiB measured) fits it.
+MAX_DECODED: Final = 128 * 1024 * 1024
+#: The same on a server (``Channel.max_decoded`` once the peer is authenticated): what a server
+#: receives is small except ``put``/``wwrite`` (16 MiB of bin, ~16 MiB decoded) and ``put_chunks``
+#: (65,536 chunks, 16 MiB: ~32 MiB); an entries page of 16,384 entries and 4 MiB of astral-plane
+#: names is ~22 MiB. A peer's frame then pins at most its payload (32 MiB) plus this, whatever its
+#: shape (it was ~20-40 times the payload: 640 MiB to 1.3 GB for one 32 MiB frame).
+SERVER_MAX_DECODED: Final = 48 * 1024 * 1024
 #: Most characters of an ERROR frame's message: a bound on whatever it quotes (each quote of a
 #: peer's value is itself cut to :data:`tb5sync.errors.SHOWN_LIMIT`).
 MAX_ERROR_MESSAGE: Final = 1024
-
-
-class _Budget:
-    """Counts the containers msgpack builds for one payload; raises once over the budget."""
-
-    __slots__ = ("left",)
-
-    def __init__(self, left: int) -> None:
-        self.left = left
-
-    def array(self, obj: list[Any]) -> list[Any]:
-        self.left -= 1
-        if self.left < 0:
-            raise RemoteProtocolError("control message holds too many arrays and maps for its size")
-        return obj
-
-    def map(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.left -= MAP_WEIGHT
-        if self.left < 0:
-            raise RemoteProtocolError("control message holds too many arrays and maps for its size")
-        return obj
-
-
-_ARRAY_HEADERS: Final = bytes([*range(0x90, 0xA0), 0xDC, 0xDD])
-_MAP_HEADERS: Final = bytes([*range(0x80, 0x90), 0xDE, 0xDF])
-_NOT_CONTAINER: Final = bytes(b for b in range(256) if b not in _ARRAY_HEADERS + _MAP_HEADERS)
-_NOT_MAP: Final = bytes(b for b in range(256) if b not in _MAP_HEADERS)
-
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise RemoteProtocolError(f"msgpack extension type {code} is not part of the protocol")
 
 
-def decode_control(payload: bytes | bytearray | memoryview, per_container: int = PAYLOAD_PER_CONTAINER) -> dict[str, Any]:
+def decode_control(payload: bytes | bytearray | memoryview, per_container: int = PAYLOAD_PER_CONTAINER,
+                   max_decoded: int = MAX_DECODED) -> dict[str, Any]:
     """Decode a control payload into a dict with str keys.
 
-    What Python builds is bounded by the payload's size, whatever its shape: at most one array
-    (or a quarter map) per ``per_container`` bytes (:data:`PAYLOAD_PER_CONTAINER`; a DATA
-    frame's meta :data:`DATA_META_PER_CONTAINER`) plus :data:`CONTAINER_ALLOWANCE`, no msgpack
-    extension types; checked while decoding, so an over-budget payload stops early.
+    What Python builds is checked before it is built: one pass over the encoding (``_skim``, C)
+    counts the arrays and maps, bounds the bytes the decoded value will hold (cost model in
+    :mod:`tb5sync._skim_py`) and finds any extension type. Refused: more than one container per
+    ``per_container`` bytes (:data:`PAYLOAD_PER_CONTAINER`; a DATA frame's meta
+    :data:`DATA_META_PER_CONTAINER`) plus :data:`CONTAINER_ALLOWANCE`, a decoded size over
+    ``max_decoded`` bytes (:data:`MAX_DECODED`; a server's channels :data:`SERVER_MAX_DECODED`),
+    and every msgpack extension type, msgpack's timestamp (-1) included. No copy of the payload
+    is made.
 
     Raises
     ------
     RemoteProtocolError
-        Not valid msgpack, trailing bytes, over the container budget, or not a map with str keys.
+        Not valid msgpack, trailing bytes, over a budget, an extension type, or not a map with
+        str keys.
     """
-    left = len(payload) // per_container + CONTAINER_ALLOWANCE
-    # Every array or map starts with one of its header bytes, so their counts in the payload bound
-    # how many there can be (a C pass, ~0.4 ms per MiB). Legitimate payloads are far under the
-    # budget this way and decode without hooks; the others are counted exactly while decoding.
-    data = payload if isinstance(payload, bytes) else bytes(payload)
-    heads = data.translate(None, _NOT_CONTAINER)
-    if len(heads) + (MAP_WEIGHT - 1) * len(heads.translate(None, _NOT_MAP)) <= left:
-        hooks: dict[str, Any] = {}
-    else:
-        budget = _Budget(left)
-        hooks = {"list_hook": budget.array, "object_hook": budget.map}
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, **hooks)
+        cost, containers, ext, end = _skim(payload)
+    except ValueError as exc:
+        raise RemoteProtocolError(f"malformed control message: {str(exc)[:SHOWN_LIMIT]}") from exc
+    if ext is not None:
+        what = " (a timestamp)" if ext == -1 else ""
+        raise RemoteProtocolError(f"msgpack extension type {ext}{what} is not part of the protocol")
+    if containers > len(payload) // per_container + CONTAINER_ALLOWANCE:
+        raise RemoteProtocolError("control message holds too many arrays and maps for its size")
+    if cost > max_decoded:
+        raise RemoteProtocolError(f"control message of {len(payload)} bytes would hold ~{cost} bytes once decoded, over the limit of {max_decoded}")
+    if end != len(payload):
+        raise RemoteProtocolError(f"malformed control message: {len(payload) - end} bytes after its value")
+    try:
+        # max_ext_len=0: msgpack itself refuses any extension too (the timestamp, -1, would
+        # otherwise decode without calling ext_hook)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, ext_hook=_no_ext, max_ext_len=0)
     except RemoteProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated classes
@@ -303,13 +308,14 @@ def encode_data_prefix(rid: int, meta: dict[str, Any], body_length: int) -> byte
     return encode_frame(FrameType.DATA, rid, total) + _U32.pack(len(packed)) + packed
 
 
-def decode_data(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+def decode_data(payload: bytes | bytearray | memoryview, max_decoded: int = MAX_DECODED) -> tuple[dict[str, Any], memoryview]:
     """Split a DATA payload into its meta map and a memoryview of the raw body (no copy).
 
     Raises
     ------
     RemoteProtocolError
-        Payload shorter than its declared meta length, or bad meta.
+        Payload shorter than its declared meta length, or bad meta (see :func:`decode_control`;
+        ``max_decoded`` is its limit for the meta).
     """
     view = memoryview(payload)
     if len(view) < _U32.size:
@@ -317,7 +323,7 @@ def decode_data(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
     (mlen,) = _U32.unpack(view[: _U32.size])
     if mlen > len(view) - _U32.size:
         raise RemoteProtocolError(f"DATA meta length {mlen} exceeds frame payload {len(view)}")
-    meta = decode_control(view[_U32.size : _U32.size + mlen], DATA_META_PER_CONTAINER)
+    meta = decode_control(view[_U32.size : _U32.size + mlen], DATA_META_PER_CONTAINER, max_decoded)
     return meta, view[_U32.size + mlen :]
 
 

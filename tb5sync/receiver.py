@@ -63,6 +63,7 @@ from .generator import Generator, ListingLimits, Planned
 from .messages import FilesMeta
 from .hashing import verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
+from .quota import WriteQuota
 from .options import SyncOptions, SyncStats
 from ._paths import Jail
 from .scan import Tree, scan_tree
@@ -293,6 +294,9 @@ class Receiver:
         it is itemized as created (``cd+++++++++``), as rsync shows a directory it made.
     listing_limits : ListingLimits, optional
         On a server: caps on the source listing held for this session (its peer's); None: none.
+    quota : WriteQuota, optional
+        On a server: the session's write limits, charged with each file's size before it is
+        written; past them the run stops with :class:`~tb5sync.errors.QuotaError`. None: none.
     """
 
     def __init__(
@@ -308,6 +312,7 @@ class Receiver:
         link_dest_root: str | None = None,
         fresh_base: bool = False,
         listing_limits: ListingLimits | None = None,
+        quota: WriteQuota | None = None,
     ) -> None:
         self.dest = dest.rstrip("/") or "/"
         self.fresh_base = fresh_base
@@ -318,7 +323,7 @@ class Receiver:
         self.state_prefix = state_prefix
         self.progress = progress
         self.params = params
-        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse)
+        self.destination = Destination(self.dest, state, state_prefix, progress, fsync=options.fsync, sparse=options.sparse, quota=quota)
         self.link_dest_root = link_dest_root
         #: the small-file batches handed to the writer thread and not settled yet, oldest first
         #: (:meth:`_settle_small`): at most two, the one being written and the next, queued

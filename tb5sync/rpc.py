@@ -38,8 +38,10 @@ __all__ = ["Requester", "call_direct", "open_session", "serve", "split_parts", "
 log = logging.getLogger(__name__)
 
 
-def reply_of(header: P.Header, payload: bytes | bytearray | memoryview) -> Any:
+def reply_of(header: P.Header, payload: bytes | bytearray | memoryview, max_decoded: int = P.MAX_DECODED) -> Any:
     """The result a reply frame carries: a dict (RESPONSE) or ``(meta, body)`` (DATA).
+
+    ``max_decoded``: the decode limit (bytes) of the channel it came on (``Channel.max_decoded``).
 
     Raises
     ------
@@ -49,11 +51,11 @@ def reply_of(header: P.Header, payload: bytes | bytearray | memoryview) -> Any:
         Any other frame type.
     """
     if header.type is P.FrameType.RESPONSE:
-        return P.decode_control(payload)
+        return P.decode_control(payload, max_decoded=max_decoded)
     if header.type is P.FrameType.DATA:
-        return P.decode_data(payload)
+        return P.decode_data(payload, max_decoded)
     if header.type is P.FrameType.ERROR:
-        raise P.error_from_body(P.decode_control(payload))
+        raise P.error_from_body(P.decode_control(payload, max_decoded=max_decoded))
     raise RemoteProtocolError(f"unexpected {header.type.name} frame in reply")
 
 
@@ -78,13 +80,13 @@ def call_direct(ch: Channel, method: str, args: dict[str, Any], into: memoryview
             raise ConnectError("server closed the connection")
         if into is not None and header.type is P.FrameType.DATA:
             meta, body = ch.recv_data_into(header, into)
-            return P.decode_control(meta, P.DATA_META_PER_CONTAINER), body
+            return P.decode_control(meta, P.DATA_META_PER_CONTAINER, ch.max_decoded), body
         payload = ch.recv_payload(header)
     except OSError as exc:
         if isinstance(exc, Tb5syncError):
             raise
         raise ConnectError(f"connection lost: {exc}") from exc
-    return reply_of(header, payload)
+    return reply_of(header, payload, ch.max_decoded)
 
 
 def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +98,7 @@ def open_session(ch: Channel, msg: dict[str, Any]) -> dict[str, Any]:
     header, payload = got
     if header.type not in (P.FrameType.ERROR, P.FrameType.RESPONSE):
         raise RemoteProtocolError(f"expected RESPONSE to OPEN, got {header.type.name}")
-    body: dict[str, Any] = reply_of(header, payload)
+    body: dict[str, Any] = reply_of(header, payload, ch.max_decoded)
     return body
 
 
@@ -192,7 +194,7 @@ class Requester:
                     into = intos.get(header.rid)
                 if into is not None and header.type is P.FrameType.DATA:
                     raw_meta, body = ch.recv_data_into(header, into[0])
-                    meta = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER)
+                    meta = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
                     with self._lock:
                         fut = pending.pop(header.rid, None)
                         intos.pop(header.rid, None)
@@ -208,7 +210,7 @@ class Requester:
                 if fut is None and header.type is not P.FrameType.ERROR:
                     raise RemoteProtocolError(f"reply to unknown request id {header.rid}")
                 try:
-                    result = reply_of(header, payload)
+                    result = reply_of(header, payload, ch.max_decoded)
                 except ProtocolError:
                     raise
                 except Tb5syncError as exc:
@@ -308,13 +310,13 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
         if header.type is P.FrameType.BYE:
             return
         if header.type is P.FrameType.ERROR:
-            raise P.error_from_body(P.decode_control(payload))
+            raise P.error_from_body(P.decode_control(payload, max_decoded=ch.max_decoded))
         if header.type is not P.FrameType.REQUEST:
             exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
             ch.send_error(0, exc)
             raise exc
         try:
-            msg = P.decode_control(payload)
+            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
         except RemoteProtocolError as exc:
             ch.send_error(0, exc)
             raise

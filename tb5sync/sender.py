@@ -46,6 +46,7 @@ from .messages import (
     FileDigests,
     FileInfo,
     FilesMeta,
+    READ_FILES_SLACK,
     RangesMeta,
     SubChunksReply,
     TreePage,
@@ -788,7 +789,7 @@ class Sender:
             item: tuple[int, int, int, Any] | None = batch[i]
             if item is None:
                 try:
-                    one = self._read_one(path, limit=MAX_READ + 4 * 1024 * 1024 - total)
+                    one = self._read_one(path, limit=MAX_READ + READ_FILES_SLACK - total)
                     if one is not None:
                         st, data = one
                         item = (st.st_size, st.st_mtime_ns, st.st_mode, data)
@@ -801,7 +802,7 @@ class Sender:
                 continue
             size, mtime_ns, st_mode, data = item
             total += size
-            if total > MAX_READ + 4 * 1024 * 1024:
+            if total > MAX_READ + READ_FILES_SLACK:
                 raise UsageError(f"read_files of more than {MAX_READ} bytes")
             refs = chunk_buffer(data, self.params)
             wire, codec = encode_part(data, self.options.compress)
@@ -838,7 +839,7 @@ class Sender:
         out: list[tuple[int, int, int, memoryview] | None] = [None] * len(paths)
         if _cy_read_files is None or self._single or self.options.copy_links or self.options.copy_unsafe_links:
             return out
-        budget = MAX_READ + 4 * 1024 * 1024  # read_files' own limit: what is past it is refused there
+        budget = MAX_READ + READ_FILES_SLACK  # read_files' own limit: what is past it is refused there
         todo: list[int] = []
         files: list[tuple[int, bytes]] = []
         fds: dict[str, int] = {}

@@ -55,6 +55,7 @@ from .errors import (
 from .fsops import FsOps, Pages, args_from_wire
 from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
 from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
+from .quota import WriteQuota
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
 from .scan import scan
@@ -172,6 +173,13 @@ class Server:
         Bytes of that listing held (:data:`tb5sync.generator.ENTRY_COST` per entry plus
         :data:`tb5sync.generator.STRING_COST` per byte of its path, link target and extended
         attributes: what the server really holds, measured); past it, the same.
+    max_session_bytes : int or None
+        Bytes one session (a push, an fs or a store connection) may write, counted as the sizes
+        of the files it writes, each charged before any byte of it is written
+        (:class:`tb5sync.quota.WriteQuota`); past it the write is refused with
+        :class:`~tb5sync.errors.QuotaError` (a push stops; an fs request fails). None: no limit.
+    min_free_space : int
+        Free bytes a session's write must leave on ROOT's file system; 0: not checked.
     max_unauthenticated_per_address : int
         Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
         handshake yet; more from it are refused at once with ``BusyError``, so one address
@@ -233,6 +241,8 @@ class Server:
         max_unauthenticated_per_address: int = 16,
         max_entries: int = MAX_ENTRIES,
         max_listing_bytes: int = MAX_LISTING_BYTES,
+        max_session_bytes: int | None = None,
+        min_free_space: int = 0,
         handshake_timeout: float = 10.0,
         io_timeout: float | None = IO_TIMEOUT,
         idle_timeout: float | None = 3600.0,
@@ -276,6 +286,9 @@ class Server:
         self.max_connections = max_connections
         self.max_sessions = max_sessions
         self.listing_limits = ListingLimits(max_entries, max_listing_bytes)
+        WriteQuota(root, max_session_bytes, min_free_space)  # checks the limits once, here
+        self.max_session_bytes = max_session_bytes
+        self.min_free_space = min_free_space
         self.max_unauthenticated_per_address = max_unauthenticated_per_address
         self.handshake_timeout = handshake_timeout
         self.io_timeout = io_timeout
@@ -579,13 +592,14 @@ class Server:
             pending = False
             self._authenticated(addr[0])
             ch.max_payload = P.MAX_PAYLOAD
+            ch.max_decoded = P.SERVER_MAX_DECODED
             got = ch.recv_frame()
             if got is None:
                 return
             header, payload = got
             if header.type is not FrameType.OPEN:
                 raise UsageError(f"expected OPEN, got {header.type.name}")
-            msg = P.decode_control(payload)
+            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
             self._janitor.cancel(deadline)
             if ch.closed:  # the deadline passed just now
                 return
@@ -656,6 +670,11 @@ class Server:
         ch.closed = True  # the TLS channel owns the socket now
         return new
 
+    def _quota(self) -> WriteQuota | None:
+        """A new session's write limits (``max_session_bytes``, ``min_free_space``); None without them."""
+        quota = WriteQuota(self.root, self.max_session_bytes, self.min_free_space)
+        return quota if quota.active else None
+
     def _open(self, ch: Channel, msg: dict[str, Any]) -> bool:
         """Run the session ``msg`` asks for. Returns True when ``ch`` now belongs to someone else."""
         op = msg.get("op")
@@ -670,7 +689,7 @@ class Server:
             self._ls(ch, path)
             return False
         if op == "fs":
-            ops = FsOps(self.root, self.state, self.read_only, self._pages)
+            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota())
             try:
                 ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
                 serve(ch, ops, FS_METHODS, args_from_wire)
@@ -734,6 +753,7 @@ class Server:
                 ops: StoreOps = TieredStoreOps(store, self.read_only, self._tier)
             else:
                 ops = StoreOps(store, self.read_only)
+            ops.quota = self._quota()
             try:
                 ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
                 serve(ch, ops, STORE_METHODS)
@@ -834,7 +854,7 @@ class Server:
             header, payload = fr
             if header.type is not FrameType.DATA:
                 raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
-            got += len(P.decode_data(payload)[1])
+            got += len(P.decode_data(payload, ch.max_decoded)[1])
         if got != nbytes:
             raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
         ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
@@ -995,7 +1015,7 @@ class Server:
             channels = [c for c in s.channels if c is not None]
             requester = Requester(channels)
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
-                                link_dest_root=self.root, listing_limits=self.listing_limits)
+                                link_dest_root=self.root, listing_limits=self.listing_limits, quota=self._quota())
             try:
                 stats = dataclasses.replace(receiver.run(), created=created)
                 result: dict[str, Any] = {"stats": stats.as_dict()}

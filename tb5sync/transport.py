@@ -229,6 +229,10 @@ class Channel:
     max_payload : int
         Largest payload :meth:`recv_frame` accepts, bytes (checked before allocating); a server
         keeps it at :data:`tb5sync.protocol.MAX_HANDSHAKE` until the peer is authenticated.
+    max_decoded : int
+        Most bytes a control payload (or DATA meta) received here may hold once decoded
+        (:func:`tb5sync.protocol.decode_control`, checked before decoding):
+        :data:`tb5sync.protocol.MAX_DECODED`, a server's :data:`tb5sync.protocol.SERVER_MAX_DECODED`.
     """
 
     def __init__(self, sock: socket.socket, *, io_timeout: float | None | str = "keep", idle_timeout: float | None = None) -> None:
@@ -250,6 +254,7 @@ class Channel:
         #: relative to it (a client never learns where the server's tree lives).
         self.hide_root: str | None = None
         self.max_payload = P.MAX_PAYLOAD
+        self.max_decoded = P.MAX_DECODED
         self.tls = isinstance(sock, ssl.SSLSocket)
         #: file parts go out by pread + send (no os.sendfile here, $TB5SYNC_PORTABLE, or a file
         #: system that refused it once)

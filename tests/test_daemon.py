@@ -775,7 +775,8 @@ def test_frame_of_empty_containers_is_refused_with_bounded_memory(tmp_path: Path
         reply, grown = _peak_rss_while(attack)
         print(f"{ftype.name} {item!r}: {len(body) >> 10} KiB frame, RSS +{grown} KiB")
         assert reply["kind"] == "RemoteProtocolError", reply
-        assert "too many arrays and maps" in reply["message"] and "\n" not in reply["message"], reply
+        assert ("too many arrays and maps" in reply["message"] or "once decoded, over the limit" in reply["message"]), reply
+        assert "\n" not in reply["message"], reply
         assert len(reply["message"]) < 300, len(reply["message"])
         assert grown < 40 * len(body) // 1024, f"RSS grew by {grown} KiB for a {len(body) >> 10} KiB frame"
         ch.close()
@@ -783,6 +784,50 @@ def test_frame_of_empty_containers_is_refused_with_bounded_memory(tmp_path: Path
         serving(live)
     finally:
         live.server.stop()
+
+
+def hwm_kib(pid: int) -> int:
+    """Peak RSS (VmHWM) of process ``pid``, KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's peak RSS from /proc")
+def test_a_dense_control_frame_pins_little_more_than_itself(tmp_path: Path) -> None:
+    """A 32 MiB REQUEST of one-byte -32s (each a new 32-byte int), of 3-byte strings (~56 bytes
+    each) or of empty arrays used to raise a separate server's peak RSS by 1476, 866 and 674 MiB;
+    its decoded size is now bounded before msgpack builds anything (SERVER_MAX_DECODED), so the
+    peak grows by about the frame itself, and the server goes on serving."""
+    proc, port = start_serve_process(str(tmp_path / "root"))
+    try:
+        for item in (b"\xe0", b"\xa2ab", b"\x90"):
+            ch = connect("127.0.0.1", port, None)
+            open_session(ch, {"op": "fs"})
+            before = hwm_kib(proc.pid)
+            n = (P.MAX_CONTROL - 64) // len(item)
+            body = b"\x82\xa1m\xa4info\xa1a\x81\xa4path\xdd" + struct.pack("!I", n) + item * n
+            ch.sock.sendall(P.HEADER.pack(P.MAGIC, P.PROTOCOL_VERSION, int(FrameType.REQUEST), 0, 1, len(body)) + body)
+            got = ch.recv_frame()
+            assert got is not None and got[0].type is FrameType.ERROR
+            reply = P.decode_control(got[1])
+            ch.close()
+            grown = hwm_kib(proc.pid) - before
+            print(f"{item!r}: {len(body) >> 20} MiB frame, peak RSS +{grown >> 10} MiB: {reply['message']}")
+            assert reply["kind"] == "RemoteProtocolError" and len(reply["message"]) < 300
+            assert grown < (P.MAX_CONTROL + P.SERVER_MAX_DECODED) // 1024, f"peak RSS grew by {grown} KiB"
+        ch = connect("127.0.0.1", port, None)
+        assert open_session(ch, {"op": "ls", "path": ""})["entries"] is not None
+        ch.close()
+    finally:
+        proc.terminate()
+        code = proc.wait(10)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.stderr.close()
+    assert code == 0, err
 
 
 def test_error_quotes_at_most_a_bounded_repr_of_a_peer_value(tmp_path: Path) -> None:

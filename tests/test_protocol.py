@@ -7,6 +7,7 @@ frames, messages, or a :class:`RemoteProtocolError` / :class:`VersionMismatchErr
 
 from __future__ import annotations
 
+import datetime
 import os
 import struct
 import tracemalloc
@@ -780,6 +781,146 @@ def test_decode_stops_at_the_container_budget(item: bytes) -> None:
 def test_decode_refuses_extension_types() -> None:
     with pytest.raises(RemoteProtocolError, match="extension type 5"):
         P.decode_control(msgpack.packb({"x": msgpack.ExtType(5, b"abc")}))
+
+
+@pytest.mark.parametrize("value", [
+    datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc),
+    msgpack.Timestamp(1, 2),
+    msgpack.Timestamp(2**40, 5),  # the 12-byte form
+])
+def test_decode_refuses_the_timestamp_extension(value: Any) -> None:
+    """msgpack decodes its timestamp (-1) without calling ext_hook: it is refused like the others."""
+    payload = msgpack.packb({"x": value}, datetime=isinstance(value, datetime.datetime))
+    with pytest.raises(RemoteProtocolError, match=r"extension type -1 \(a timestamp\)"):
+        P.decode_control(payload)
+    with pytest.raises(RemoteProtocolError, match="extension type -1"):
+        P.decode_data(struct.pack("!I", len(payload)) + payload + b"body")
+
+
+def _skims() -> list[Any]:
+    from tb5sync import _skim_py
+
+    out = [_skim_py.skim]
+    try:
+        from tb5sync._skim import skim
+    except ImportError:
+        pass
+    else:
+        out.append(skim)
+    return out
+
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=40) | st.binary(max_size=40),
+    lambda kids: st.lists(kids, max_size=12) | st.dictionaries(st.text(max_size=8), kids, max_size=12),
+    max_leaves=200,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_VALUES)
+def test_skim_bounds_what_msgpack_builds(value: Any) -> None:
+    """Both skimmers agree, and the bound they give is at least what msgpack really allocates
+    (tracemalloc) for the value; a cut-short encoding is refused by both."""
+    payload = msgpack.packb(value, use_bin_type=True)
+    results = {skim(payload) for skim in _skims()}
+    assert len(results) == 1, results
+    cost, _containers, ext, end = results.pop()
+    assert ext is None and end == len(payload)
+    msgpack.unpackb(payload, raw=False, strict_map_key=False)  # warm: msgpack's own first-call allocations
+    tracemalloc.start()
+    try:
+        got = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        held, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= cost + 512, (held, cost)  # 512: tracemalloc's and the call's own few objects
+    del got
+    for cut in {0, len(payload) // 2, len(payload) - 1} - {len(payload)}:
+        for skim in _skims():
+            with pytest.raises(ValueError):
+                skim(payload[:cut])
+
+
+def _skim_or_error(skim: Any, data: bytes) -> Any:
+    try:
+        return skim(data)
+    except ValueError as exc:
+        return str(exc)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200), _VALUES, st.integers(min_value=0, max_value=255), st.integers(min_value=0))
+def test_skim_twins_agree_on_any_bytes(noise: bytes, value: Any, byte: int, where: int) -> None:
+    """Random bytes, and a valid encoding with one byte changed or cut short: the C skimmer (no
+    bounds checks) and its Python twin give the same result or the same error."""
+    payload = bytearray(msgpack.packb(value, use_bin_type=True))
+    payload[where % len(payload)] = byte
+    for data in (noise, bytes(payload), bytes(payload[: where % len(payload)])):
+        results = [_skim_or_error(skim, data) for skim in _skims()]
+        assert all(r == results[0] for r in results), (data, results)
+
+
+@pytest.mark.parametrize("item", [b"\xe0", b"\xa2ab", b"\xd1\x01\x02", b"\xca\0\0\0\0", b"\xc4\x02ab"],
+                         ids=["negfixint", "str2", "int16", "float32", "bin2"])
+def test_dense_scalars_are_refused_before_anything_is_built(item: bytes) -> None:
+    """A payload of small scalars that are each a new Python object (a one-byte -32 is a 32-byte
+    int, 40 times its size) is refused from the skim alone: nothing of it is built, the error
+    says what it would have held, and the same payload under the server's limit was the old ~20-40x."""
+    n = 2 * 1024 * 1024 // len(item)
+    payload = b"\x81\xa1x\xdd" + struct.pack("!I", n) + item * n
+    tracemalloc.start()
+    try:
+        with pytest.raises(RemoteProtocolError, match="once decoded, over the limit") as info:
+            P.decode_control(payload, max_decoded=len(payload) * 8)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert len(str(info.value)) < 200
+
+
+def test_a_value_with_trailing_bytes_is_refused() -> None:
+    with pytest.raises(RemoteProtocolError, match="2 bytes after its value"):
+        P.decode_control(msgpack.packb({"a": 1}) + b"\x00\x00")
+
+
+def test_server_receives_its_densest_legitimate_messages_within_its_limit() -> None:
+    """What a server legitimately receives fits SERVER_MAX_DECODED: an fs put or wwrite of
+    FS_MAX_WRITE, a store put_chunks of STORE_MAX_DIGESTS small chunks and of STORE_MAX_BATCH, an
+    entries page of MAX_PAGE entries and PAGE_PATH_BYTES of astral-plane names, a have request."""
+    from tb5sync.entry import Entry
+    from tb5sync.messages import FS_MAX_WRITE, STORE_MAX_BATCH, STORE_MAX_DIGESTS, EntriesPage
+    from tb5sync.sender import MAX_PAGE, PAGE_PATH_BYTES
+
+    width = PAGE_PATH_BYTES // MAX_PAGE // 4
+    names = [f"d/{i:0{width}d}\U0001f600" for i in range(MAX_PAGE)]
+    small = STORE_MAX_BATCH // STORE_MAX_DIGESTS
+    msgs = [
+        {"m": "put", "a": {"path": "x", "data": os.urandom(FS_MAX_WRITE), "mode": "overwrite"}},
+        {"m": "wwrite", "a": {"handle": 1, "data": os.urandom(FS_MAX_WRITE)}},
+        {"m": "put_chunks", "a": {"lease": "a" * 32, "chunks": [[os.urandom(32), b"c" * small] for _ in range(STORE_MAX_DIGESTS)]}},
+        {"m": "put_chunks", "a": {"lease": "a" * 32, "chunks": [[os.urandom(32), os.urandom(STORE_MAX_BATCH)]]}},
+        {"m": "have", "a": {"lease": "a" * 32, "digests": [os.urandom(32) for _ in range(STORE_MAX_DIGESTS)]}},
+        EntriesPage([Entry(n, "f", 0o644, 2**40, 2**62, "") for n in names], False, {i: i for i in range(MAX_PAGE)}, {}).to_wire(),
+    ]
+    for msg in msgs:
+        payload = msgpack.packb(msg, use_bin_type=True)
+        assert len(payload) <= P.MAX_CONTROL
+        assert P.decode_control(payload, max_decoded=P.SERVER_MAX_DECODED) == msgpack.unpackb(payload, strict_map_key=True)
+
+
+def test_an_fs_listing_page_of_short_names_fits_a_clients_limit() -> None:
+    """The densest page a server sends: an ls page (fsops.PAGE_BYTES of its estimate) of
+    one-character names with every info field."""
+    from tb5sync.fsops import PAGE_BYTES
+
+    info = {"name": "d/a", "size": 2**40, "type": "file", "created": 1.5e9, "islink": False, "mode": 0o100644,
+            "uid": 100000, "gid": 100000, "mtime": 1.5e9, "ino": 2**40, "nlink": 1, "destination": "x"}
+    page = {"entries": [dict(info, name=f"d/{i}") for i in range(PAGE_BYTES // (160 + 2 * 3))], "more": "c" * 24}
+    payload = msgpack.packb(page, use_bin_type=True)
+    assert len(P.decode_control(payload)["entries"]) == len(page["entries"])
 
 
 def test_legitimate_pages_are_within_the_budget() -> None:

@@ -135,3 +135,123 @@ def test_link_dest_never_looks_into_the_servers_state(tmp_path: Path) -> None:
         assert ld.link(e) is False and ld._alt(e) is None
     finally:
         ld.close()
+
+
+# ---- what a peer's reply claims is checked before it is allocated ------------------------------
+
+
+def _lz4_bomb(total: int) -> bytes:
+    """An lz4 block of ~total/255 bytes that decompresses to ``total`` zero bytes (one literal, one
+    long match at offset 1, five closing literals: the block format's own rules)."""
+    ext = total - 1 - 5 - 4 - 15
+    return bytes([0x1F, 0x00, 0x01, 0x00]) + b"\xff" * (ext // 255) + bytes([ext % 255, 0x50]) + b"\0" * 5
+
+
+def test_chunk_longer_than_any_read_is_refused() -> None:
+    """A chunk is fetched by one read (at most SENDER_MAX_READ): a peer's chunk list naming a
+    longer one is refused as it is checked (the receiver used to allocate a buffer of its length
+    to rebuild it from a basis)."""
+    from tb5sync.errors import RemoteProtocolError
+    from tb5sync.messages import ChunkListPiece, check_chunks
+
+    assert check_chunks([[b"d" * 32, SENDER_MAX_READ]], SENDER_MAX_READ, "f") == [(b"d" * 32, SENDER_MAX_READ)]
+    with pytest.raises(RemoteProtocolError, match="chunk of f longer than"):
+        check_chunks([[b"d" * 32, SENDER_MAX_READ + 1]], SENDER_MAX_READ + 1, "f")
+    wire = {"size": 1 << 40, "mtime_ns": 1, "start": 0, "end": 1 << 40, "chunks": [[b"d" * 32, 1 << 40]]}
+    with pytest.raises(RemoteProtocolError, match="longer than"):
+        ChunkListPiece.from_wire(wire, "f")
+
+
+def test_read_files_reply_past_its_limit_is_refused_before_it_is_decompressed() -> None:
+    from tb5sync.errors import RemoteProtocolError
+    from tb5sync.messages import READ_FILES_MAX, FilesMeta
+
+    n = READ_FILES_MAX // 2 + 1
+    chunks = [[b"d" * 32, n // 2], [b"e" * 32, n - n // 2]]
+    meta = {"files": [[n, 1, 0o644, chunks, 10, 1], [n, 1, 0o644, chunks, 10, 1]], "wire": [10, 10]}
+    with pytest.raises(RemoteProtocolError, match="read_files reply of .* bytes exceeds"):
+        FilesMeta.from_wire(meta, ["a", "b"])
+    meta = {"files": [[n, 1, 0o644, chunks, 10, 1]], "wire": [10]}
+    assert FilesMeta.from_wire(meta, ["a"]).files[0].size == n  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+def test_pushing_peer_cannot_make_the_server_inflate_a_bomb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push client whose read_files answers a small file with a 1 MiB lz4 part claiming 256 MiB
+    (one chunk of that length) used to make the server allocate and fill 256 MiB before the digest
+    check failed; the reply is now refused as it is checked, before anything is decompressed."""
+    import tb5sync.sender as sender_mod
+    from tb5sync.errors import RemoteProtocolError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 100)
+    claim = 256 * 1024 * 1024
+    part = _lz4_bomb(claim)
+
+    def read_files(self: Any, paths: list[str]) -> tuple[dict[str, Any], list[bytes]]:
+        files = [[claim, 1, 0o100644, [[b"\1" * 32, claim]], len(part), 1] for _ in paths]
+        return {"files": files, "wire": [len(part)] * len(paths)}, [part] * len(paths)
+
+    monkeypatch.setattr(sender_mod.Sender, "read_files", read_files)
+    live = start_server(str(tmp_path / "root"))
+    try:
+        with pytest.raises(RemoteProtocolError, match="longer than|exceeds"):
+            tb5sync.sync(str(src) + "/", live.url("dst/"), timeout=30)
+        assert not os.path.exists(tmp_path / "root" / "dst" / "f")
+    finally:
+        live.server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_unfetched_listing_pages_are_bounded_in_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long ``find``/``ls`` reply waits server-side for its ``more`` requests. The server kept the
+    last 64 such listings whatever their size (each up to 2,000,000 entries, ~1 KB each held), so
+    64 unfetched finds of a big tree could pin ~100 GB; now what waits is bounded in entries
+    (``fsops.PAGES_MAX_ENTRIES``), the oldest dropped first (its cursor then says "list again")."""
+    import tb5sync.fsops as fsops_mod
+    from tb5sync.errors import UsageError as Usage
+
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    for i in range(200):
+        (root / "d" / f"f{i:03d}").write_bytes(b"")
+    monkeypatch.setattr(fsops_mod, "PAGE_BYTES", 2000)  # ~12 entries a page
+    monkeypatch.setattr(fsops_mod, "PAGES_MAX_ENTRIES", 1000)
+    live = start_server(str(root))
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        open_session(ch, {"op": "fs"})
+        cursors = [call_direct(ch, "find", {"path": "d"})["more"] for _ in range(20)]
+        waiting = live.server._pages.waiting_entries()
+        assert 0 < waiting <= 1000 + 200, waiting
+        with pytest.raises(Usage, match="list again"):
+            call_direct(ch, "more", {"cursor": cursors[0]})
+        got = call_direct(ch, "more", {"cursor": cursors[-1]})  # the newest still waits
+        assert got["entries"]
+        ch.close()
+    finally:
+        live.server.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("excludes", [[f"p{i}*x[ab]" for i in range(100_000)], ["*a" * 50_000 + "b"]], ids=["many", "long"])
+def test_a_peers_exclude_rules_are_bounded(tmp_path: Path, excludes: list[str]) -> None:
+    """OPEN's options name the exclude rules the server compiles and then matches against every
+    entry (each costs time per entry and pattern token). 100,000 patterns in a 1.3 MiB OPEN took
+    the server over a minute of CPU (and ~100 MiB) before answering, and slowed every entry's
+    match; one pattern of 100,000 tokens, the same per entry. Both are refused at once."""
+    from tb5sync.options import MAX_PATTERN, MAX_WIRE_EXCLUDES
+
+    live = start_server(str(tmp_path / "root"))
+    try:
+        ch = connect("127.0.0.1", live.port, None)
+        t0 = time.monotonic()
+        with pytest.raises(UsageError, match=f"at most {MAX_WIRE_EXCLUDES} exclude patterns|longer than {MAX_PATTERN}"):
+            open_session(ch, {"op": "push", "path": "", "name": "x", "src_kind": "d", "dst_slash": True,
+                              "options": {"excludes": excludes}, "streams": 1})
+        assert time.monotonic() - t0 < 5
+        ch.close()
+        assert remote_ls(parse_url(live.url("")))  # type: ignore[arg-type]
+    finally:
+        live.server.stop()

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from ..errors import IntegrityError, ReadOnlyError, Tb5syncError, UsageError
 from ..hashing import blob_to_refs, chunk_digest, refs_to_blob
 from ..messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
+from ..quota import WriteQuota
 from .store import Lease, PackWriter, RefInfo, Store, check_ref_name
 
 __all__ = ["StoreOps", "ref_to_wire", "ref_from_wire"]
@@ -82,6 +83,10 @@ def _hiding(fn: _F) -> _F:
 
 class StoreOps:
     """Answers one connection's store requests. ``read_only`` refuses every write."""
+
+    #: the session's write limits (a server's ``--max-session-bytes``/``--min-free-space``):
+    #: ``put_chunks`` charges its chunks' bytes before adding them; None: none
+    quota: WriteQuota | None = None
 
     def __init__(self, store: Store, read_only: bool = False) -> None:
         self.store = store
@@ -151,6 +156,8 @@ class StoreOps:
                 raise UsageError(f"put_chunks: more than {STORE_MAX_BATCH} bytes")
             if chunk_digest(c[1]) != c[0]:
                 raise IntegrityError(f"put_chunks: chunk {c[0].hex()} does not match its digest")
+        if self.quota is not None:
+            self.quota.charge(total, f"put_chunks of {len(chunks)} chunks")
         for d, data in chunks:
             self._writer.add(d, data)
         return {}
