@@ -40,11 +40,13 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +56,7 @@ from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
+from ._io import preallocate, pwrite_all, unlink_quiet
 from ._paths import temp_name
 from .entry import path_from_wire, path_to_wire
 from .errors import (
@@ -81,8 +84,8 @@ log = logging.getLogger(__name__)
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
-#: Windows a streamed get_file keeps on their way while it writes one.
-_STREAM_DEPTH = 3
+#: Pieces (4 MiB each) a streamed get_file keeps on their way per connection while it writes one.
+_GET_DEPTH = 2
 
 
 def _has_magic(path: str) -> bool:
@@ -689,40 +692,60 @@ class TB5FileSystem(AsyncFileSystem):
                 raise ex
         return out
 
-    async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[Any], Any], callback: Callback) -> None:
-        """Fetch the file in windows of ``streams`` x 4 MiB (each split over the connections and
-        received straight into one of ``_STREAM_DEPTH + 1`` reused buffers) and ``write`` them in
-        order, with the next ``_STREAM_DEPTH`` windows on their way meanwhile. ``write`` gets a
-        memoryview valid until it returns."""
-        pin = {"size": info["size"], "mtime": info["mtime"]}
+    def _stream_sync(self, rpath: str, info: dict[str, Any], sink: Callable[[int, memoryview], Any], callback: Callback) -> None:
+        """Fetch the whole file ``rpath`` (of ``info``, whose size and mtime pin every piece) and
+        hand it to ``sink(offset, view)`` in order of offset, on the calling thread.
+
+        The file travels in pieces of :data:`~tb5sync.fsfile.MIN_PIECE` bytes (4 MiB), one ``cat``
+        each, round-robin over the connections, ``_GET_DEPTH`` per connection on their way at any
+        time, each received straight into one of as many reused buffers by the connection's reader
+        thread; ``sink`` gets a view valid until it returns (its buffer then takes the next piece).
+        No event loop is involved: the readers receive while ``sink`` writes.
+
+        Raises
+        ------
+        SourceChangedError
+            The file changed since ``info`` (a piece came short, or the server refused the pin).
+        ConnectError, Tb5syncError
+            A connection broke (the link is dropped: the next call reopens it), or the server's error.
+        """
         size = info["size"]
-        window = MIN_PIECE * self.streams
-        offsets = list(range(0, size, window))
-        bufs = [bytearray(min(window, size)) for _ in range(min(len(offsets), _STREAM_DEPTH + 1))]
+        if size <= 0:
+            return
+        pin = {"size": size, "mtime": info["mtime"]}
+        wire = _args_to_wire({"path": rpath})["path"]
+        offsets = range(0, size, MIN_PIECE)
+        link = self._holder.link
+        if link is None or link.closed:
+            link = self._connect()
+        bufs = [bytearray(min(MIN_PIECE, size)) for _ in range(min(len(offsets), _GET_DEPTH * self.streams))]
+        inflight: collections.deque[tuple[dict[str, Any], memoryview, Any]] = collections.deque()
 
-        async def fetch(off: int, buf: bytearray) -> memoryview:
-            end = min(off + window, size)
-            view = memoryview(buf)[: end - off]
-            pieces = plan_pieces(rpath, off, end, pin, self.streams)
-            slices = [view[a["start"] - off : a["end"] - off] for a in pieces]
-            results = await asyncio.gather(*[self._call("cat", a, into=v, owner=buf) for a, v in zip(pieces, slices)])
-            for a, r, v in zip(pieces, results, slices):
-                check_piece(rpath, a, r, v)
-            return view
+        def submit(i: int) -> None:
+            off = offsets[i]
+            buf = bufs[i % len(bufs)]
+            args = {"path": wire, "start": off, "end": min(off + MIN_PIECE, size), "expect": pin}
+            view = memoryview(buf)[: args["end"] - off]
+            inflight.append((args, view, link.requester.submit("cat", args, into=view, owner=buf)))
 
-        tasks = [asyncio.ensure_future(fetch(offsets[i], bufs[i])) for i in range(min(len(offsets), _STREAM_DEPTH))]
         try:
-            for i in range(len(offsets)):
-                view = await tasks[i]
-                nxt = i + _STREAM_DEPTH
-                if nxt < len(offsets):
-                    tasks.append(asyncio.ensure_future(fetch(offsets[nxt], bufs[nxt % len(bufs)])))
-                write(view)  # the connections' reader threads keep receiving meanwhile
+            for i in range(len(bufs)):
+                submit(i)
+            nxt = len(bufs)
+            while inflight:
+                args, view, fut = inflight.popleft()
+                check_piece(rpath, args, fut.result(), view)
+                sink(args["start"], view)
                 callback.relative_update(len(view))
+                if nxt < len(offsets):
+                    submit(nxt)
+                    nxt += 1
+        except ConnectError:
+            self._drop(link)
+            raise
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+            for _, _, fut in inflight:
+                fut.cancel()  # a reply still on its way lands in its buffer, which nobody reads
 
     async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
         """fsspec's ``get``, except that an existing file whose name holds glob characters is
@@ -737,11 +760,42 @@ class TB5FileSystem(AsyncFileSystem):
         return await super()._get(rpath, lpath, recursive=recursive, callback=callback, **kwargs)
 
     async def _get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> None:
+        """:meth:`get_file` for fsspec's coroutines: the same work on a worker thread, so that the
+        local writes never run on the event loop's thread."""
+        await asyncio.to_thread(self.get_file, rpath, lpath, callback, **kwargs)
+
+    def get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, outfile: Any = None, **kwargs: Any) -> None:
+        """Copy remote file ``rpath`` to local path ``lpath`` (or into the file object ``lpath``).
+
+        As fsspec's LocalFileSystem copies a file (``shutil.copyfile``): an existing file is
+        replaced (keeping its permission bits), a symlink at ``lpath`` is written through (its
+        target gets the bytes), an existing directory at ``lpath`` is ``IsADirectoryError``, a
+        missing parent ``FileNotFoundError``; a remote directory makes the local directory.
+        Unlike it, the bytes go to a temporary name beside the destination (``.NAME.XXXXXXXX.tb5tmp``)
+        renamed into place when complete: nothing partial ever sits at ``lpath``, and a failed copy
+        (the source changed meanwhile, a broken connection, a full disk) leaves ``lpath`` as it was
+        and no temporary file.
+
+        A new local file is fetched in 4 MiB pieces over all the connections
+        (:meth:`_stream_sync`) and written with ``pwrite`` at each piece's offset from the calling
+        thread while the connections' reader threads receive the next pieces. A file of at least
+        ``engine_threshold`` bytes onto an existing local file goes through the sync engine, which
+        reuses the chunks the local file already has.
+
+        Raises
+        ------
+        SourceChangedError
+            The remote file changed while it was read.
+        FileNotFoundError, IsADirectoryError, PermissionError
+            The remote file is missing, or the local destination cannot be written.
+        """
         rpath = self._strip_protocol(rpath)
-        info = await self._info(rpath)
+        if outfile is not None:  # fsspec passes the file object this way too
+            lpath = outfile
+        info = self.info(rpath)
         if isfilelike(lpath):
             callback.set_size(info["size"])
-            await self._stream(rpath, info, lambda v: lpath.write(bytes(v)), callback)
+            self._stream_sync(rpath, info, lambda off, v: lpath.write(bytes(v)), callback)
             return
         lpath = os.fspath(lpath)
         if info["type"] == "directory":
@@ -749,20 +803,20 @@ class TB5FileSystem(AsyncFileSystem):
             return
         if os.path.isdir(lpath):
             raise IsADirectoryError(21, "Is a directory", lpath)
+        final = os.path.realpath(lpath) if os.path.islink(lpath) else os.path.abspath(lpath)
         callback.set_size(info["size"])
         # The engine (FastCDC + BLAKE3 over several streams) pays off when there is a local file
         # whose chunks it can reuse; into a new file, parallel ranged reads are several times faster.
-        if info["size"] >= self.engine_threshold and not info["islink"] and os.path.isfile(lpath):  # the engine would copy a link as a link
+        if info["size"] >= self.engine_threshold and not info["islink"] and os.path.isfile(final):  # the engine would copy a link as a link
 
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
 
             from .client import pull  # the sync engine (its sender, receiver, state), loaded on first use
 
-            await asyncio.to_thread(
-                pull,
+            pull(
                 Remote(self.host, self.port, rpath, tls=self.tls),
-                lpath,
+                final,
                 SyncOptions(streams=self.streams),
                 token=self.token,
                 progress=progress,
@@ -772,17 +826,22 @@ class TB5FileSystem(AsyncFileSystem):
             )
             callback.absolute_update(info["size"])
             return
-        d, name = os.path.split(os.path.abspath(lpath))
+        d, name = os.path.split(final)
         tmp = os.path.join(d, temp_name(name))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
-            with open(tmp, "xb") as f:
-                await self._stream(rpath, info, f.write, callback)
-            os.replace(tmp, lpath)
-        except BaseException:
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+                try:
+                    os.chmod(tmp, stat.S_IMODE(os.stat(final).st_mode))  # as copyfile into an existing file
+                except FileNotFoundError:
+                    pass
+                preallocate(fd, info["size"])  # a full disk fails here, before any byte travels
+                self._stream_sync(rpath, info, lambda off, v: pwrite_all(fd, v, off), callback)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            unlink_quiet(tmp)
             raise
 
     # ---- writing ------------------------------------------------------------------------
