@@ -69,18 +69,22 @@ def test_a_new_file_equals_localfilesystems_copy(remote: Any, tmp_path: Path, na
     assert tmp_files(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("env", [_io.PORTABLE_ENV, "TB5SYNC_FALLOCATE_PORTABLE"])
 def test_the_portable_path_without_preallocation_gives_the_same_file(remote: Any, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                     monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    """What a system without posix_fallocate (macOS) does: the same bytes, nothing left over."""
     root, fs, _ = remote
-    monkeypatch.setenv(_io.PORTABLE_ENV, "1")
+    monkeypatch.setenv(env, "1")
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         assert _io.preallocate(fd, 1 << 20) is False and os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
+    os.unlink(tmp_path / "probe")
     for name in ("big.bin", "sparse.bin"):
         fs.get_file(name, str(tmp_path / name))
         assert (tmp_path / name).read_bytes() == (root / name).read_bytes()
+    assert tmp_files(str(tmp_path)) == []
 
 
 def test_preallocate_reserves_on_linux(tmp_path: Path) -> None:
@@ -218,6 +222,7 @@ def test_writes_run_off_the_event_loop_thread(remote: Any, tmp_path: Path, monke
     writers.clear()
     fsspec.asyn.sync(fs.loop, both)
     assert writers and loop_thread not in writers
+    assert tmp_files(str(tmp_path)) == []
     assert (tmp_path / "b.bin").read_bytes() == (root / "big.bin").read_bytes()
     assert (tmp_path / "c.bin").read_bytes() == (root / "sparse.bin").read_bytes()
 
