@@ -198,12 +198,15 @@ def encode_control(ftype: FrameType, rid: int, message: dict[str, Any]) -> bytes
     """
     if ftype is FrameType.DATA or ftype not in _CONTROL_TYPES:
         raise LocalProtocolError(f"{ftype!r} is not a control frame type")
-    if not isinstance(message, dict):
+    if type(message) is not dict and not isinstance(message, dict):
         raise LocalProtocolError("control message must be a dict")
     payload = msgpack.packb(message, use_bin_type=True)
-    if len(payload) > MAX_CONTROL:
-        raise LocalProtocolError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL}")
-    return encode_frame(ftype, rid, len(payload)) + payload
+    n = len(payload)
+    if n > MAX_CONTROL:
+        raise LocalProtocolError(f"control message of {n} bytes exceeds {MAX_CONTROL}")
+    if not 0 <= rid < 1 << 32:
+        raise LocalProtocolError(f"request id {rid} out of range")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, ftype, 0, rid, n) + payload
 
 
 #: Containers (arrays and maps) one control payload may decode into: one per
@@ -249,6 +252,10 @@ _NOT_CONTAINER: Final = bytes(b for b in range(256) if b not in _ARRAY_HEADERS +
 _NOT_MAP: Final = bytes(b for b in range(256) if b not in _MAP_HEADERS)
 
 
+_NO_HOOKS: Final[dict[str, Any]] = {}
+_unpack = msgpack.unpackb
+
+
 def _no_ext(code: int, data: bytes) -> Any:
     raise RemoteProtocolError(f"msgpack extension type {code} is not part of the protocol")
 
@@ -266,25 +273,29 @@ def decode_control(payload: bytes | bytearray | memoryview, per_container: int =
     RemoteProtocolError
         Not valid msgpack, trailing bytes, over the container budget, or not a map with str keys.
     """
-    left = len(payload) // per_container + CONTAINER_ALLOWANCE
-    # Every array or map starts with one of its header bytes, so their counts in the payload bound
-    # how many there can be (a C pass, ~0.4 ms per MiB). Legitimate payloads are far under the
-    # budget this way and decode without hooks; the others are counted exactly while decoding.
-    data = payload if isinstance(payload, bytes) else bytes(payload)
-    heads = data.translate(None, _NOT_CONTAINER)
-    if len(heads) + (MAP_WEIGHT - 1) * len(heads.translate(None, _NOT_MAP)) <= left:
-        hooks: dict[str, Any] = {}
-    else:
-        budget = _Budget(left)
-        hooks = {"list_hook": budget.array, "object_hook": budget.map}
+    n = len(payload)
+    left = n // per_container + CONTAINER_ALLOWANCE
+    hooks: dict[str, Any] = _NO_HOOKS
+    if n * MAP_WEIGHT > left:  # a small payload cannot hold more containers than its bytes: no count
+        # Every array or map starts with one of its header bytes, so their counts in the payload bound
+        # how many there can be (a C pass, ~0.4 ms per MiB). Legitimate payloads are far under the
+        # budget this way and decode without hooks; the others are counted exactly while decoding.
+        payload = payload if isinstance(payload, bytes) else bytes(payload)
+        heads = payload.translate(None, _NOT_CONTAINER)
+        if len(heads) + (MAP_WEIGHT - 1) * len(heads.translate(None, _NOT_MAP)) > left:
+            budget = _Budget(left)
+            hooks = {"list_hook": budget.array, "object_hook": budget.map}
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext, **hooks)
+        msg = _unpack(payload, raw=False, strict_map_key=True, ext_hook=_no_ext, **hooks)
     except RemoteProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated classes
         raise RemoteProtocolError(f"malformed control message: {str(exc)[:SHOWN_LIMIT]}") from exc
-    if not isinstance(msg, dict) or not all(isinstance(k, str) for k in msg):
+    if type(msg) is not dict:
         raise RemoteProtocolError("control message is not a map with string keys")
+    for k in msg:
+        if type(k) is not str:  # strict_map_key leaves str or bytes
+            raise RemoteProtocolError("control message is not a map with string keys")
     return msg
 
 
