@@ -45,6 +45,7 @@ import datetime
 import errno
 import itertools
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -56,7 +57,7 @@ from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
-from ._io import preallocate, pwrite_all, unlink_quiet
+from ._io import portable, preallocate, pwrite_all, unlink_quiet
 from ._paths import temp_name
 from .entry import path_from_wire, path_to_wire
 from .errors import (
@@ -84,6 +85,9 @@ log = logging.getLogger(__name__)
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
+#: Set to 1: get_file writes with ``pwrite`` from reused buffers even where it could receive into
+#: a mapping of the file (what systems without ``posix_fallocate``, e.g. macOS, always do).
+MMAP_PORTABLE_ENV = "TB5SYNC_MMAP_PORTABLE"
 #: Pieces (4 MiB each) a streamed get_file keeps on their way per connection while it writes one.
 _GET_DEPTH = 2
 
@@ -692,15 +696,18 @@ class TB5FileSystem(AsyncFileSystem):
                 raise ex
         return out
 
-    def _stream_sync(self, rpath: str, info: dict[str, Any], sink: Callable[[int, memoryview], Any], callback: Callback) -> None:
+    def _stream_sync(self, rpath: str, info: dict[str, Any], sink: Callable[[int, memoryview], Any] | None, callback: Callback,
+                     into: memoryview | None = None, owner: Any = None) -> None:
         """Fetch the whole file ``rpath`` (of ``info``, whose size and mtime pin every piece) and
-        hand it to ``sink(offset, view)`` in order of offset, on the calling thread.
+        hand it to ``sink(offset, view)`` in order of offset, on the calling thread; or, with
+        ``into`` (a writable view of ``info["size"]`` bytes, ``owner`` the object behind it), have
+        every piece received straight into its place there (``sink`` is then not called).
 
         The file travels in pieces of :data:`~tb5sync.fsfile.MIN_PIECE` bytes (4 MiB), one ``cat``
         each, round-robin over the connections, ``_GET_DEPTH`` per connection on their way at any
-        time, each received straight into one of as many reused buffers by the connection's reader
-        thread; ``sink`` gets a view valid until it returns (its buffer then takes the next piece).
-        No event loop is involved: the readers receive while ``sink`` writes.
+        time, each received by its connection's reader thread straight into ``into`` or into one
+        of as many reused buffers; ``sink`` gets a view valid until it returns (its buffer then
+        takes the next piece). No event loop is involved: the readers receive while ``sink`` writes.
 
         Raises
         ------
@@ -718,25 +725,31 @@ class TB5FileSystem(AsyncFileSystem):
         link = self._holder.link
         if link is None or link.closed:
             link = self._connect()
-        bufs = [bytearray(min(MIN_PIECE, size)) for _ in range(min(len(offsets), _GET_DEPTH * self.streams))]
+        depth = min(len(offsets), _GET_DEPTH * self.streams)
+        bufs = [bytearray(min(MIN_PIECE, size)) for _ in range(depth)] if into is None else []
         inflight: collections.deque[tuple[dict[str, Any], memoryview, Any]] = collections.deque()
 
         def submit(i: int) -> None:
             off = offsets[i]
-            buf = bufs[i % len(bufs)]
             args = {"path": wire, "start": off, "end": min(off + MIN_PIECE, size), "expect": pin}
-            view = memoryview(buf)[: args["end"] - off]
+            if into is not None:
+                view, buf = into[off : args["end"]], owner
+            else:
+                buf = bufs[i % len(bufs)]
+                view = memoryview(buf)[: args["end"] - off]
             inflight.append((args, view, link.requester.submit("cat", args, into=view, owner=buf)))
 
         try:
-            for i in range(len(bufs)):
+            for i in range(depth):
                 submit(i)
-            nxt = len(bufs)
+            nxt = depth
             while inflight:
                 args, view, fut = inflight.popleft()
                 check_piece(rpath, args, fut.result(), view)
-                sink(args["start"], view)
+                if into is None and sink is not None:
+                    sink(args["start"], view)
                 callback.relative_update(len(view))
+                del view, fut  # no view of ``into`` outlives the loop: its owner is closed next
                 if nxt < len(offsets):
                     submit(nxt)
                     nxt += 1
@@ -746,6 +759,27 @@ class TB5FileSystem(AsyncFileSystem):
         finally:
             for _, _, fut in inflight:
                 fut.cancel()  # a reply still on its way lands in its buffer, which nobody reads
+
+    def _receive_mapped(self, rpath: str, info: dict[str, Any], fd: int, callback: Callback) -> None:
+        """:meth:`_stream_sync` of ``rpath`` straight into a shared mapping of ``fd``, a new file
+        whose ``info["size"]`` bytes are already reserved on disk (so that no page fault can meet a
+        full disk): the connections' reader threads ``recv_into`` the file's page-cache pages, with
+        no buffer and no ``pwrite`` between. Where :func:`~tb5sync._io.preallocate` reserved the
+        blocks (Linux); elsewhere, and with ``$TB5SYNC_MMAP_PORTABLE=1``, the ``pwrite`` path.
+
+        After a large read in the same process, ``pwrite`` from reused buffers measured 0.19-0.32
+        GB/s with 0.2-0.8 s of CPU per 256 MiB on the development VM, this 0.34-0.83 GB/s with
+        0.15-0.28 s (``cat_file`` then ``get_file``, 3 runs each, alternating)."""
+        area = mmap.mmap(fd, info["size"])
+        view = memoryview(area)
+        try:
+            self._stream_sync(rpath, info, None, callback, into=view, owner=area)
+        finally:
+            view.release()
+            try:
+                area.close()
+            except BufferError:  # a reply still on its way (after an error) holds a view: the GC unmaps it
+                pass
 
     async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
         """fsspec's ``get``, except that an existing file whose name holds glob characters is
@@ -777,8 +811,10 @@ class TB5FileSystem(AsyncFileSystem):
         and no temporary file.
 
         A new local file is fetched in 4 MiB pieces over all the connections
-        (:meth:`_stream_sync`) and written with ``pwrite`` at each piece's offset from the calling
-        thread while the connections' reader threads receive the next pieces. A file of at least
+        (:meth:`_stream_sync`). On Linux its blocks are reserved first (``posix_fallocate``) and
+        the connections' reader threads receive each piece straight into a shared mapping of the
+        file (:meth:`_receive_mapped`); elsewhere (macOS) each piece is written with ``pwrite`` at
+        its offset from the calling thread while the readers receive the next ones. A file of at least
         ``engine_threshold`` bytes onto an existing local file goes through the sync engine, which
         reuses the chunks the local file already has.
 
@@ -828,15 +864,19 @@ class TB5FileSystem(AsyncFileSystem):
             return
         d, name = os.path.split(final)
         tmp = os.path.join(d, temp_name(name))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
             try:
                 try:
                     os.chmod(tmp, stat.S_IMODE(os.stat(final).st_mode))  # as copyfile into an existing file
                 except FileNotFoundError:
                     pass
-                preallocate(fd, info["size"])  # a full disk fails here, before any byte travels
-                self._stream_sync(rpath, info, lambda off, v: pwrite_all(fd, v, off), callback)
+                # a full disk fails here, before any byte travels; once the blocks are reserved the
+                # replies are received straight into the file's pages (one copy after the socket, not two)
+                if preallocate(fd, info["size"]) and not portable(MMAP_PORTABLE_ENV):
+                    self._receive_mapped(rpath, info, fd, callback)
+                else:
+                    self._stream_sync(rpath, info, lambda off, v: pwrite_all(fd, v, off), callback)
             finally:
                 os.close(fd)
             os.replace(tmp, final)

@@ -67,9 +67,12 @@ def test_a_new_file_equals_localfilesystems_copy(remote: Any, tmp_path: Path, na
     assert got.read_bytes() == want.read_bytes()
     assert stat.S_IMODE(got.stat().st_mode) == stat.S_IMODE(want.stat().st_mode)
     assert tmp_files(str(tmp_path)) == []
+    if os.path.exists("/proc/self/maps"):  # the mapping it was received into is gone
+        with open("/proc/self/maps") as maps:
+            assert str(tmp_path) not in maps.read()
 
 
-@pytest.mark.parametrize("env", [_io.PORTABLE_ENV, "TB5SYNC_FALLOCATE_PORTABLE"])
+@pytest.mark.parametrize("env", [_io.PORTABLE_ENV, "TB5SYNC_FALLOCATE_PORTABLE", fsmod.MMAP_PORTABLE_ENV])
 def test_the_portable_path_without_preallocation_gives_the_same_file(remote: Any, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch, env: str) -> None:
     """What a system without posix_fallocate (macOS) does: the same bytes, nothing left over."""
@@ -77,7 +80,8 @@ def test_the_portable_path_without_preallocation_gives_the_same_file(remote: Any
     monkeypatch.setenv(env, "1")
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        assert _io.preallocate(fd, 1 << 20) is False and os.fstat(fd).st_size == 0
+        if env != fsmod.MMAP_PORTABLE_ENV:  # that one keeps the reservation, and writes with pwrite
+            assert _io.preallocate(fd, 1 << 20) is False and os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
     os.unlink(tmp_path / "probe")
@@ -176,8 +180,12 @@ class _ChangeAfterFirst(Callback):
             self.path.write_bytes(os.urandom(SIZE + 1))
 
 
-def test_a_file_that_changes_during_the_read_fails_and_leaves_no_file(remote: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["mapped", "pwrite"])
+def test_a_file_that_changes_during_the_read_fails_and_leaves_no_file(remote: Any, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     root, fs, live = remote
+    if path == "pwrite":
+        monkeypatch.setenv(fsmod.MMAP_PORTABLE_ENV, "1")
     streamed = tb5fs(live, streams=2, engine_threshold=1 << 40)  # onto an existing file too
     victim = root / "victim.bin"
     victim.write_bytes(os.urandom(SIZE))
@@ -201,19 +209,27 @@ def test_a_file_that_changes_during_the_read_fails_and_leaves_no_file(remote: An
         victim.unlink()
 
 
-def test_writes_run_off_the_event_loop_thread(remote: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["mapped", "pwrite"])
+def test_writes_run_off_the_event_loop_thread(remote: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Both ways of writing (straight into a mapping of the file where blocks can be reserved,
+    ``pwrite`` elsewhere) run on the calling thread or a worker, never fsspec's loop thread."""
     root, fs, _ = remote
+    if path == "pwrite":
+        monkeypatch.setenv(fsmod.MMAP_PORTABLE_ENV, "1")
     writers: set[threading.Thread] = set()
-    real = fsmod.pwrite_all
+    kinds: list[bool] = []
+    real = fsmod.TB5FileSystem._stream_sync
 
-    def spy(fd: int, data: Any, off: int) -> None:
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
         writers.add(threading.current_thread())
-        real(fd, data, off)
+        kinds.append(kwargs.get("into") is not None)
+        real(self, *args, **kwargs)
 
-    monkeypatch.setattr(fsmod, "pwrite_all", spy)
+    monkeypatch.setattr(fsmod.TB5FileSystem, "_stream_sync", spy)
     fs.get("big.bin", str(tmp_path / "a.bin"))  # fsspec's sync wrapper: the coroutine on fsspec's loop
     loop_thread = fsspec.asyn.iothread[0]  # the thread fsspec runs its event loop on
     assert loop_thread is not None and writers and loop_thread not in writers
+    assert kinds == [path == "mapped" and hasattr(os, "posix_fallocate")]
     assert (tmp_path / "a.bin").read_bytes() == (root / "big.bin").read_bytes()
 
     async def both() -> None:
@@ -221,10 +237,10 @@ def test_writes_run_off_the_event_loop_thread(remote: Any, tmp_path: Path, monke
 
     writers.clear()
     fsspec.asyn.sync(fs.loop, both)
-    assert writers and loop_thread not in writers
-    assert tmp_files(str(tmp_path)) == []
+    assert len(writers) == 2 and loop_thread not in writers
     assert (tmp_path / "b.bin").read_bytes() == (root / "big.bin").read_bytes()
     assert (tmp_path / "c.bin").read_bytes() == (root / "sparse.bin").read_bytes()
+    assert tmp_files(str(tmp_path)) == []
 
 
 def test_into_a_file_object(remote: Any, tmp_path: Path) -> None:
