@@ -13,7 +13,8 @@ alternating so drift hits both):
   ``fs.cat`` of 2,000 files of 4 KiB (one ``cat_many`` round trip per 32 MiB), as ops/s.
 * **sequential read**: ``fs.open(big, "rb").read()`` (the whole file in one call),
   ``fs.open(big, "rb").read(8 MiB)`` until EOF (the file object's readahead), ``fs.cat_file(big)``
-  (pieces over all connections) and ``fs.get_file(big, local)``, against a raw TCP stream from one
+  (pieces over all connections), ``fs.get_file(big, local)`` and ``fs.put_file(local, new)``
+  (nginx: WebDAV ``PUT``), against a raw TCP stream from one
   Python process to another (``sendall`` of 4 MiB buffers into ``recv_into``). GB/s and the ratio
   to raw TCP.
 * **peers** (``--peers sshfs,http``, both by default when their servers are installed): the same
@@ -264,7 +265,8 @@ def start_sshd(work: str) -> tuple[subprocess.Popen[bytes], int, str]:
 
 
 def start_nginx(work: str, root: str) -> tuple[subprocess.Popen[bytes], int]:
-    """nginx serving ``root`` on 127.0.0.1 (generated config, sendfile on, no access log); (proc, port)."""
+    """nginx serving ``root`` on 127.0.0.1 (generated config, sendfile on, no access log, WebDAV ``PUT``
+    under ``/up/`` for ``put_file``); (proc, port)."""
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not os.path.exists(nginx):
         raise RuntimeError("nginx not installed (apt-get install nginx-light)")
@@ -278,7 +280,8 @@ def start_nginx(work: str, root: str) -> tuple[subprocess.Popen[bytes], int]:
                 f"events {{ worker_connections 256; }}\nhttp {{ access_log off; sendfile on; tcp_nopush on; "
                 f"keepalive_requests 1000000; client_body_temp_path {d}; proxy_temp_path {d}; fastcgi_temp_path {d}; "
                 f"uwsgi_temp_path {d}; scgi_temp_path {d};\n"
-                f"server {{ listen {LOOPBACK}:{port}; root {root}; }} }}\n")
+                f"server {{ listen {LOOPBACK}:{port}; root {root}; client_max_body_size 0; "
+                f"location /up/ {{ dav_methods PUT; create_full_put_path on; }} }} }}\n")
     p = subprocess.Popen([nginx, "-c", conf, "-p", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, p, "nginx")
     return p, port
@@ -315,6 +318,7 @@ def main() -> int:
     fs = TB5FileSystem(host=LOOPBACK, port=port, streams=args.streams, skip_instance_cache=True)
     # contenders: name -> (filesystem, path of a name under root)
     peers: dict[str, tuple[Any, Callable[[str], str]]] = {"tb5": (fs, lambda n: n)}
+    put_kwargs: dict[str, dict[str, Any]] = {"http": {"method": "put"}}  # HTTPFileSystem POSTs by default
     notes: list[str] = []
     for peer in [p for p in args.peers.split(",") if p]:
         try:
@@ -337,7 +341,7 @@ def main() -> int:
             notes.append(f"peer {peer} skipped: {exc}")
             print(notes[-1], file=sys.stderr)
     smalls = [f"small/f{i:05d}" for i in range(small)]
-    keys = ["info", "cat4k", "open_read_all", "open_read", "cat_file", "get_file"]
+    keys = ["info", "cat4k", "open_read_all", "open_read", "cat_file", "get_file", "put_file"]
     res: dict[str, list[float]] = {k: [] for k in ("raw_pp64", "raw_pp4k", "info_gather", "cat_many", "raw_stream", "raw_fresh")}
     for name in peers:
         for k in keys:
@@ -374,6 +378,13 @@ def main() -> int:
         os.unlink(local)
         return n
 
+    def put_file(name: str, f: Any, at: Callable[[str], str]) -> int:
+        """``put_file`` of the local copy of the big file as a new remote file (removed after)."""
+        f.put_file(local, at("up/put.bin"), **put_kwargs.get(name, {}))
+        n = os.path.getsize(os.path.join(root, "up", "put.bin"))
+        os.unlink(os.path.join(root, "up", "put.bin"))
+        return n
+
     try:
         for n in range(repeat):
             # each figure: the raw peer, then every contender in turn (alternating, so drift hits all)
@@ -401,6 +412,11 @@ def main() -> int:
                 res[f"{name}:open_read"].append(gbps(lambda f=f, big=big: read_blocks(f, big)))
                 res[f"{name}:cat_file"].append(gbps(lambda f=f, big=big: len(f.cat_file(big))))
                 res[f"{name}:get_file"].append(gbps(lambda f=f, big=big: get_file(f, big)))
+            shutil.copyfile(os.path.join(root, "big.bin"), local)
+            os.makedirs(os.path.join(root, "up"), exist_ok=True)
+            for name, (f, at) in peers.items():
+                res[f"{name}:put_file"].append(gbps(lambda name=name, f=f, at=at: put_file(name, f, at)))
+            os.unlink(local)
             print(f"[{n + 1}/{repeat}] " + "; ".join(f"{name}: info {res[name + ':info'][-1]:.0f}/s, read() {res[name + ':open_read_all'][-1]:.2f} GB/s"
                                                       for name in peers) + f"; raw ping-pong {res['raw_pp64'][-1]:.0f}/s, stream {res['raw_stream'][-1]:.2f} GB/s",
                   file=sys.stderr)
@@ -420,6 +436,7 @@ def main() -> int:
         (f"open().read(8 MiB) loop", "open_read", "GB/s", "raw_stream", "raw TCP stream"),
         (f"cat_file {size // MiB} MiB", "cat_file", "GB/s", "raw_stream", "raw TCP stream"),
         (f"get_file {size // MiB} MiB", "get_file", "GB/s", "raw_stream", "raw TCP stream"),
+        (f"put_file {size // MiB} MiB (new file)", "put_file", "GB/s", "raw_stream", "raw TCP stream"),
     ]
     names = list(peers)
     others = [p for p in names if p != "tb5"]

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 __all__ = ["durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range",
-           "populated_buffer", "PORTABLE_ENV", "RateLimit"]
+           "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
 PORTABLE_ENV = "TB5SYNC_PORTABLE"
@@ -165,6 +165,39 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> None:
         k = os.pwrite(fd, view, off)
         view = view[k:]
         off += k
+
+
+#: errno values of ``posix_fallocate`` that mean "this file system cannot": the file is then
+#: written without preallocation (a full disk, ``ENOSPC``, is an error, as is any other).
+_NO_FALLOCATE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None))
+                          if e is not None)
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the first ``size`` bytes of the new file ``fd`` on disk before it is written.
+
+    Linux: ``posix_fallocate(fd, 0, size)``, so that a full disk fails here, before any byte
+    travels, and the page-cache writes that follow skip delayed block allocation (a streamed
+    ``get_file`` of 256 MiB measured 1.39-1.46 GB/s with it against 1.02-1.24 without, medians
+    of 6, alternating). Elsewhere (macOS has no ``posix_fallocate``), with :func:`portable`
+    (``$TB5SYNC_PORTABLE`` or ``$TB5SYNC_FALLOCATE_PORTABLE``), for ``size`` 0 or on a file system
+    that cannot (``EINVAL``/``EOPNOTSUPP``/``ENOSYS``): nothing, and False. True when reserved.
+
+    Raises
+    ------
+    OSError
+        ``ENOSPC`` (the disk cannot hold ``size`` bytes), ``EFBIG``, or another error of the call.
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None or size <= 0 or portable("TB5SYNC_FALLOCATE_PORTABLE"):
+        return False
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_FALLOCATE:
+            return False
+        raise
+    return True
 
 
 def unlink_quiet(path: str) -> None:

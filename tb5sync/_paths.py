@@ -809,8 +809,33 @@ class Jail:
         parts = self.resolve(path, follow=True)
         return self.open_file(parts, _READ_FLAGS, shown=path), "/".join(parts)
 
+    def open_request_dir(self, path: str) -> tuple[int, list[str]]:
+        """A new descriptor of the directory at request ``path`` (symlinks inside the root followed,
+        the last one too), and its components with those symlinks resolved.
+
+        The path as written is tried first (:meth:`open_dir` of :meth:`literal`: one ``openat2``,
+        or one ``openat`` per component, no ``realpath``); only a symlink on the way (a
+        ``PathError`` from that lookup) falls back to :meth:`resolve` (``follow=True``) and a lookup
+        of its result. Either way every directory is opened from the root's descriptor without
+        following a symlink, so nothing outside the root is reached, whatever changes meanwhile.
+
+        Raises
+        ------
+        PathError
+            As :meth:`resolve`; a symlink on the way after the resolution.
+        OSError
+            Other failures (``FileNotFoundError``, ``NotADirectoryError``, ...).
+        """
+        parts = self.literal(path)
+        try:
+            return self.open_dir(parts), parts
+        except PathError:  # a symlink on the way: resolve it (inside the root)
+            pass
+        parts = self.resolve(path, follow=True)
+        return self.open_dir(parts), parts
+
     @contextlib.contextmanager
-    def parent(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
+    def parent(self, path: str, *, create: bool = False, follow: bool = False) -> Iterator[tuple[int, str, str]]:
         """Where request ``path`` is created, renamed or unlinked: ``(dir_fd, name, relpath)``.
 
         A context manager: ``dir_fd`` (a new descriptor of the directory holding
@@ -819,12 +844,22 @@ class Jail:
         path relative to the root. Use ``name`` only relative to ``dir_fd``
         (``os.unlink(name, dir_fd=dir_fd)``, ``os.rename(..., dst_dir_fd=dir_fd)``).
 
+        The path as written is tried first (as :meth:`locate_request`): its parent opened from the
+        root's descriptor with no symlink allowed, and no ``realpath``; a symlink on the way falls
+        back to :meth:`resolve` and a lookup of its result. A name swapped for a symlink after
+        either step is then acted on as a link (replaced or removed, never followed), and a parent
+        swapped for one is refused by the lookup, so nothing outside the root is reached.
+
         Parameters
         ----------
         path : str
             Request path; not the root itself.
         create : bool
             Create missing parent directories.
+        follow : bool
+            A last component that is a symlink whose target lies inside the root stands for that
+            target (a write lands where ``open(path, "w")`` would write); one leading outside is
+            ``PathError``.
 
         Raises
         ------
@@ -833,10 +868,29 @@ class Jail:
         OSError
             Other failures (``FileNotFoundError`` for a missing parent without ``create``, ...).
         """
-        parts = self.resolve(path)
-        if not parts:
-            raise PathError(path, "the served root itself cannot be replaced or removed")
-        dfd = self.open_dir(parts[:-1], create=create)
+        parts = self.literal(path)
+        dfd = -1
+        if parts:
+            try:
+                dfd = self.open_dir(parts[:-1], create=create)
+            except PathError:  # a symlink in the parents: resolve them (inside the root), below
+                pass
+        if dfd >= 0 and follow:
+            try:
+                linked = stat.S_ISLNK(os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                linked = False
+            except BaseException:
+                os.close(dfd)
+                raise
+            if linked:  # the last component is a link: where it leads is resolved below
+                os.close(dfd)
+                dfd = -1
+        if dfd < 0:
+            parts = self.resolve(path, follow=follow)
+            if not parts:
+                raise PathError(path, "the served root itself cannot be replaced or removed")
+            dfd = self.open_dir(parts[:-1], create=create)
         try:
             yield dfd, parts[-1], "/".join(parts)
         finally:

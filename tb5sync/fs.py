@@ -40,11 +40,14 @@ Errors
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import errno
 import itertools
 import logging
+import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +57,7 @@ from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
+from ._io import portable, preallocate, pwrite_all, unlink_quiet
 from ._paths import temp_name
 from .entry import path_from_wire, path_to_wire
 from .errors import (
@@ -81,8 +85,11 @@ log = logging.getLogger(__name__)
 #: Files at least this large (bytes) travel through the sync engine in put_file/get_file.
 ENGINE_THRESHOLD = 32 * 1024 * 1024
 _CAT_BATCH = 10_000
-#: Windows a streamed get_file keeps on their way while it writes one.
-_STREAM_DEPTH = 3
+#: Set to 1: get_file writes with ``pwrite`` from reused buffers even where it could receive into
+#: a mapping of the file (what systems without ``posix_fallocate``, e.g. macOS, always do).
+MMAP_PORTABLE_ENV = "TB5SYNC_MMAP_PORTABLE"
+#: Pieces (4 MiB each) a streamed get_file keeps on their way per connection while it writes one.
+_GET_DEPTH = 2
 
 
 def _has_magic(path: str) -> bool:
@@ -689,40 +696,90 @@ class TB5FileSystem(AsyncFileSystem):
                 raise ex
         return out
 
-    async def _stream(self, rpath: str, info: dict[str, Any], write: Callable[[Any], Any], callback: Callback) -> None:
-        """Fetch the file in windows of ``streams`` x 4 MiB (each split over the connections and
-        received straight into one of ``_STREAM_DEPTH + 1`` reused buffers) and ``write`` them in
-        order, with the next ``_STREAM_DEPTH`` windows on their way meanwhile. ``write`` gets a
-        memoryview valid until it returns."""
-        pin = {"size": info["size"], "mtime": info["mtime"]}
+    def _stream_sync(self, rpath: str, info: dict[str, Any], sink: Callable[[int, memoryview], Any] | None, callback: Callback,
+                     into: memoryview | None = None, owner: Any = None) -> None:
+        """Fetch the whole file ``rpath`` (of ``info``, whose size and mtime pin every piece) and
+        hand it to ``sink(offset, view)`` in order of offset, on the calling thread; or, with
+        ``into`` (a writable view of ``info["size"]`` bytes, ``owner`` the object behind it), have
+        every piece received straight into its place there (``sink`` is then not called).
+
+        The file travels in pieces of :data:`~tb5sync.fsfile.MIN_PIECE` bytes (4 MiB), one ``cat``
+        each, round-robin over the connections, ``_GET_DEPTH`` per connection on their way at any
+        time, each received by its connection's reader thread straight into ``into`` or into one
+        of as many reused buffers; ``sink`` gets a view valid until it returns (its buffer then
+        takes the next piece). No event loop is involved: the readers receive while ``sink`` writes.
+
+        Raises
+        ------
+        SourceChangedError
+            The file changed since ``info`` (a piece came short, or the server refused the pin).
+        ConnectError, Tb5syncError
+            A connection broke (the link is dropped: the next call reopens it), or the server's error.
+        """
         size = info["size"]
-        window = MIN_PIECE * self.streams
-        offsets = list(range(0, size, window))
-        bufs = [bytearray(min(window, size)) for _ in range(min(len(offsets), _STREAM_DEPTH + 1))]
+        if size <= 0:
+            return
+        pin = {"size": size, "mtime": info["mtime"]}
+        wire = _args_to_wire({"path": rpath})["path"]
+        offsets = range(0, size, MIN_PIECE)
+        link = self._holder.link
+        if link is None or link.closed:
+            link = self._connect()
+        depth = min(len(offsets), _GET_DEPTH * self.streams)
+        bufs = [bytearray(min(MIN_PIECE, size)) for _ in range(depth)] if into is None else []
+        inflight: collections.deque[tuple[dict[str, Any], memoryview, Any]] = collections.deque()
 
-        async def fetch(off: int, buf: bytearray) -> memoryview:
-            end = min(off + window, size)
-            view = memoryview(buf)[: end - off]
-            pieces = plan_pieces(rpath, off, end, pin, self.streams)
-            slices = [view[a["start"] - off : a["end"] - off] for a in pieces]
-            results = await asyncio.gather(*[self._call("cat", a, into=v, owner=buf) for a, v in zip(pieces, slices)])
-            for a, r, v in zip(pieces, results, slices):
-                check_piece(rpath, a, r, v)
-            return view
+        def submit(i: int) -> None:
+            off = offsets[i]
+            args = {"path": wire, "start": off, "end": min(off + MIN_PIECE, size), "expect": pin}
+            if into is not None:
+                view, buf = into[off : args["end"]], owner
+            else:
+                buf = bufs[i % len(bufs)]
+                view = memoryview(buf)[: args["end"] - off]
+            inflight.append((args, view, link.requester.submit("cat", args, into=view, owner=buf)))
 
-        tasks = [asyncio.ensure_future(fetch(offsets[i], bufs[i])) for i in range(min(len(offsets), _STREAM_DEPTH))]
         try:
-            for i in range(len(offsets)):
-                view = await tasks[i]
-                nxt = i + _STREAM_DEPTH
-                if nxt < len(offsets):
-                    tasks.append(asyncio.ensure_future(fetch(offsets[nxt], bufs[nxt % len(bufs)])))
-                write(view)  # the connections' reader threads keep receiving meanwhile
+            for i in range(depth):
+                submit(i)
+            nxt = depth
+            while inflight:
+                args, view, fut = inflight.popleft()
+                check_piece(rpath, args, fut.result(), view)
+                if into is None and sink is not None:
+                    sink(args["start"], view)
                 callback.relative_update(len(view))
+                del view, fut  # no view of ``into`` outlives the loop: its owner is closed next
+                if nxt < len(offsets):
+                    submit(nxt)
+                    nxt += 1
+        except ConnectError:
+            self._drop(link)
+            raise
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+            for _, _, fut in inflight:
+                fut.cancel()  # a reply still on its way lands in its buffer, which nobody reads
+
+    def _receive_mapped(self, rpath: str, info: dict[str, Any], fd: int, callback: Callback) -> None:
+        """:meth:`_stream_sync` of ``rpath`` straight into a shared mapping of ``fd``, a new file
+        whose ``info["size"]`` bytes are already reserved on disk (so that no page fault can meet a
+        full disk): the connections' reader threads ``recv_into`` the file's page-cache pages, with
+        no buffer and no ``pwrite`` between. Where :func:`~tb5sync._io.preallocate` reserved the
+        blocks (Linux); elsewhere, and with ``$TB5SYNC_MMAP_PORTABLE=1``, the ``pwrite`` path.
+
+        After a large read in the same process, ``pwrite`` from reused buffers measured 0.19-0.32
+        GB/s with 0.2-0.8 s of CPU per 256 MiB on the development VM, this 0.34-0.83 GB/s with
+        0.15-0.28 s (``cat_file`` then ``get_file``, 3 runs each, alternating)."""
+        area = mmap.mmap(fd, info["size"])
+        view = memoryview(area)
+        try:
+            self._stream_sync(rpath, info, None, callback, into=view, owner=area)
+        finally:
+            view.release()
+            try:
+                area.close()
+            except BufferError:  # a reply still on its way (after an error) holds a view: the GC unmaps it
+                pass
 
     async def _get(self, rpath: Any, lpath: Any, recursive: bool = False, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> Any:
         """fsspec's ``get``, except that an existing file whose name holds glob characters is
@@ -737,11 +794,44 @@ class TB5FileSystem(AsyncFileSystem):
         return await super()._get(rpath, lpath, recursive=recursive, callback=callback, **kwargs)
 
     async def _get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, **kwargs: Any) -> None:
+        """:meth:`get_file` for fsspec's coroutines: the same work on a worker thread, so that the
+        local writes never run on the event loop's thread."""
+        await asyncio.to_thread(self.get_file, rpath, lpath, callback, **kwargs)
+
+    def get_file(self, rpath: str, lpath: Any, callback: Callback = DEFAULT_CALLBACK, outfile: Any = None, **kwargs: Any) -> None:
+        """Copy remote file ``rpath`` to local path ``lpath`` (or into the file object ``lpath``).
+
+        As fsspec's LocalFileSystem copies a file (``shutil.copyfile``): an existing file is
+        replaced (keeping its permission bits), a symlink at ``lpath`` is written through (its
+        target gets the bytes), an existing directory at ``lpath`` is ``IsADirectoryError``, a
+        missing parent ``FileNotFoundError``; a remote directory makes the local directory.
+        Unlike it, the bytes go to a temporary name beside the destination (``.NAME.XXXXXXXX.tb5tmp``)
+        renamed into place when complete: nothing partial ever sits at ``lpath``, and a failed copy
+        (the source changed meanwhile, a broken connection, a full disk) leaves ``lpath`` as it was
+        and no temporary file.
+
+        A new local file is fetched in 4 MiB pieces over all the connections
+        (:meth:`_stream_sync`). On Linux its blocks are reserved first (``posix_fallocate``) and
+        the connections' reader threads receive each piece straight into a shared mapping of the
+        file (:meth:`_receive_mapped`); elsewhere (macOS) each piece is written with ``pwrite`` at
+        its offset from the calling thread while the readers receive the next ones. A file of at least
+        ``engine_threshold`` bytes onto an existing local file goes through the sync engine, which
+        reuses the chunks the local file already has.
+
+        Raises
+        ------
+        SourceChangedError
+            The remote file changed while it was read.
+        FileNotFoundError, IsADirectoryError, PermissionError
+            The remote file is missing, or the local destination cannot be written.
+        """
         rpath = self._strip_protocol(rpath)
-        info = await self._info(rpath)
+        if outfile is not None:  # fsspec passes the file object this way too
+            lpath = outfile
+        info = self.info(rpath)
         if isfilelike(lpath):
             callback.set_size(info["size"])
-            await self._stream(rpath, info, lambda v: lpath.write(bytes(v)), callback)
+            self._stream_sync(rpath, info, lambda off, v: lpath.write(bytes(v)), callback)
             return
         lpath = os.fspath(lpath)
         if info["type"] == "directory":
@@ -749,20 +839,20 @@ class TB5FileSystem(AsyncFileSystem):
             return
         if os.path.isdir(lpath):
             raise IsADirectoryError(21, "Is a directory", lpath)
+        final = os.path.realpath(lpath) if os.path.islink(lpath) else os.path.abspath(lpath)
         callback.set_size(info["size"])
         # The engine (FastCDC + BLAKE3 over several streams) pays off when there is a local file
         # whose chunks it can reuse; into a new file, parallel ranged reads are several times faster.
-        if info["size"] >= self.engine_threshold and not info["islink"] and os.path.isfile(lpath):  # the engine would copy a link as a link
+        if info["size"] >= self.engine_threshold and not info["islink"] and os.path.isfile(final):  # the engine would copy a link as a link
 
             def progress(done: int, total: int) -> None:
                 callback.absolute_update(done)
 
             from .client import pull  # the sync engine (its sender, receiver, state), loaded on first use
 
-            await asyncio.to_thread(
-                pull,
+            pull(
                 Remote(self.host, self.port, rpath, tls=self.tls),
-                lpath,
+                final,
                 SyncOptions(streams=self.streams),
                 token=self.token,
                 progress=progress,
@@ -772,17 +862,26 @@ class TB5FileSystem(AsyncFileSystem):
             )
             callback.absolute_update(info["size"])
             return
-        d, name = os.path.split(os.path.abspath(lpath))
+        d, name = os.path.split(final)
         tmp = os.path.join(d, temp_name(name))
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
-            with open(tmp, "xb") as f:
-                await self._stream(rpath, info, f.write, callback)
-            os.replace(tmp, lpath)
-        except BaseException:
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+                try:
+                    os.chmod(tmp, stat.S_IMODE(os.stat(final).st_mode))  # as copyfile into an existing file
+                except FileNotFoundError:
+                    pass
+                # a full disk fails here, before any byte travels; once the blocks are reserved the
+                # replies are received straight into the file's pages (one copy after the socket, not two)
+                if preallocate(fd, info["size"]) and not portable(MMAP_PORTABLE_ENV):
+                    self._receive_mapped(rpath, info, fd, callback)
+                else:
+                    self._stream_sync(rpath, info, lambda off, v: pwrite_all(fd, v, off), callback)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            unlink_quiet(tmp)
             raise
 
     # ---- writing ------------------------------------------------------------------------

@@ -301,11 +301,6 @@ class FsOps:
             self.quota.charge(nbytes, path)
 
     # ---- path resolution ----------------------------------------------------------------
-    def _through(self, path: str) -> str:
-        """Where a write to ``path`` lands: through a final symlink whose target is inside the root
-        (as ``open(path, "w")`` would), else ``path`` itself. Raises PathError for a target outside."""
-        return "/".join(self.jail.resolve(path, follow=True))
-
     def _stat(self, path: str) -> dict[str, Any]:
         """fsspec info of ``path``; a symlink is followed (inside the root) and reported with ``islink``."""
         parts = self.jail.literal(path)
@@ -400,8 +395,7 @@ class FsOps:
             self.jail.resolve(path, follow=True)  # listing through a link leading outside: PathError
         if info["type"] != "directory":
             return {"entries": [_wire_info(info)]}
-        parts = self.jail.resolve(path, follow=True)
-        dfd = self.jail.open_dir(parts)
+        dfd, parts = self.jail.open_request_dir(path)  # as written first: no realpath without a link
         try:
             return self._paged(self._listdir(dfd, info["name"], not parts))
         finally:
@@ -428,8 +422,8 @@ class FsOps:
         out: list[dict[str, Any]] = []
         if withdirs and top["name"]:
             out.append(top)
-        top_parts = self.jail.resolve(path, follow=True)
-        self._walk(self.jail.open_dir(top_parts), top["name"], not top_parts, maxdepth, withdirs, out, path)
+        top_fd, top_parts = self.jail.open_request_dir(path)  # as written first: no realpath without a link
+        self._walk(top_fd, top["name"], not top_parts, maxdepth, withdirs, out, path)
         out.sort(key=lambda i: i["name"])
         return self._paged(out)
 
@@ -693,7 +687,7 @@ class FsOps:
         if not isinstance(data, bytes) or len(data) > MAX_WRITE:
             raise UsageError(f"put: data must be at most {MAX_WRITE} bytes")
         self._charge(len(data), path)
-        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
+        with self.jail.parent(path, create=mkdirs, follow=True) as (dfd, name, _):
             self._write_file(dfd, name, lambda fd: write_all(fd, data), exclusive)
         return {}
 
@@ -710,7 +704,7 @@ class FsOps:
         exclusive = self._check_mode(mode)
         if not isinstance(handle, int) or handle in self._writes or len(self._writes) >= _MAX_WRITES:
             raise UsageError("wopen: bad, duplicate or too many write handles")
-        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, rel):
+        with self.jail.parent(path, create=mkdirs, follow=True) as (dfd, name, rel):
             if exclusive:
                 try:
                     os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -928,7 +922,7 @@ class FsOps:
                     off += k
 
             try:
-                with self.jail.parent(self._through(dst), create=mkdirs) as (dfd, name, _):
+                with self.jail.parent(dst, create=mkdirs, follow=True) as (dfd, name, _):
                     self._write_file(dfd, name, fill, False)
             except Tb5syncError:
                 raise
@@ -951,7 +945,7 @@ class FsOps:
         UsageError
             ``path`` exists and is not a regular file (a FIFO, a device, a socket).
         """
-        with self.jail.parent(self._through(path), create=mkdirs) as (dfd, name, _):
+        with self.jail.parent(path, create=mkdirs, follow=True) as (dfd, name, _):
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_TRUNC if truncate else 0)
             try:
                 fd = os.open(name, flags, 0o666, dir_fd=dfd)

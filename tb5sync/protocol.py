@@ -212,12 +212,15 @@ def encode_control(ftype: FrameType, rid: int, message: dict[str, Any]) -> bytes
     """
     if ftype is FrameType.DATA or ftype not in _CONTROL_TYPES:
         raise LocalProtocolError(f"{ftype!r} is not a control frame type")
-    if not isinstance(message, dict):
+    if type(message) is not dict and not isinstance(message, dict):
         raise LocalProtocolError("control message must be a dict")
     payload = msgpack.packb(message, use_bin_type=True)
-    if len(payload) > MAX_CONTROL:
-        raise LocalProtocolError(f"control message of {len(payload)} bytes exceeds {MAX_CONTROL}")
-    return encode_frame(ftype, rid, len(payload)) + payload
+    n = len(payload)
+    if n > MAX_CONTROL:
+        raise LocalProtocolError(f"control message of {n} bytes exceeds {MAX_CONTROL}")
+    if not 0 <= rid < 1 << 32:
+        raise LocalProtocolError(f"request id {rid} out of range")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, ftype, 0, rid, n) + payload
 
 
 #: Containers (arrays and maps) one control payload may decode into: one per
@@ -288,8 +291,11 @@ def decode_control(payload: bytes | bytearray | memoryview, per_container: int =
         raise
     except Exception as exc:  # msgpack raises several unrelated classes
         raise RemoteProtocolError(f"malformed control message: {str(exc)[:SHOWN_LIMIT]}") from exc
-    if not isinstance(msg, dict) or not all(isinstance(k, str) for k in msg):
+    if type(msg) is not dict:
         raise RemoteProtocolError("control message is not a map with string keys")
+    for k in msg:
+        if type(k) is not str:  # strict_map_key leaves str or bytes
+            raise RemoteProtocolError("control message is not a map with string keys")
     return msg
 
 

@@ -200,6 +200,9 @@ class Requester:
                         intos.pop(header.rid, None)
                     if fut is not None:
                         _resolve(fut, (meta, body))
+                    # hold no view of the caller's buffer while waiting for the next frame: its owner
+                    # (a mapping of a file) may be closed as soon as every reply is in
+                    del into, body, fut
                     continue
                 payload = ch.recv_payload(header)
                 with self._lock:

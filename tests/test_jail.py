@@ -437,3 +437,105 @@ def test_request_paths_through_symlinks_inside_the_root(tree: Tree, ops: FsOps) 
     with pytest.raises(PathError, match="own state"):
         ops.info(".tb5sync/x")
     tree.assert_outside_untouched()
+
+
+# ---- listings and writes take the path as written first: a swap at each step --------------------
+
+
+def _restore_d(tree: Tree) -> None:
+    if os.path.islink(tree.root / "d"):
+        os.unlink(tree.root / "d")
+        os.rename(tree.root / "d.old", tree.root / "d")
+
+
+@pytest.mark.parametrize("at_call", [1, 2, 3])
+def test_swap_during_listing_and_write_lookups_never_escapes(tree: Tree, ops: FsOps, monkeypatch: pytest.MonkeyPatch,
+                                                           at_call: int) -> None:
+    """``ls``, ``find``, ``wopen``, ``mkdir``, ``rmdir`` (and the writes of the test above) look the
+    path up as written first. The directory on the path becomes a symlink leading outside at the
+    ``at_call``-th look at the path (before the info, between the info and the open, later):
+    every call is refused, or lists/acts on the link itself; nothing outside is read or written."""
+    os.makedirs(tree.root / "d" / "e")
+    (tree.root / "d" / "f").write_bytes(b"in d")
+    (tree.outside / "f").write_bytes(b"OUTSIDE F")
+    (tree.outside / "e").mkdir()
+    tree.before = tree.snapshot()
+    real_literal = ops.jail.literal
+    seen: list[int] = []
+
+    def literal_then_swap(path: str) -> list[str]:
+        parts = real_literal(path)
+        seen.append(1)
+        if len(seen) == at_call:
+            swap_for_symlink(tree.root / "d", tree.outside)
+        return parts
+
+    calls: dict[str, Any] = {
+        "ls": lambda: ops.ls("d"),
+        "find": lambda: ops.find("d", withdirs=True),
+        "wopen": lambda: ops.wopen(7, "d/new"),
+        "wopen-over": lambda: ops.wopen(8, "d/f"),
+        "mkdir": lambda: ops.mkdir("d/newdir"),
+        "rmdir": lambda: ops.rmdir("d/e"),
+        "put-mkdirs": lambda: ops.put("d/x/y", b"deep", mkdirs=True),
+    }
+    for name, call in calls.items():
+        seen.clear()
+        _restore_d(tree)
+        monkeypatch.setattr(ops.jail, "literal", literal_then_swap)
+        try:
+            got = call()
+        except (PathError, FileNotFoundError, NotADirectoryError):
+            got = None
+        finally:
+            monkeypatch.undo()
+        if got and "entries" in got:  # listed after the swap: only the link itself, never what it leads to
+            names = {e["name"] for e in got["entries"]}
+            assert names <= {"d", "d/e", "d/f"}, (name, names)
+        assert at_call > 1 or os.path.islink(tree.root / "d"), name  # the swap happened
+        if any(h in ops._writes for h in (7, 8)):
+            for h in (7, 8):
+                if h in ops._writes:
+                    try:
+                        ops.wwrite(h, b"through the link?")
+                        ops.wclose(h, commit=True)
+                    except (PathError, OSError):
+                        ops.wclose(h, commit=False)
+        tree.assert_outside_untouched()
+        assert not (tree.outside / "new").exists() and not (tree.outside / "newdir").exists()
+        assert (tree.outside / "e").is_dir() and not (tree.outside / "x").exists()
+    _restore_d(tree)
+    assert (tree.root / "d" / "f").read_bytes() in (b"in d", b"through the link?")
+
+
+def test_a_last_component_swapped_for_a_symlink_after_its_check_is_replaced_not_followed(
+        tree: Tree, ops: FsOps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write through a final symlink checks the name (``lstat``) before it writes: a file swapped
+    for a link leading outside right after that check is replaced by the new file (rename over the
+    link), never written through."""
+    (tree.root / "a" / "b" / "g").write_bytes(b"old g")
+    real_stat = os.stat
+    done: list[bool] = []
+
+    def stat_then_swap(path: Any, *args: Any, **kwargs: Any) -> Any:
+        st = real_stat(path, *args, **kwargs)
+        if path == "g" and kwargs.get("dir_fd") is not None and not done:
+            done.append(True)
+            os.unlink(tree.root / "a" / "b" / "g")
+            os.symlink(tree.outside / "secret", tree.root / "a" / "b" / "g")
+        return st
+
+    for call in (lambda: ops.put("a/b/g", b"new g"), lambda: ops.touch("a/b/g")):
+        done.clear()
+        if os.path.islink(tree.root / "a" / "b" / "g"):
+            os.unlink(tree.root / "a" / "b" / "g")
+            (tree.root / "a" / "b" / "g").write_bytes(b"old g")
+        monkeypatch.setattr(_paths.os, "stat", stat_then_swap)
+        try:
+            call()
+        except (PathError, OSError):
+            pass
+        finally:
+            monkeypatch.undo()
+        assert done
+        tree.assert_outside_untouched()

@@ -960,3 +960,21 @@ def test_shown_is_a_bounded_repr() -> None:
     for value in ("x" * 10_000_000, [[b"y" * 1000] * 1000] * 1000, {"k" * 5000: list(range(10**6))}, 10**5000):
         assert len(shown(value)) <= SHOWN_LIMIT
     assert len(str(PathError("z" * 10**6))) < SHOWN_LIMIT + 50
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_small_and_large_payloads_decode_alike_on_both_sides_of_the_uncounted_size(kind: Any) -> None:
+    """A payload small enough to skip the container count decodes as msgpack does, from any
+    buffer, and is refused for the same faults as a large one (bytes keys, ext types, not a map)."""
+    for n in (0, 1, 100, 1090, 1093, 1100, 5000):
+        msg = {"m": "info", "a": {"path": "x" * n, "items": [[1, 2]] * 3}}
+        raw = msgpack.packb(msg, use_bin_type=True)
+        assert P.decode_control(kind(raw)) == msgpack.unpackb(raw, raw=False) == msg
+    for bad in ({b"bin key": 1}, [1, 2], 5):
+        with pytest.raises(RemoteProtocolError):
+            P.decode_control(kind(msgpack.packb(bad, use_bin_type=True)))
+    with pytest.raises(RemoteProtocolError):
+        P.decode_control(kind(msgpack.packb({"e": msgpack.ExtType(3, b"x")}, use_bin_type=True)))
+    many = msgpack.packb({"a": [[]] * 20_000}, use_bin_type=True)  # over the budget: counted, refused
+    with pytest.raises(RemoteProtocolError, match="too many"):
+        P.decode_control(kind(many))
