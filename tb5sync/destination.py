@@ -82,6 +82,17 @@ if os.environ.get("TB5SYNC_PUREPYTHON") == "1":
 #: ``"cython"`` or ``"python"``: which writer :meth:`Destination.write_files` uses.
 WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
 
+#: Set to ``1`` to keep the Cython writer off its unnamed path (Linux ``O_TMPFILE`` + ``linkat``):
+#: every file then takes the named, portable path (a temporary name, renamed), as on macOS.
+NO_TMPFILE_ENV = "TB5SYNC_NO_TMPFILE"
+
+
+def use_tmpfile() -> bool:
+    """Whether the Cython writer may write new files unnamed and link them once whole (Linux
+    ``O_TMPFILE``; the writer itself falls back to the named path where the kernel, the file
+    system or ``/proc`` refuses it). False when ``$TB5SYNC_NO_TMPFILE`` is set (but ``0``)."""
+    return os.environ.get(NO_TMPFILE_ENV, "") in ("", "0")
+
 #: Threads writing one small-file batch by default (``$TB5SYNC_WRITE_THREADS``, 1..16, sets it):
 #: its directories are shared out among them, so that no two threads create files in one
 #: directory (they would contend on its lock). Two (one on a one-CPU machine): a cold push of
@@ -111,7 +122,7 @@ def write_threads() -> int:
     return n
 
 
-def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
+def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool = False) -> list[Any]:
     """The Cython writer over ``batch`` (one result per file, in order), its directories
     (``heads``, one per file) shared out among :func:`write_threads` threads: each directory's
     files go to one thread, the largest directories first to the least loaded. This thread
@@ -124,7 +135,7 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
     for i, h in enumerate(heads):
         groups.setdefault(h, []).append(i)
     if n <= 1 or len(groups) <= 1:
-        return _cy_write_files(batch, fsync)
+        return _cy_write_files(batch, fsync, tmpfile)
     shares: list[list[int]] = [[] for _ in range(min(n, len(groups)))]
     for g in sorted(groups.values(), key=len, reverse=True):
         min(shares, key=len).extend(g)
@@ -132,7 +143,7 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
 
     def write(k: int) -> None:
         try:
-            results[k] = _cy_write_files([batch[i] for i in shares[k]], fsync)  # type: ignore[misc]
+            results[k] = _cy_write_files([batch[i] for i in shares[k]], fsync, tmpfile)  # type: ignore[misc]
         except BaseException as exc:  # delivered to the caller below
             results[k] = exc
 
@@ -161,7 +172,7 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
         if isinstance(res, BaseException):
             raise res
         if res is None:  # its thread could not be started: this thread writes it
-            res = _cy_write_files([batch[i] for i in share], fsync)
+            res = _cy_write_files([batch[i] for i in share], fsync, tmpfile)
         for i, r in zip(share, res):
             out[i] = r
     return out
@@ -835,7 +846,7 @@ class Destination:
                     bname = os.fsencode(name)
                     batch.append((dfd, os.fsencode(temp_name(name, tags[i])), bname, data, mode & 0o7777, mtime_ns))
                     where.append((i, head))
-                results = _write_split(batch, [w[1] for w in where], self.fsync)
+                results = _write_split(batch, [w[1] for w in where], self.fsync, use_tmpfile())
             finally:
                 for fd in fds.values():
                     os.close(fd)
