@@ -100,6 +100,9 @@ def use_tmpfile() -> bool:
 #: (benches/README.md, p16s).
 WRITE_THREADS = 2 if (os.cpu_count() or 1) > 1 else 1
 _MIN_SPLIT = 64  # files: smaller batches are written by one thread
+#: Fewest files in one unit of work of a shared batch (whole directories, packed): what a writer
+#: thread takes from the batch at a time (:func:`_write_split`).
+_UNIT_FILES = 16
 
 
 def write_threads() -> int:
@@ -124,11 +127,15 @@ def write_threads() -> int:
 
 def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool = False) -> list[Any]:
     """The Cython writer over ``batch`` (one result per file, in order), its directories
-    (``heads``, one per file) shared out among :func:`write_threads` threads: each directory's
-    files go to one thread, the largest directories first to the least loaded. This thread
-    writes one share; the others run on threads of their own, started for the call and always
-    joined (a ``KeyboardInterrupt`` waits for them, then is raised), so every file of the batch
-    is committed or its temporary name removed before this returns."""
+    (``heads``, one per file) shared out among :func:`write_threads` threads as they go: the
+    directories, largest first, are packed into units of at least :data:`_UNIT_FILES` files (a
+    directory is never split: two threads creating files in one directory contend on its lock),
+    and each thread takes the next unit when it has written its last, so a thread whose
+    directories are slower to create files in (ext4: an inode group full of recently deleted
+    inodes) does not hold the others up at the end of the batch. This thread writes too; the
+    others are started for the call and always joined (a ``KeyboardInterrupt`` waits for them,
+    then is raised), so every file of the batch is committed or its temporary name removed
+    before this returns."""
     assert _cy_write_files is not None
     n = min(write_threads(), len(batch) // _MIN_SPLIT + 1)
     groups: dict[str, list[int]] = {}
@@ -136,28 +143,47 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool 
         groups.setdefault(h, []).append(i)
     if n <= 1 or len(groups) <= 1:
         return _cy_write_files(batch, fsync, tmpfile)
-    shares: list[list[int]] = [[] for _ in range(min(n, len(groups)))]
+    units: list[list[int]] = []
+    unit: list[int] = []
     for g in sorted(groups.values(), key=len, reverse=True):
-        min(shares, key=len).extend(g)
-    results: list[list[Any] | BaseException | None] = [None] * len(shares)
+        unit.extend(g)
+        if len(unit) >= _UNIT_FILES:
+            units.append(unit)
+            unit = []
+    if unit:
+        units.append(unit)
+    out: list[Any] = [None] * len(batch)
+    failed: list[BaseException] = []
+    take = iter(units).__next__  # a list iterator's next() is atomic under the GIL
+    lock = threading.Lock()
 
-    def write(k: int) -> None:
-        try:
-            results[k] = _cy_write_files([batch[i] for i in shares[k]], fsync, tmpfile)  # type: ignore[misc]
-        except BaseException as exc:  # delivered to the caller below
-            results[k] = exc
+    def write() -> None:
+        while not failed:
+            with lock:
+                u = take()
+            try:
+                res = _cy_write_files([batch[i] for i in u], fsync, tmpfile)
+            except BaseException as exc:  # delivered to the caller below
+                failed.append(exc)
+                return
+            for i, r in zip(u, res):
+                out[i] = r
 
-    threads = [threading.Thread(target=write, args=(k,), name=f"tb5-write-{k + 1}", daemon=True) for k in range(1, len(shares))]
+    def write_caught() -> None:
+        with contextlib.suppress(StopIteration):
+            write()
+
+    threads = [threading.Thread(target=write_caught, name=f"tb5-write-{k}", daemon=True) for k in range(1, min(n, len(units)))]
     started: list[threading.Thread] = []
     interrupted: BaseException | None = None
     try:
         for t in threads:
             try:
                 t.start()
-            except RuntimeError:  # no thread to be had: this thread writes that share below
+            except RuntimeError:  # no thread to be had: the others take its units
                 continue
             started.append(t)
-        write(0)
+        write_caught()
     finally:
         for t in started:  # the batch is finished whatever happens here
             while t.is_alive():
@@ -167,14 +193,8 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool 
                     interrupted = exc
     if interrupted is not None:
         raise interrupted
-    out: list[Any] = [None] * len(batch)
-    for share, res in zip(shares, results):
-        if isinstance(res, BaseException):
-            raise res
-        if res is None:  # its thread could not be started: this thread writes it
-            res = _cy_write_files([batch[i] for i in share], fsync, tmpfile)
-        for i, r in zip(share, res):
-            out[i] = r
+    if failed:
+        raise failed[0]
     return out
 
 

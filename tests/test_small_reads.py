@@ -243,6 +243,46 @@ def test_write_split_keeps_the_order_of_results(tmp_path: Path, monkeypatch: pyt
         assert (tmp_path / "dst" / rel).read_bytes() == data
 
 
+def test_write_split_hands_out_whole_directories_to_whichever_thread_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split batch goes out in units of whole directories: no directory is in two calls of the
+    writer, and a thread held up on its first unit does not keep the rest of the batch waiting
+    for it (the other thread takes the remaining units)."""
+    if destination_mod._cy_write_files is None:
+        pytest.skip("tb5sync._write is not built (or TB5SYNC_PUREPYTHON=1)")
+    import threading
+    import time
+
+    monkeypatch.setenv("TB5SYNC_WRITE_THREADS", "2")
+    cy_write = destination_mod._cy_write_files
+    calls: list[tuple[str, set[int]]] = []
+    first = threading.Event()
+
+    def recorded(files: list[Any], fsync: bool = False, tmpfile: bool = False) -> list[Any]:
+        calls.append((threading.current_thread().name, {f[0] for f in files}))
+        if not first.is_set():
+            first.set()
+            time.sleep(0.5)  # this thread's directories are slow
+        return cy_write(files, fsync, tmpfile)
+
+    monkeypatch.setattr(destination_mod, "_cy_write_files", recorded)
+    os.makedirs(tmp_path / "dst")
+    dest = Destination(str(tmp_path / "dst"))
+    try:
+        for d in range(40):
+            dest.mkdir(f"d{d}", 0o755)
+        files = [(f"d{i % 40}/f{i}", b"%d" % i, 0o644, T0 + i) for i in range(400)]
+        out = dest.write_files(files)
+    finally:
+        dest.close()
+    assert [o[0] for o in out] == [len(f[1]) for f in files]
+    for rel, data, _mode, _mt in files:
+        assert (tmp_path / "dst" / rel).read_bytes() == data
+    fds = [fd for _, got in calls for fd in got]
+    assert len(fds) == len(set(fds)) == 40  # each directory's files in one call only
+    slow = calls[0][0]
+    assert len(calls) > 3 and sum(name == slow for name, _ in calls) == 1, calls
+
+
 def test_write_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("0", "17", "two", "-1"):
         monkeypatch.setenv("TB5SYNC_WRITE_THREADS", bad)
