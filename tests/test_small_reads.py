@@ -305,3 +305,51 @@ def test_temp_names_of_a_batch() -> None:
     for name in ("f", "é" * 127 + "x", "n" * 255):
         t = temp_name(name, tags[0])
         assert is_temp_name(t) and tags[0] in t and len(t.encode()) <= NAME_MAX
+
+
+def test_a_corrupted_small_file_stops_the_batch_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver checks a whole ``read_files`` batch's chunks in one call: a file whose bytes do
+    not match its digest (changed in transit, here after the sender hashed them) is named in the
+    IntegrityError, and no file of that batch is written."""
+    import tb5sync
+    from tb5sync.errors import IntegrityError
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for name in ("a", "b", "c"):
+        write(src / name, name.encode() * 1000)
+    real = Sender.read_files
+
+    def corrupting(self: Sender, **kw: Any) -> tuple[dict[str, Any], list[Any]]:
+        meta, parts = real(self, **kw)
+        paths = kw["paths"]
+        if "b" in paths:
+            k = paths.index("b")  # every file is present, so parts line up with paths
+            parts = list(parts)
+            bad = bytearray(parts[k])
+            bad[10] ^= 1
+            parts[k] = bytes(bad)
+        return meta, parts
+
+    monkeypatch.setattr(Sender, "read_files", corrupting)
+    with pytest.raises(IntegrityError, match=r"mismatch in b\b"):
+        tb5sync.sync(str(src) + "/", str(dst))
+    assert not (dst / "a").exists() and not (dst / "b").exists() and not (dst / "c").exists()
+    assert tmp_files(str(dst)) == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 262143, 262144, 262145, 300_000])
+def test_chunk_buffer_of_a_file_below_min_size_is_one_chunk_as_the_chunker_says(size: int) -> None:
+    """``chunk_buffer`` skips the chunker for a buffer no larger than ``min_size`` (FastCDC cuts no
+    chunk shorter): the same chunk list as the chunker's cut points give."""
+    from tb5sync import chunking, hashing
+
+    data = blake3.blake3(b"seed").digest(length=size)
+    params = chunking.DEFAULT_PARAMS
+    assert params.min_size == 262144
+    cuts = chunking.cut_points(data, params, True)
+    expected = []
+    start = 0
+    for end in cuts:
+        expected.append((hashing.chunk_digest(data[start:end]), end - start))
+        start = end
+    assert hashing.chunk_buffer(data, params) == expected
