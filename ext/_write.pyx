@@ -138,9 +138,13 @@ cdef extern from *:
     #endif
         snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
         if (linkat(AT_FDCWD, proc, dfd, name, AT_SYMLINK_FOLLOW) == 0) return 0;
-        if (errno == EEXIST) return -1;
-        /* ENOENT: no /proc, or the name's directory went away; the named path tells them apart */
-        errno = ENOSYS;
+        if (errno != ENOENT && errno != EPERM && errno != EINVAL) return -1;
+        /* no /proc here (ENOSYS: every file takes the named path from now on), or the directory
+           was removed meanwhile (ENOENT: this file's error only) */
+        {
+            int err = errno;
+            errno = (faccessat(AT_FDCWD, "/proc/self/fd", F_OK, 0) == 0 && err == ENOENT) ? ENOENT : ENOSYS;
+        }
         return -1;
     }
     #endif
