@@ -154,7 +154,7 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool 
         units.append(unit)
     out: list[Any] = [None] * len(batch)
     failed: list[BaseException] = []
-    take = iter(units).__next__  # a list iterator's next() is atomic under the GIL
+    take = iter(units).__next__  # under the lock: one unit to one thread
     lock = threading.Lock()
 
     def write() -> None:
