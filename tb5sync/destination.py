@@ -83,6 +83,17 @@ if os.environ.get("TB5SYNC_PUREPYTHON") == "1":
 #: ``"cython"`` or ``"python"``: which writer :meth:`Destination.write_files` uses.
 WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
 
+#: Set to ``1`` to keep the Cython writer off its unnamed path (Linux ``O_TMPFILE`` + ``linkat``):
+#: every file then takes the named, portable path (a temporary name, renamed), as on macOS.
+NO_TMPFILE_ENV = "TB5SYNC_NO_TMPFILE"
+
+
+def use_tmpfile() -> bool:
+    """Whether the Cython writer may write new files unnamed and link them once whole (Linux
+    ``O_TMPFILE``; the writer itself falls back to the named path where the kernel, the file
+    system or ``/proc`` refuses it). False when ``$TB5SYNC_NO_TMPFILE`` is set (but ``0``)."""
+    return os.environ.get(NO_TMPFILE_ENV, "") in ("", "0")
+
 #: Threads writing one small-file batch by default (``$TB5SYNC_WRITE_THREADS``, 1..16, sets it):
 #: its directories are shared out among them, so that no two threads create files in one
 #: directory (they would contend on its lock). Two (one on a one-CPU machine): a cold push of
@@ -90,6 +101,9 @@ WRITE_IMPLEMENTATION = "cython" if _cy_write_files is not None else "python"
 #: (benches/README.md, p16s).
 WRITE_THREADS = 2 if (os.cpu_count() or 1) > 1 else 1
 _MIN_SPLIT = 64  # files: smaller batches are written by one thread
+#: Fewest files in one unit of work of a shared batch (whole directories, packed): what a writer
+#: thread takes from the batch at a time (:func:`_write_split`).
+_UNIT_FILES = 16
 
 
 def write_threads() -> int:
@@ -112,42 +126,65 @@ def write_threads() -> int:
     return n
 
 
-def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
+def _write_split(batch: list[Any], heads: list[str], fsync: bool, tmpfile: bool = False) -> list[Any]:
     """The Cython writer over ``batch`` (one result per file, in order), its directories
-    (``heads``, one per file) shared out among :func:`write_threads` threads: each directory's
-    files go to one thread, the largest directories first to the least loaded. This thread
-    writes one share; the others run on threads of their own, started for the call and always
-    joined (a ``KeyboardInterrupt`` waits for them, then is raised), so every file of the batch
-    is committed or its temporary name removed before this returns."""
+    (``heads``, one per file) shared out among :func:`write_threads` threads as they go: the
+    directories, largest first, are packed into units of at least :data:`_UNIT_FILES` files (a
+    directory is never split: two threads creating files in one directory contend on its lock),
+    and each thread takes the next unit when it has written its last, so a thread whose
+    directories are slower to create files in (ext4: an inode group full of recently deleted
+    inodes) does not hold the others up at the end of the batch. This thread writes too; the
+    others are started for the call and always joined (a ``KeyboardInterrupt`` waits for them,
+    then is raised), so every file of the batch is committed or its temporary name removed
+    before this returns."""
     assert _cy_write_files is not None
     n = min(write_threads(), len(batch) // _MIN_SPLIT + 1)
     groups: dict[str, list[int]] = {}
     for i, h in enumerate(heads):
         groups.setdefault(h, []).append(i)
     if n <= 1 or len(groups) <= 1:
-        return _cy_write_files(batch, fsync)
-    shares: list[list[int]] = [[] for _ in range(min(n, len(groups)))]
+        return _cy_write_files(batch, fsync, tmpfile)
+    units: list[list[int]] = []
+    unit: list[int] = []
     for g in sorted(groups.values(), key=len, reverse=True):
-        min(shares, key=len).extend(g)
-    results: list[list[Any] | BaseException | None] = [None] * len(shares)
+        unit.extend(g)
+        if len(unit) >= _UNIT_FILES:
+            units.append(unit)
+            unit = []
+    if unit:
+        units.append(unit)
+    out: list[Any] = [None] * len(batch)
+    failed: list[BaseException] = []
+    take = iter(units).__next__  # under the lock: one unit to one thread
+    lock = threading.Lock()
 
-    def write(k: int) -> None:
-        try:
-            results[k] = _cy_write_files([batch[i] for i in shares[k]], fsync)  # type: ignore[misc]
-        except BaseException as exc:  # delivered to the caller below
-            results[k] = exc
+    def write() -> None:
+        while not failed:
+            with lock:
+                u = take()
+            try:
+                res = _cy_write_files([batch[i] for i in u], fsync, tmpfile)
+            except BaseException as exc:  # delivered to the caller below
+                failed.append(exc)
+                return
+            for i, r in zip(u, res):
+                out[i] = r
 
-    threads = [threading.Thread(target=write, args=(k,), name=f"tb5-write-{k + 1}", daemon=True) for k in range(1, len(shares))]
+    def write_caught() -> None:
+        with contextlib.suppress(StopIteration):
+            write()
+
+    threads = [threading.Thread(target=write_caught, name=f"tb5-write-{k}", daemon=True) for k in range(1, min(n, len(units)))]
     started: list[threading.Thread] = []
     interrupted: BaseException | None = None
     try:
         for t in threads:
             try:
                 t.start()
-            except RuntimeError:  # no thread to be had: this thread writes that share below
+            except RuntimeError:  # no thread to be had: the others take its units
                 continue
             started.append(t)
-        write(0)
+        write_caught()
     finally:
         for t in started:  # the batch is finished whatever happens here
             while t.is_alive():
@@ -157,14 +194,8 @@ def _write_split(batch: list[Any], heads: list[str], fsync: bool) -> list[Any]:
                     interrupted = exc
     if interrupted is not None:
         raise interrupted
-    out: list[Any] = [None] * len(batch)
-    for share, res in zip(shares, results):
-        if isinstance(res, BaseException):
-            raise res
-        if res is None:  # its thread could not be started: this thread writes it
-            res = _cy_write_files([batch[i] for i in share], fsync)
-        for i, r in zip(share, res):
-            out[i] = r
+    if failed:
+        raise failed[0]
     return out
 
 
@@ -844,7 +875,7 @@ class Destination:
                     bname = os.fsencode(name)
                     batch.append((dfd, os.fsencode(temp_name(name, tags[i])), bname, data, mode & 0o7777, mtime_ns))
                     where.append((i, head))
-                results = _write_split(batch, [w[1] for w in where], self.fsync)
+                results = _write_split(batch, [w[1] for w in where], self.fsync, use_tmpfile())
             finally:
                 for fd in fds.values():
                     os.close(fd)

@@ -306,6 +306,8 @@ def chunk_buffer(
         One entry per chunk, in order; lengths sum to ``len(view)``. Empty input gives ``[]``.
     """
     mv = memoryview(view)
+    if len(mv) <= params.min_size:  # no cut before min_size: one chunk (none when empty), as cut_points says
+        return [(chunk_digest(mv), len(mv))] if len(mv) else []
     cuts = cut_buffer(mv, params, True)
     spans = []
     start = 0

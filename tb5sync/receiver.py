@@ -61,7 +61,7 @@ from .errors import DestinationError, PathError, RemoteNotFoundError, RemoteProt
 from .excludes import ExcludeRules
 from .generator import Generator, ListingLimits, Planned
 from .messages import FilesMeta
-from .hashing import verify_chunks
+from .hashing import check_chunks, verify_chunks
 from .largefile import BATCH_BYTES, MAX_INFLIGHT, LargeFileJob
 from .quota import WriteQuota
 from .options import SyncOptions, SyncStats
@@ -560,6 +560,8 @@ class Receiver:
         todo: list[tuple[Entry, list[tuple[bytes, int]]]] = []
         writes: list[tuple[str, Any, int, int]] = []
         missing: list[tuple[Entry, str | None]] = []
+        pieces: list[tuple[memoryview, bytes]] = []
+        owners: list[str] = []  # the path of each piece
         for i, (e, info) in enumerate(zip(batch, fm.files)):
             if info is None:
                 missing.append((e, fm.failed.get(i)))
@@ -569,14 +571,19 @@ class Receiver:
             size, mtime_ns, mode, refs, _wirelen, codec = info
             mv = memoryview(decode_part(parts[pi], size, codec))
             pi += 1
-            pieces = []
             off = 0
             for d, n in refs:
                 pieces.append((mv[off : off + n], d))
+                owners.append(e.path)
                 off += n
-            verify_chunks(pieces, e.path, parallel=False)
             todo.append((e, refs))
             writes.append((e.path, mv, mode, mtime_ns))
+        # the batch's chunks in one call; a mismatch names the first file it is in
+        ok = check_chunks(pieces, parallel=False)
+        if not all(ok):
+            bad = ok.index(False)
+            verify_chunks([pieces[bad]], owners[bad], parallel=False)  # raises IntegrityError naming it
+        del pieces
         dest = self.destination
         self._unsettled.append(_Written(todo, parts, writer.submit(dest.write_files, writes)))
         self._settle_small(keep=1)  # the batch before: its failures and rows first, in order

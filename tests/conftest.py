@@ -359,12 +359,15 @@ def _both_impls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     return str(request.param)
 
 
-@pytest.fixture(params=["cython", "python"])
+@pytest.fixture(params=["cython", "named", "python"])
 def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``) and
-    :meth:`Destination.write_file` per file."""
+    """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``; ``"cython"``
+    with its unnamed path where Linux has ``O_TMPFILE``, ``"named"`` forced onto the portable
+    temporary name + rename, as on macOS) and :meth:`Destination.write_file` per file."""
     from tb5sync import destination
 
+    if request.param == "named":
+        monkeypatch.setenv(destination.NO_TMPFILE_ENV, "1")
     return _both_impls(request, monkeypatch, destination, "_cy_write_files", "_write")
 
 

@@ -430,11 +430,11 @@ def test_fsync_orders_data_rename_directory(tmp_path: Path, monkeypatch: pytest.
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write(os.path.join(src, "d", "f"), os.urandom(size))
     events = _record_durability(monkeypatch)
-    if write_impl == "cython" and destination_mod._cy_write_files is not None:
+    if write_impl != "python" and destination_mod._cy_write_files is not None:
         cy_write = destination_mod._cy_write_files
 
-        def recorded(files: list[Any], fsync: bool = False) -> list[Any]:
-            out = cy_write(files, fsync)
+        def recorded(files: list[Any], fsync: bool = False, tmpfile: bool = False) -> list[Any]:
+            out = cy_write(files, fsync, tmpfile)
             for f, res in zip(files, out):
                 if fsync and not isinstance(res, int):
                     events.extend([("fsync-file", res[2]), ("rename", os.fsdecode(f[2]))])

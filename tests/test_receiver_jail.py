@@ -184,11 +184,11 @@ def test_directory_swapped_after_its_first_file(tmp_path: Path, jail_mode: str, 
     else:
         cy_write = destination_mod._cy_write_files
 
-        def batch_then_swap(files: list[Any], fsync: bool = False) -> list[Any]:
-            first = cy_write(files[:1], fsync)
+        def batch_then_swap(files: list[Any], fsync: bool = False, tmpfile: bool = False) -> list[Any]:
+            first = cy_write(files[:1], fsync, tmpfile)
             swapped.append(files[0][2])
             _swap_for_link(os.path.join(dst, "d"), outside)
-            return first + cy_write(files[1:], fsync)
+            return first + cy_write(files[1:], fsync, tmpfile)
 
         monkeypatch.setattr(destination_mod, "_cy_write_files", batch_then_swap)
     with pytest.raises(PathError):

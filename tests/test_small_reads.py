@@ -243,6 +243,46 @@ def test_write_split_keeps_the_order_of_results(tmp_path: Path, monkeypatch: pyt
         assert (tmp_path / "dst" / rel).read_bytes() == data
 
 
+def test_write_split_hands_out_whole_directories_to_whichever_thread_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split batch goes out in units of whole directories: no directory is in two calls of the
+    writer, and a thread held up on its first unit does not keep the rest of the batch waiting
+    for it (the other thread takes the remaining units)."""
+    if destination_mod._cy_write_files is None:
+        pytest.skip("tb5sync._write is not built (or TB5SYNC_PUREPYTHON=1)")
+    import threading
+    import time
+
+    monkeypatch.setenv("TB5SYNC_WRITE_THREADS", "2")
+    cy_write = destination_mod._cy_write_files
+    calls: list[tuple[str, set[int]]] = []
+    first = threading.Event()
+
+    def recorded(files: list[Any], fsync: bool = False, tmpfile: bool = False) -> list[Any]:
+        calls.append((threading.current_thread().name, {f[0] for f in files}))
+        if not first.is_set():
+            first.set()
+            time.sleep(0.5)  # this thread's directories are slow
+        return cy_write(files, fsync, tmpfile)
+
+    monkeypatch.setattr(destination_mod, "_cy_write_files", recorded)
+    os.makedirs(tmp_path / "dst")
+    dest = Destination(str(tmp_path / "dst"))
+    try:
+        for d in range(40):
+            dest.mkdir(f"d{d}", 0o755)
+        files = [(f"d{i % 40}/f{i}", b"%d" % i, 0o644, T0 + i) for i in range(400)]
+        out = dest.write_files(files)
+    finally:
+        dest.close()
+    assert [o[0] for o in out] == [len(f[1]) for f in files]
+    for rel, data, _mode, _mt in files:
+        assert (tmp_path / "dst" / rel).read_bytes() == data
+    fds = [fd for _, got in calls for fd in got]
+    assert len(fds) == len(set(fds)) == 40  # each directory's files in one call only
+    slow = calls[0][0]
+    assert len(calls) > 3 and sum(name == slow for name, _ in calls) == 1, calls
+
+
 def test_write_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("0", "17", "two", "-1"):
         monkeypatch.setenv("TB5SYNC_WRITE_THREADS", bad)
@@ -265,3 +305,51 @@ def test_temp_names_of_a_batch() -> None:
     for name in ("f", "é" * 127 + "x", "n" * 255):
         t = temp_name(name, tags[0])
         assert is_temp_name(t) and tags[0] in t and len(t.encode()) <= NAME_MAX
+
+
+def test_a_corrupted_small_file_stops_the_batch_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver checks a whole ``read_files`` batch's chunks in one call: a file whose bytes do
+    not match its digest (changed in transit, here after the sender hashed them) is named in the
+    IntegrityError, and no file of that batch is written."""
+    import tb5sync
+    from tb5sync.errors import IntegrityError
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for name in ("a", "b", "c"):
+        write(src / name, name.encode() * 1000)
+    real = Sender.read_files
+
+    def corrupting(self: Sender, **kw: Any) -> tuple[dict[str, Any], list[Any]]:
+        meta, parts = real(self, **kw)
+        paths = kw["paths"]
+        if "b" in paths:
+            k = paths.index("b")  # every file is present, so parts line up with paths
+            parts = list(parts)
+            bad = bytearray(parts[k])
+            bad[10] ^= 1
+            parts[k] = bytes(bad)
+        return meta, parts
+
+    monkeypatch.setattr(Sender, "read_files", corrupting)
+    with pytest.raises(IntegrityError, match=r"mismatch in b\b"):
+        tb5sync.sync(str(src) + "/", str(dst))
+    assert not (dst / "a").exists() and not (dst / "b").exists() and not (dst / "c").exists()
+    assert tmp_files(str(dst)) == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 262143, 262144, 262145, 300_000])
+def test_chunk_buffer_of_a_file_below_min_size_is_one_chunk_as_the_chunker_says(size: int) -> None:
+    """``chunk_buffer`` skips the chunker for a buffer no larger than ``min_size`` (FastCDC cuts no
+    chunk shorter): the same chunk list as the chunker's cut points give."""
+    from tb5sync import chunking, hashing
+
+    data = blake3.blake3(b"seed").digest(length=size)
+    params = chunking.DEFAULT_PARAMS
+    assert params.min_size == 262144
+    cuts = chunking.cut_points(data, params, True)
+    expected = []
+    start = 0
+    for end in cuts:
+        expected.append((hashing.chunk_digest(data[start:end]), end - start))
+        start = end
+    assert hashing.chunk_buffer(data, params) == expected

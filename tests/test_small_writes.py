@@ -134,9 +134,11 @@ def test_a_failed_file_is_a_destination_failure_and_the_rest_syncs(tmp_path: Pat
     assert tmp_files(dst) == []
 
 
-def test_batch_writer_leaves_a_name_it_did_not_create(tmp_path: Path) -> None:
-    """The raw Cython writer: a temporary name already taken (here by a symlink) is EEXIST, and the
-    thing there is left alone (nothing opened through it); the final name is untouched."""
+@pytest.mark.parametrize("tmpfile", [False, True], ids=["named", "unnamed"])
+def test_batch_writer_leaves_a_name_it_did_not_create(tmp_path: Path, tmpfile: bool) -> None:
+    """The raw Cython writer: a temporary name already taken (here by a symlink) is EEXIST when
+    the file is to replace an existing name, and the thing there is left alone (nothing opened
+    through it); the final name is untouched. On either path."""
     if destination_mod._cy_write_files is None:
         pytest.skip("tb5sync._write is not built")
     from tb5sync._write import write_files
@@ -148,7 +150,7 @@ def test_batch_writer_leaves_a_name_it_did_not_create(tmp_path: Path) -> None:
     (d / "f").write_bytes(b"old")
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        out = write_files([(fd, b".f.00000000.tb5tmp", b"f", b"new", 0o644, T0), (fd, b".g.00000000.tb5tmp", b"g", memoryview(b"xgx")[1:2], 0o600, -1)])
+        out = write_files([(fd, b".f.00000000.tb5tmp", b"f", b"new", 0o644, T0), (fd, b".g.00000000.tb5tmp", b"g", memoryview(b"xgx")[1:2], 0o600, -1)], False, tmpfile)
     finally:
         os.close(fd)
     assert out[0] == errno.EEXIST
@@ -156,3 +158,86 @@ def test_batch_writer_leaves_a_name_it_did_not_create(tmp_path: Path) -> None:
     assert (d / "f").read_bytes() == b"old"
     st = os.stat(d / "g")
     assert out[1] == (1, -1, st.st_ino) and st.st_mtime_ns == -1 and (d / "g").read_bytes() == b"g"
+
+
+def _raw_writer() -> Any:
+    if destination_mod._cy_write_files is None:
+        pytest.skip("tb5sync._write is not built")
+    from tb5sync import _write
+
+    return _write
+
+
+def test_unnamed_path_needs_no_temporary_name_for_a_new_file(tmp_path: Path) -> None:
+    """Where Linux has ``O_TMPFILE``, a new file is written unnamed and linked once whole: a taken
+    temporary name does not stop it (the named path, forced with ``tmpfile=False`` as on macOS,
+    meets EEXIST there); the thing at the temporary name is left alone either way."""
+    _write = _raw_writer()
+    d = tmp_path / "d"
+    d.mkdir()
+    (tmp_path / "outside").write_bytes(b"outside")
+    os.symlink(tmp_path / "outside", d / ".n.00000000.tb5tmp")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        named = _write.write_files([(fd, b".n.00000000.tb5tmp", b"n", b"data", 0o640, T0)], False, False)
+        unnamed = _write.write_files([(fd, b".n.00000000.tb5tmp", b"n", b"data", 0o640, T0)], False, True)
+    finally:
+        os.close(fd)
+    assert named == [errno.EEXIST]
+    assert os.path.islink(d / ".n.00000000.tb5tmp") and (tmp_path / "outside").read_bytes() == b"outside"
+    if _write.tmpfile_state() < 0 or not hasattr(os, "O_TMPFILE"):
+        assert unnamed == [errno.EEXIST]  # the portable path served it: same answer
+        return
+    st = os.stat(d / "n")
+    assert unnamed == [(4, T0, st.st_ino)]
+    assert (d / "n").read_bytes() == b"data" and stat.S_IMODE(st.st_mode) == 0o640 and st.st_mtime_ns == T0
+    assert sorted(os.listdir(d)) == [".n.00000000.tb5tmp", "n"]
+
+
+@pytest.mark.parametrize("tmpfile", [False, True], ids=["named", "unnamed"])
+def test_batch_writer_replaces_files_and_refuses_directories(tmp_path: Path, tmpfile: bool) -> None:
+    """Either path: an existing file is replaced whole (new inode, new bytes, mode and mtime), a
+    directory at the final name is an errno with the directory and its contents untouched, a
+    read-only directory is EACCES (when not root); no temporary name is left behind."""
+    _write = _raw_writer()
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "old").write_bytes(b"old bytes")
+    (d / "dir").mkdir()
+    (d / "dir" / "keep").write_bytes(b"k")
+    old_ino = os.stat(d / "old").st_ino
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        out = _write.write_files(
+            [(fd, b".old.00000001.tb5tmp", b"old", b"new", 0o600, T0), (fd, b".dir.00000001.tb5tmp", b"dir", b"x", 0o644, T0),
+             (fd, b".new.00000001.tb5tmp", b"new", b"", 0o755, T0)], False, tmpfile)
+    finally:
+        os.close(fd)
+    st = os.stat(d / "old")
+    assert out[0] == (3, T0, st.st_ino) and st.st_ino != old_ino and (d / "old").read_bytes() == b"new"
+    assert isinstance(out[1], int) and out[1] in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY)
+    assert (d / "dir" / "keep").read_bytes() == b"k"
+    st = os.stat(d / "new")
+    assert out[2] == (0, T0, st.st_ino) and stat.S_IMODE(st.st_mode) == 0o755
+    assert sorted(os.listdir(d)) == ["dir", "new", "old"]
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        os.chmod(ro, 0o555)
+        fd = os.open(ro, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert _write.write_files([(fd, b".f.00000001.tb5tmp", b"f", b"x", 0o644, T0)], False, tmpfile) == [errno.EACCES]
+        finally:
+            os.close(fd)
+            os.chmod(ro, 0o755)
+        assert os.listdir(ro) == []
+
+
+def test_no_tmpfile_env_forces_the_named_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TB5SYNC_NO_TMPFILE`` (but ``0``) keeps the destination's writer on the portable path."""
+    monkeypatch.delenv(destination_mod.NO_TMPFILE_ENV, raising=False)
+    assert destination_mod.use_tmpfile()
+    monkeypatch.setenv(destination_mod.NO_TMPFILE_ENV, "0")
+    assert destination_mod.use_tmpfile()
+    monkeypatch.setenv(destination_mod.NO_TMPFILE_ENV, "1")
+    assert not destination_mod.use_tmpfile()
