@@ -119,12 +119,18 @@ def test_a_handshake_frame_at_the_limit_is_read(tmp_path: Path) -> None:
         live.server.stop()
 
 
-def rss_kib(pid: int) -> int:
+def _status_kib(pid: int, field: str) -> int:
+    """The ``field`` line (``VmRSS``, ``VmHWM``) of ``/proc/PID/status``, KiB."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of process ``pid``, KiB."""
+    return _status_kib(pid, "VmRSS")
 
 
 def start_serve_process(root: str, *args: str, preexec: Any = None) -> tuple[subprocess.Popen[str], int]:
@@ -788,11 +794,7 @@ def test_frame_of_empty_containers_is_refused_with_bounded_memory(tmp_path: Path
 
 def hwm_kib(pid: int) -> int:
     """Peak RSS (VmHWM) of process ``pid``, KiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+    return _status_kib(pid, "VmHWM")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's peak RSS from /proc")
