@@ -219,3 +219,33 @@ def test_pull_of_a_missing_ref_names_the_server(tmp_path: Any, node: Any, capsys
     assert cli(tmp_path, "pull", "nope", f"tb5://127.0.0.1:{node.port}") == RefNotFoundError.exit_code
     err = capsys.readouterr().err
     assert f"127.0.0.1:{node.port}" in err and "<store>" not in err
+
+
+class _Store:
+    url = "s3://tb5/builds"
+    timeout = 6.0
+
+
+@pytest.mark.parametrize(("name", "text", "hint"), [
+    # a timeout whose object key holds "403" inside a digest (writer-...ab4035...) is a timeout
+    ("ReadTimeoutError", 'Read timeout on endpoint URL: "http://127.0.0.1:50403/tb5/builds/locks/'
+                         'writer-8b4a4b652ed4a0ab4035461790c2f20d"', "--timeout S"),
+    ("ReadTimeoutError", 'Read timeout on endpoint URL: "http://127.0.0.1:9000/forbidden/unauthorized-403"', "--timeout S"),
+    ("TimeoutError", "", "--timeout S"),
+    ("ClientError", "An error occurred (403) when calling the PutObject operation: Forbidden", "AWS_ACCESS_KEY_ID"),
+    ("ClientError", "An error occurred (SignatureDoesNotMatch) when calling the ListObjectsV2 operation", "AWS_ACCESS_KEY_ID"),
+    ("NoCredentialsError", "Unable to locate credentials", "AWS_ACCESS_KEY_ID"),
+    ("ClientError", "An error occurred (NoSuchBucket) when calling the ListObjectsV2 operation", "check the bucket"),
+    ("EndpointConnectionError", 'Could not connect to the endpoint URL: "http://127.0.0.1:1/tb5"', "cannot reach"),
+])
+def test_an_object_store_error_gets_the_hint_of_its_cause_not_of_names_in_it(name: str, text: str, hint: str) -> None:
+    """The hint is chosen from the error's own words: the endpoint URL and object keys in the message
+    (ports, hex digests, a bucket called ``forbidden``) never pick it."""
+    from tb5sync.store.objstore import describe_error
+
+    exc = type(name, (Exception,), {})(text)
+    msg = str(describe_error(_Store(), "put", exc))
+    assert msg.startswith(f"s3://tb5/builds: put failed: {name}:"), msg
+    assert hint in msg, msg
+    others = {"--timeout S", "AWS_ACCESS_KEY_ID", "check the bucket", "cannot reach"} - {hint}
+    assert not any(o in msg for o in others), msg

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -110,6 +111,18 @@ _AUTH_WORDS = ("forbidden", "accessdenied", "access denied", "invalidaccesskeyid
 _TIMEOUT_WORDS = ("timeout", "timed out")
 _CONNECT_WORDS = ("could not connect", "connection refused", "cannot connect", "endpointconnectionerror",
                   "name or service not known", "nodename nor servname")
+_BUCKET_WORDS = ("nosuchbucket", "invalidbucketname", "bucket is not valid", "bucket does not exist")
+
+
+def _words(*words: str) -> re.Pattern[str]:
+    """One pattern matching any of ``words`` inside the text (``timeout`` in ``readtimeouterror``),
+    a number only as a whole word (the status ``403``, not the ``403`` of a digest's ``ab4035``)."""
+    return re.compile("|".join(rf"\b{w}\b" if w.isdigit() else re.escape(w) for w in words))
+
+
+_AUTH, _TIMEOUT, _CONNECT, _BUCKET = (_words(*w) for w in (_AUTH_WORDS, _TIMEOUT_WORDS, _CONNECT_WORDS, _BUCKET_WORDS))
+#: A token with a ``/`` in it (an endpoint URL, an object key): its words are names, not the error's.
+_PATH_TOKEN = re.compile(r"\S*/\S*")
 
 
 def describe_error(store: Any, what: str, exc: BaseException) -> ObjectStoreError:
@@ -124,18 +137,18 @@ def describe_error(store: Any, what: str, exc: BaseException) -> ObjectStoreErro
     cause = exc.__cause__ or exc.__context__
     if cause is not None:
         low += f" {type(cause).__name__} {cause}".lower()
-    if isinstance(exc, PermissionError) or any(w in low for w in _AUTH_WORDS):
+    low = _PATH_TOKEN.sub(" ", low)  # object keys hold hex digests ("...ab4035..."), URLs hold ports
+    if isinstance(exc, PermissionError) or _AUTH.search(low):
         hint = ("the object store refused these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                 "(or --storage-option key=... --storage-option secret=...) and that the endpoint "
                 "(AWS_ENDPOINT_URL, or --storage-option endpoint_url=...) is the store's")
-    elif any(w in low for w in ("nosuchbucket", "invalidbucketname", "bucket is not valid",
-                                "bucket does not exist")):
+    elif _BUCKET.search(low):
         hint = "check the bucket in the store URL (s3://BUCKET/PREFIX): it must exist and be a valid name"
-    elif any(w in low for w in _TIMEOUT_WORDS):
+    elif _TIMEOUT.search(low):
         t = getattr(store, "timeout", None)
         hint = (f"no answer within the request timeout ({t:g} s, {REQUEST_ATTEMPTS} attempts; --timeout S)"
                 if t else "no answer in time")
-    elif any(w in low for w in _CONNECT_WORDS) or isinstance(exc, ConnectionError):
+    elif _CONNECT.search(low) or isinstance(exc, ConnectionError):
         hint = "cannot reach the object store: check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)"
     else:
         hint = ""
@@ -257,7 +270,7 @@ class ObjectPackStorage(FsspecPackStorage):
             except (FileNotFoundError, IntegrityError):
                 raise
             except Exception as exc:
-                if attempt == READ_TRIES - 1 or any(w in str(exc).lower() for w in _TIMEOUT_WORDS):
+                if attempt == READ_TRIES - 1 or _TIMEOUT.search(str(exc).lower()):
                     raise  # a timeout has had its attempts already (the request bound): not again
                 time.sleep(0.2 * 2**attempt)
         raise AssertionError("unreachable")
