@@ -829,14 +829,19 @@ def test_skim_bounds_what_msgpack_builds(value: Any) -> None:
     cost, _containers, ext, end = results.pop()
     assert ext is None and end == len(payload)
     msgpack.unpackb(payload, raw=False, strict_map_key=False)  # warm: msgpack's own first-call allocations
-    tracemalloc.start()
-    try:
-        got = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        held, _peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert held <= cost + 512, (held, cost)  # 512: tracemalloc's and the call's own few objects
-    del got
+    held = None
+    for _ in range(3):  # tracemalloc counts every thread: a thread left by an earlier test may allocate
+        tracemalloc.start()  # meanwhile, so the least of three measures is msgpack's own
+        try:
+            got = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            now, _peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        del got
+        held = now if held is None else min(held, now)
+        if held <= cost + 512:
+            break
+    assert held is not None and held <= cost + 512, (held, cost)  # 512: tracemalloc's and the call's own few objects
     for cut in {0, len(payload) // 2, len(payload) - 1} - {len(payload)}:
         for skim in _skims():
             with pytest.raises(ValueError):
