@@ -174,6 +174,32 @@ class Requester:
             raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
         return fut
 
+    def submit_data(self, method: str, args: dict[str, Any], parts: list[Any], *, channel: int) -> Future[Any]:
+        """Send a request as a DATA frame (meta ``{"m": method, "a": args}``, then the raw ``parts``:
+        bytes-like or :class:`~tb5sync._parts.FileRange`, the latter sent with ``sendfile`` where the
+        channel allows, read and sent otherwise) on ``channel``; returns its future. The call
+        returns once the frame is sent (the calling thread sends it). A server takes such requests
+        only for its data methods (``serve(data_methods=)``).
+
+        Raises
+        ------
+        ConnectError
+            The channel is dead, or broke while sending.
+        """
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._dead[channel] is not None:
+                raise ConnectError(f"stream {channel} is closed: {self._dead[channel]}")
+            rid = next(self._ids) & 0xFFFFFFFF
+            self._pending[channel][rid] = fut
+        try:
+            self.channels[channel].send_data(rid, {"m": method, "a": args}, parts)
+        except OSError as exc:
+            with self._lock:
+                self._pending[channel].pop(rid, None)
+            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
+        return fut
+
     def call(self, method: str, args: dict[str, Any], *, channel: int = 0, timeout: float | None = None) -> Any:
         """Send a request and wait for its reply."""
         return self.submit(method, args, channel=channel).result(timeout)
@@ -283,8 +309,13 @@ def _unsendable(ch: Channel, rid: int, method: Any, exc: BaseException) -> None:
     ch.send_error(rid, RemoteOSError(f"{method}: the reply cannot be sent ({type(exc).__name__}: {exc})"))
 
 
+#: the reused buffer a DATA request's body is received into (a larger body gets its own)
+DATA_REQUEST_BUFFER = 4 * 1024 * 1024
+
+
 def serve(ch: Channel, handler: Any, methods: frozenset[str],
-          args_from_wire: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> None:
+          args_from_wire: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
+          data_methods: frozenset[str] = frozenset()) -> None:
     """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
 
     A method returning a dict is answered with RESPONSE; one returning
@@ -293,6 +324,9 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     so does a reply that cannot be encoded (a value msgpack cannot carry, or too
     large): that request gets an ERROR naming why, logged on one line.
     ``args_from_wire(method, args)``: the arguments as the handler takes them;
+    ``data_methods``: methods (also in ``methods``) that arrive as a DATA frame instead of a
+    REQUEST (meta ``{"m", "a"}``, then the raw body, received into one reused buffer of
+    :data:`DATA_REQUEST_BUFFER` bytes and passed as ``data=``, a view valid during the call);
     a protocol violation ends the loop (after an ERROR frame) but never raises
     past it except as the returned exception's re-raise.
 
@@ -301,35 +335,49 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     RemoteProtocolError, VersionMismatchError
         The peer broke the protocol (an ERROR frame was sent first).
     """
+    into: memoryview | None = None
     while True:
+        body: memoryview | None = None
         try:
-            got = ch.recv_frame()
+            header = ch.recv_header()
+            if header is None:
+                return
+            if header.type is P.FrameType.DATA and data_methods:
+                if into is None:
+                    into = memoryview(bytearray(DATA_REQUEST_BUFFER))
+                raw_meta, body = ch.recv_data_into(header, into)
+                msg = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
+                payload: Any = b""
+            else:
+                payload = ch.recv_payload(header)
         except ProtocolError as exc:
             ch.send_error(0, exc)
             raise
-        if got is None:
-            return
-        header, payload = got
         if header.type is P.FrameType.BYE:
             return
         if header.type is P.FrameType.ERROR:
             raise P.error_from_body(P.decode_control(payload, max_decoded=ch.max_decoded))
-        if header.type is not P.FrameType.REQUEST:
+        if header.type is not P.FrameType.REQUEST and body is None:
             exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
             ch.send_error(0, exc)
             raise exc
-        try:
-            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
-        except RemoteProtocolError as exc:
-            ch.send_error(0, exc)
-            raise
+        if body is None:
+            try:
+                msg = P.decode_control(payload, max_decoded=ch.max_decoded)
+            except RemoteProtocolError as exc:
+                ch.send_error(0, exc)
+                raise
         method = msg.get("m")
         args = msg.get("a", {})
         try:
             if not isinstance(method, str) or method not in methods or not isinstance(args, dict):
                 raise UsageError(f"unknown request {shown(method)}")
+            if (body is not None) != (method in data_methods):
+                raise UsageError(f"request {shown(method)} {'must not' if body is not None else 'must'} come as a DATA frame")
             if args_from_wire is not None:
                 args = args_from_wire(method, args)
+            if body is not None:
+                args = {**args, "data": body}
             try:
                 result = getattr(handler, method)(**args)
             except TypeError as exc:
