@@ -965,7 +965,7 @@ class TB5FileSystem(AsyncFileSystem):
         if mode not in ("overwrite", "create"):
             raise ValueError(f"mode must be 'overwrite' or 'create', not {mode!r}")
         if size > MIN_PIECE and (await self._link()).pieces:
-            if size < self.engine_threshold or mode != "overwrite" or not await self._isfile(rpath):
+            if size < self.engine_threshold or mode != "overwrite" or not await self._plain_file(rpath):
                 await asyncio.to_thread(self.put_pieces, lpath, rpath, mode, callback)
                 return
         if size >= self.engine_threshold and mode == "overwrite":
@@ -1097,6 +1097,15 @@ class TB5FileSystem(AsyncFileSystem):
         except ConnectError:
             self._drop(link)
             raise
+
+    async def _plain_file(self, rpath: str) -> bool:
+        """Whether ``rpath`` is a regular remote file, not reached through a symlink (the engine
+        would replace a link by a file; a put writes through it, as LocalFileSystem)."""
+        try:
+            info = await self._info(rpath)
+        except FileNotFoundError:
+            return False
+        return info["type"] == "file" and not info.get("islink")
 
     async def _check_target(self, rpath: str) -> None:
         """Before an engine push: the target must not be a directory, and its parent must exist unless ``auto_mkdir``."""

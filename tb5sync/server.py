@@ -73,6 +73,10 @@ __all__ = ["Server"]
 
 log = logging.getLogger(__name__)
 
+#: What an fs session's OPEN reply announces beyond ``read_only``: ``pieces``, the server takes
+#: ``put_open``/``put_piece``/``put_close`` (a client sends a file in pieces only to a server that says so).
+FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
+
 _JOIN_TIMEOUT = 30.0
 _SOURCE_BLOCK = 4 * 1024 * 1024
 #: accept() errors that mean "out of descriptors or memory": wait, do not spin.
@@ -693,7 +697,7 @@ class Server:
             ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota(), puts=self._puts)
             try:
                 # "pieces": this server takes put_open/put_piece/put_close (older ones lack the key)
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, "pieces": True})
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, **FS_CAPABILITIES})
                 serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
             finally:
                 ops.close()
