@@ -890,9 +890,13 @@ class TB5FileSystem(AsyncFileSystem):
 
     # ---- writing ------------------------------------------------------------------------
     async def _write_bytes(self, path: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
-        """Write ``data`` as file ``path`` atomically: one request up to 16 MiB, else a pipelined write."""
+        """Write ``data`` as file ``path`` atomically: over 4 MiB in pieces (:meth:`_put_bytes`) where
+        the server takes them; else one request up to 16 MiB, and a pipelined write above."""
         if mode not in ("overwrite", "create"):
             raise ValueError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+        if len(data) > MIN_PIECE and (await self._link()).pieces:  # raw DATA frames, not msgpack bin
+            await asyncio.to_thread(self._put_bytes, path, data, mode)
+            return
         if len(data) <= MAX_WRITE:
             await self._call("put", {"path": path, "data": bytes(data), "mode": mode, "mkdirs": self.auto_mkdir})
             return
@@ -1019,31 +1023,47 @@ class TB5FileSystem(AsyncFileSystem):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fspath(lpath))
             size = st.st_size
             callback.set_size(size)
-            pid = self._call_sync("put_open", {"path": rpath, "size": size, "mode": mode, "mkdirs": self.auto_mkdir})["id"]
-            try:
-                self._send_pieces(fd, size, pid, callback)
+            shared = SharedFd(fd)  # the parts never close it: the finally below does
+
+            def check() -> None:
                 now = os.fstat(fd)
                 if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                     raise SourceChangedError(f"{os.fspath(lpath)!r} changed while it was sent; nothing written")
-                self._call_sync("put_close", {"id": pid, "commit": True})
-            except BaseException:
-                try:
-                    self._call_sync("put_close", {"id": pid, "commit": False})
-                except (Tb5syncError, OSError) as exc:  # the server removes a lost connection's puts itself
-                    log.debug("discarding put %s: %s", pid, exc)
-                raise
+
+            self._put_whole(rpath, size, mode, lambda off, n: FileRange(shared, off, n, pad=False), callback, check)
         finally:
             os.close(fd)
 
-    def _send_pieces(self, fd: int, size: int, pid: str, callback: Callback) -> None:
-        """Send the ``size`` bytes of ``fd`` as ``put_piece`` frames of the put ``pid`` over every
-        connection (one sending thread each); returns once the server wrote them all."""
+    def _put_bytes(self, rpath: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
+        """Write ``data`` as remote file ``rpath`` in pieces (views of ``data``, no copy); as :meth:`put_pieces`."""
+        view = memoryview(data).cast("B")
+        self._put_whole(rpath, len(view), mode, lambda off, n: view[off : off + n], DEFAULT_CALLBACK, lambda: None)
+
+    def _put_whole(self, rpath: str, size: int, mode: str, part: Callable[[int, int], Any], callback: Callback,
+                   check: Callable[[], None]) -> None:
+        """``put_open``, the pieces (``part(offset, length)`` gives each one's body), ``check()``, then
+        ``put_close``: committed when all went well, discarded after any error."""
+        pid = self._call_sync("put_open", {"path": rpath, "size": size, "mode": mode, "mkdirs": self.auto_mkdir})["id"]
+        try:
+            self._send_pieces(size, pid, part, callback)
+            check()
+            self._call_sync("put_close", {"id": pid, "commit": True})
+        except BaseException:
+            try:
+                self._call_sync("put_close", {"id": pid, "commit": False})
+            except (Tb5syncError, OSError) as exc:  # the server removes a lost connection's puts itself
+                log.debug("discarding put %s: %s", pid, exc)
+            raise
+
+    def _send_pieces(self, size: int, pid: str, part: Callable[[int, int], Any], callback: Callback) -> None:
+        """Send ``size`` bytes as ``put_piece`` frames of the put ``pid`` (``part(offset, length)``:
+        a piece's body) over every connection (one sending thread each); returns once the server
+        wrote them all."""
         if size <= 0:
             return
         link = self._holder.link
         if link is None or link.closed:
             link = self._connect()
-        shared = SharedFd(fd)  # the parts never close it: put_pieces does
         count = (size + MIN_PIECE - 1) // MIN_PIECE
         streams = min(self.streams, count)
         stop = threading.Event()
@@ -1057,8 +1077,7 @@ class TB5FileSystem(AsyncFileSystem):
                         return
                     off = i * MIN_PIECE
                     n = min(MIN_PIECE, size - off)
-                    part = FileRange(shared, off, n, pad=False)
-                    inflight.append((n, link.requester.submit_data("put_piece", {"id": pid, "offset": off}, [part], channel=s)))
+                    inflight.append((n, link.requester.submit_data("put_piece", {"id": pid, "offset": off}, [part(off, n)], channel=s)))
                     if len(inflight) >= _GET_DEPTH:
                         n, fut = inflight.popleft()
                         fut.result()

@@ -294,3 +294,20 @@ def test_an_older_server_without_pieces_gets_todays_requests(tmp_path: Path, sou
         fs._holder.close()
         live.server.stop()
     assert tmp_files(str(tmp_path / "root")) == []
+
+
+def test_pipe_file_of_a_large_value_goes_in_pieces(remote: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tb5sync import rpc
+
+    root, fs, _ = remote
+    value = random.Random(5).randbytes(3 * MIN_PIECE + 99)
+    sent: list[str] = []
+    orig = rpc.Requester.submit_data
+    monkeypatch.setattr(rpc.Requester, "submit_data", lambda self, m, *a, **kw: sent.append(m) or orig(self, m, *a, **kw))
+    LocalFileSystem().pipe_file(str(tmp_path / "want.bin"), value)
+    fs.pipe_file("got.bin", value)
+    assert (root / "got.bin").read_bytes() == (tmp_path / "want.bin").read_bytes()
+    assert sent == ["put_piece"] * 4
+    with pytest.raises(FileExistsError):
+        fs.pipe_file("got.bin", value, mode="create")
+    assert tmp_files(str(root)) == []
