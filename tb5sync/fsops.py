@@ -80,6 +80,9 @@ PAGE_BYTES = 8 * 1024 * 1024
 #: whole ``find`` (at most 2,000,000 entries) always fits.
 PAGES_MAX_ENTRIES = 2_500_000
 _MAX_WRITES = 1024
+#: ``put_piece`` receives its body in slices of this many bytes, each written before the next
+#: arrives (a slice small enough to be still in the CPU's cache when ``pwrite`` copies it)
+PIECE_SLICE = 1024 * 1024
 _MAX_FIND = 2_000_000
 #: Deepest level ``find`` descends to below its top (deeper: one UsageError).
 MAX_FIND_DEPTH = 1024
@@ -325,6 +328,7 @@ class FsOps:
         #: files being received in pieces, shared with the server's other connections
         self.puts = puts if puts is not None else Puts()
         self._my_puts: set[str] = set()
+        self._slice: memoryview | None = None  # put_piece's receive buffer
         #: the session's write limits (a server's ``--max-session-bytes``/``--min-free-space``):
         #: ``put``, ``wwrite``, ``copy`` and an appending ``wopen`` charge their bytes before writing
         self.quota = quota
@@ -830,8 +834,11 @@ class FsOps:
             self._my_puts.add(pid)
         return {"id": pid}
 
-    def put_piece(self, id: str, offset: int, data: memoryview | bytes) -> dict[str, Any]:
-        """Write ``data`` (a DATA request's raw body) at ``offset`` of the file being received as ``id``.
+    def put_piece(self, id: str, offset: int, data: Any) -> dict[str, Any]:
+        """Write ``data`` (a DATA request's raw body, :class:`~tb5sync.rpc.DataBody`, still on the
+        connection; or bytes) at ``offset`` of the file being received as ``id``: received in
+        slices of :data:`PIECE_SLICE` (1 MiB) into one reused buffer, each written with ``pwrite``
+        while still in the CPU's cache.
 
         Raises
         ------
@@ -852,12 +859,23 @@ class FsOps:
                 raise UsageError(f"put_piece: {n} bytes at {offset} reach past the file's {put.size} bytes ({shown(put.path)})")
             put.active += 1
         try:
-            pwrite_all(put.fd, data, offset)
-        except OSError as exc:
+            readinto = getattr(data, "readinto", None)
+            if readinto is None:
+                pwrite_all(put.fd, data, offset)
+            else:
+                if self._slice is None:
+                    self._slice = memoryview(bytearray(PIECE_SLICE))
+                off = offset
+                while k := readinto(self._slice):
+                    pwrite_all(put.fd, self._slice[:k], off)
+                    off += k
+        except BaseException as exc:
             with self.puts.lock:
                 put.active -= 1
             self._put_abort(id)
-            raise remote_os_error(exc, put.path) from exc
+            if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError) and getattr(data, "failed", None) is None:
+                raise remote_os_error(exc, put.path) from exc
+            raise
         with self.puts.lock:
             put.active -= 1
             put.got.append((offset, n))

@@ -33,7 +33,7 @@ from ._io import populated_buffer
 from ._parts import close_parts
 from .transport import BufferPool, Channel
 
-__all__ = ["Requester", "call_direct", "open_session", "serve", "split_parts", "reply_of"]
+__all__ = ["DataBody", "Requester", "call_direct", "open_session", "serve", "split_parts", "reply_of"]
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +309,46 @@ def _unsendable(ch: Channel, rid: int, method: Any, exc: BaseException) -> None:
     ch.send_error(rid, RemoteOSError(f"{method}: the reply cannot be sent ({type(exc).__name__}: {exc})"))
 
 
-#: the reused buffer a DATA request's body is received into (a larger body gets its own)
-DATA_REQUEST_BUFFER = 4 * 1024 * 1024
+class DataBody:
+    """The raw body of a DATA request, still on its connection: the handler receives it in slices
+    (:meth:`readinto`), straight into where it goes; :func:`serve` discards whatever the handler left.
+
+    ``len(body)`` is its length in bytes. A connection that breaks inside it is recorded in
+    :attr:`failed` (and raised), which ends the serving loop instead of answering the request.
+    """
+
+    __slots__ = ("_ch", "length", "left", "failed")
+
+    def __init__(self, ch: Channel, length: int) -> None:
+        self._ch, self.length, self.left = ch, length, length
+        self.failed: BaseException | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def readinto(self, view: memoryview) -> int:
+        """Receive the next ``min(len(view), bytes left)`` bytes into ``view``; returns how many (0 at the end).
+
+        Raises
+        ------
+        RemoteProtocolError, LinkTimeoutError, OSError
+            The connection broke inside the body (recorded in :attr:`failed`).
+        """
+        n = min(len(view), self.left)
+        if n:
+            try:
+                self._ch.recv_body_into(view[:n])
+            except BaseException as exc:
+                self.failed = exc
+                raise
+            self.left -= n
+        return n
+
+    def discard(self, scratch: memoryview) -> None:
+        """Receive and drop the bytes the handler did not read."""
+        while self.left:
+            self.readinto(scratch)
+
 
 
 def serve(ch: Channel, handler: Any, methods: frozenset[str],
@@ -325,8 +363,8 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     large): that request gets an ERROR naming why, logged on one line.
     ``args_from_wire(method, args)``: the arguments as the handler takes them;
     ``data_methods``: methods (also in ``methods``) that arrive as a DATA frame instead of a
-    REQUEST (meta ``{"m", "a"}``, then the raw body, received into one reused buffer of
-    :data:`DATA_REQUEST_BUFFER` bytes and passed as ``data=``, a view valid during the call);
+    REQUEST (meta ``{"m", "a"}``, then the raw body, passed as ``data=``, a :class:`DataBody` the
+    method receives in slices straight into their destination during the call);
     a protocol violation ends the loop (after an ERROR frame) but never raises
     past it except as the returned exception's re-raise.
 
@@ -335,17 +373,18 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     RemoteProtocolError, VersionMismatchError
         The peer broke the protocol (an ERROR frame was sent first).
     """
-    into: memoryview | None = None
+    scratch: memoryview | None = None
     while True:
-        body: memoryview | None = None
+        body: DataBody | None = None
         try:
             header = ch.recv_header()
             if header is None:
                 return
             if header.type is P.FrameType.DATA and data_methods:
-                if into is None:
-                    into = memoryview(bytearray(DATA_REQUEST_BUFFER))
-                raw_meta, body = ch.recv_data_into(header, into)
+                raw_meta, nbody = ch.recv_data_meta(header)
+                body = DataBody(ch, nbody)
+                if scratch is None:
+                    scratch = memoryview(bytearray(1 << 16))
                 msg = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
                 payload: Any = b""
             else:
@@ -383,10 +422,18 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
             except TypeError as exc:
                 raise UsageError(f"bad arguments for {method}: {str(exc)[:SHOWN_LIMIT]}") from exc
         except (Tb5syncError, OSError, ValueError) as exc:
+            if body is not None:
+                if body.failed is not None:  # the connection broke inside the body
+                    raise body.failed from None
+                assert scratch is not None
+                body.discard(scratch)  # the stream goes on at the next frame
             if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
                 log.info("request %s failed: %s", method, exc)
             ch.send_error(header.rid, exc)
             continue
+        if body is not None:
+            assert scratch is not None
+            body.discard(scratch)
         if isinstance(result, tuple):
             meta, parts = result
             del result
