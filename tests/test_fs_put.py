@@ -267,6 +267,8 @@ def test_the_server_refuses_bad_pieces_and_an_incomplete_commit(remote: Any) -> 
         link.requester.submit_data("put_piece", {"id": "0" * 32, "offset": 0}, [b"1"], channel=1).result(10)
     with pytest.raises(UsageError, match="no open put"):  # only the opening connection closes it
         link.requester.submit("put_close", {"id": pid}, channel=0).result(10)
+    with pytest.raises(UsageError, match="must not"):  # its body is discarded: the connection goes on
+        link.requester.submit_data("info", {"path": ""}, [b"x" * 100_000], channel=2).result(10)
     link.requester.submit_data("put_piece", {"id": pid, "offset": 0}, [b"12345"], channel=2).result(10)
     with pytest.raises(UsageError, match="missing"):
         fs._call_sync("put_close", {"id": pid, "commit": True})
