@@ -216,16 +216,16 @@ class _Write:
 
 class _Put:
     """A file being received in pieces (``put_open``/``put_piece``/``put_close``): its temporary
-    file, open, preallocated to ``size`` bytes, and the ranges received so far."""
+    file (preallocated to ``size`` bytes; no descriptor held between pieces, as ``wopen``) and the
+    ranges received so far."""
 
-    __slots__ = ("dir_parts", "tmp", "name", "exclusive", "path", "size", "fd", "got", "active", "closed", "owner")
+    __slots__ = ("dir_parts", "tmp", "name", "exclusive", "path", "size", "got", "active", "owner")
 
-    def __init__(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str, size: int, fd: int, owner: object) -> None:
+    def __init__(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str, size: int, owner: object) -> None:
         self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
-        self.size, self.fd, self.owner = size, fd, owner
+        self.size, self.owner = size, owner
         self.got: list[tuple[int, int]] = []  # (offset, length) of every piece written
-        self.active = 0  # pieces being written now (the descriptor is closed once none is)
-        self.closed = False
+        self.active = 0  # pieces being written now
 
     def complete(self) -> bool:
         """Whether the pieces received cover every byte of the file."""
@@ -246,13 +246,6 @@ class Puts:
         self.lock = threading.Lock()
         self.open: dict[str, _Put] = {}
 
-    def release(self, put: _Put) -> None:
-        """Close ``put``'s descriptor once it is closed and no piece is being written (under no lock)."""
-        with self.lock:
-            if not put.closed or put.active or put.fd < 0:
-                return
-            fd, put.fd = put.fd, -1
-        os.close(fd)
 
 
 class Pages:
@@ -824,13 +817,14 @@ class FsOps:
                     os.fchmod(fd, stat.S_IMODE(st.st_mode))  # as copyfile into an existing file
                 preallocate(fd, size)
             except BaseException:
-                os.close(fd)
                 os.unlink(tmp, dir_fd=dfd)
                 raise
+            finally:
+                os.close(fd)
             claim_temp(tmp)
             pid = secrets.token_hex(16)
             with self.puts.lock:
-                self.puts.open[pid] = _Put(rel.split("/")[:-1], tmp, name, exclusive, path, size, fd, self)
+                self.puts.open[pid] = _Put(rel.split("/")[:-1], tmp, name, exclusive, path, size, self)
             self._my_puts.add(pid)
         return {"id": pid}
 
@@ -853,22 +847,26 @@ class FsOps:
         n = len(data)
         with self.puts.lock:
             put = self.puts.open.get(id) if isinstance(id, str) else None
-            if put is None or put.closed:
+            if put is None:
                 raise UsageError(f"put_piece: no open put {shown(id)}")
             if offset + n > put.size:
                 raise UsageError(f"put_piece: {n} bytes at {offset} reach past the file's {put.size} bytes ({shown(put.path)})")
             put.active += 1
         try:
-            readinto = getattr(data, "readinto", None)
-            if readinto is None:
-                pwrite_all(put.fd, data, offset)
-            else:
-                if self._slice is None:
-                    self._slice = memoryview(bytearray(PIECE_SLICE))
-                off = offset
-                while k := readinto(self._slice):
-                    pwrite_all(put.fd, self._slice[:k], off)
-                    off += k
+            fd = self.jail.open_file([*put.dir_parts, put.tmp], os.O_WRONLY | os.O_NONBLOCK, shown=put.path)
+            try:
+                readinto = getattr(data, "readinto", None)
+                if readinto is None:
+                    pwrite_all(fd, data, offset)
+                else:
+                    if self._slice is None:
+                        self._slice = memoryview(bytearray(PIECE_SLICE))
+                    off = offset
+                    while k := readinto(self._slice):
+                        pwrite_all(fd, self._slice[:k], off)
+                        off += k
+            finally:
+                os.close(fd)
         except BaseException as exc:
             with self.puts.lock:
                 put.active -= 1
@@ -879,7 +877,6 @@ class FsOps:
         with self.puts.lock:
             put.active -= 1
             put.got.append((offset, n))
-        self.puts.release(put)
         return {}
 
     def put_close(self, id: str, commit: bool = True) -> dict[str, Any]:
@@ -908,8 +905,6 @@ class FsOps:
         self._my_puts.discard(id)
         with self.puts.lock:
             del self.puts.open[id]
-            put.closed = True
-        self.puts.release(put)
         release_temp(put.tmp)
         try:
             dfd = self.jail.open_dir(put.dir_parts)
@@ -929,10 +924,8 @@ class FsOps:
             put = self.puts.open.pop(pid, None)
             if put is None:
                 return
-            put.closed = True
         if isinstance(put.owner, FsOps):
             put.owner._my_puts.discard(pid)
-        self.puts.release(put)
         release_temp(put.tmp)
         try:
             dfd = self.jail.open_dir(put.dir_parts)
