@@ -1004,7 +1004,7 @@ class TB5FileSystem(AsyncFileSystem):
         """Send local file ``lpath`` as remote file ``rpath`` in pieces, the mirror of :meth:`get_file`
         (a synchronous method: it blocks the calling thread, never run it on the event loop's).
 
-        ``put_open`` (on the direct connection) charges the session's quota the file's size and
+        ``put_open`` (on the direct connection when free) charges the session's quota the file's size and
         makes a preallocated temporary file beside ``rpath``; each 4 MiB piece
         (:data:`~tb5sync.fsfile.MIN_PIECE`) is one ``put_piece`` DATA frame (meta, then the raw
         bytes: ``sendfile`` from the local file where the channel allows it, a read and a send

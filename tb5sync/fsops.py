@@ -880,31 +880,33 @@ class FsOps:
         return {}
 
     def put_close(self, id: str, commit: bool = True) -> dict[str, Any]:
-        """Finish the put ``id`` (opened on this connection): rename it into place (``commit``),
-        when every byte arrived, or remove it. Discarding a put that is not open is not an error.
+        """Finish the put ``id`` (opened on any connection of this server: the id is its key):
+        rename it into place (``commit``) when every byte arrived, or remove it. Discarding a put
+        that is not open is not an error.
 
         Raises
         ------
         UsageError
-            ``id`` is not open here, or (``commit``) bytes are missing: the put is then removed.
+            ``id`` is not open, or (``commit``) bytes are missing: the put is then removed.
         RemoteOSError
             The rename failed (the temporary file is removed).
         """
         if not commit:
-            if isinstance(id, str) and id in self._my_puts:
+            if isinstance(id, str):
                 self._put_abort(id)
             return {}
-        if not isinstance(id, str) or id not in self._my_puts:
-            raise UsageError(f"put_close: no open put {shown(id)}")
         with self.puts.lock:
-            put = self.puts.open[id]
+            put = self.puts.open.get(id) if isinstance(id, str) else None
+            if put is None:
+                raise UsageError(f"put_close: no open put {shown(id)}")
             whole = put.active == 0 and put.complete()
+            if whole:
+                del self.puts.open[id]
         if not whole:
             self._put_abort(id)
             raise UsageError(f"put_close: bytes of {shown(put.path)} are missing; nothing written")
-        self._my_puts.discard(id)
-        with self.puts.lock:
-            del self.puts.open[id]
+        if isinstance(put.owner, FsOps):
+            put.owner._my_puts.discard(id)
         release_temp(put.tmp)
         try:
             dfd = self.jail.open_dir(put.dir_parts)

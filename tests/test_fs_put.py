@@ -265,8 +265,6 @@ def test_the_server_refuses_bad_pieces_and_an_incomplete_commit(remote: Any) -> 
         link.requester.submit("put_piece", {"id": pid, "offset": 0, "data": b"12345"}, channel=1).result(10)
     with pytest.raises(UsageError, match="no open put"):
         link.requester.submit_data("put_piece", {"id": "0" * 32, "offset": 0}, [b"1"], channel=1).result(10)
-    with pytest.raises(UsageError, match="no open put"):  # only the opening connection closes it
-        link.requester.submit("put_close", {"id": pid}, channel=0).result(10)
     with pytest.raises(UsageError, match="must not"):  # its body is discarded: the connection goes on
         link.requester.submit_data("info", {"path": ""}, [b"x" * 100_000], channel=2).result(10)
     link.requester.submit_data("put_piece", {"id": pid, "offset": 0}, [b"12345"], channel=2).result(10)
@@ -312,4 +310,22 @@ def test_pipe_file_of_a_large_value_goes_in_pieces(remote: Any, tmp_path: Path, 
     assert sent == ["put_piece"] * 4
     with pytest.raises(FileExistsError):
         fs.pipe_file("got.bin", value, mode="create")
+    assert tmp_files(str(root)) == []
+
+
+def test_a_recursive_put_of_many_large_files_matches_localfilesystem(remote: Any, tmp_path: Path) -> None:
+    """fsspec's ``put`` runs many ``put_file`` at once: each its own put, none holding a descriptor."""
+    root, fs, _ = remote
+    src = tmp_path / "tree"
+    (src / "sub").mkdir(parents=True)
+    rnd = random.Random(9)
+    for i in range(6):
+        (src / ("sub" if i % 2 else "") / f"f{i}.bin").write_bytes(rnd.randbytes(MIN_PIECE + 1000 * i + 1))
+    LocalFileSystem().put(str(src), str(tmp_path / "want"), recursive=True)
+    fs.put(str(src), "want", recursive=True)
+
+    def tree(base: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
+
+    assert tree(root / "want") == tree(tmp_path / "want") and len(tree(root / "want")) == 6
     assert tmp_files(str(root)) == []
