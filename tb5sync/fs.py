@@ -1111,8 +1111,10 @@ class TB5FileSystem(AsyncFileSystem):
             for t in threads:
                 t.join()
             if errors:
-                # the first error that is not merely another stream stopping
-                raise next((e for e in errors if not isinstance(e, ConnectError)), errors[0])
+                # the cause, not its echoes: once one piece failed (ENOSPC) the server removed the
+                # put, so the other streams' pieces come back "no open put" (UsageError), and a
+                # dropped link fails them with ConnectError; each thread sees its own first
+                raise min(errors, key=lambda e: (isinstance(e, ConnectError), not isinstance(e, OSError)))
         except ConnectError:
             self._drop(link)
             raise
