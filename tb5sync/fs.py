@@ -57,6 +57,7 @@ from fsspec.asyn import AsyncFileSystem, sync_wrapper
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import isfilelike, stringify_path
 
+from ._parts import FileRange, SharedFd
 from ._io import portable, preallocate, pwrite_all, unlink_quiet
 from ._paths import temp_name
 from .entry import path_from_wire, path_to_wire
@@ -66,6 +67,7 @@ from .errors import (
     Tb5syncError,
     RemoteIsADirectoryError,
     RemoteProtocolError,
+    SourceChangedError,
     UsageError,
     error_from_remote,
 )
@@ -167,6 +169,8 @@ class _Link:
                 ch.close()
             raise
         self.read_only = bool(resp.get("read_only"))
+        #: the server takes a file in pieces (``put_open``/``put_piece``/``put_close``); older ones do not
+        self.pieces = bool(resp.get("pieces"))
         self.direct = chans.pop()
         self.direct_lock = threading.Lock()
         self.requester = Requester(chans)
@@ -886,9 +890,13 @@ class TB5FileSystem(AsyncFileSystem):
 
     # ---- writing ------------------------------------------------------------------------
     async def _write_bytes(self, path: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
-        """Write ``data`` as file ``path`` atomically: one request up to 16 MiB, else a pipelined write."""
+        """Write ``data`` as file ``path`` atomically: over 4 MiB in pieces (:meth:`_put_bytes`) where
+        the server takes them; else one request up to 16 MiB, and a pipelined write above."""
         if mode not in ("overwrite", "create"):
             raise ValueError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+        if len(data) > MIN_PIECE and (await self._link()).pieces:  # raw DATA frames, not msgpack bin
+            await asyncio.to_thread(self._put_bytes, path, data, mode)
+            return
         if len(data) <= MAX_WRITE:
             await self._call("put", {"path": path, "data": bytes(data), "mode": mode, "mkdirs": self.auto_mkdir})
             return
@@ -927,6 +935,30 @@ class TB5FileSystem(AsyncFileSystem):
         await self._write_bytes(self._strip_protocol(path), value, mode)
 
     async def _put_file(self, lpath: Any, rpath: str, callback: Callback = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any) -> None:
+        """Copy local file ``lpath`` to remote path ``rpath`` (a local directory makes the remote directory).
+
+        As fsspec's LocalFileSystem copies a file: an existing remote file is replaced (keeping its
+        permission bits), a remote symlink is written through, a remote directory at ``rpath`` is
+        ``IsADirectoryError``, a missing parent ``FileNotFoundError`` (unless ``auto_mkdir``);
+        ``mode="create"`` refuses an existing ``rpath``. A symlink at ``lpath`` sends its file.
+        Nothing partial ever sits at ``rpath``: the bytes go to a temporary name beside it,
+        renamed into place once all arrived; a failed put leaves ``rpath`` as it was.
+
+        A file over 4 MiB goes in 4 MiB pieces over all the connections (:meth:`put_pieces`), unless
+        it is ``engine_threshold`` bytes or more onto an existing remote file (then the sync
+        engine, which reuses the chunks that file already has) or the server predates pieces
+        (then the sync engine from ``engine_threshold`` up, and ``put``/``wwrite`` requests below).
+        A file up to 4 MiB is one ``put`` request.
+
+        Raises
+        ------
+        SourceChangedError
+            The local file changed while it was sent.
+        QuotaError
+            The server's session quota (``--max-session-bytes``/``--min-free-space``) refused the size.
+        FileNotFoundError, IsADirectoryError, PermissionError, FileExistsError
+            As above (remote ones are :class:`~tb5sync.errors.RemoteOSError` subclasses).
+        """
         rpath = self._strip_protocol(rpath)
         lpath = os.fspath(lpath)
         if os.path.isdir(lpath):
@@ -934,6 +966,12 @@ class TB5FileSystem(AsyncFileSystem):
             return
         size = os.path.getsize(lpath)
         callback.set_size(size)
+        if mode not in ("overwrite", "create"):
+            raise ValueError(f"mode must be 'overwrite' or 'create', not {mode!r}")
+        if size > MIN_PIECE and (await self._link()).pieces:
+            if size < self.engine_threshold or mode != "overwrite" or not await self._plain_file(rpath):
+                await asyncio.to_thread(self.put_pieces, lpath, rpath, mode, callback)
+                return
         if size >= self.engine_threshold and mode == "overwrite":
             await self._check_target(rpath)
             parent, _, name = rpath.rpartition("/")
@@ -961,6 +999,134 @@ class TB5FileSystem(AsyncFileSystem):
             data = f.read()
         await self._write_bytes(rpath, data, mode)
         callback.relative_update(len(data))
+
+    def put_pieces(self, lpath: Any, rpath: str, mode: str = "overwrite", callback: Callback = DEFAULT_CALLBACK) -> None:
+        """Send local file ``lpath`` as remote file ``rpath`` in pieces, the mirror of :meth:`get_file`
+        (a synchronous method: it blocks the calling thread, never run it on the event loop's).
+
+        ``put_open`` (on the direct connection when free) charges the session's quota the file's size and
+        makes a preallocated temporary file beside ``rpath``; each 4 MiB piece
+        (:data:`~tb5sync.fsfile.MIN_PIECE`) is one ``put_piece`` DATA frame (meta, then the raw
+        bytes: ``sendfile`` from the local file where the channel allows it, a read and a send
+        otherwise: TLS, ``$TB5SYNC_PORTABLE=1``), sent by one thread per connection, piece ``i``
+        on connection ``i % streams``, ``_GET_DEPTH`` per connection on their way, and written by
+        the server at its offset; ``put_close`` renames the file into place once every byte
+        arrived, or (after any error) removes it. The local file must keep its size and mtime
+        meanwhile. Semantics and errors: :meth:`_put_file`; a server without pieces:
+        :class:`~tb5sync.errors.UsageError` (``unknown request``).
+        """
+        rpath = self._strip_protocol(rpath)
+        fd = os.open(os.fspath(lpath), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fspath(lpath))
+            size = st.st_size
+            callback.set_size(size)
+            shared = SharedFd(fd)  # the parts never close it: the finally below does
+
+            def check() -> None:
+                now = os.fstat(fd)
+                if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                    raise SourceChangedError(f"{os.fspath(lpath)!r} changed while it was sent; nothing written")
+
+            self._put_whole(rpath, size, mode, lambda off, n: FileRange(shared, off, n, pad=False), callback, check)
+        finally:
+            os.close(fd)
+
+    def _put_bytes(self, rpath: str, data: bytes | memoryview, mode: str = "overwrite") -> None:
+        """Write ``data`` as remote file ``rpath`` in pieces (views of ``data``, no copy); as :meth:`put_pieces`."""
+        view = memoryview(data).cast("B")
+        self._put_whole(rpath, len(view), mode, lambda off, n: view[off : off + n], DEFAULT_CALLBACK, lambda: None)
+
+    def _put_whole(self, rpath: str, size: int, mode: str, part: Callable[[int, int], Any], callback: Callback,
+                   check: Callable[[], None]) -> None:
+        """``put_open``, the pieces (``part(offset, length)`` gives each one's body), ``check()``, then
+        ``put_close``: committed when all went well, discarded after any error."""
+        pid = self._call_sync("put_open", {"path": rpath, "size": size, "mode": mode, "mkdirs": self.auto_mkdir})["id"]
+        try:
+            self._send_pieces(size, pid, part, callback)
+            check()
+            self._call_sync("put_close", {"id": pid, "commit": True})
+        except BaseException:
+            try:
+                self._call_sync("put_close", {"id": pid, "commit": False})
+            except (Tb5syncError, OSError) as exc:  # the server removes a lost connection's puts itself
+                log.debug("discarding put %s: %s", pid, exc)
+            raise
+
+    def _send_pieces(self, size: int, pid: str, part: Callable[[int, int], Any], callback: Callback) -> None:
+        """Send ``size`` bytes as ``put_piece`` frames of the put ``pid`` (``part(offset, length)``:
+        a piece's body) over every connection (one sending thread each); returns once the server
+        wrote them all."""
+        if size <= 0:
+            return
+        link = self._holder.link
+        if link is None or link.closed:
+            link = self._connect()
+        count = (size + MIN_PIECE - 1) // MIN_PIECE
+        streams = min(self.streams, count)
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def send(s: int) -> None:
+            inflight: collections.deque[tuple[int, Any]] = collections.deque()
+            try:
+                for i in range(s, count, streams):
+                    if stop.is_set():
+                        return
+                    off = i * MIN_PIECE
+                    n = min(MIN_PIECE, size - off)
+                    inflight.append((n, link.requester.submit_data("put_piece", {"id": pid, "offset": off}, [part(off, n)], channel=s)))
+                    if len(inflight) >= _GET_DEPTH:
+                        n, fut = inflight.popleft()
+                        fut.result()
+                        with lock:
+                            callback.relative_update(n)
+                while inflight:
+                    n, fut = inflight.popleft()
+                    fut.result()
+                    with lock:
+                        callback.relative_update(n)
+            except BaseException:
+                stop.set()
+                raise
+
+        try:
+            if streams == 1:
+                send(0)
+                return
+            errors: list[BaseException] = []
+
+            def run(s: int) -> None:
+                try:
+                    send(s)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run, args=(s,), name=f"tb5-put-{s}", daemon=True) for s in range(1, streams)]
+            for t in threads:
+                t.start()
+            run(0)
+            for t in threads:
+                t.join()
+            if errors:
+                # the cause, not its echoes: once one piece failed (ENOSPC) the server removed the
+                # put, so the other streams' pieces come back "no open put" (UsageError), and a
+                # dropped link fails them with ConnectError; each thread sees its own first
+                raise min(errors, key=lambda e: (isinstance(e, ConnectError), not isinstance(e, OSError)))
+        except ConnectError:
+            self._drop(link)
+            raise
+
+    async def _plain_file(self, rpath: str) -> bool:
+        """Whether ``rpath`` is a regular remote file, not reached through a symlink (the engine
+        would replace a link by a file; a put writes through it, as LocalFileSystem)."""
+        try:
+            info = await self._info(rpath)
+        except FileNotFoundError:
+            return False
+        return info["type"] == "file" and not info.get("islink")
 
     async def _check_target(self, rpath: str) -> None:
         """Before an engine push: the target must not be a directory, and its parent must exist unless ``auto_mkdir``."""

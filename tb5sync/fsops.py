@@ -49,7 +49,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._io import copy_range, read_into, write_all
+from ._io import copy_range, preallocate, pwrite_all, read_into, write_all
 from ._parts import FileRange, SharedFd
 from ._paths import STATE_DIR, Jail, claim_temp, is_temp_name, release_temp, split_request_path, temp_name
 from .errors import (
@@ -57,6 +57,7 @@ from .errors import (
     PathError,
     ReadOnlyError,
     RemoteExistsError,
+    RemoteIsADirectoryError,
     SourceChangedError,
     Tb5syncError,
     UsageError,
@@ -79,6 +80,9 @@ PAGE_BYTES = 8 * 1024 * 1024
 #: whole ``find`` (at most 2,000,000 entries) always fits.
 PAGES_MAX_ENTRIES = 2_500_000
 _MAX_WRITES = 1024
+#: ``put_piece`` receives its body in slices of this many bytes, each written before the next
+#: arrives (a slice small enough to be still in the CPU's cache when ``pwrite`` copies it)
+PIECE_SLICE = 1024 * 1024
 _MAX_FIND = 2_000_000
 #: Deepest level ``find`` descends to below its top (deeper: one UsageError).
 MAX_FIND_DEPTH = 1024
@@ -210,6 +214,40 @@ class _Write:
         self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
 
 
+class _Put:
+    """A file being received in pieces (``put_open``/``put_piece``/``put_close``): its temporary
+    file (preallocated to ``size`` bytes; no descriptor held between pieces, as ``wopen``) and the
+    ranges received so far."""
+
+    __slots__ = ("dir_parts", "tmp", "name", "exclusive", "path", "size", "got", "active", "owner")
+
+    def __init__(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str, size: int, owner: object) -> None:
+        self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
+        self.size, self.owner = size, owner
+        self.got: list[tuple[int, int]] = []  # (offset, length) of every piece written
+        self.active = 0  # pieces being written now
+
+    def complete(self) -> bool:
+        """Whether the pieces received cover every byte of the file."""
+        end = 0
+        for off, n in sorted(self.got):
+            if off > end:
+                return False
+            end = max(end, off + n)
+        return end >= self.size
+
+
+class Puts:
+    """Files being received in pieces, shared by a server's connections: the connection that
+    opened one (``put_open``) owns it, and any connection may carry its pieces (``put_piece``,
+    named by the random id ``put_open`` answered). Thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[str, _Put] = {}
+
+
+
 class Pages:
     """Pages of long listings waiting for the client, shared by a server's connections.
 
@@ -278,8 +316,12 @@ class FsOps:
     """
 
     def __init__(self, root: str, state: TreeState, read_only: bool = False, pages: Pages | None = None,
-                 quota: WriteQuota | None = None) -> None:
+                 quota: WriteQuota | None = None, puts: Puts | None = None) -> None:
         self.root = root
+        #: files being received in pieces, shared with the server's other connections
+        self.puts = puts if puts is not None else Puts()
+        self._my_puts: set[str] = set()
+        self._slice: memoryview | None = None  # put_piece's receive buffer
         #: the session's write limits (a server's ``--max-session-bytes``/``--min-free-space``):
         #: ``put``, ``wwrite``, ``copy`` and an appending ``wopen`` charge their bytes before writing
         self.quota = quota
@@ -293,6 +335,8 @@ class FsOps:
         """Abort every unfinished write (removing its temporary file) and close the root. Safe to call twice."""
         for handle in list(self._writes):
             self._abort(handle)
+        for pid in list(self._my_puts):
+            self._put_abort(pid)
         self.jail.close()
 
     def _charge(self, nbytes: int, path: str) -> None:
@@ -729,6 +773,172 @@ class FsOps:
                 raise
             os.close(fd)
         return {}
+
+    @_writes
+    @_translating()
+    def put_open(self, path: str, size: int, mode: str = "overwrite", mkdirs: bool = False) -> dict[str, Any]:
+        """Start receiving file ``path`` of ``size`` bytes in pieces (:meth:`put_piece`, from any
+        connection of this server); answers ``{"id": str}`` (32 hex digits, random).
+
+        The session's quota is charged ``size`` bytes first; then a temporary name is created
+        beside ``path`` (through the jail; a final symlink is written through, as ``put``), given
+        the permission bits of the file it replaces, and its ``size`` bytes reserved on disk
+        (``posix_fallocate`` where the platform has it: a full disk fails here). Nothing appears at
+        ``path`` until :meth:`put_close` commits a file whose every byte arrived.
+
+        Raises
+        ------
+        QuotaError
+            ``size`` exceeds what the session may still write.
+        RemoteIsADirectoryError, RemoteExistsError, FileNotFoundError (remote)
+            ``path`` is a directory; exists with ``mode="create"``; its parent is missing (without ``mkdirs``).
+        UsageError
+            A bad size or mode, or too many writes open on this connection.
+        """
+        exclusive = self._check_mode(mode)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise UsageError(f"put_open: size must be a non-negative int, not {shown(size)}")
+        if len(self._my_puts) + len(self._writes) >= _MAX_WRITES:
+            raise UsageError("put_open: too many writes open on this connection")
+        self._charge(size, path)
+        with self.jail.parent(path, create=mkdirs, follow=True) as (dfd, name, rel):
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and exclusive:
+                raise RemoteExistsError(f"File exists: {shown(path)}")
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise RemoteIsADirectoryError(f"Is a directory: {shown(path)}")
+            tmp = temp_name(name)
+            fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
+            try:
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode))  # as copyfile into an existing file
+                preallocate(fd, size)
+            except BaseException:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+            finally:
+                os.close(fd)
+            claim_temp(tmp)
+            pid = secrets.token_hex(16)
+            with self.puts.lock:
+                self.puts.open[pid] = _Put(rel.split("/")[:-1], tmp, name, exclusive, path, size, self)
+            self._my_puts.add(pid)
+        return {"id": pid}
+
+    def put_piece(self, id: str, offset: int, data: Any) -> dict[str, Any]:
+        """Write ``data`` (a DATA request's raw body, :class:`~tb5sync.rpc.DataBody`, still on the
+        connection; or bytes) at ``offset`` of the file being received as ``id``: received in
+        slices of :data:`PIECE_SLICE` (1 MiB) into one reused buffer, each written with ``pwrite``
+        while still in the CPU's cache.
+
+        Raises
+        ------
+        UsageError
+            ``id`` is not open (unknown, or already closed), or the piece reaches past the size
+            given to :meth:`put_open`.
+        RemoteOSError
+            The write failed (the whole put is then aborted, its temporary file removed).
+        """
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise UsageError(f"put_piece: bad offset {shown(offset)}")
+        n = len(data)
+        with self.puts.lock:
+            put = self.puts.open.get(id) if isinstance(id, str) else None
+            if put is None:
+                raise UsageError(f"put_piece: no open put {shown(id)}")
+            if offset + n > put.size:
+                raise UsageError(f"put_piece: {n} bytes at {offset} reach past the file's {put.size} bytes ({shown(put.path)})")
+            put.active += 1
+        try:
+            fd = self.jail.open_file([*put.dir_parts, put.tmp], os.O_WRONLY | os.O_NONBLOCK, shown=put.path)
+            try:
+                readinto = getattr(data, "readinto", None)
+                if readinto is None:
+                    pwrite_all(fd, data, offset)
+                else:
+                    if self._slice is None:
+                        self._slice = memoryview(bytearray(PIECE_SLICE))
+                    off = offset
+                    while k := readinto(self._slice):
+                        pwrite_all(fd, self._slice[:k], off)
+                        off += k
+            finally:
+                os.close(fd)
+        except BaseException as exc:
+            with self.puts.lock:
+                put.active -= 1
+            self._put_abort(id)
+            if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError) and getattr(data, "failed", None) is None:
+                raise remote_os_error(exc, put.path) from exc
+            raise
+        with self.puts.lock:
+            put.active -= 1
+            put.got.append((offset, n))
+        return {}
+
+    def put_close(self, id: str, commit: bool = True) -> dict[str, Any]:
+        """Finish the put ``id`` (opened on any connection of this server: the id is its key):
+        rename it into place (``commit``) when every byte arrived, or remove it. Discarding a put
+        that is not open is not an error.
+
+        Raises
+        ------
+        UsageError
+            ``id`` is not open, or (``commit``) bytes are missing: the put is then removed.
+        RemoteOSError
+            The rename failed (the temporary file is removed).
+        """
+        if not commit:
+            if isinstance(id, str):
+                self._put_abort(id)
+            return {}
+        with self.puts.lock:
+            put = self.puts.open.get(id) if isinstance(id, str) else None
+            if put is None:
+                raise UsageError(f"put_close: no open put {shown(id)}")
+            whole = put.active == 0 and put.complete()
+            if whole:
+                del self.puts.open[id]
+        if not whole:
+            self._put_abort(id)
+            raise UsageError(f"put_close: bytes of {shown(put.path)} are missing; nothing written")
+        if isinstance(put.owner, FsOps):
+            put.owner._my_puts.discard(id)
+        release_temp(put.tmp)
+        try:
+            dfd = self.jail.open_dir(put.dir_parts)
+            try:
+                self._commit(dfd, put.tmp, put.name, put.exclusive)
+            finally:
+                os.close(dfd)
+        except Tb5syncError:
+            raise
+        except OSError as exc:
+            raise remote_os_error(exc, put.path) from exc
+        return {}
+
+    def _put_abort(self, pid: str) -> None:
+        """Remove the put ``pid`` and its temporary file (idempotent)."""
+        with self.puts.lock:
+            put = self.puts.open.pop(pid, None)
+            if put is None:
+                return
+        if isinstance(put.owner, FsOps):
+            put.owner._my_puts.discard(pid)
+        release_temp(put.tmp)
+        try:
+            dfd = self.jail.open_dir(put.dir_parts)
+        except (OSError, Tb5syncError):
+            return
+        try:
+            os.unlink(put.tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
 
     @staticmethod
     def _copy_existing(dfd: int, name: str, out: int) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "READ_METHODS",
     "FS_METHODS",
     "FS_IDEMPOTENT",
+    "FS_DATA_METHODS",
     "PING_METHODS",
     "STORE_METHODS",
     "STORE_WRITE_METHODS",
@@ -144,6 +145,9 @@ FS_METHODS: Final = frozenset(
         "wopen",
         "wwrite",
         "wclose",
+        "put_open",
+        "put_piece",
+        "put_close",
         "rm",
         "mkdir",
         "rmdir",
@@ -155,6 +159,9 @@ FS_METHODS: Final = frozenset(
 )
 #: fs requests that change nothing: safe to send again on a new connection after a broken one.
 FS_IDEMPOTENT: Final = frozenset({"info", "ls", "find", "cat", "cat_many", "digest"})
+#: fs requests that arrive as DATA frames (meta ``{"m", "a"}``, then the raw bytes, handed to the
+#: method as ``data``): a piece of a file received by ``put_open``/``put_close``.
+FS_DATA_METHODS: Final = frozenset({"put_piece"})
 
 #: Requests the store session answers (OPEN ``{"op": "store"}``, :class:`tb5sync.store.ops.StoreOps`):
 #: ``refs(prefix)``, ``ref(name)``, ``have(digests, lease)``, ``chunks(digests)`` (DATA),

@@ -33,7 +33,7 @@ from ._io import populated_buffer
 from ._parts import close_parts
 from .transport import BufferPool, Channel
 
-__all__ = ["Requester", "call_direct", "open_session", "serve", "split_parts", "reply_of"]
+__all__ = ["DataBody", "Requester", "call_direct", "open_session", "serve", "split_parts", "reply_of"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,32 @@ class Requester:
             raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
         return fut
 
+    def submit_data(self, method: str, args: dict[str, Any], parts: list[Any], *, channel: int) -> Future[Any]:
+        """Send a request as a DATA frame (meta ``{"m": method, "a": args}``, then the raw ``parts``:
+        bytes-like or :class:`~tb5sync._parts.FileRange`, the latter sent with ``sendfile`` where the
+        channel allows, read and sent otherwise) on ``channel``; returns its future. The call
+        returns once the frame is sent (the calling thread sends it). A server takes such requests
+        only for its data methods (``serve(data_methods=)``).
+
+        Raises
+        ------
+        ConnectError
+            The channel is dead, or broke while sending.
+        """
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._dead[channel] is not None:
+                raise ConnectError(f"stream {channel} is closed: {self._dead[channel]}")
+            rid = next(self._ids) & 0xFFFFFFFF
+            self._pending[channel][rid] = fut
+        try:
+            self.channels[channel].send_data(rid, {"m": method, "a": args}, parts)
+        except OSError as exc:
+            with self._lock:
+                self._pending[channel].pop(rid, None)
+            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
+        return fut
+
     def call(self, method: str, args: dict[str, Any], *, channel: int = 0, timeout: float | None = None) -> Any:
         """Send a request and wait for its reply."""
         return self.submit(method, args, channel=channel).result(timeout)
@@ -283,8 +309,51 @@ def _unsendable(ch: Channel, rid: int, method: Any, exc: BaseException) -> None:
     ch.send_error(rid, RemoteOSError(f"{method}: the reply cannot be sent ({type(exc).__name__}: {exc})"))
 
 
+class DataBody:
+    """The raw body of a DATA request, still on its connection: the handler receives it in slices
+    (:meth:`readinto`), straight into where it goes; :func:`serve` discards whatever the handler left.
+
+    ``len(body)`` is its length in bytes. A connection that breaks inside it is recorded in
+    :attr:`failed` (and raised), which ends the serving loop instead of answering the request.
+    """
+
+    __slots__ = ("_ch", "length", "left", "failed")
+
+    def __init__(self, ch: Channel, length: int) -> None:
+        self._ch, self.length, self.left = ch, length, length
+        self.failed: BaseException | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def readinto(self, view: memoryview) -> int:
+        """Receive the next ``min(len(view), bytes left)`` bytes into ``view``; returns how many (0 at the end).
+
+        Raises
+        ------
+        RemoteProtocolError, LinkTimeoutError, OSError
+            The connection broke inside the body (recorded in :attr:`failed`).
+        """
+        n = min(len(view), self.left)
+        if n:
+            try:
+                self._ch.recv_body_into(view[:n])
+            except BaseException as exc:
+                self.failed = exc
+                raise
+            self.left -= n
+        return n
+
+    def discard(self, scratch: memoryview) -> None:
+        """Receive and drop the bytes the handler did not read."""
+        while self.left:
+            self.readinto(scratch)
+
+
+
 def serve(ch: Channel, handler: Any, methods: frozenset[str],
-          args_from_wire: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None) -> None:
+          args_from_wire: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
+          data_methods: frozenset[str] = frozenset()) -> None:
     """Answer requests on ``ch`` by calling ``handler.<method>(**args)`` until BYE or end of stream.
 
     A method returning a dict is answered with RESPONSE; one returning
@@ -293,6 +362,9 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     so does a reply that cannot be encoded (a value msgpack cannot carry, or too
     large): that request gets an ERROR naming why, logged on one line.
     ``args_from_wire(method, args)``: the arguments as the handler takes them;
+    ``data_methods``: methods (also in ``methods``) that arrive as a DATA frame instead of a
+    REQUEST (meta ``{"m", "a"}``, then the raw body, passed as ``data=``, a :class:`DataBody` the
+    method receives in slices straight into their destination during the call);
     a protocol violation ends the loop (after an ERROR frame) but never raises
     past it except as the returned exception's re-raise.
 
@@ -301,44 +373,67 @@ def serve(ch: Channel, handler: Any, methods: frozenset[str],
     RemoteProtocolError, VersionMismatchError
         The peer broke the protocol (an ERROR frame was sent first).
     """
+    scratch: memoryview | None = None
     while True:
+        body: DataBody | None = None
         try:
-            got = ch.recv_frame()
+            header = ch.recv_header()
+            if header is None:
+                return
+            if header.type is P.FrameType.DATA and data_methods:
+                raw_meta, nbody = ch.recv_data_meta(header)
+                body = DataBody(ch, nbody)
+                if scratch is None:
+                    scratch = memoryview(bytearray(1 << 16))
+                msg = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
+                payload: Any = b""
+            else:
+                payload = ch.recv_payload(header)
         except ProtocolError as exc:
             ch.send_error(0, exc)
             raise
-        if got is None:
-            return
-        header, payload = got
         if header.type is P.FrameType.BYE:
             return
         if header.type is P.FrameType.ERROR:
             raise P.error_from_body(P.decode_control(payload, max_decoded=ch.max_decoded))
-        if header.type is not P.FrameType.REQUEST:
+        if header.type is not P.FrameType.REQUEST and body is None:
             exc = RemoteProtocolError(f"expected REQUEST, got {header.type.name}")
             ch.send_error(0, exc)
             raise exc
-        try:
-            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
-        except RemoteProtocolError as exc:
-            ch.send_error(0, exc)
-            raise
+        if body is None:
+            try:
+                msg = P.decode_control(payload, max_decoded=ch.max_decoded)
+            except RemoteProtocolError as exc:
+                ch.send_error(0, exc)
+                raise
         method = msg.get("m")
         args = msg.get("a", {})
         try:
             if not isinstance(method, str) or method not in methods or not isinstance(args, dict):
                 raise UsageError(f"unknown request {shown(method)}")
+            if (body is not None) != (method in data_methods):
+                raise UsageError(f"request {shown(method)} {'must not' if body is not None else 'must'} come as a DATA frame")
             if args_from_wire is not None:
                 args = args_from_wire(method, args)
+            if body is not None:
+                args = {**args, "data": body}
             try:
                 result = getattr(handler, method)(**args)
             except TypeError as exc:
                 raise UsageError(f"bad arguments for {method}: {str(exc)[:SHOWN_LIMIT]}") from exc
         except (Tb5syncError, OSError, ValueError) as exc:
+            if body is not None:
+                if body.failed is not None:  # the connection broke inside the body
+                    raise body.failed from None
+                assert scratch is not None
+                body.discard(scratch)  # the stream goes on at the next frame
             if isinstance(exc, OSError) and not isinstance(exc, Tb5syncError):
                 log.info("request %s failed: %s", method, exc)
             ch.send_error(header.rid, exc)
             continue
+        if body is not None:
+            assert scratch is not None
+            body.discard(scratch)
         if isinstance(result, tuple):
             meta, parts = result
             del result

@@ -52,9 +52,9 @@ from .errors import (
     Tb5syncError,
     UsageError,
 )
-from .fsops import FsOps, Pages, args_from_wire
+from .fsops import FsOps, Pages, Puts, args_from_wire
 from .generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
-from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
+from .messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_DATA_METHODS, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
 from .quota import WriteQuota
 from .entry import DIR, FILE, LINK, path_from_wire, path_to_wire
 from .netif import AllowList, bind_host, peer_address
@@ -72,6 +72,10 @@ from . import protocol as P
 __all__ = ["Server"]
 
 log = logging.getLogger(__name__)
+
+#: What an fs session's OPEN reply announces beyond ``read_only``: ``pieces``, the server takes
+#: ``put_open``/``put_piece``/``put_close`` (a client sends a file in pieces only to a server that says so).
+FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
 
 _JOIN_TIMEOUT = 30.0
 _SOURCE_BLOCK = 4 * 1024 * 1024
@@ -320,6 +324,7 @@ class Server:
         self._sessions: dict[str, _Session] = {}
         self._open_sessions = 0
         self._pages = Pages()
+        self._puts = Puts()
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()  # one disk test at a time
         self._conns: set[Channel] = set()
@@ -689,10 +694,11 @@ class Server:
             self._ls(ch, path)
             return False
         if op == "fs":
-            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota())
+            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota(), puts=self._puts)
             try:
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
-                serve(ch, ops, FS_METHODS, args_from_wire)
+                # "pieces": this server takes put_open/put_piece/put_close (older ones lack the key)
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, **FS_CAPABILITIES})
+                serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
             finally:
                 ops.close()
             return False

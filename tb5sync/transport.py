@@ -591,6 +591,38 @@ class Channel:
             raise RemoteProtocolError("connection closed inside a frame")
         return bytes(meta), body
 
+    def recv_data_meta(self, header: P.Header) -> tuple[bytes, int]:
+        """Receive a DATA payload's meta only: ``(meta bytes, body length)``; the body's bytes must be
+        read next, all of them, with :meth:`recv_body_into`.
+
+        Raises
+        ------
+        As :meth:`recv_data_into`.
+        """
+        if header.type is not P.FrameType.DATA or header.length < 4:
+            raise RemoteProtocolError(f"expected a DATA frame of at least 4 bytes, got {header.type.name} of {header.length}")
+        head = bytearray(4)
+        if not self._recv_exact(head):
+            raise RemoteProtocolError("connection closed inside a frame")
+        mlen = int.from_bytes(head, "big")
+        if mlen > min(header.length - 4, P.MAX_CONTROL):
+            raise RemoteProtocolError(f"DATA meta length {mlen} exceeds frame payload {header.length}")
+        meta = bytearray(mlen)
+        if mlen and not self._recv_exact(meta):
+            raise RemoteProtocolError("connection closed inside a frame")
+        return bytes(meta), header.length - 4 - mlen
+
+    def recv_body_into(self, view: memoryview) -> None:
+        """Receive the next ``len(view)`` bytes of a DATA body announced by :meth:`recv_data_meta` into ``view``.
+
+        Raises
+        ------
+        RemoteProtocolError, LinkTimeoutError, OSError
+            The connection closed, stalled or broke inside the frame.
+        """
+        if len(view) and not self._recv_exact(view):
+            raise RemoteProtocolError("connection closed inside a frame")
+
     def peer_closed(self) -> bool:
         """True when the peer has closed the stream or sent something unasked (checked without
         blocking): the channel then cannot carry a new request safely."""

@@ -299,27 +299,34 @@ def test_commit_across_file_systems(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 # ---- the first error is the one reported ------------------------------------------------------
 
 
-def test_fs_disk_full_during_a_streamed_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC on the server during wwrite reaches the fsspec caller as ENOSPC, not as the cleanup's 'no open write'."""
+@pytest.mark.parametrize("how", ["pieces", "streamed"])
+def test_fs_disk_full_during_a_streamed_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """ENOSPC on the server during a large write (``put_piece``; ``wwrite`` on a server without
+    pieces) reaches the fsspec caller as ENOSPC, not as the cleanup's 'no open write'/'no open put'."""
+    from tb5sync import server as server_mod
+
+    if how == "streamed":
+        monkeypatch.setattr(server_mod, "FS_CAPABILITIES", {})
     live = start_server(str(tmp_path / "root"))
     calls = [0]
-    real = fsops_mod.write_all
+    name = "write_all" if how == "streamed" else "pwrite_all"
+    real = getattr(fsops_mod, name)
 
-    def full(fd: int, data: Any) -> None:
+    def full(fd: int, data: Any, *offset: int) -> None:
         calls[0] += 1
         raise OSError(errno.ENOSPC, "No space left on device")
 
     try:
         fs = tb5fs(live)
-        monkeypatch.setattr(fsops_mod, "write_all", full)
+        monkeypatch.setattr(fsops_mod, name, full)
         with pytest.raises(OSError) as info:
             fs.pipe("big.bin", os.urandom(17 * MiB))  # more than one request: a streamed write
         assert info.value.errno == errno.ENOSPC, repr(info.value)
-        assert "no open write" not in str(info.value)
+        assert "no open write" not in str(info.value) and "no open put" not in str(info.value)
         assert calls[0] >= 1
         assert tmp_files(live.root) == []
         assert not os.path.exists(os.path.join(live.root, "big.bin"))
-        monkeypatch.setattr(fsops_mod, "write_all", real)
+        monkeypatch.setattr(fsops_mod, name, real)
     finally:
         live.server.stop()
 
