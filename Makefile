@@ -63,7 +63,8 @@ endif
 
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
-	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3'
+	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3' 'sshfs>=2023.1'
+	@command -v nginx >/dev/null && command -v ccache >/dev/null && test -x /usr/sbin/sshd || (apt-get update -qq && apt-get install -y -qq nginx-light ccache openssh-server)
 	mkdir -p $(RUN)
 	$(BIN)/python benches/bench_sync.py --repeat 5 --json-out $(RUN)/sync.json
 	$(BIN)/python benches/bench_sync.py --short --repeat 5 --no-raw --workloads tree_cold --json-out $(RUN)/sync-short.json
@@ -73,7 +74,6 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --json-out $(RUN)/fs.json
 	$(BIN)/python benches/bench_scaling.py
 	$(BIN)/python benches/bench_store.py
-	@command -v nginx >/dev/null && command -v ccache >/dev/null || (apt-get update -qq && apt-get install -y -qq nginx-light ccache)
 	$(BIN)/python benches/bench_httpcache.py
 	$(BIN)/python benches/targets.py --sync $(RUN)/sync.json --sync-short $(RUN)/sync-short.json --cpu $(RUN)/cpu.json \
 		--chunker $(RUN)/chunker.json --fs $(RUN)/fs.json
