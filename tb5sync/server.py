@@ -1013,7 +1013,7 @@ class Server:
             if not ok:
                 raise ConnectError("not all streams of the session joined in time")
             channels = [c for c in s.channels if c is not None]
-            requester = Requester(channels)
+            requester = Requester(channels, peer="client")
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
                                 link_dest_root=self.root, listing_limits=self.listing_limits, quota=self._quota())
             try:
