@@ -315,8 +315,23 @@ def _unsupported_sync_options(extras: list[str]) -> str:
     opts = [x for x in extras if x.startswith("-") and x != "-"]
     if not opts:
         return f"unexpected argument {extras[0]!r} (tb5sync sync takes SRC and DST only)"
-    return (f"rsync option {opts[0].split('=', 1)[0]} is not supported by tb5sync sync "
+    name = opts[0].split("=", 1)[0] if opts[0].startswith("--") else opts[0][:2]  # -f'- *.bin': -f
+    return (f"rsync option {name} is not supported by tb5sync sync "
             "(see tb5sync sync --help for the options it takes)")
+
+
+def _spaced_options(argv: Sequence[str], positional: Sequence[str]) -> list[str]:
+    """The arguments of ``argv`` that look like options but that argparse took as operands
+    (``positional``: SRC, DST and what it left over): argparse takes an unknown ``-x`` or
+    ``--opt=VALUE`` holding a space (``--filter='- *.bin'``) for an operand, where rsync reports
+    an unknown option. Stops at ``--`` (operands only after it). Returns them in order."""
+    found = []
+    for x in argv:
+        if x == "--":
+            break
+        if x.startswith("-") and len(x) > 1 and " " in x and x in positional:
+            found.append(x)
+    return found
 
 
 def _http_cache_options(q: argparse.ArgumentParser) -> None:
@@ -662,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  else x) for i, x in enumerate(argv)]
     a, extras = parser.parse_known_args(argv)
     if a.command == "sync":
+        extras = _spaced_options(argv, [x for x in (a.src, a.dst) if x is not None] + extras) + extras
         if extras:  # an rsync option tb5sync does not take: one line naming it, not the usage
             parser.exit(2, f"tb5sync: error: {_unsupported_sync_options(extras)}\n")
         if a.src is None or a.dst is None:
