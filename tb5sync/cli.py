@@ -675,6 +675,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
                  else x) for i, x in enumerate(argv)]
+    if "store" in argv and _command_of(argv) == "store":  # store -m d put ...: where -m goes, in one line
+        from .storecli import misplaced_before_subcommand
+
+        where = misplaced_before_subcommand(parser, argv[argv.index("store") + 1:])
+        if where:
+            parser.exit(2, f"tb5sync: error: {where}\n")
     a, extras = parser.parse_known_args(argv)
     if a.command == "sync":
         extras = _spaced_options(argv, [x for x in (a.src, a.dst) if x is not None] + extras) + extras
