@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     AuthError,
     ConnectError,
+    ConnectionClosedError,
     DestinationError,
     IntegrityError,
     MissingDirectoryError,
@@ -64,6 +65,7 @@ __all__ = [
     "VersionMismatchError",
     "AuthError",
     "ConnectError",
+    "ConnectionClosedError",
     "PathError",
     "RemoteNotFoundError",
     "SourceNotFoundError",

@@ -315,8 +315,23 @@ def _unsupported_sync_options(extras: list[str]) -> str:
     opts = [x for x in extras if x.startswith("-") and x != "-"]
     if not opts:
         return f"unexpected argument {extras[0]!r} (tb5sync sync takes SRC and DST only)"
-    return (f"rsync option {opts[0].split('=', 1)[0]} is not supported by tb5sync sync "
+    name = opts[0].split("=", 1)[0] if opts[0].startswith("--") else opts[0][:2]  # -f'- *.bin': -f
+    return (f"rsync option {name} is not supported by tb5sync sync "
             "(see tb5sync sync --help for the options it takes)")
+
+
+def _spaced_options(argv: Sequence[str], positional: Sequence[str]) -> list[str]:
+    """The arguments of ``argv`` that look like options but that argparse took as operands
+    (``positional``: SRC, DST and what it left over): argparse takes an unknown ``-x`` or
+    ``--opt=VALUE`` holding a space (``--filter='- *.bin'``) for an operand, where rsync reports
+    an unknown option. Stops at ``--`` (operands only after it). Returns them in order."""
+    found = []
+    for x in argv:
+        if x == "--":
+            break
+        if x.startswith("-") and len(x) > 1 and " " in x and x in positional:
+            found.append(x)
+    return found
 
 
 def _http_cache_options(q: argparse.ArgumentParser) -> None:
@@ -345,10 +360,6 @@ def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
 def _cmd_http_cache(a: argparse.Namespace) -> int:
     cache = _http_cache(a, a.store, a.bind)
 
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
         cache.serve_forever()
     except KeyboardInterrupt:
@@ -385,13 +396,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
         cache_store = Store(srv.store_dir(create=not a.read_only), read_only=a.read_only)
     cache = _http_cache(a, cache_store, a.http_cache) if a.http_cache else None
-    print(f"tb5sync: serving {srv.root} on {host_port(host, srv.port)}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
+        print(f"tb5sync: serving {srv.root} on {host_port(host, srv.port)}{' (TLS)' if srv.tls else ''}", file=sys.stderr, flush=True)
         srv.serve_forever()
     except KeyboardInterrupt:
         pass
@@ -669,8 +675,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "sync" in argv:  # rsync's bare --compress (no value): lz4
         argv = [("--compress=lz4" if x == "--compress" and (i + 1 == len(argv) or argv[i + 1] not in ("auto", "lz4", "none"))
                  else x) for i, x in enumerate(argv)]
+    if "store" in argv and _command_of(argv) == "store":  # store -m d put ...: where -m goes, in one line
+        from .storecli import misplaced_before_subcommand
+
+        where = misplaced_before_subcommand(parser, argv[argv.index("store") + 1:])
+        if where:
+            parser.exit(2, f"tb5sync: error: {where}\n")
     a, extras = parser.parse_known_args(argv)
     if a.command == "sync":
+        extras = _spaced_options(argv, [x for x in (a.src, a.dst) if x is not None] + extras) + extras
         if extras:  # an rsync option tb5sync does not take: one line naming it, not the usage
             parser.exit(2, f"tb5sync: error: {_unsupported_sync_options(extras)}\n")
         if a.src is None or a.dst is None:
@@ -697,7 +710,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handlers = {"serve": _cmd_serve, "sync": _cmd_sync, "ls": _cmd_ls, "bench": _cmd_bench, "store": _cmd_store,
                 "http-cache": _cmd_http_cache}
-    restore = _interrupt_on_signals() if a.command not in ("serve", "http-cache") else {}
+    # a daemon stops on SIGINT or SIGTERM (exit 0) and ignores no signal it was started with;
+    # SIGHUP is left to the daemon's caller (nohup), as before
+    restore = _interrupt_on_signals(("SIGINT", "SIGTERM") if a.command in ("serve", "http-cache") else _SIGNALS)
     try:
         from .hashing import check_environment
 
@@ -715,6 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tb5sync: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: what was being written was removed on the way out
+        if a.command in ("serve", "http-cache"):  # a daemon asked to stop (even before it served): status 0
+            return 0
         print(f"tb5sync: error: {INTERRUPTED}", file=sys.stderr)
         return 20
     except BrokenPipeError:  # output piped into e.g. `head`
@@ -733,11 +750,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 INTERRUPTED = "received SIGINT, SIGTERM, or SIGHUP (code 20)"
 
 
-def _interrupt_on_signals() -> dict[int, Any]:
-    """Make SIGTERM and SIGHUP end the command as SIGINT does (a ``KeyboardInterrupt`` in the main
-    thread: temporary files are removed and connections closed on the way out, then exit 20 with
-    rsync's message); returns the previous handlers. Nothing when not called from the main thread
-    (a caller embedding :func:`main`) or where a signal does not exist (SIGHUP on Windows)."""
+#: The signals that end a command (rsync's SIGINT, SIGTERM and SIGHUP).
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def _interrupt_on_signals(names: tuple[str, ...] = _SIGNALS) -> dict[int, Any]:
+    """Make each signal of ``names`` (signal names such as ``"SIGTERM"``) end the command as
+    Ctrl-C does (a ``KeyboardInterrupt`` in the main thread: temporary files are removed and
+    connections closed on the way out, then exit 20 with rsync's message, 0 for a daemon);
+    returns the previous handlers, for :func:`main` to put back.
+
+    SIGINT is installed too, as rsync installs its handler regardless: a shell script's
+    background job (``tb5sync sync ... &``) starts with SIGINT ignored, and Python then
+    installs no handler of its own, so ``kill -INT`` did nothing. Nothing when not called
+    from the main thread (a caller embedding :func:`main`) or where a signal does not exist
+    (SIGHUP on Windows)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -747,7 +774,7 @@ def _interrupt_on_signals() -> dict[int, Any]:
         raise KeyboardInterrupt
 
     old = {}
-    for name in ("SIGTERM", "SIGHUP"):
+    for name in names:
         signum = getattr(signal, name, None)
         if signum is not None:
             old[signum] = signal.signal(signum, interrupt)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .errors import ConnectError, RemoteProtocolError, SourceNotFoundError, Tb5syncError, UsageError
+from .errors import ConnectError, RemoteProtocolError, SourceNotFoundError, Tb5syncError, UsageError, closed_mid_transfer
 from ._paths import follow_slash
 from .entry import DIR, FILE, LINK, Entry, kind_of, path_from_wire, path_to_wire, source_name
 from .options import Failure, SyncOptions, SyncStats
@@ -151,6 +151,8 @@ def pull(
         Reaching or authenticating with the server failed.
     LinkTimeoutError
         The server or the link stalled for ``timeout`` seconds.
+    ConnectionClosedError
+        The server closed the connection mid-transfer (exit 12).
     RemoteNotFoundError, PathError
         The source does not exist or is outside the server's root.
     DestinationError, IntegrityError, SourceChangedError
@@ -258,7 +260,8 @@ def push(
     SourceNotFoundError
         ``src`` does not exist (a ``RemoteNotFoundError`` too, as it was raised before).
     ConnectError, AuthError, ReadOnlyError, PathError, DestinationError, ...
-        As reported by the connection or the server.
+        As reported by the connection or the server; ``ConnectionClosedError`` (exit 12) when the
+        server closed the connection mid-transfer.
     """
     src_abs = os.path.abspath(src)
     if not os.path.lexists(src_abs):
@@ -306,7 +309,7 @@ def push(
     if res is None:
         if errors and isinstance(errors[0], Tb5syncError):
             raise errors[0]
-        raise ConnectError(f"server closed the session without a result{': ' + str(errors[0]) if errors else ''}")
+        raise closed_mid_transfer("server", errors[0] if errors else None)
     if "error" in res:
         err = res["error"]
         raise P.error_from_body(err if isinstance(err, dict) else {})
@@ -427,7 +430,7 @@ def measure_tcp(r: Remote, token: bytes | None, streams: int, nbytes: int, direc
         while True:
             fr = c.recv_frame()
             if fr is None:
-                raise ConnectError("server closed a source stream early")
+                raise closed_mid_transfer("server")
             if fr[0].type is FrameType.BYE:
                 return
             if fr[0].type is not FrameType.DATA:
@@ -479,7 +482,7 @@ def open_session_reply(ch: Channel) -> dict[str, Any]:
     """The next RESPONSE on ``ch`` (the ``sink`` session's final count), or the server's error."""
     fr = ch.recv_frame()
     if fr is None:
-        raise ConnectError("server closed the connection before answering")
+        raise closed_mid_transfer("server")
     header, payload = fr
     if header.type not in (FrameType.RESPONSE, FrameType.ERROR):
         raise RemoteProtocolError(f"expected RESPONSE, got {header.type.name}")

@@ -30,6 +30,8 @@ __all__ = [
     "RefusedError",
     "ConnectError",
     "BusyError",
+    "ConnectionClosedError",
+    "closed_mid_transfer",
     "LinkTimeoutError",
     "PathError",
     "RemoteNotFoundError",
@@ -154,6 +156,29 @@ class BusyError(ConnectError):
     Nothing was done; the same request may be retried later (rsync's daemon says
     "max connections reached -- try again later" in the same case).
     """
+
+
+class ConnectionClosedError(ConnectError):
+    """The peer closed (or reset) the connection in the middle of a session: a server stopped or
+    killed mid-transfer. The message says which side closed it, in one line.
+
+    ``exit_code`` 12 is rsync's ``RERR_STREAMIO`` ("error in rsync protocol data stream", after its
+    "connection unexpectedly closed"); 10 stays for a server that cannot be reached or refused the
+    client at admission. Still a :class:`ConnectError` (what this raised before), so callers that
+    reconnect on a lost connection keep doing so.
+    """
+
+    exit_code = 12
+
+
+def closed_mid_transfer(peer: str, exc: BaseException | None = None) -> ConnectionClosedError:
+    """The one-line :class:`ConnectionClosedError` for ``peer`` (``"server"`` or ``"client"``)
+    gone mid-session; ``exc`` (the socket's error, e.g. ``BrokenPipeError``) adds its reason:
+    ``server closed the connection mid-transfer (Broken pipe)``."""
+    if exc is None:
+        return ConnectionClosedError(f"{peer} closed the connection mid-transfer")
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+    return ConnectionClosedError(f"{peer} closed the connection mid-transfer ({why})")
 
 
 class LinkTimeoutError(ConnectError, TimeoutError):

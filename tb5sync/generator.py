@@ -575,6 +575,27 @@ class Generator:
                     raise
                 dest.fail(e.path, "destination", exc)
 
+    def settle_dirs(self, plan: Plan) -> None:
+        """On the way out of a run that stopped early (a signal, a lost link, a quota or disk
+        error): give every directory of the plan its mode now (those :meth:`prepare` created,
+        the destination's base too, and the existing ones whose mode changes), deepest first,
+        instead of leaving new ones at the 0700 they were made with (rsync creates a directory
+        with its final permissions and sets an existing one's as its generator passes it, so its
+        interrupted run leaves them so). Mtimes are left: rsync sets a directory's at the end of
+        its run too. Best effort: an error is logged, never raised (the run's own error is the
+        one reported); nothing is done below a failed directory.
+        """
+        dest = self.destination
+        for e in sorted(plan.dirs, key=lambda x: x.path.count("/") if x.path else -1, reverse=True):
+            if e.path in dest.failed_dirs or dest.skipped(e.path):
+                continue
+            try:
+                dest.chmod(e.path, e.mode)
+            except FileNotFoundError:
+                continue  # not made yet
+            except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+                log.info("cannot give %s its mode on the way out: %s", e.path or ".", exc)
+
     def _remove(self, d: Entry) -> bool:
         """Remove one destination entry (never following symlinks); True if it was removed.
 

@@ -48,6 +48,9 @@ class WriteQuota:
         self.min_free = min_free
         #: bytes charged so far
         self.used = 0
+        #: the name shown for ``what == ""`` (the transfer's root: a single-file push's file), e.g. the
+        #: destination path relative to the server's ROOT as the client named it; set by the session
+        self.root_name = ""
         self._lock = threading.Lock()
 
     @property
@@ -56,7 +59,8 @@ class WriteQuota:
         return self.max_bytes is not None or self.min_free > 0
 
     def charge(self, nbytes: int, what: str) -> None:
-        """Count ``nbytes`` (>= 0) about to be written for ``what`` (a path, shown in the error).
+        """Count ``nbytes`` (>= 0) about to be written for ``what`` (a path relative to the transfer's
+        root, shown in the error; ``""``, the root itself, is shown as :attr:`root_name`).
 
         Raises
         ------
@@ -64,6 +68,7 @@ class WriteQuota:
             The session would pass ``max_bytes``, or the file system would keep less than
             ``min_free`` bytes free; nothing is counted then.
         """
+        what = what or self.root_name  # a single-file push charges its root: name the file
         if what.isprintable() and len(what) <= 200:
             what_ = what
         else:

@@ -391,7 +391,11 @@ class Receiver:
                 self.destination.remove_stale(planned.temps)
                 if self.state is not None:
                     self.state.prune_partials()
-                self._apply(generator, planned, ld)
+                try:
+                    self._apply(generator, planned, ld)
+                except BaseException:  # interrupted or failed: the directories made so far get their modes
+                    generator.settle_dirs(planned.plan)
+                    raise
                 self.destination.sync_dirs()
             except PermissionError as exc:
                 if isinstance(exc, Tb5syncError):

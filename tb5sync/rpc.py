@@ -22,12 +22,14 @@ from .errors import (
     shown,
     SHOWN_LIMIT,
     ConnectError,
+    ConnectionClosedError,
     LocalProtocolError,
     ProtocolError,
     RemoteOSError,
     RemoteProtocolError,
     Tb5syncError,
     UsageError,
+    closed_mid_transfer,
 )
 from ._io import populated_buffer
 from ._parts import close_parts
@@ -77,7 +79,7 @@ def call_direct(ch: Channel, method: str, args: dict[str, Any], into: memoryview
         ch.send_control(P.FrameType.REQUEST, 1, {"m": method, "a": args})
         header = ch.recv_header()
         if header is None:
-            raise ConnectError("server closed the connection")
+            raise closed_mid_transfer("server")
         if into is not None and header.type is P.FrameType.DATA:
             meta, body = ch.recv_data_into(header, into)
             return P.decode_control(meta, P.DATA_META_PER_CONTAINER, ch.max_decoded), body
@@ -85,7 +87,7 @@ def call_direct(ch: Channel, method: str, args: dict[str, Any], into: memoryview
     except OSError as exc:
         if isinstance(exc, Tb5syncError):
             raise
-        raise ConnectError(f"connection lost: {exc}") from exc
+        raise closed_mid_transfer("server", exc) from exc
     return reply_of(header, payload, ch.max_decoded)
 
 
@@ -113,12 +115,17 @@ class Requester:
     ----------
     channels : list of Channel
         The session's streams; channel 0 carries control requests by default.
+    peer : str
+        Who is at the other end (``"server"``, or ``"client"`` on the server's side): a connection
+        it closes mid-session fails the pending and later requests with
+        :class:`~tb5sync.errors.ConnectionClosedError` naming it.
     """
 
-    def __init__(self, channels: list[Channel]) -> None:
+    def __init__(self, channels: list[Channel], peer: str = "server") -> None:
         if not channels:
             raise UsageError("a requester needs at least one channel")
         self.channels = channels
+        self.peer = peer
         #: Receive buffers shared by the channels; DATA bodies are views into them.
         self.pool = BufferPool(max_buffers=16, make=populated_buffer)
         for ch in channels:
@@ -159,8 +166,11 @@ class Requester:
         idx = next(self._rr) if channel is None else channel
         fut: Future[Any] = Future()
         with self._lock:
-            if self._dead[idx] is not None:
-                raise ConnectError(f"stream {idx} is closed: {self._dead[idx]}")
+            dead = self._dead[idx]
+            if dead is not None:
+                if isinstance(dead, ConnectionClosedError):  # one line: the peer went away
+                    raise ConnectionClosedError(str(dead))
+                raise ConnectError(f"stream {idx} is closed: {dead}")
             rid = next(self._ids) & 0xFFFFFFFF
             self._pending[idx][rid] = fut
             if into is not None:
@@ -171,7 +181,7 @@ class Requester:
             with self._lock:
                 self._pending[idx].pop(rid, None)
                 self._into[idx].pop(rid, None)
-            raise ConnectError(f"connection lost while sending {method}: {exc}") from exc
+            raise closed_mid_transfer(self.peer, exc) from exc
         return fut
 
     def submit_data(self, method: str, args: dict[str, Any], parts: list[Any], *, channel: int) -> Future[Any]:
@@ -208,7 +218,7 @@ class Requester:
         ch = self.channels[idx]
         pending = self._pending[idx]
         intos = self._into[idx]
-        err: BaseException = ConnectError("peer closed the connection")
+        err: BaseException = closed_mid_transfer(self.peer)
         try:
             while True:
                 header = ch.recv_header()
@@ -250,7 +260,7 @@ class Requester:
                     continue
                 _resolve(fut, result)
         except (ProtocolError, OSError) as exc:
-            err = exc if isinstance(exc, Tb5syncError) else ConnectError(f"connection lost: {exc}")
+            err = exc if isinstance(exc, Tb5syncError) else closed_mid_transfer(self.peer, exc)
         with self._lock:
             self._dead[idx] = err
             left = list(pending.values())

@@ -1019,9 +1019,12 @@ class Server:
             if not ok:
                 raise ConnectError("not all streams of the session joined in time")
             channels = [c for c in s.channels if c is not None]
-            requester = Requester(channels)
+            requester = Requester(channels, peer="client")
+            quota = self._quota()
+            if quota is not None:  # a single-file push (put_file) is named by its path under ROOT, not ""
+                quota.root_name = os.path.relpath(dest, self.root)
             receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
-                                link_dest_root=self.root, listing_limits=self.listing_limits, quota=self._quota())
+                                link_dest_root=self.root, listing_limits=self.listing_limits, quota=quota)
             try:
                 stats = dataclasses.replace(receiver.run(), created=created)
                 result: dict[str, Any] = {"stats": stats.as_dict()}

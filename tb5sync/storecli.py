@@ -129,8 +129,9 @@ def _store_options(q: argparse.ArgumentParser, *, after: bool) -> None:
                    help="an fsspec storage option for an object store URL (repeatable; e.g. "
                         "endpoint_url=http://127.0.0.1:8333, key=..., secret=...)")
     q.add_argument("--timeout", type=float, default=none, metavar="SECONDS",
-                   help="object store only: give up on a request with no answer after about SECONDS + 3 "
-                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60)")
+                   help="object store: give up on a request with no answer after about SECONDS + 3 "
+                        "(3 attempts, each waiting at most SECONDS/6 to connect and per reply; default 60); "
+                        "accepted and ignored on a local store (as rclone's --timeout)")
 
 
 def add_family_options(q: argparse.ArgumentParser) -> None:
@@ -145,22 +146,94 @@ def add_family_options(q: argparse.ArgumentParser) -> None:
 STORE_OPTIONS = ("--store", "--storage-option", "--timeout")
 
 
+def _store_parsers(parser: argparse.ArgumentParser) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``store`` command's parser and its subcommands' parsers (by name), from the whole parser."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # the command's parsers
+    store = sub.choices["store"]
+    ssub = next(a for a in store._actions if isinstance(a, argparse._SubParsersAction))
+    return store, dict(ssub.choices)
+
+
+def _where_it_goes(name: str, command: str | None, subs: dict[str, argparse.ArgumentParser]) -> str | None:
+    """Where the store subcommands' option ``name`` goes, given before (or outside) ``command``."""
+    takers = [n for n, q in subs.items() if name in q._option_string_actions]
+    if command in takers:
+        return f"{name} is an option of tb5sync store {command}: put it after {command} (tb5sync store {command} ... {name})"
+    if takers:
+        return f"{name} is an option of tb5sync store {'/'.join(takers)}, not of store {command}" if command else \
+            f"{name} is an option of tb5sync store {'/'.join(takers)}: put it after the subcommand"
+    return None
+
+
 def misplaced_store_option(parser: argparse.ArgumentParser, extras: list[str], command: str) -> str | None:
     """The one-line error for ``extras`` (what argparse left of a ``store`` command line) when one
     is an option of a ``store`` subcommand given before it (``store --json ls``): where it goes,
     or which subcommands take it when ``command`` (the one given) does not; None when none is."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # the command's parsers
-    store = sub.choices["store"]
-    ssub = next(a for a in store._actions if isinstance(a, argparse._SubParsersAction))
+    _, subs = _store_parsers(parser)
     for x in extras:
         name = x.split("=", 1)[0]
         if not name.startswith("-"):
             continue
-        takers = [n for n, q in ssub.choices.items() if name in q._option_string_actions]
-        if command in takers:
-            return f"{name} is an option of tb5sync store {command}: put it after {command} (tb5sync store {command} ... {name})"
-        if takers:
-            return f"{name} is an option of tb5sync store {'/'.join(takers)}, not of store {command}"
+        where = _where_it_goes(name, command, subs)
+        if where:
+            return where
+    return None
+
+
+def _known(x: str, acts: dict[str, argparse.Action]) -> tuple[argparse.Action | None, bool]:
+    """The action of option argument ``x`` among ``acts`` (a parser's option strings; a unique
+    prefix of a long one too, as argparse takes it) and whether ``x`` carries its value."""
+    if x.startswith("--"):
+        name = x.split("=", 1)[0]
+        hits = [name] if name in acts else [o for o in acts if o.startswith("--") and o.startswith(name)]
+        act = acts[hits[0]] if len({id(acts[o]) for o in hits}) == 1 else None
+        return act, "=" in x
+    act = acts.get(x[:2])
+    return act, len(x) > 2
+
+
+def misplaced_before_subcommand(parser: argparse.ArgumentParser, args: list[str]) -> str | None:
+    """The one-line error for an option of a ``store`` subcommand in the wrong place, flag or
+    valued: between ``store`` and the subcommand (``store -m d put ...``, ``store --url URL ls``,
+    ``store -6 push ...``: argparse would take its value, or ``-6``, for the subcommand and print
+    its usage), or after a subcommand that does not take it (``store get -6 r d``). ``args`` is
+    what follows ``store`` on the command line; returns None when nothing is misplaced.
+
+    Known options are skipped with their values (``store``'s own before the subcommand, the
+    subcommand's after it); the subcommand named is the first argument after the misplaced option
+    (and its value, when it takes one there) that names one. Stops at ``--``.
+    """
+    store, subs = _store_parsers(parser)
+    acts = store._option_string_actions
+    command: str | None = None
+    i = 0
+    while i < len(args):
+        x = args[i]
+        if x == "--":
+            return None
+        if command is None and x in subs:
+            command, acts = x, subs[x]._option_string_actions
+            i += 1
+            continue
+        if not (x.startswith("-") and len(x) > 1):
+            if command is None:
+                return None  # not a subcommand: argparse says so
+            i += 1
+            continue
+        act, attached = _known(x, acts)
+        if act is not None:
+            i += 2 if act.nargs != 0 and not attached else 1
+            continue
+        for cand in dict.fromkeys((x.split("=", 1)[0], x[:2])):
+            takers = [q for q in subs.values() if cand in q._option_string_actions]
+            if takers:
+                if command is None:
+                    valued = takers[0]._option_string_actions[cand].nargs != 0 and cand == x
+                    command = next((y for y in args[i + (2 if valued else 1):] if y in subs), None)
+                return _where_it_goes(cand, command, subs)
+        if command is None:
+            return None
+        i += 1
     return None
 
 
@@ -237,9 +310,11 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         _print_refs(remote_refs(_remote(a.url, a.ip_version), a.prefix, token=read_token(a.token_file)), a.json)
         return 0
     is_url = a.store is not None and "://" in a.store and not a.store.startswith("file://")
-    if a.timeout is not None and not is_url:
-        raise UsageError("store --timeout applies only to an object store (--store URL)")
-    with open_store(a.store, opts or None, **({"timeout": a.timeout} if a.timeout is not None else {})) as st:
+    if a.timeout is not None and not is_url:  # as rclone's --timeout on a local remote: nothing to time out
+        import logging
+
+        logging.getLogger(__name__).info("store --timeout %g ignored: a local store makes no network requests", a.timeout)
+    with open_store(a.store, opts or None, **({"timeout": a.timeout} if a.timeout is not None and is_url else {})) as st:
         if c == "put":
             t0 = time.perf_counter()
             before = st.stats()

@@ -191,3 +191,57 @@ def test_negative_option_values_as_rsync_takes_them(tmp_path: Any) -> None:
     assert (tmp_path / "mine" / "extra").exists() and (tmp_path / "ref" / "extra").exists()
     bad = _cli("sync", "--streams", "-3", src + "/", str(tmp_path / "mine"))
     assert bad.returncode == 2 and "streams must be an integer from 1 to 64, not -3" in bad.stderr
+
+
+@pytest.mark.timeout(60)
+def test_every_subcommand_option_misplaced_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option of every store subcommand, flag or valued (``-m d``, ``--url URL``, ``-6``), given
+    between ``store`` and its subcommand, or after a subcommand that does not take it: one line saying
+    where it goes, exit 2 (never argparse's usage and "invalid choice")."""
+    from tb5sync import cli
+    from tb5sync.storecli import _store_parsers
+
+    store, subs = _store_parsers(build_parser())
+    shared = set(store._option_string_actions)  # store's own and the global ones go anywhere
+    tried = 0
+    for name, q in subs.items():
+        for act in q._actions:
+            for opt in act.option_strings:
+                if opt in shared:
+                    continue
+                value = [] if act.nargs == 0 else [str(act.choices[0]) if act.choices else "1"]
+                takers = [n for n, p in subs.items() if opt in p._option_string_actions]
+                others = [n for n in subs if n not in takers]
+                cases = [(["store", "--store", "S", opt, *value, name, *_SUBCOMMANDS[name]],
+                          f"{opt} is an option of tb5sync store {name}: put it after {name} (tb5sync store {name} ... {opt})")]
+                if others:
+                    cases.append((["store", "--store", "S", others[0], *_SUBCOMMANDS[others[0]], opt, *value],
+                                  f"{opt} is an option of tb5sync store {'/'.join(takers)}, not of store {others[0]}"))
+                    cases.append((["store", "--store", "S", others[0], opt, *value, *_SUBCOMMANDS[others[0]]],
+                                  f"{opt} is an option of tb5sync store {'/'.join(takers)}, not of store {others[0]}"))
+                for argv, want in cases:
+                    with pytest.raises(SystemExit) as ei:
+                        cli.main(argv)
+                    err = capsys.readouterr().err
+                    assert ei.value.code == 2 and err.strip().splitlines() == [f"tb5sync: error: {want}"], (argv, err)
+                    tried += 1
+    assert tried > 100
+
+
+@pytest.mark.timeout(60)
+def test_store_timeout_on_a_local_store_is_accepted_and_ignored(tmp_path: Any) -> None:
+    """``--timeout`` (an object store's request timeout) on a local store: accepted and ignored, as
+    rclone's ``--timeout`` on a local remote, before or after the subcommand (a script giving it for
+    both kinds of store works); ``-v`` says it was ignored."""
+    src, st = str(tmp_path / "src"), str(tmp_path / "st")
+    make_tree(src, files=3)
+    put = _cli("store", "--store", st, "--timeout", "5", "put", "r", src)
+    assert put.returncode == 0 and put.stderr == "", put.stderr
+    got = _cli("-v", "store", "get", "r", str(tmp_path / "out"), "--store", st, "--timeout", "5")
+    assert got.returncode == 0, got.stderr
+    assert "store --timeout 5 ignored: a local store makes no network requests" in got.stderr
+    ls = _cli("store", "--timeout", "5", "ls", "--json", "--store", st)
+    assert ls.returncode == 0 and [x["name"] for x in json.loads(ls.stdout)] == ["r"], ls.stderr
+    from conftest import digest_snapshot
+
+    assert digest_snapshot(str(tmp_path / "out")) == digest_snapshot(src)

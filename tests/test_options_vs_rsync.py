@@ -678,9 +678,9 @@ def test_itemize_link_dest_shows_only_what_changed(h: Opts, dry: bool) -> None:
 # ---- rsync's spelling on the command line ------------------------------------------------------
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True,
-                          timeout=100, check=False)
+                          timeout=100, check=False, cwd=cwd)
 
 
 def test_cli_takes_rsync_archive_spellings(tmp_path: Any) -> None:
@@ -721,7 +721,11 @@ def test_cli_delete_aliases_delete(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("args, named", [(["--hard-links-x"], "--hard-links-x"), (["-aA"], "-A"),
-                                         (["--chown=a:b"], "--chown"), (["-avq"], "-q"), (["-e", "ssh"], "-e")])
+                                         (["--chown=a:b"], "--chown"), (["-avq"], "-q"), (["-e", "ssh"], "-e"),
+                                         # a value holding a space: argparse would take it for SRC
+                                         (["--filter=- *.bin"], "--filter"), (["--chmod=a b"], "--chmod"),
+                                         (["--exclude-from=a b"], "--exclude-from"), (["-f- *.bin"], "-f "),
+                                         (["-a", "--filter=- *.bin", "-v"], "--filter")])
 def test_cli_unknown_rsync_option_one_line(tmp_path: Any, args: list[str], named: str) -> None:
     """An rsync option tb5sync does not take: one line naming it, exit 2, nothing written."""
     src = str(tmp_path / "src")
@@ -731,6 +735,31 @@ def test_cli_unknown_rsync_option_one_line(tmp_path: Any, args: list[str], named
     assert p.stderr.count("\n") == 1 and named in p.stderr and "not supported" in p.stderr, p.stderr
     assert "usage" not in p.stderr
     assert not os.path.exists(str(tmp_path / "t"))
+
+
+@pytest.mark.usefixtures("need_rsync")
+def test_cli_known_options_and_operands_with_spaces(tmp_path: Any) -> None:
+    """Known options whose value holds a space, and operands with spaces (after ``--`` too, even one
+    starting with ``-``), are still taken as rsync takes them: same tree as rsync's."""
+    base = tmp_path / "my src"
+    _small_tree(str(base))
+    write(str(base / "a b"), b"x", 0o644, T0)
+    write(str(base / "keep"), b"y", 0o644, T0)
+    for opts in (["--exclude=a b"], ["--exclude", "a b"]):
+        r, t = str(tmp_path / "r dst"), str(tmp_path / "t dst")
+        shutil.rmtree(r, ignore_errors=True)
+        shutil.rmtree(t, ignore_errors=True)
+        subprocess.run(["rsync", "-a", *opts, str(base) + "/", r], timeout=100, check=True)
+        p = _cli("sync", *opts, str(base) + "/", t)
+        assert p.returncode == 0, p.stderr
+        assert not os.path.exists(os.path.join(r, "a b"))
+        assert digest_snapshot(t) == digest_snapshot(r), opts
+    odd = tmp_path / "-odd name"
+    _small_tree(str(odd))
+    subprocess.run(["rsync", "-a", "--", "-odd name/", "r odd"], cwd=str(tmp_path), timeout=100, check=True)
+    p = _cli("sync", "--", "-odd name/", "t odd", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert digest_snapshot(str(tmp_path / "t odd")) == digest_snapshot(str(tmp_path / "r odd"))
 
 
 def test_cli_h_alone_is_help() -> None:

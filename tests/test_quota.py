@@ -207,3 +207,39 @@ def test_serve_options_reach_the_server(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(Stop):
         main(["serve", str(tmp_path)])
     assert (seen["max_session_bytes"], seen["min_free_space"]) == (None, 0)
+
+
+def test_single_file_push_past_the_limit_names_the_file(tmp_path: Path) -> None:
+    """A single-file push (CLI, ``sync()``) and fsspec ``put_file`` past --max-session-bytes: the
+    error names the file by its path under ROOT as the client gave it (not ``remote: : writing``),
+    one line; nothing at the final path."""
+    import subprocess
+    import sys
+
+    from conftest import tb5fs
+
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(3 * MiB))
+    root = tmp_path / "root"
+    live = start_server(str(root), max_session_bytes=2 * MiB)
+    try:
+        (root / "in").mkdir()
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(src / "big.bin"), live.url("in/")],
+                           capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"})
+        assert r.returncode == 11, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"tb5sync: error: remote: in/big.bin: writing {3 * MiB} bytes would pass this session's limit of "
+            f"{2 * MiB} bytes (0 written; the server's --max-session-bytes)"], r.stderr
+        with pytest.raises(QuotaError, match=r"^remote: in/renamed\.bin: writing \d+ bytes would pass"):
+            tb5sync.sync(str(src / "big.bin"), live.url("in/renamed.bin"))
+        fs = tb5fs(live, engine_threshold=MiB)
+        try:
+            with pytest.raises(QuotaError, match=r"^remote: in/put\.bin: writing \d+ bytes would pass"):
+                fs.put_file(str(src / "big.bin"), "/in/put.bin")
+        finally:
+            fs._holder.close()
+    finally:
+        live.server.stop()
+    assert _written(root) == [] and not tmp_files(str(root))
