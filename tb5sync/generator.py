@@ -206,10 +206,11 @@ class Generator:
 
     def itemized(self, planned: Planned) -> tuple[str, ...]:
         """The ``--itemize-changes`` lines of a run of ``planned`` that is over: the plan's items
-        but those of entries that failed (named in the failures instead)."""
+        but those of entries that failed (named in the failures instead; rsync's ``cd+++++++++``
+        of a directory whose ``mkdir`` failed stays: ``plan.itemized_refused``)."""
         if not planned.plan.items:
             return ()
-        failed = {f.path for f in self.destination.failures} | set(self.destination.changed)
+        failed = {f.path for f in self.destination.failures} - planned.plan.itemized_refused | set(self.destination.changed)
         items = [(c, e) for c, e in planned.plan.items if e.path not in failed]
         return tuple(itemize_lines(items, self.options.exclude_root))
 

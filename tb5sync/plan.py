@@ -30,7 +30,9 @@ class Plan:
     ``deletes_skipped`` counts the deletions ``max_delete`` left out, ``kept_dirs`` the
     directories that then stay non-empty (rsync: "cannot delete non-empty directory");
     ``items`` (with ``itemize``) is ``(code, entry)`` per change, ``code`` rsync's 11-character
-    ``YXcstpoguax`` string (see :func:`itemize_lines`), deletions first.
+    ``YXcstpoguax`` string (see :func:`itemize_lines`), deletions first; ``itemized_refused``
+    names the refused entries whose item stays (rsync prints a directory's ``cd+++++++++``
+    before its ``mkdir`` fails below a file kept by ``--ignore-existing``).
     """
 
     mkdirs: list[Entry] = field(default_factory=list)
@@ -45,6 +47,7 @@ class Plan:
     deletes_skipped: int = 0
     kept_dirs: list[str] = field(default_factory=list)
     items: list[tuple[str, Entry]] = field(default_factory=list)
+    itemized_refused: set[str] = field(default_factory=set)
 
 
 def plan_sync(
@@ -87,8 +90,10 @@ def plan_sync(
         rsync's ``--size-only`` (a file of the same size is unchanged; its mode and mtime are
         still set), ``-u`` (a regular file whose destination copy is newer is left alone) and
         ``--ignore-existing`` (an existing destination entry is left alone, but a directory
-        where the source has one; the source's entries below a non-directory left in place
-        are refused: "Not a directory", and it gets the directory's mtime, as in rsync).
+        where the source has one; the source's entries right below a non-directory left in
+        place are refused: "Not a directory" (a directory there is itemized first, its contents
+        skipped), and it gets the directory's mtime, as in rsync; in a dry run only a file
+        right below it is refused, the rest itemized as new, as ``rsync -n`` does).
     max_delete : int or None
         At most this many deletions of entries missing at the source, in rsync's order (see
         :func:`_limit_deletes`); replacements of another type are not counted.
@@ -131,8 +136,21 @@ def plan_sync(
         if d is None and fold is not None:
             d = have_folded.get(fold(e.path))
         if left and _below(e.path, left):
-            plan.refused.append((e.path, "Not a directory: a destination entry kept by --ignore-existing is in the way"))
-            continue
+            # rsync's generator below a non-directory kept where the source has a directory: an
+            # entry right below it fails (a file's stat, a link's symlink(), a directory's mkdir:
+            # ENOTDIR; the directory is itemized first and its contents skipped silently). A dry
+            # run stats only files there; a directory counts as created (rsync's dry_missing_dir),
+            # so it and everything under it are itemized as new.
+            direct = e.path.rpartition("/")[0] in left
+            if dry_run and not (direct and e.kind == FILE):
+                pass  # itemized below as a new entry (nothing exists there: d is None)
+            else:
+                if direct:
+                    if e.kind == DIR:
+                        item("cd+++++++++", e)
+                        plan.itemized_refused.add(e.path)
+                    plan.refused.append((e.path, "Not a directory: a destination entry kept by --ignore-existing is in the way"))
+                continue
         if d is not None and (ignore_existing and not (e.kind == DIR and d.kind == DIR)
                               or update and e.kind == FILE and d.kind == FILE and d.mtime_ns > e.mtime_ns):
             plan.unchanged += 1  # left as it is (rsync: "exists" / "is newer")
@@ -216,7 +234,7 @@ def plan_sync(
     if itemize:
         refused = {p for p, _ in plan.refused}
         plan.items = _deletion_order(plan, extraneous, have, src, max_delete, protected or set(), dry_run)
-        plan.items += [(c, e) for c, e in items if e.path not in refused]
+        plan.items += [(c, e) for c, e in items if e.path not in refused or e.path in plan.itemized_refused]
     return plan
 
 

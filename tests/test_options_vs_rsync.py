@@ -599,6 +599,37 @@ _option = st.sampled_from([
 ])
 
 
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("file_below", [True, False], ids=["file-below", "no-file-below"])
+def test_ignore_existing_entries_below_a_kept_file(h: Opts, tmp_path: Any, dry: bool, file_below: bool) -> None:
+    """Below a destination file kept where the source has a directory, rsync's generator fails
+    each entry right below it (a file's stat, a link, a directory's mkdir after its ``cd+++`` line)
+    and skips a failed directory's contents; ``rsync -n`` fails only the files there and itemizes
+    the rest as new, down the whole subtree (exit 0 when no file is right below)."""
+    _small_tree(h.src)
+    os.unlink(os.path.join(h.src, "logs", "x.log"))
+    if file_below:
+        write(os.path.join(h.src, "logs", "x.log"), b"log x", 0o644, T0)
+    write(os.path.join(h.src, "logs", "sub", "y.log"), b"y", 0o644, T0)
+    write(os.path.join(h.src, "logs", "sub", "z", "w.log"), b"w", 0o644, T0)
+    os.symlink("elsewhere", os.path.join(h.src, "logs", "l"))
+    freeze_dirs(h.src, T0 + 3 * S)
+
+    def extras(dst: str) -> None:
+        shutil.rmtree(os.path.join(dst, "logs"))
+        write(os.path.join(dst, "logs"), b"a file", 0o644, T0)
+
+    _template(h, tmp_path, extras)
+    write(os.path.join(h.src, "added.txt"), b"added", 0o644, T0)
+    freeze_dirs(h.src, T0 + 5 * S)
+    args = ["--ignore-existing", "-i", *(["-n"] if dry else [])]
+    out = h.go("src/", "dst", args, ignore_existing=True, itemize_changes=True, dry_run=dry)
+    same_codes(out)
+    assert out["rsync"][0] == (0 if dry and not file_below else 23)
+    same_items(out)
+    if not dry:
+        h.check()
+
 def _unescape(text: str) -> str:
     """rsync writes a non-ASCII byte of a name as ``\\#ooo`` (octal)."""
     return re.sub(rb"\\#([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), text.encode()).decode()
