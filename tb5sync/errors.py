@@ -96,6 +96,15 @@ class ArgumentTypeError(UsageError, TypeError):
     """An API argument of the wrong type (e.g. ``sync(..., exclude="*.log")``); the message names it."""
 
 
+class InvalidSeekError(UsageError, OSError):
+    """A seek to before the start of a file opened through ``tb5://``: an ``OSError`` with
+    ``errno`` EINVAL, as Python's (and fsspec's LocalFileSystem's) files raise, and a
+    ``ValueError``, as fsspec's buffered files raise (both kinds of caller catch it)."""
+
+    def __init__(self, message: str) -> None:
+        OSError.__init__(self, errno.EINVAL, message)
+
+
 class ProtocolError(Tb5syncError):
     """The byte stream does not follow the tb5sync wire protocol."""
 
