@@ -98,6 +98,15 @@ class ArgumentTypeError(UsageError, TypeError):
     """An API argument of the wrong type (e.g. ``sync(..., exclude="*.log")``); the message names it."""
 
 
+class InvalidSeekError(UsageError, OSError):
+    """A seek to before the start of a file opened through ``tb5://``: an ``OSError`` with
+    ``errno`` EINVAL, as Python's (and fsspec's LocalFileSystem's) files raise, and a
+    ``ValueError``, as fsspec's buffered files raise (both kinds of caller catch it)."""
+
+    def __init__(self, message: str) -> None:
+        OSError.__init__(self, errno.EINVAL, message)
+
+
 class ProtocolError(Tb5syncError):
     """The byte stream does not follow the tb5sync wire protocol."""
 
@@ -279,6 +288,27 @@ class MissingDirectoryError(MissingParentError):
     exit_code = 3
 
 
+class DestinationNotADirectoryError(DestinationError, NotADirectoryError):
+    """The destination (or a directory on its path) exists as a non-directory where the sync needs
+    a directory: a directory source onto a file (rsync 3.x: ``ERROR: destination must be a
+    directory when copying more than 1 file``), or a path through a file, ``afile/`` or
+    ``afile/x`` (``ERROR: cannot stat destination "DST": Not a directory (20)``); exit 3, as
+    rsync's. Nothing is written.
+
+    Attributes
+    ----------
+    path : str
+        The destination as the user named it (``""`` when rebuilt from a server's error).
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno.ENOTDIR
+
+
 class QuotaError(DestinationError):
     """A write the server refuses by its limits: the session's ``--max-session-bytes`` or the
     ``--min-free-space`` it keeps (``errno`` ENOSPC). Nothing of the refused file is written."""
@@ -445,6 +475,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         UsageError,
         MissingParentError,
         MissingDirectoryError,
+        DestinationNotADirectoryError,
         AuthError,
         RefusedError,
         BusyError,

@@ -238,6 +238,7 @@ class ExcludeRules:
     * a pattern with no other ``/`` (and no ``**``) matches the final path component at any depth;
     * a pattern with a ``/`` or a ``**`` matches the whole relative path, anchored at the
       transfer root if it starts with ``/``, otherwise at any directory boundary;
+    * a pattern ending in ``/***`` matches the directory named before it and everything in it;
     * ``*`` matches within a component, ``**`` across components (a leading ``**/`` of an
       unanchored pattern also matches at the top), ``?`` one char, ``[...]`` a character
       class (``!``/``^`` negates, POSIX ``[:digit:]`` and the like), ``\\`` quotes.
@@ -277,6 +278,11 @@ class ExcludeRules:
             p = p.lstrip("/")
             whole = anchored or "/" in p or "**" in p
             compiled.append((_Glob(p, any_dir=whole and not anchored, lead_dirs=not anchored), dir_only, whole))
+            if p.endswith("/***") and not p.endswith("\\/***") and len(p) > 4:
+                # "dir/***" is "dir/**" and "dir" itself (rsync(1): "'dir_name/***' will match
+                # both the directory (as if 'dir_name/' had been specified) and everything in
+                # the directory"): the directory is left out whole, not kept empty.
+                compiled.append((_Glob(p[:-4], any_dir=not anchored, lead_dirs=not anchored), True, True))
         object.__setattr__(self, "_compiled", tuple(compiled))
 
     def __bool__(self) -> bool:

@@ -102,6 +102,41 @@ _BUSY = object()
 _STALE = object()
 
 
+_NEEDS_SIZE = object()
+
+
+def _fsspec_range(start: Any, end: Any, size: int | None = None) -> Any:
+    """``(start, end)`` of a ``cat_file(path, start, end)`` as fsspec's ``AbstractFileSystem.cat_file``
+    (LocalFileSystem's) reads it, in Python slice form the server takes (``end`` None: to the
+    end of the file), or :data:`_NEEDS_SIZE` when that takes the file's ``size`` (bytes) and it
+    is None. fsspec seeks to ``start`` (negative: ``max(0, size + start)``), then reads
+    ``end - position`` bytes (negative ``end``: ``size + end``): -1 of them reads to the end
+    of the file, fewer raise. Other types are returned as they are (the server refuses them).
+
+    Raises
+    ------
+    ValueError
+        The read length is below -1 (``end`` before ``start``): "read length must be
+        non-negative or -1", as a local file's ``read``.
+    """
+    if end is None or type(end) is not int or start is not None and type(start) is not int:
+        return start, end
+    if start is None or start >= 0:
+        s = start or 0
+    elif size is None:
+        return _NEEDS_SIZE
+    else:
+        s = max(0, size + start)
+    if end < 0:
+        if size is None:
+            return _NEEDS_SIZE
+        end = size + end
+    n = end - s
+    if n < -1:
+        raise ValueError("read length must be non-negative or -1")
+    return (s, None) if n == -1 else (s, end)
+
+
 def _known_range(start: Any, end: Any, expect: Any) -> tuple[int, int] | None:
     """``(s, e)`` of a read whose bounds are known before asking: non-negative ints and a pinned
     size (``expect``), clamped to that size; None otherwise (the first reply tells)."""
@@ -495,6 +530,10 @@ class TB5FileSystem(AsyncFileSystem):
         into the returned buffer, in pieces spread over the connections (:func:`~tb5sync.fsfile.plan_pieces`).
         """
         path = self._strip_protocol(path)
+        rng = _fsspec_range(start, end, expect.get("size") if isinstance(expect, dict) else None)
+        if rng is _NEEDS_SIZE:
+            rng = _fsspec_range(start, end, self.info(path)["size"])
+        start, end = rng
         known = _known_range(start, end, expect)
         small = known is None or known[1] - known[0] <= SMALL_READ
         got = self._call_sync("cat", {"path": path, "start": start, "end": end, "expect": expect}) if small else None
@@ -616,7 +655,9 @@ class TB5FileSystem(AsyncFileSystem):
 
     # ---- reading ------------------------------------------------------------------------
     async def _cat_file(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None, **kwargs: Any) -> bytes:
-        """Bytes ``[start:end]`` (Python slice semantics; negative counts from the end).
+        """Bytes ``[start:end]`` as fsspec's LocalFileSystem reads them (:func:`_fsspec_range`:
+        negative counts from the end, an ``end`` before ``start`` raises ValueError, one byte
+        before reads to the end; a negative ``end`` costs one ``info`` request first).
 
         ``expect`` = ``{"size", "mtime"}`` (from an info dict) refuses a file that
         changed since (:class:`~tb5sync.errors.SourceChangedError`). A read of more than one
@@ -624,6 +665,10 @@ class TB5FileSystem(AsyncFileSystem):
         ``(end - start) / streams`` bytes (4 to 16 MiB) over all the connections.
         """
         path = self._strip_protocol(path)
+        rng = _fsspec_range(start, end, expect.get("size") if isinstance(expect, dict) else None)
+        if rng is _NEEDS_SIZE:
+            rng = _fsspec_range(start, end, (await self._info(path))["size"])
+        start, end = rng
         known = _known_range(start, end, expect)
         small = known is None or known[1] - known[0] <= SMALL_READ
         got = await self._call("cat", {"path": path, "start": start, "end": end, "expect": expect}) if small else None
@@ -693,7 +738,27 @@ class TB5FileSystem(AsyncFileSystem):
         ends = list(ends) if isinstance(ends, (list, tuple)) else [ends] * n
         if len(starts) != n or len(ends) != n:
             raise ValueError("paths, starts and ends differ in length")
-        out = await self._cat_items([[self._strip_protocol(p), s, e] for p, s, e in zip(paths, starts, ends)])
+        items = [[self._strip_protocol(p), s, e] for p, s, e in zip(paths, starts, ends)]
+        ranges: list[Any] = []
+        for p, s, e in items:  # fsspec's reading of each range (LocalFileSystem's); errors as values
+            try:
+                ranges.append(_fsspec_range(s, e))
+            except ValueError as exc:
+                ranges.append(exc)
+        sized = sorted({it[0] for it, r in zip(items, ranges) if r is _NEEDS_SIZE})
+        infos = dict(zip(sized, await asyncio.gather(*[self._info(p) for p in sized], return_exceptions=True)))
+        for i, (it, r) in enumerate(zip(items, ranges)):
+            if r is _NEEDS_SIZE:
+                info = infos[it[0]]
+                try:
+                    ranges[i] = info if isinstance(info, BaseException) else _fsspec_range(it[1], it[2], info["size"])
+                except ValueError as exc:
+                    ranges[i] = exc
+        asked = [i for i, r in enumerate(ranges) if not isinstance(r, BaseException)]
+        got = await self._cat_items([[items[i][0], *ranges[i]] for i in asked]) if asked else []
+        out: list[Any] = list(ranges)
+        for i, r in zip(asked, got):
+            out[i] = r
         if on_error != "return":
             ex = next((o for o in out if isinstance(o, BaseException)), None)
             if ex is not None:

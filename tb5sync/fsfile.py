@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fsspec.asyn import sync
 from fsspec.spec import AbstractBufferedFile
 
-from .errors import SourceChangedError
+from .errors import InvalidSeekError, SourceChangedError
 from .messages import FS_MAX_READ as MAX_READ
 from .messages import FS_MAX_WRITE as MAX_WRITE
 
@@ -130,6 +130,41 @@ class TB5File(AbstractBufferedFile):
             fs.cat_file(path, 0, 0)  # a link leading outside the root: the server refuses (PermissionError)
 
     # reading
+    def seek(self, loc: int, whence: int = 0) -> int:
+        """Set the read position (bytes) ``loc`` from the start (``whence`` 0), the current
+        position (1) or the end (2); returns the new position. A position past the end is kept
+        (reads there return ``b""``), as a local file's.
+
+        Raises
+        ------
+        InvalidSeekError
+            The position would be before the start (``OSError`` EINVAL, as a local file's, and
+            ``ValueError``, as fsspec's files).
+        ValueError
+            ``whence`` is not 0, 1 or 2.
+        OSError
+            ESPIPE: the file is not open for reading (fsspec's rule).
+        """
+        if self.mode == "rb" and whence in (0, 1, 2):
+            nloc = int(loc) + (0, self.loc, self.size)[whence]
+            if nloc < 0:
+                raise InvalidSeekError(f"Invalid argument: seek to {nloc} is before the start of {self.path}")
+        elif self.mode == "rb":
+            raise ValueError(f"whence value {whence} unsupported")
+        return super().seek(loc, whence)  # type: ignore[no-any-return]
+
+    def read(self, length: int | None = -1) -> bytes:
+        """Up to ``length`` bytes from the position (all the rest when -1 or None).
+
+        Raises
+        ------
+        ValueError
+            ``length`` below -1 (as a local file's ``read``), or the file is not open for reading.
+        """
+        if length is not None and int(length) < -1:
+            raise ValueError("read length must be non-negative or -1")
+        return super().read(-1 if length is None else length)  # type: ignore[no-any-return]
+
     def _pin(self) -> dict[str, Any]:
         return {"size": self.details["size"], "mtime": self.details["mtime"]}
 

@@ -497,10 +497,10 @@ class Generator:
         from ._fsmeta import copied_name
 
         dest = self.destination
-        code_of = {e.path: c for c, e in items if c != "*deleting" and c != NONEMPTY}
+        item_of = {e.path: (c, e) for c, e in items if c != "*deleting" and c != NONEMPTY}
         out = [(c, e) for c, e in items if c == "*deleting" or c == NONEMPTY]
         for e in src:
-            code = code_of.get(e.path)
+            code, e = item_of.get(e.path, (None, e))  # the item's own entry: an hf line keeps its target
             if e.kind != LINK and (code is None or "+" not in code):
                 want = sorted((n, v) for n, v in self.src_xattrs.get(e.path, []) if copied_name(n))
                 try:

@@ -347,20 +347,28 @@ def rsync_item_order(items: list[tuple[str, Entry]]) -> list[tuple[str, Entry]]:
     depend on timing: deletions first (in their order, :func:`_deletion_order`), then depth
     first from the base: each directory, its non-directories by name, then its subdirectories by
     name (rsync's file-list order); a hard link's ``hf`` lines last, as rsync prints them once
-    the group's file is written. (rsync prints a sent file's line when it is sent, so those
-    lines and a changed directory's may come in another order between runs.)"""
+    the group's file is written: group by group in the file-list order of the path they are
+    linked to (``target``), each group's lines in reverse file-list order (rsync 3.x, hlink.c's
+    ``finish_hard_link`` walks the group from its last member back). (rsync prints a sent
+    file's line when it is sent, so those lines and a changed directory's may come in another
+    order between runs.)"""
+    def flist(path: str, kind: str) -> tuple[tuple[int, bytes], ...]:
+        parts = [c.encode("utf-8", "surrogateescape") for c in path.split("/")] if path else []
+        if kind == DIR:
+            return tuple((1, c) for c in parts)
+        return (*((1, c) for c in parts[:-1]), (0, parts[-1] if parts else b""))  # "": a single file synced
+
     def key(item: tuple[str, Entry]) -> tuple[Any, ...]:
         code, e = item
-        parts = [c.encode("utf-8", "surrogateescape") for c in e.path.split("/")] if e.path else []
-        if e.kind == DIR:
-            path = tuple((1, c) for c in parts)
-        else:
-            path = (*((1, c) for c in parts[:-1]), (0, parts[-1] if parts else b""))  # "": a single file synced
         if code == "*deleting" or code == NONEMPTY:
             return (-1, ())  # stable: their own order
-        return (1 if code.startswith("h") else 0, path)
+        return (1 if code.startswith("h") else 0, flist(e.path, e.kind))
 
-    return sorted(items, key=key)
+    out = sorted(items, key=key)
+    first_h = next((i for i, (c, _) in enumerate(out) if c.startswith("h")), len(out))
+    links = sorted(out[first_h:], key=lambda it: flist(it[1].path, it[1].kind), reverse=True)
+    links.sort(key=lambda it: flist(it[1].target or it[1].path, FILE))  # stable: members stay reversed
+    return out[:first_h] + links
 
 
 def _deletion_order(plan: Plan, extraneous: list[Entry], have: dict[str, Entry], src: list[Entry],

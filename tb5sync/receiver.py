@@ -233,9 +233,28 @@ def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mk
         (exit 11) The directory's parent is missing, without ``mkpath``.
     MissingDirectoryError
         (exit 3) A single file's destination directory is missing, without ``mkpath``.
+    DestinationError
+        (exit 11) ``mkpath``'s mkdir failed (``mkdir "DST" failed: Not a directory (20)``).
+    DestinationNotADirectoryError
+        (exit 3) ``dst`` is not a directory and the source is one, or a file stands on
+        ``dst``'s path (``afile/``, ``afile/x``; with ``mkpath`` the mkdir fails instead, exit 11).
     """
-    from .errors import MissingDirectoryError, MissingParentError
+    from .errors import DestinationNotADirectoryError, MissingDirectoryError, MissingParentError
 
+    try:  # rsync's stat of the destination (main.c, get_local_name), symlinks followed
+        st: os.stat_result | None = os.stat(dst.rstrip("/") + "/" if dst_slash else dst)
+    except NotADirectoryError:
+        st = None
+        if not mkpath:  # with --mkpath rsync tries mkdir and fails there (exit 11)
+            raise DestinationNotADirectoryError(
+                f'cannot stat destination "{shown}": Not a directory (20) '
+                "(a file stands where a directory is needed)", shown) from None
+    except OSError:
+        st = None  # missing (or unreadable: named below or by the receiver)
+    if st is not None and src_kind == DIR and not stat.S_ISDIR(st.st_mode):
+        raise DestinationNotADirectoryError(
+            f'destination must be a directory when copying more than 1 file: "{shown}" is not a directory '
+            "(a directory source is copied into a directory)", shown)
     into = src_kind == DIR or dst_slash or os.path.isdir(dst)
     target = dst if into else os.path.dirname(dst)
     name = shown.rstrip("/") or ("/" if shown.startswith("/") else ".")
@@ -256,7 +275,12 @@ def prepare_dest_dir(dst: str, shown: str, dst_slash: bool, src_kind: str, *, mk
             if into:
                 lines.append(f"created directory {name}")
         else:
-            (makedirs or os.makedirs)(target)
+            try:
+                (makedirs or os.makedirs)(target)
+            except OSError as exc:  # a file on the way (ENOTDIR), no permission: rsync's words, exit 11
+                if isinstance(exc, Tb5syncError):
+                    raise
+                raise DestinationError(f'mkdir "{name}" failed: {exc.strerror or exc} ({exc.errno})') from exc
         return tuple(lines)
     hint = ("; add --mkpath to create the missing parent directories (rsync 3's rule; "
             "tb5sync 0.1 created them without it)")

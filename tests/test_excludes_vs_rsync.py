@@ -28,6 +28,9 @@ PATTERNS = [
     "**/f1.bin", "d1/**", "d1/**/f1.bin", "**.bin", "/**/b", "a/**/b", "**/sub1/", "src/**/top.excl", "x**",
     # several stars in one component
     "*1*", "f*.b*",
+    # "dir/***": the directory itself and everything in it (a file of that name stays)
+    "empty/***", "sub1/***", "/sub1/***", "/src/d1/***", "**/sub1/***", "d1/*/***", "d4/***", "d*/***",
+    "su*/***", "a/x/***", "- sub1/***", "- /d1/***",
 ]
 
 
@@ -44,6 +47,8 @@ def _tree(src: str) -> None:
         ("src/d1/inner.txt", b"a src inside src"), ("src/top.excl", b"src/src"),
     ]:
         write(os.path.join(src, rel), data, 0o644, T0)
+    os.makedirs(os.path.join(src, "empty"))
+    os.makedirs(os.path.join(src, "d1", "empty"))
     freeze_dirs(src, T0)
 
 
@@ -86,7 +91,8 @@ def test_pattern_excluding_the_source_itself(tmp_path: Any, server: Any, pattern
 
 
 @pytest.mark.parametrize("slash", [True, False], ids=["slash", "noslash"])
-@pytest.mark.parametrize("patterns", [["/top.excl"], ["/src/top.excl", "d1/**", "sub1/"], ["/d1/", "**/b"]])
+@pytest.mark.parametrize("patterns", [["/top.excl"], ["/src/top.excl", "d1/**", "sub1/"], ["/d1/", "**/b"],
+                                      ["empty/***"], ["sub1/***", "- /a/***"], ["**/d1/***"], ["/src/d1/***", "d4/***"]])
 def test_anchored_patterns_on_every_route(tmp_path: Any, server: Any, patterns: list[str], slash: bool) -> None:
     """The issue's example and a few more, local, push and pull, with --delete on a prefilled
     destination (excluded destination entries are protected where rsync protects them)."""

@@ -190,3 +190,68 @@ def test_a_reply_cut_inside_its_frame_fails_its_request(into: bool) -> None:
             fut.result(timeout=30)
     finally:
         req.close(bye=False)
+
+
+ODD_RANGES = [(4, 2), (4, 3), (5, 5), (0, 0), (-3, None), (None, -3), (-3, -1), (-1, -3), (-1, -2), (2, 100),
+              (100, 200), (12, None), (12, 11), (12, 5), (None, None), (None, 12), (-100, 3), (3, -100),
+              (-100, None), (None, -100), (-100, -95), (-10, -10), (9, 8), (10, 9), (None, 0)]
+
+
+def _outcome(fn: Any) -> Any:
+    """``fn()``'s bytes, or its error as (kind, errno): ValueError / OSError(errno)."""
+    try:
+        return fn()
+    except ValueError as exc:
+        return ("ValueError", getattr(exc, "errno", None)) if not isinstance(exc, OSError) else ("OSError", exc.errno)
+    except OSError as exc:
+        return ("OSError", exc.errno)
+
+
+@pytest.mark.parametrize("size", [10, 300_000])
+def test_odd_ranges_as_local_filesystem(tmp_path: Any, size: int) -> None:
+    """cat_file (sync and async), cat_ranges and open().seek/read on ranges fsspec's
+    LocalFileSystem reads oddly (start after end, negative bounds, past the end, None) give its
+    results and its errors: an end one byte before the start reads to the end, further before
+    raises ValueError; a seek before the start is OSError EINVAL (and a ValueError too)."""
+    from fsspec.asyn import sync
+
+    from conftest import served_fs
+    from tb5sync.errors import InvalidSeekError
+
+    data = random.Random(3).randbytes(size)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "f.bin").write_bytes(data)
+    local, lp = LocalFileSystem(), str(tmp_path / "root" / "f.bin")
+    ranges = ODD_RANGES + [(size - 1, size - 2), (size + 5, size + 4), (-size, -size - 1), (-size - 1, -size - 2)]
+    with served_fs(str(tmp_path / "root")) as (_live, fs):
+        for s, e in ranges:
+            want = _outcome(lambda: local.cat_file(lp, s, e))
+            assert _outcome(lambda: fs.cat_file("f.bin", s, e)) == want, (s, e, want)
+            assert _outcome(lambda: sync(fs.loop, fs._cat_file, "f.bin", s, e)) == want, ("async", s, e)
+        starts, ends = [r[0] for r in ranges], [r[1] for r in ranges]
+        want_all = [o if isinstance(o, bytes) else (type(o).__name__, getattr(o, "errno", None))
+                    for o in local.cat_ranges([lp] * len(ranges), starts, ends)]
+        got_all = [o if isinstance(o, bytes) else ("ValueError" if isinstance(o, ValueError) else type(o).__name__,
+                                                   getattr(o, "errno", None))
+                   for o in fs.cat_ranges(["f.bin"] * len(ranges), starts, ends)]
+        assert got_all == want_all
+        with pytest.raises(ValueError):
+            fs.cat_ranges(["f.bin", "f.bin"], [0, 4], [1, 2], on_error="raise")
+        for whence, off in [(0, -1), (0, size + 20), (1, -5), (1, -1), (1, 3), (2, -3), (2, 5), (2, -size - 1), (0, 4)]:
+            def go(f: Any) -> Any:
+                f.read(2)
+                return f.seek(off, whence), f.read(3), f.tell(), f.read(-1)[-5:], f.read(None), f.read(2), f.tell()
+
+            with local.open(lp, "rb") as lf, fs.open("f.bin", "rb") as tf:
+                want = _outcome(lambda: go(lf))
+                assert _outcome(lambda: go(tf)) == want, (whence, off, want)
+        with fs.open("f.bin", "rb") as tf:
+            with pytest.raises(InvalidSeekError) as ei:
+                tf.seek(-1)
+            assert isinstance(ei.value, ValueError) and ei.value.errno == 22 and "f.bin" in str(ei.value)
+            with pytest.raises(ValueError):
+                tf.seek(0, 5)
+            for n in (-2, -100):
+                with pytest.raises(ValueError, match="read length must be non-negative or -1"):
+                    tf.read(n)
+            assert tf.tell() == 0 and tf.read(-1) == data and tf.read() == b""

@@ -149,3 +149,79 @@ def test_fsspec_put_into_missing_directory_as_local_filesystem(tmp_path: Any, se
     fs.makedirs("/x/y", exist_ok=True)
     fs.put(str(f), "/x/y/f")
     assert slurp(os.path.join(server.root, "x", "y", "f")) == b"hi"
+
+
+FILE_CASES = [
+    # (source spec, destination spec, --mkpath, -n): "afile" is an existing regular file
+    ("src/", "afile", False, False),
+    ("src", "afile", False, False),
+    ("src/", "afile", False, True),
+    ("empty/", "afile", False, False),
+    ("src/", "afile/", False, False),
+    ("src/a", "afile/", False, False),
+    ("src/", "afile/sub", False, False),
+    ("src/a", "afile/x", False, False),
+    ("src/a", "afile/x/", False, True),
+    ("src/", "afile/sub", True, False),
+    ("src/a", "afile", False, False),  # a single file onto a file: replaced, exit 0
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("src_spec,dst_spec,mkpath,dry", FILE_CASES, ids=["-".join(map(str, c)) for c in FILE_CASES])
+def test_destination_is_a_file_like_rsync(tmp_path: Any, server: Any, src_spec: str, dst_spec: str, mkpath: bool,
+                                          dry: bool) -> None:
+    """A regular file where the sync needs a directory (the destination itself for a directory
+    source, or a directory on its path): rsync's exit code (3, or 11 when --mkpath's mkdir fails),
+    one line in rsync's words, and the file left as it was; a single file onto a file replaces it."""
+    src_root = str(tmp_path / "work")
+    _src(os.path.join(src_root, "src"))
+    os.makedirs(os.path.join(src_root, "empty"))
+    cp_a(os.path.join(src_root, "src"), os.path.join(server.root, "src"))  # the pull's source
+    os.makedirs(os.path.join(server.root, "empty"))
+    flags = ["-i", *(["--mkpath"] if mkpath else []), *(["-n"] if dry else [])]
+    places = {"ref": tmp_path / "ref", "local": tmp_path / "local", "pull": tmp_path / "pull", "push": tmp_path / "push"}
+    for where in [*places.values(), server.root]:
+        os.makedirs(where, exist_ok=True)
+        write(os.path.join(where, "afile"), b"the destination's own file\n", 0o644, T0)
+    ref = subprocess.run(["rsync", "-a", *flags, os.path.join(src_root, src_spec), dst_spec], cwd=places["ref"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert ref.returncode in (0, 3, 11), ref.stderr
+    want = slurp(str(places["ref"] / "afile"))
+    routes = {"local": (os.path.join(src_root, src_spec), dst_spec),
+              "pull": (server.url(src_spec), dst_spec),
+              "push": (os.path.join(src_root, src_spec), server.url(dst_spec))}
+    for route, (a, b) in routes.items():
+        got = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", *flags, a, b], cwd=places[route],
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert got.returncode == ref.returncode, (route, got.stderr, ref.stderr)
+        where = os.path.join(server.root, "afile") if route == "push" else str(places[route] / "afile")
+        assert slurp(where) == want, route
+        assert sorted(os.listdir(os.path.dirname(where))) == sorted(os.listdir(places["ref"])) or route == "push", route
+        if ref.returncode == 3:  # rsync's words for the same case, on one line naming the destination
+            words = ("cannot stat destination", "Not a directory (20)") if "cannot stat" in ref.stderr else \
+                    ("destination must be a directory",)
+            assert all(w in got.stderr for w in words) and "afile" in got.stderr, (route, got.stderr, ref.stderr)
+            assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+        elif ref.returncode:  # --mkpath: rsync's mkdir failure
+            assert 'mkdir "' in got.stderr and "failed: Not a directory (20)" in got.stderr, (route, got.stderr)
+            assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+
+
+@pytest.mark.timeout(60)
+def test_api_destination_is_a_file_raises_exit_3(tmp_path: Any, server: Any) -> None:
+    """The Python API raises :class:`DestinationNotADirectoryError` (exit 3, also a
+    ``NotADirectoryError``) on every route, before writing anything."""
+    from tb5sync.errors import DestinationNotADirectoryError
+
+    src = str(tmp_path / "src")
+    _src(src)
+    cp_a(src, os.path.join(server.root, "src"))
+    for where in (str(tmp_path), server.root):
+        write(os.path.join(where, "afile"), b"mine", 0o644, T0)
+    for a, b in ((src + "/", str(tmp_path / "afile")), (src, server.url("afile")),
+                 (server.url("src/"), str(tmp_path / "afile")), (src + "/a", server.url("afile/x"))):
+        with pytest.raises(DestinationNotADirectoryError) as ei:
+            tb5sync.sync(a, b)
+        assert ei.value.exit_code == 3 and isinstance(ei.value, NotADirectoryError), (a, b)
+    assert slurp(str(tmp_path / "afile")) == b"mine" and slurp(os.path.join(server.root, "afile")) == b"mine"

@@ -822,6 +822,50 @@ def test_itemize_hard_links(h: Opts, slash: bool, dry: bool) -> None:
     same_items(h.go(spec, "dst", ["-H", "-i"], hard_links=True, itemize_changes=True))
 
 
+def _link_groups_tree(src: str) -> None:
+    """Hard-link groups of 2, 3 and 5 paths across directories, whose first paths and last paths
+    (in rsync's file-list order) sort differently: the order of the ``hf`` lines tells them apart."""
+    groups = {"z/z1": ["a", "q/a2"], "c/c1": ["b", "q/b2"], "q/x": ["q/y"],
+              "e/z": ["m", "d/y", "e/k", "e/f/g/h"]}
+    for first, others in groups.items():
+        write(os.path.join(src, first), first.encode() * 50, 0o644, T0)
+        for o in others:
+            os.makedirs(os.path.dirname(os.path.join(src, o)), exist_ok=True)
+            os.link(os.path.join(src, first), os.path.join(src, o))
+    write(os.path.join(src, "single"), b"alone", 0o644, T0)
+    freeze_dirs(src, T0)
+
+
+@pytest.mark.parametrize("opts", [["-H"], ["-H", "-X"]], ids=["H", "HX"])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_itemize_hard_link_lines_in_rsync_order(h: Opts, opts: list[str], dry: bool) -> None:
+    """-H -i (with -X too, and -a's -p -o -g): every ``hf`` line names the path it is linked to
+    (``=> PATH``), and the lines come in rsync's order, compared as lists: group by group in the
+    file-list order of that path, each group's paths in reverse file-list order; then a re-run
+    that adds a new group."""
+    _link_groups_tree(h.src)
+    kw: dict[str, Any] = {"hard_links": True, "itemize_changes": True, "xattrs": "-X" in opts}
+    out = h.go("src/", "dst", [*opts, "-i", *(["-n"] if dry else [])], dry_run=dry, **kw)
+    same_items(out)
+    ref = [ln for ln in out["rsync"][1] if ln.startswith("hf")]
+    assert len(ref) == 9 and all(" => " in ln for ln in ref), ref
+    for r in ("local", "push", "pull"):
+        assert [ln for ln in out[r][1] if ln.startswith("hf")] == ref, r
+    if dry:
+        return
+    os.makedirs(os.path.join(h.src, "n"))
+    write(os.path.join(h.src, "n", "p"), b"new group", 0o644, T0)
+    os.link(os.path.join(h.src, "n", "p"), os.path.join(h.src, "c", "p0"))
+    os.link(os.path.join(h.src, "n", "p"), os.path.join(h.src, "o"))
+    freeze_dirs(h.src, T0)
+    out = h.go("src/", "dst", [*opts, "-i"], **kw)
+    same_items(out)
+    ref = [ln for ln in out["rsync"][1] if ln.startswith("hf")]
+    assert len(ref) == 2, ref
+    for r in ("local", "push", "pull"):
+        assert [ln for ln in out[r][1] if ln.startswith("hf")] == ref, r
+
+
 @pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
 def test_itemize_xattrs(h: Opts, dry: bool) -> None:
     """-X -i: rsync's x column, on a line of its own for an entry changed in nothing else
