@@ -683,6 +683,22 @@ class FsOps:
             os.close(fd)
 
     # ---- writing ------------------------------------------------------------------------
+    def _commit_in(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str) -> None:
+        """Release the claim on temporary file ``tmp`` and rename it to ``name`` in the directory
+        ``dir_parts`` (looked up through the jail again), as :meth:`_commit`; an OSError becomes the
+        remote error naming ``path``."""
+        release_temp(tmp)
+        try:
+            dfd = self.jail.open_dir(dir_parts)
+            try:
+                self._commit(dfd, tmp, name, exclusive)
+            finally:
+                os.close(dfd)
+        except Tb5syncError:
+            raise
+        except OSError as exc:
+            raise remote_os_error(exc, path) from exc
+
     def _commit(self, dfd: int, tmp: str, name: str, exclusive: bool) -> None:
         try:
             if exclusive:
@@ -907,17 +923,7 @@ class FsOps:
             raise UsageError(f"put_close: bytes of {shown(put.path)} are missing; nothing written")
         if isinstance(put.owner, FsOps):
             put.owner._my_puts.discard(id)
-        release_temp(put.tmp)
-        try:
-            dfd = self.jail.open_dir(put.dir_parts)
-            try:
-                self._commit(dfd, put.tmp, put.name, put.exclusive)
-            finally:
-                os.close(dfd)
-        except Tb5syncError:
-            raise
-        except OSError as exc:
-            raise remote_os_error(exc, put.path) from exc
+        self._commit_in(put.dir_parts, put.tmp, put.name, put.exclusive, put.path)
         return {}
 
     def _put_abort(self, pid: str) -> None:
@@ -993,17 +999,7 @@ class FsOps:
             return {}
         w = self._handle(handle)
         del self._writes[handle]
-        release_temp(w.tmp)
-        try:
-            dfd = self.jail.open_dir(w.dir_parts)
-            try:
-                self._commit(dfd, w.tmp, w.name, w.exclusive)
-            finally:
-                os.close(dfd)
-        except Tb5syncError:
-            raise
-        except OSError as exc:
-            raise remote_os_error(exc, w.path) from exc
+        self._commit_in(w.dir_parts, w.tmp, w.name, w.exclusive, w.path)
         return {}
 
     def _abort(self, handle: int) -> None:

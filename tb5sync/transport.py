@@ -574,22 +574,11 @@ class Channel:
         LinkTimeoutError, OSError
             As :meth:`recv_frame`.
         """
-        if header.type is not P.FrameType.DATA or header.length < 4:
-            raise RemoteProtocolError(f"expected a DATA frame of at least 4 bytes, got {header.type.name} of {header.length}")
-        head = bytearray(4)
-        if not self._recv_exact(head):
-            raise RemoteProtocolError("connection closed inside a frame")
-        mlen = int.from_bytes(head, "big")
-        if mlen > min(header.length - 4, P.MAX_CONTROL):
-            raise RemoteProtocolError(f"DATA meta length {mlen} exceeds frame payload {header.length}")
-        meta = bytearray(mlen)
-        if mlen and not self._recv_exact(meta):
-            raise RemoteProtocolError("connection closed inside a frame")
-        n = header.length - 4 - mlen
+        meta, n = self.recv_data_meta(header)
         body = into[:n] if n <= len(into) else memoryview(bytearray(n))
         if n and not self._recv_exact(body):
             raise RemoteProtocolError("connection closed inside a frame")
-        return bytes(meta), body
+        return meta, body
 
     def recv_data_meta(self, header: P.Header) -> tuple[bytes, int]:
         """Receive a DATA payload's meta only: ``(meta bytes, body length)``; the body's bytes must be
