@@ -38,6 +38,7 @@ Errors
 
 from __future__ import annotations
 
+import bisect
 import errno
 import functools
 import os
@@ -214,6 +215,11 @@ class _Write:
         self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
 
 
+#: The least bytes of a ``put_piece`` but the file's last (clients send 4 MiB pieces): bounds the
+#: received ranges a put keeps to one per 64 KiB of the file.
+MIN_PUT_PIECE = 64 * 1024
+
+
 class _Put:
     """A file being received in pieces (``put_open``/``put_piece``/``put_close``): its temporary
     file (preallocated to ``size`` bytes; no descriptor held between pieces, as ``wopen``) and the
@@ -224,17 +230,27 @@ class _Put:
     def __init__(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str, size: int, owner: object) -> None:
         self.dir_parts, self.tmp, self.name, self.exclusive, self.path = dir_parts, tmp, name, exclusive, path
         self.size, self.owner = size, owner
-        self.got: list[tuple[int, int]] = []  # (offset, length) of every piece written
+        self.got: list[tuple[int, int]] = []  # (start, end) of the bytes written, merged, sorted
         self.active = 0  # pieces being written now
+
+    def add(self, offset: int, n: int) -> None:
+        """Count bytes ``offset`` .. ``offset + n`` as written, merged with their neighbours (a
+        peer's pieces, however many, keep at most one range per gap between them)."""
+        if n <= 0:
+            return
+        start, end = offset, offset + n
+        i = bisect.bisect_left(self.got, (start, start))
+        if i > 0 and self.got[i - 1][1] >= start:
+            i -= 1
+        j = i
+        while j < len(self.got) and self.got[j][0] <= end:
+            start, end = min(start, self.got[j][0]), max(end, self.got[j][1])
+            j += 1
+        self.got[i:j] = [(start, end)]
 
     def complete(self) -> bool:
         """Whether the pieces received cover every byte of the file."""
-        end = 0
-        for off, n in sorted(self.got):
-            if off > end:
-                return False
-            end = max(end, off + n)
-        return end >= self.size
+        return self.size == 0 or self.got == [(0, self.size)]
 
 
 class Puts:
@@ -867,6 +883,9 @@ class FsOps:
                 raise UsageError(f"put_piece: no open put {shown(id)}")
             if offset + n > put.size:
                 raise UsageError(f"put_piece: {n} bytes at {offset} reach past the file's {put.size} bytes ({shown(put.path)})")
+            if n < MIN_PUT_PIECE and offset + n != put.size:
+                # bounds the ranges kept per put (a peer's stream of empty or one-byte pieces grew them without end)
+                raise UsageError(f"put_piece: {n} bytes at {offset}: every piece but the file's last must be at least {MIN_PUT_PIECE} bytes ({shown(put.path)})")
             put.active += 1
         try:
             fd = self.jail.open_file([*put.dir_parts, put.tmp], os.O_WRONLY | os.O_NONBLOCK, shown=put.path)
@@ -892,7 +911,7 @@ class FsOps:
             raise
         with self.puts.lock:
             put.active -= 1
-            put.got.append((offset, n))
+            put.add(offset, n)
         return {}
 
     def put_close(self, id: str, commit: bool = True) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from tb5sync import server as servermod
 from tb5sync import messages
 from tb5sync.errors import ConnectError, QuotaError, SourceChangedError, Tb5syncError, UsageError
 from tb5sync.fsfile import MIN_PIECE
+from tb5sync.fsops import MIN_PUT_PIECE, _Put
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,22 +258,40 @@ def test_a_connection_lost_midway_leaves_no_temporary_file(remote: Any, sources:
 
 def test_the_server_refuses_bad_pieces_and_an_incomplete_commit(remote: Any) -> None:
     root, fs, _ = remote
-    pid = fs._call_sync("put_open", {"path": "f.bin", "size": 10})["id"]
+    size = 3 * MIN_PUT_PIECE
+    pid = fs._call_sync("put_open", {"path": "f.bin", "size": size})["id"]
     link = fs._holder.link
     with pytest.raises(UsageError, match="reach past"):
-        link.requester.submit_data("put_piece", {"id": pid, "offset": 5}, [b"123456"], channel=0).result(10)
+        link.requester.submit_data("put_piece", {"id": pid, "offset": size - 5}, [b"123456"], channel=0).result(10)
     with pytest.raises(UsageError, match="DATA frame"):
         link.requester.submit("put_piece", {"id": pid, "offset": 0, "data": b"12345"}, channel=1).result(10)
     with pytest.raises(UsageError, match="no open put"):
         link.requester.submit_data("put_piece", {"id": "0" * 32, "offset": 0}, [b"1"], channel=1).result(10)
     with pytest.raises(UsageError, match="must not"):  # its body is discarded: the connection goes on
         link.requester.submit_data("info", {"path": ""}, [b"x" * 100_000], channel=2).result(10)
-    link.requester.submit_data("put_piece", {"id": pid, "offset": 0}, [b"12345"], channel=2).result(10)
+    # a piece but the last must hold MIN_PUT_PIECE bytes: a stream of empty or tiny pieces kept a
+    # range each on the server, without end
+    for piece in (b"", b"1", b"x" * (MIN_PUT_PIECE - 1)):
+        with pytest.raises(UsageError, match="at least"):
+            link.requester.submit_data("put_piece", {"id": pid, "offset": 0}, [piece], channel=2).result(10)
+    link.requester.submit_data("put_piece", {"id": pid, "offset": size - 5}, [b"12345"], channel=2).result(10)  # the last
+    link.requester.submit_data("put_piece", {"id": pid, "offset": size}, [b""], channel=2).result(10)  # empty, at the end
+    link.requester.submit_data("put_piece", {"id": pid, "offset": 0}, [b"a" * MIN_PUT_PIECE], channel=2).result(10)
     with pytest.raises(UsageError, match="missing"):
         fs._call_sync("put_close", {"id": pid, "commit": True})
     assert not (root / "f.bin").exists() and tmp_files(str(root)) == []
     with pytest.raises(UsageError, match="no open put"):  # removed with its temporary file
         link.requester.submit_data("put_piece", {"id": pid, "offset": 5}, [b"67890"], channel=0).result(10)
+
+
+def test_the_ranges_a_put_keeps_are_merged() -> None:
+    """Pieces in any order, overlapping or adjacent, leave one range per gap between them."""
+    put = _Put([], "t", "f", False, "f", 100, None)
+    for off, n in ((50, 10), (0, 10), (60, 5), (10, 5), (70, 30), (0, 0), (5, 20)):
+        put.add(off, n)
+    assert put.got == [(0, 25), (50, 65), (70, 100)] and not put.complete()
+    put.add(20, 55)
+    assert put.got == [(0, 100)] and put.complete()
 
 
 def test_an_older_server_without_pieces_gets_todays_requests(tmp_path: Path, sources: Path,
