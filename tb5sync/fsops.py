@@ -699,6 +699,21 @@ class FsOps:
             os.close(fd)
 
     # ---- writing ------------------------------------------------------------------------
+    def _discard_temp(self, dir_parts: list[str], tmp: str) -> None:
+        """Release the claim on temporary file ``tmp`` and remove it from the directory ``dir_parts``
+        (looked up through the jail again; gone already, with its directory, is fine)."""
+        release_temp(tmp)
+        try:
+            dfd = self.jail.open_dir(dir_parts)
+        except (OSError, Tb5syncError):
+            return  # the directory went away (and the temporary file with it)
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
     def _commit_in(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str) -> None:
         """Release the claim on temporary file ``tmp`` and rename it to ``name`` in the directory
         ``dir_parts`` (looked up through the jail again), as :meth:`_commit`; an OSError becomes the
@@ -953,17 +968,7 @@ class FsOps:
                 return
         if isinstance(put.owner, FsOps):
             put.owner._my_puts.discard(pid)
-        release_temp(put.tmp)
-        try:
-            dfd = self.jail.open_dir(put.dir_parts)
-        except (OSError, Tb5syncError):
-            return
-        try:
-            os.unlink(put.tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        self._discard_temp(put.dir_parts, put.tmp)
 
     @staticmethod
     def _copy_existing(dfd: int, name: str, out: int) -> None:
@@ -1023,17 +1028,7 @@ class FsOps:
 
     def _abort(self, handle: int) -> None:
         w = self._writes.pop(handle)
-        release_temp(w.tmp)
-        try:
-            dfd = self.jail.open_dir(w.dir_parts)
-        except (OSError, Tb5syncError):
-            return  # the directory went away (and the temporary file with it)
-        try:
-            os.unlink(w.tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        self._discard_temp(w.dir_parts, w.tmp)
 
     @_writes
     def rm(self, paths: list[str], recursive: bool = False) -> dict[str, Any]:

@@ -148,6 +148,16 @@ def start_serve_process(root: str, *args: str, preexec: Any = None) -> tuple[sub
     return proc, int(line.rsplit(":", 1)[1].split()[0])
 
 
+def stop_serve_process(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """SIGTERM a :func:`start_serve_process` server; returns its exit code and the rest of its stderr."""
+    proc.terminate()
+    code = proc.wait(10)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    proc.stderr.close()
+    return code, err
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
 def test_forty_announced_payloads_pin_no_memory(tmp_path: Path) -> None:
     """The issue's case: 40 connections announcing 64 MiB each used to cost 2.6 GiB of RSS."""
@@ -165,11 +175,7 @@ def test_forty_announced_payloads_pin_no_memory(tmp_path: Path) -> None:
     finally:
         for s in socks:
             s.close()
-        proc.terminate()
-        code = proc.wait(10)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        proc.stderr.close()
+        code, err = stop_serve_process(proc)
     assert code == 0, err
 
 
@@ -381,11 +387,7 @@ def test_out_of_descriptors_server_does_not_spin_and_recovers(tmp_path: Path) ->
     finally:
         for s in socks:
             s.close()
-        proc.terminate()
-        code = proc.wait(10)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        proc.stderr.close()
+        code, err = stop_serve_process(proc)
     assert code == 0, err
     assert "backing off" in err and "Traceback" not in err
 
@@ -824,11 +826,7 @@ def test_a_dense_control_frame_pins_little_more_than_itself(tmp_path: Path) -> N
         assert open_session(ch, {"op": "ls", "path": ""})["entries"] is not None
         ch.close()
     finally:
-        proc.terminate()
-        code = proc.wait(10)
-        assert proc.stderr is not None
-        err = proc.stderr.read()
-        proc.stderr.close()
+        code, err = stop_serve_process(proc)
     assert code == 0, err
 
 
