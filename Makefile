@@ -11,9 +11,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx ext/_write.pyx ext/_read.pyx ext/_bytes.pyx ext/_skim.pyx
 	$(PY) -m venv $(VENV)
 	TB5SYNC_REQUIRE_CYTHON=1 $(BIN)/pip install -q -e '.[test]'
-	$(BIN)/python -c "import tb5sync.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
-	$(BIN)/python -c "import tb5sync.scan as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
-	$(BIN)/python -c "import tb5sync.destination as m; assert m.WRITE_IMPLEMENTATION == 'cython', m.WRITE_IMPLEMENTATION"
+	$(BIN)/python -c "import tb5sync.engine.chunking as c; assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION"
+	$(BIN)/python -c "import tb5sync.tree.scan as m; assert m.SCAN_IMPLEMENTATION == 'cython', m.SCAN_IMPLEMENTATION"
+	$(BIN)/python -c "import tb5sync.roles.destination as m; assert m.WRITE_IMPLEMENTATION == 'cython', m.WRITE_IMPLEMENTATION"
 	$(BIN)/python -c "import tb5sync._bytes, tb5sync._skim"
 	touch $(STAMP)
 

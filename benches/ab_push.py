@@ -34,14 +34,14 @@ import time
 _OLD = (
     "import sys; old = sys.argv.pop(1); "
     "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-    "sys.path.insert(0, old); sys.argv[0] = 'tb5sync'; from tb5sync.cli import run; run()"
+    "sys.path.insert(0, old); sys.argv[0] = 'tb5sync'; from tb5sync.cli.command import run; run()"
 )
 
 
 def command(old: str | None) -> list[str]:
     """How to run one version's CLI."""
     if old is None:
-        return [sys.executable, "-m", "tb5sync.cli"]
+        return [sys.executable, "-m", "tb5sync.cli.command"]
     return [sys.executable, "-c", _OLD, old]
 
 

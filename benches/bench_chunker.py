@@ -3,7 +3,7 @@
 
 What it measures
 ----------------
-1. **Throughput**: GB/s of ``tb5sync.chunking.cut_points`` (the Cython core) and of
+1. **Throughput**: GB/s of ``tb5sync.engine.chunking.cut_points`` (the Cython core) and of
    ``pyfastcdc.FastCDC.cut_buf`` (its Cython build) on the same in-memory buffer of random bytes,
    with the same min/avg/max sizes and normalization level (tb5sync's format-v1 parameters unless
    ``--avg`` is given), median of ``--repeat`` alternating runs each, and the median of the
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import blake3  # noqa: E402
 
-from tb5sync import chunking  # noqa: E402
-from tb5sync.chunking import PARAMS_V1, ChunkParams  # noqa: E402
+import tb5sync.engine.chunking as chunking
+from tb5sync.engine.chunking import PARAMS_V1, ChunkParams  # noqa: E402
 
 
 def median_rates(fns: dict, nbytes: int, repeat: int) -> tuple[dict[str, float], dict[str, list[float]]]:

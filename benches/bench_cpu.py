@@ -187,7 +187,9 @@ def stages_once(args, path: str) -> dict:
     """CPU s/GB of each stage of the large-file path, one thread, on ``path`` (page cache)."""
     import lz4.block  # noqa: F401  (the sender's codec)
 
-    from tb5sync import chunking, hashing, sender
+    import tb5sync.engine.chunking as chunking
+    import tb5sync.engine.hashing as hashing
+    import tb5sync.roles.sender as sender
 
     size = os.path.getsize(path)
     params = chunking.DEFAULT_PARAMS
@@ -258,7 +260,8 @@ def _chunk_list_stage(path: str) -> dict[str, float]:
     """CPU s/GB (whole process: the hash pool's threads count) of the sender's chunk list of
     ``path`` as it runs (``hashing.iter_chunk_fd``: read, cut, hash each chunk in the pool), with
     windows of 32 MiB (before p16m) and of ``hashing.WINDOW`` (16 MiB since p16m), alternately."""
-    from tb5sync import chunking, hashing
+    import tb5sync.engine.chunking as chunking
+    import tb5sync.engine.hashing as hashing
 
     size = os.path.getsize(path)
     out: dict[str, list[float]] = {}
@@ -284,9 +287,9 @@ def _verify_write_stage(args) -> dict[str, float]:
     threads (p16m)."""
     from concurrent.futures import wait
 
-    from tb5sync import largefile
-    from tb5sync._io import pwrite_all
-    from tb5sync.hashing import check_chunks, chunk_digest, hash_pool, hash_threads
+    import tb5sync.roles.largefile as largefile
+    from tb5sync._os.io import pwrite_all
+    from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, hash_threads
 
     frames = [bytearray(os.urandom(8 * MiB)) for _ in range(12)]
     chunks = [(i * MiB, MiB) for i in range(8)]

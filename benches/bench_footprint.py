@@ -53,7 +53,7 @@ def tb5_cmd() -> list[str]:
     found = shutil.which("tb5sync")
     if found:
         return [found]
-    return [sys.executable, "-c", "import sys; sys.path.insert(0, %r); from tb5sync.cli import main; sys.exit(main())" % REPO]
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, %r); from tb5sync.cli.command import main; sys.exit(main())" % REPO]
 
 
 def free_port() -> int:

@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import fsspec  # noqa: E402
 
-from tb5sync.fs import TB5FileSystem  # noqa: E402
+from tb5sync.fs.filesystem import TB5FileSystem  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 MiB = 1 << 20
@@ -214,7 +214,7 @@ def make_data(root: str, big_bytes: int, small: int) -> None:
 def start_server(root: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     exe = shutil.which("tb5sync", path=os.path.dirname(sys.executable)) or shutil.which("tb5sync")
-    cmd = [exe] if exe else [sys.executable, "-c", "from tb5sync.cli import main; main()"]
+    cmd = [exe] if exe else [sys.executable, "-c", "from tb5sync.cli.command import main; main()"]
     p = subprocess.Popen([*cmd, "serve", root, "--bind", f"{LOOPBACK}:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

@@ -746,7 +746,7 @@ def find_tb5sync(override: str | None) -> tuple[list[str], dict]:
         return [found], env
     # not installed: run the source tree's cli.main() with this interpreter
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return [sys.executable, "-c", "from tb5sync.cli import run; run()"], env
+    return [sys.executable, "-c", "from tb5sync.cli.command import run; run()"], env
 
 
 # --------------------------------------------------------------------------- workloads
@@ -1117,7 +1117,7 @@ def parse_args(argv=None):
     p.add_argument("--no-raw", action="store_true", help="skip iperf3 and the python socket test")
     p.add_argument("--streams", type=int, help="tb5sync sync --streams N (default: tb5sync's own)")
     p.add_argument("--tb5sync-cmd", help="command to run tb5sync (default: the `tb5sync` entry point "
-                   "beside this python or on PATH, else python -c 'tb5sync.cli.main()' on the repo)")
+                   "beside this python or on PATH, else python -c 'from tb5sync.cli import main; main()' on the repo)")
     p.add_argument("--no-token", action="store_true", help="run tb5sync without --token-file")
     p.add_argument("--iperf-seconds", type=int, default=3, help="length of each raw TCP test (default 3)")
     p.add_argument("--timeout", type=float, help="per-command timeout in s (default 900, 300 with --short)")

@@ -5,7 +5,7 @@
 (``PyBytes_FromStringAndSize(NULL, n)``, as CPython's own ``os.read`` does before filling it)
 and a writable memoryview of its storage. The caller receives a read into the view and only
 then hands the object out, so no copy is made between the socket and the user's ``bytes``.
-The pure-Python path (``tb5sync.fsfile.new_buffer`` without this module) uses a bytearray and
+The pure-Python path (``tb5sync.fs.file.new_buffer`` without this module) uses a bytearray and
 copies it once.
 """
 

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Cython core of the FastCDC chunker (``tb5sync._cdc``).
 
-Same names, signatures and cut points as the pure-Python reference in ``tb5sync.chunking``,
+Same names, signatures and cut points as the pure-Python reference in ``tb5sync.engine.chunking``,
 whose docstrings (and the module docstring there, for the chunking rules) are the
 documentation; see also ``tb5sync/_cdc.pyi``. The hot loop runs without the GIL over a
 ``const unsigned char[::1]`` view, so read-only buffers (``bytes``, read-only ``mmap``) work,
@@ -19,7 +19,7 @@ include "_gear.pxi"
 __all__ = ["cut_points", "Chunker", "vector_lanes", "set_vector_lanes", "lane_kernels", "lane_kernel", "set_lane_kernel",
            "default_lane_kernel"]
 
-from tb5sync._params import DEFAULT_PARAMS, ChunkParams
+from tb5sync.engine.params import DEFAULT_PARAMS, ChunkParams
 
 cdef object _DEFAULT = object()  # stands for DEFAULT_PARAMS
 
@@ -626,7 +626,7 @@ cdef list _run(object mv, const _Params* prm, bint final, Py_ssize_t* pos_io, ui
 
 
 def cut_points(buf, params=_DEFAULT, final=True):
-    """Return the chunk end offsets of ``buf``; see ``tb5sync.chunking.py_cut_points``."""
+    """Return the chunk end offsets of ``buf``; see ``tb5sync.engine.chunking.py_cut_points``."""
     cdef _Params prm
     cdef Py_ssize_t pos = 0
     cdef uint64_t fp = 0
@@ -637,7 +637,7 @@ def cut_points(buf, params=_DEFAULT, final=True):
 
 
 cdef class Chunker:
-    """Streaming chunker; see ``tb5sync.chunking.PyChunker``."""
+    """Streaming chunker; see ``tb5sync.engine.chunking.PyChunker``."""
 
     cdef object _params
     cdef _Params _prm

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Cython twin of the sender's whole-file read (``tb5sync.sender.Sender._read_one``), a batch per call.
+"""Cython twin of the sender's whole-file read (``tb5sync.roles.sender.Sender._read_one``), a batch per call.
 
 For each file, with the GIL released and relative to its directory's descriptor only:
 ``openat(dir, name, O_RDONLY|O_NONBLOCK|O_NOFOLLOW|O_CLOEXEC)``, ``fstat`` (a regular file only),

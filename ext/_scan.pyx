@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Cython twin of ``tb5sync.scan.py_listdir_stat``: one directory's names with their lstat fields.
+"""Cython twin of ``tb5sync.tree.scan.py_listdir_stat``: one directory's names with their lstat fields.
 
 The directory is read and every name is ``fstatat``-ed (``AT_SYMLINK_NOFOLLOW``) relative to
 the directory's descriptor with the GIL released; the Python objects are made afterwards.
@@ -75,7 +75,7 @@ def listdir_stat(path):
     """``[(name, st_mode, st_size, st_mtime_ns), ...]`` of the directory ``path``, in directory order.
 
     ``path`` may be a descriptor of the directory (duplicated, so left open). See
-    ``tb5sync.scan.py_listdir_stat``.
+    ``tb5sync.tree.scan.py_listdir_stat``.
     """
     import os
 

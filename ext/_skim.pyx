@@ -5,9 +5,9 @@
 https://github.com/msgpack/msgpack/blob/master/spec.md) in one pass, building nothing, and
 returns an upper bound of the bytes CPython holds once ``msgpack.unpackb(data, raw=False)``
 has built the value, the number of arrays and maps in it, the first extension type code met
-and where the value ends. ``tb5sync.protocol.decode_control`` refuses a payload from these
+and where the value ends. ``tb5sync.wire.protocol.decode_control`` refuses a payload from these
 figures before msgpack allocates anything. The pure-Python twin is
-``tb5sync._skim_py.skim`` (same results, used when this module is not built or with
+``tb5sync.wire.skim_py.skim`` (same results, used when this module is not built or with
 ``TB5SYNC_PUREPYTHON=1``); the cost model is documented there.
 """
 

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Cython twin of the small-file commit (``tb5sync.destination.Destination.write_file``), a batch per call.
+"""Cython twin of the small-file commit (``tb5sync.roles.destination.Destination.write_file``), a batch per call.
 
 For each file, with the GIL released and relative to its directory's descriptor only, one of two
 paths:
@@ -45,7 +45,7 @@ cdef extern from *:
 
     /* Flush to stable storage: F_FULLFSYNC where the system has it (macOS: fsync leaves the data
        in the drive's cache), fsync where it has not or the file system refuses it (as
-       tb5sync._io.durable_sync). */
+       tb5sync._os.io.durable_sync). */
     static int tb5_durable_sync(int fd) {
     #ifdef F_FULLFSYNC
         if (fcntl(fd, F_FULLFSYNC) == 0) return 0;

@@ -13,7 +13,7 @@ for artifact in "$work"/dist/*.tar.gz "$work"/dist/*.whl; do
   "$PY" -m venv "$venv"
   TB5SYNC_REQUIRE_CYTHON=1 "$venv/bin/pip" install -q "$artifact"
   (cd "$work" && "$venv/bin/python" -c "
-import tb5sync, tb5sync.chunking as c, tb5sync.scan as s
+import tb5sync, tb5sync.engine.chunking as c, tb5sync.tree.scan as s
 assert c.IMPLEMENTATION == 'cython', c.IMPLEMENTATION
 assert s.SCAN_IMPLEMENTATION == 'cython', s.SCAN_IMPLEMENTATION
 print('$(basename "$artifact"):', tb5sync.__version__, c.IMPLEMENTATION, s.SCAN_IMPLEMENTATION)

@@ -15,9 +15,10 @@ Importing the package has no side effects; the server and the store are loaded o
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from tb5sync.errors import (
     AuthError,
     ConnectError,
     ConnectionClosedError,
@@ -43,12 +44,19 @@ from .errors import (
     VersionMismatchError,
 )
 
-from .options import Failure, SyncOptions, SyncStats
-from .sync import sync  # binds the function over the submodule of the same name
+from tb5sync.tree.options import Failure, SyncOptions, SyncStats
+from tb5sync.api.sync import sync  # the function; its module is tb5sync.api.sync
+from tb5sync import _moved
+
+# Module paths from before the layer folders (tb5sync.destination, tb5sync.storeclient, ...) still
+# import: the same module objects, found at their new places (tb5sync._moved). The old module
+# tb5sync.sync is bound here, so that importing it never rebinds tb5sync.sync, the function.
+_moved.install()
+sys.modules.setdefault("tb5sync.sync", sys.modules["tb5sync.api.sync"])
 
 if TYPE_CHECKING:
-    from .server import Server
-    from .store import Store
+    from tb5sync.daemon.server import Server
+    from tb5sync.store import Store
 
 __version__ = "0.1.0"
 
@@ -85,7 +93,7 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY = {"Server": "server", "Store": "store"}
+_LAZY = {"Server": "daemon.server", "Store": "store"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """Type stub of the Cython batch reader of whole small files built from ``ext/_read.pyx``.
 
-The pure-Python twin is :meth:`tb5sync.sender.Sender._read_one`, taken once per file;
-:meth:`tb5sync.sender.Sender.read_files` picks between them.
+The pure-Python twin is :meth:`tb5sync.roles.sender.Sender._read_one`, taken once per file;
+:meth:`tb5sync.roles.sender.Sender.read_files` picks between them.
 """
 
 __all__ = ["read_files", "NOT_REGULAR", "CHANGED", "NO_ROOM"]

@@ -1,5 +1,5 @@
 """Type stub of the Cython msgpack skimmer built from ``ext/_skim.pyx``; the pure-Python twin is
-:mod:`tb5sync._skim_py` (same results)."""
+:mod:`tb5sync.wire.skim_py` (same results)."""
 
 __all__ = ["skim"]
 

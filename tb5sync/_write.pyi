@@ -1,7 +1,7 @@
 """Type stub of the Cython small-file writer built from ``ext/_write.pyx``.
 
-The pure-Python twin is :meth:`tb5sync.destination.Destination.write_file`, taken once per
-file; :meth:`tb5sync.destination.Destination.write_files` picks between them.
+The pure-Python twin is :meth:`tb5sync.roles.destination.Destination.write_file`, taken once per
+file; :meth:`tb5sync.roles.destination.Destination.write_files` picks between them.
 """
 
 __all__ = ["write_files", "tmpfile_state"]

@@ -329,7 +329,7 @@ class DestinationExistsError(DestinationError, FileExistsError):
 class SourceError(Tb5syncError, OSError):
     """One source entry could not be read (e.g. a file the sender may not open).
 
-    The sync goes on without it and names it in :attr:`tb5sync.options.SyncStats.failures`.
+    The sync goes on without it and names it in :attr:`tb5sync.tree.options.SyncStats.failures`.
     The message is ``"PATH: reason"``.
     """
 
@@ -341,9 +341,9 @@ class PartialTransferError(Tb5syncError):
 
     Attributes
     ----------
-    stats : tb5sync.options.SyncStats
+    stats : tb5sync.tree.options.SyncStats
         The run's statistics; ``stats.failures`` names each entry that failed.
-    failures : tuple of tb5sync.options.Failure
+    failures : tuple of tb5sync.tree.options.Failure
         The same as ``stats.failures``.
     """
 

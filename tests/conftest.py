@@ -28,9 +28,9 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
         os.environ["XDG_CACHE_HOME"] = old
 
 
-# --- chunking (tb5sync.chunking / tb5sync._cdc) ----------------------------------------------
+# --- chunking (tb5sync.engine.chunking / tb5sync._cdc) ----------------------------------------------
 
-from tb5sync import chunking
+import tb5sync.engine.chunking as chunking
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,17 @@ def small_chunk_params() -> chunking.ChunkParams:
     return chunking.ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
 
 
-# --- servers and trees (tb5sync.server, tb5sync.sync) ----------------------------------------
+# --- servers and trees (tb5sync.daemon.server, tb5sync.sync) ----------------------------------------
 
 import shutil
 import stat as _stat
 
-from tb5sync.server import Server
+from tb5sync.daemon.server import Server
 
 
 @dataclass
 class LiveServer:
-    """A `tb5sync.server.Server` on 127.0.0.1 with a free port, serving ``root``."""
+    """A `tb5sync.daemon.server.Server` on 127.0.0.1 with a free port, serving ``root``."""
 
     server: Server
     root: str
@@ -196,19 +196,19 @@ def have_rsync() -> bool:
     return False
 
 
-# --- tb5:// filesystem (tb5sync.fs) -------------------------------------------------------------
+# --- tb5:// filesystem (tb5sync.fs.filesystem) -------------------------------------------------------------
 
 
 def tb5fs(live: LiveServer, **kw: Any) -> Any:
-    """A :class:`tb5sync.fs.TB5FileSystem` of its own (not from fsspec's instance cache) for ``live``."""
-    from tb5sync.fs import TB5FileSystem
+    """A :class:`tb5sync.fs.filesystem.TB5FileSystem` of its own (not from fsspec's instance cache) for ``live``."""
+    from tb5sync.fs.filesystem import TB5FileSystem
 
     return TB5FileSystem(host="127.0.0.1", port=live.port, token=live.token, skip_instance_cache=True, **kw)
 
 
 @contextlib.contextmanager
 def served_fs(root: str, **kw: Any) -> Iterator[tuple[LiveServer, Any]]:
-    """A server on 127.0.0.1:0 over ``root`` (``kw``: :class:`~tb5sync.server.Server` options) and a
+    """A server on 127.0.0.1:0 over ``root`` (``kw``: :class:`~tb5sync.daemon.server.Server` options) and a
     :func:`tb5fs` filesystem of it, ``(live, fs)``; both closed on exit."""
     live = start_server(root, **kw)
     fs = tb5fs(live)
@@ -337,7 +337,7 @@ def local_agrees_with_rsync(src: str, tmp: str, what: str = "local") -> None:
     assert tb5sync.sync(src + "/", mine).files_transferred == 0
 
 
-# --- the small-file writer (tb5sync.destination / tb5sync._write) -----------------------------
+# --- the small-file writer (tb5sync.roles.destination / tb5sync._write) -----------------------------
 
 
 def _both_impls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, module: Any, attr: str, ext: str) -> str:
@@ -364,7 +364,7 @@ def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Each small-file writer in turn: the Cython batch writer (``tb5sync._write``; ``"cython"``
     with its unnamed path where Linux has ``O_TMPFILE``, ``"named"`` forced onto the portable
     temporary name + rename, as on macOS) and :meth:`Destination.write_file` per file."""
-    from tb5sync import destination
+    import tb5sync.roles.destination as destination
 
     if request.param == "named":
         monkeypatch.setenv(destination.NO_TMPFILE_ENV, "1")
@@ -375,7 +375,7 @@ def write_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 def read_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each small-file reader of the sender in turn: the Cython batch reader (``tb5sync._read``) and
     ``Sender._read_one`` per file."""
-    from tb5sync import sender
+    import tb5sync.roles.sender as sender
 
     return _both_impls(request, monkeypatch, sender, "_cy_read_files", "_read")
 
@@ -386,7 +386,7 @@ def jail_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param == "portable":
         monkeypatch.setenv("TB5SYNC_JAIL_PORTABLE", "1")
     else:
-        from tb5sync._paths import openat2_available
+        from tb5sync._os.paths import openat2_available
 
         if not openat2_available():
             pytest.skip("no openat2 on this kernel (the portable walk is tested)")

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 
 from conftest import LiveServer, start_server
-from tb5sync import _diskbench
-from tb5sync.bench import (
+import tb5sync._os.diskbench as _diskbench
+from tb5sync.api.bench import (
     BOUNDS, STREAM_COUNTS, VERDICT_MIN_BYTES, format_report, measure_tcp, run_bench, server_disk, verdict)
-from tb5sync.cli import main
+from tb5sync.cli.command import main
 from tb5sync.errors import AuthError, BusyError, ReadOnlyError, RemoteProtocolError, UsageError
-from tb5sync.messages import BENCH_MAX_BYTES, BENCH_MAX_DISK
-from tb5sync.protocol import FrameType
-from tb5sync.rpc import open_session
-from tb5sync.transport import dial
-from tb5sync.urls import parse_url
+from tb5sync.wire.messages import BENCH_MAX_BYTES, BENCH_MAX_DISK
+from tb5sync.wire.protocol import FrameType
+from tb5sync.wire.rpc import open_session
+from tb5sync.wire.transport import dial
+from tb5sync.wire.urls import parse_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,7 +151,7 @@ def test_sink_and_source_bounds(server: LiveServer) -> None:
         fr = ch.recv_frame()
         assert fr is not None and fr[0].type is FrameType.ERROR
         with pytest.raises(RemoteProtocolError, match="sink: expected DATA"):
-            from tb5sync.rpc import reply_of
+            from tb5sync.wire.rpc import reply_of
 
             reply_of(*fr)
     finally:
@@ -201,7 +201,7 @@ def test_disk_rates_free_space_and_errors(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_sync_test_needs_free_space(server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tb5sync.bench import sync_round_trip
+    from tb5sync.api.bench import sync_round_trip
     from tb5sync.errors import DestinationError
 
     _almost_full_disk(monkeypatch)
@@ -279,7 +279,7 @@ def test_bench_url_path_must_be_an_existing_directory(server: LiveServer, tmp_pa
 def test_bench_link_api(server: LiveServer) -> None:
     """The older ``client.bench_link`` (RTT and raw TCP down per stream count), now over the same
     measurements as ``tb5sync bench``."""
-    from tb5sync.client import bench_link
+    from tb5sync.remote.client import bench_link
 
     lines = list(bench_link("127.0.0.1", server.port, seconds=0.1))
     assert len(lines) == 1 + len(STREAM_COUNTS)

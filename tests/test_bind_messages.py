@@ -20,7 +20,7 @@ import fsspec
 import pytest
 
 from tb5sync.errors import ConnectError, UsageError
-from tb5sync.transport import host_port
+from tb5sync.wire.transport import host_port
 
 
 def _has_ipv6_loopback() -> bool:
@@ -42,7 +42,7 @@ def test_host_port_brackets_ipv6_only() -> None:
 
 
 def test_serve_bind_unknown_name_lists_the_interfaces(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "nosuch0:0"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "nosuch0:0"],
                        capture_output=True, text=True, timeout=60)
     names = sorted(n for _, n in socket.if_nameindex())
     assert r.returncode == UsageError.exit_code, r.stderr
@@ -56,7 +56,7 @@ def test_serve_bind_unknown_name_lists_the_interfaces(tmp_path: Path) -> None:
 
 @needs_v6
 def test_serve_any_v6_prints_brackets_and_takes_both_families(tmp_path: Path) -> None:
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "[::]:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "[::]:0",
                           "--no-auth"],
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -77,7 +77,7 @@ def test_serve_any_v6_prints_brackets_and_takes_both_families(tmp_path: Path) ->
 
 @needs_v6
 def test_connect_error_brackets_the_v6_address() -> None:
-    from tb5sync.transport import connect
+    from tb5sync.wire.transport import connect
 
     with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
         s.bind(("::1", 0))
@@ -99,7 +99,7 @@ def test_a_client_outside_allow_is_refused_at_admission(tmp_path: Path, capsys: 
     from conftest import start_server
 
     import tb5sync
-    from tb5sync.cli import main
+    from tb5sync.cli.command import main
     from tb5sync.errors import AuthError, BusyError, RefusedError
 
     live = start_server(str(tmp_path / "root"), allow=["10.0.0.0/8"])

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from conftest import start_server, wait_for
 
-from tb5sync._io import RateLimit
-from tb5sync.client import _connect
+from tb5sync._os.io import RateLimit
+from tb5sync.remote.client import _connect
 from tb5sync.errors import ConnectError, LinkTimeoutError, Tb5syncError, UsageError
-from tb5sync.options import MIN_BWLIMIT, SyncOptions, parse_rate
-from tb5sync.rpc import Requester, open_session
-from tb5sync.urls import parse_url
+from tb5sync.tree.options import MIN_BWLIMIT, SyncOptions, parse_rate
+from tb5sync.wire.rpc import Requester, open_session
+from tb5sync.wire.urls import parse_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +149,7 @@ def test_peer_closed_both_paths(portable: str, monkeypatch: pytest.MonkeyPatch) 
     import select
     import socket
 
-    from tb5sync.transport import peer_closed
+    from tb5sync.wire.transport import peer_closed
 
     monkeypatch.setenv("TB5SYNC_PORTABLE", portable)
     a, b = socket.socketpair()

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from tb5sync import protocol as P
+import tb5sync.wire.protocol as P
 from tb5sync.errors import LinkTimeoutError
-from tb5sync.protocol import FrameType
-from tb5sync.transport import READ_AHEAD, Channel
+from tb5sync.wire.protocol import FrameType
+from tb5sync.wire.transport import READ_AHEAD, Channel
 
 
 @pytest.fixture(params=["kernel", "portable"])

@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tb5sync import _gear, chunking
-from tb5sync.chunking import PARAMS_V1, ChunkParams
+import tb5sync.engine.gear as _gear
+import tb5sync.engine.chunking as chunking
+from tb5sync.engine.chunking import PARAMS_V1, ChunkParams
 from tb5sync.errors import UsageError
 
 if TYPE_CHECKING:

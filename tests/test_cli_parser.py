@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from tb5sync import cli
+import tb5sync.cli.command as cli
 
 ARGVS = [
     ["sync", "src/", "tb5://127.0.0.1:1/dst", "--delete", "-aHv", "--exclude", "*.o", "--bwlimit", "1M"],

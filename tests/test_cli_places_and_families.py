@@ -21,12 +21,12 @@ import pytest
 from conftest import LiveServer, make_tree
 
 import tb5sync
-from tb5sync.cli import build_parser
-from tb5sync.server import Server
+from tb5sync.cli.command import build_parser
+from tb5sync.daemon.server import Server
 
 
 def _cli(*args: str, cwd: Any = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli.command", *args], capture_output=True, text=True, timeout=60,
                           check=False, cwd=cwd)
 
 
@@ -198,8 +198,8 @@ def test_every_subcommand_option_misplaced_is_one_line(capsys: pytest.CaptureFix
     """Every option of every store subcommand, flag or valued (``-m d``, ``--url URL``, ``-6``), given
     between ``store`` and its subcommand, or after a subcommand that does not take it: one line saying
     where it goes, exit 2 (never argparse's usage and "invalid choice")."""
-    from tb5sync import cli
-    from tb5sync.storecli import _store_parsers
+    import tb5sync.cli.command as cli
+    from tb5sync.cli.store import _store_parsers
 
     store, subs = _store_parsers(build_parser())
     shared = set(store._option_string_actions)  # store's own and the global ones go anywhere

@@ -33,7 +33,7 @@ import pytest
 from conftest import LiveServer, start_server
 
 import tb5sync
-from tb5sync.fs import TB5FileSystem
+from tb5sync.fs.filesystem import TB5FileSystem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

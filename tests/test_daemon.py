@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 from conftest import joined, start_server, wait_for
 
-from tb5sync import protocol as P
-from tb5sync import transport
-from tb5sync.client import ls, parse_url
+import tb5sync.wire.protocol as P
+import tb5sync.wire.transport as transport
+from tb5sync.remote.client import ls, parse_url
 from tb5sync.errors import AuthError, BusyError, LinkTimeoutError, RemoteProtocolError, UsageError
-from tb5sync.protocol import FrameType
-from tb5sync.rpc import open_session
-from tb5sync.admission import AuthLimiter, peer_key
-from tb5sync.server import Server
-from tb5sync.transport import Channel, connect, set_keepalive
+from tb5sync.wire.protocol import FrameType
+from tb5sync.wire.rpc import open_session
+from tb5sync.daemon.admission import AuthLimiter, peer_key
+from tb5sync.daemon.server import Server
+from tb5sync.wire.transport import Channel, connect, set_keepalive
 
 TOKEN = b"daemon-token"
 REPO = str(Path(__file__).resolve().parent.parent)
@@ -139,7 +139,7 @@ def start_serve_process(root: str, *args: str, preexec: Any = None) -> tuple[sub
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tb5sync.cli", "-v", "serve", root, "--bind", "127.0.0.1:0", *args],
+        [sys.executable, "-m", "tb5sync.cli.command", "-v", "serve", root, "--bind", "127.0.0.1:0", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec,
     )
     assert proc.stderr is not None
@@ -255,7 +255,7 @@ def test_authenticated_connections_do_not_count_as_pending(tmp_path: Path) -> No
 def test_handshake_timeouts_are_logged_rate_limited(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     live = start_server(str(tmp_path / "root"), token=TOKEN, handshake_timeout=0.3)
     try:
-        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+        with caplog.at_level(logging.WARNING, logger="tb5sync.daemon.server"):
             idle = [socket.create_connection(("127.0.0.1", live.port), timeout=5) for _ in range(3)]
             for s in idle:
                 read_all_frames(s)  # closed by the server at the deadline
@@ -291,7 +291,7 @@ def test_thread_start_failure_refuses_and_keeps_serving(tmp_path: Path, monkeypa
 
 
 def test_session_cap_refuses_with_busy_but_joins_do_not_count(tmp_path: Path) -> None:
-    from tb5sync.sync import sync
+    from tb5sync.api.sync import sync
 
     live = start_server(str(tmp_path / "root"), max_sessions=1)
     try:
@@ -336,7 +336,7 @@ def test_accept_backs_off_on_emfile(tmp_path: Path, caplog: pytest.LogCaptureFix
     srv = Server(str(tmp_path), port=0)
     fake = _EmfileSocket()
     srv._sock = fake  # type: ignore[assignment]
-    with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+    with caplog.at_level(logging.WARNING, logger="tb5sync.daemon.server"):
         t = threading.Thread(target=srv.serve_forever, daemon=True)
         t.start()
         time.sleep(1.6)
@@ -577,7 +577,7 @@ def test_failed_authentications_are_logged_and_rate_limited(tmp_path: Path, capl
     try:
         kinds = []
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+        with caplog.at_level(logging.WARNING, logger="tb5sync.daemon.server"):
             for _ in range(30):
                 with pytest.raises(AuthError) as ei:
                     connect("127.0.0.1", live.port, b"wrong")
@@ -623,7 +623,7 @@ def test_parallel_handshakes_cannot_bypass_the_auth_limit(tmp_path: Path, caplog
                         max_unauthenticated_per_address=64)
     socks: list[socket.socket] = []
     try:
-        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+        with caplog.at_level(logging.WARNING, logger="tb5sync.daemon.server"):
             for _ in range(40):
                 s = socket.create_connection(("127.0.0.1", live.port), timeout=5)
                 socks.append(s)
@@ -691,7 +691,7 @@ def test_no_token_on_a_network_address_is_refused(tmp_path: Path) -> None:
 def test_cli_refuses_network_bind_without_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "0.0.0.0:0"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "0.0.0.0:0"],
                        capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 2
     assert r.stderr.startswith("tb5sync: error: refusing to serve 0.0.0.0 without a token") and r.stderr.count("\n") == 1
@@ -721,7 +721,7 @@ def test_stop_waits_for_connection_threads(tmp_path: Path) -> None:
 def test_refused_addresses_get_no_thread_and_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     live = start_server(str(tmp_path / "root"), allow=["10.0.0.0/8"])
     try:
-        with caplog.at_level(logging.WARNING, logger="tb5sync.server"):
+        with caplog.at_level(logging.WARNING, logger="tb5sync.daemon.server"):
             for _ in range(20):
                 with pytest.raises(AuthError, match="127.0.0.1 is not allowed"):
                     connect("127.0.0.1", live.port, None)

@@ -27,16 +27,16 @@ import pytest
 from conftest import http_cache_port, make_tree, snapshot, start_server, wait_for
 
 import tb5sync
-import tb5sync._diskbench as diskbench
-import tb5sync.messages as messages_mod
-from tb5sync.client import ls, parse_url
+import tb5sync._os.diskbench as diskbench
+import tb5sync.wire.messages as messages_mod
+from tb5sync.remote.client import ls, parse_url
 from tb5sync.errors import ConnectError, PathError, RemoteProtocolError, Tb5syncError, UsageError
-from tb5sync.rpc import open_session
-from tb5sync.sender import Sender
-from tb5sync.server import Server
+from tb5sync.wire.rpc import open_session
+from tb5sync.roles.sender import Sender
+from tb5sync.daemon.server import Server
 from tb5sync.store import Store
-from tb5sync.storeclient import pull_ref, push_ref
-from tb5sync.transport import dial
+from tb5sync.remote.storeclient import pull_ref, push_ref
+from tb5sync.wire.transport import dial
 
 T0 = 1_600_000_000_000_000_000
 
@@ -87,7 +87,8 @@ def _attack_source(tmp_path: Path, where: str, outside: str) -> str:
 
 
 def test_state_dir_name_is_one() -> None:
-    from tb5sync import _paths, entry
+    import tb5sync._os.paths as _paths
+    import tb5sync.tree.entry as entry
 
     assert entry.STATE_DIR == _paths.STATE_DIR == ".tb5sync"
 
@@ -290,7 +291,7 @@ def test_store_opened_read_only_creates_nothing(tmp_path: Path) -> None:
 
 
 class _SlowOs:
-    """``os`` for tb5sync._diskbench whose writes take 0.1 s each (so a test runs long enough to be cut)."""
+    """``os`` for tb5sync._os.diskbench whose writes take 0.1 s each (so a test runs long enough to be cut)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(os, name)
@@ -392,14 +393,14 @@ def test_read_only_serve_http_cache_writes_nothing(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tb5sync.httpcache import HttpCache
+    from tb5sync.cache.httpcache import HttpCache
 
     root = tmp_path / "root"
     root.mkdir()
 
     def serve() -> subprocess.Popen[str]:
         args = ["serve", str(root), "--bind", "127.0.0.1:0", "--read-only", "--http-cache", "127.0.0.1:0"]
-        return subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args], stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", *args], stderr=subprocess.PIPE, text=True)
 
     p = serve()
     err = p.communicate(timeout=60)[1]

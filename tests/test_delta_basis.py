@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 import tb5sync
-from tb5sync import _basis, chunking
-from tb5sync._basis import BasisFinder, check_copy
-from tb5sync.hashing import chunk_buffer, chunk_digest
+import tb5sync.engine.basis as _basis
+import tb5sync.engine.chunking as chunking
+from tb5sync.engine.basis import BasisFinder, check_copy
+from tb5sync.engine.hashing import chunk_buffer, chunk_digest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -272,9 +273,10 @@ def test_many_pieces_and_a_change_between_them(place: Any, monkeypatch: Any) -> 
     changes after the second piece was cut: the file is fetched again and ends up as the new source."""
     import functools
 
-    from tb5sync import largefile, sender
-    from tb5sync.hashing import iter_chunk_fd
-    from tb5sync.sender import Sender
+    import tb5sync.roles.largefile as largefile
+    import tb5sync.roles.sender as sender
+    from tb5sync.engine.hashing import iter_chunk_fd
+    from tb5sync.roles.sender import Sender
 
     # pieces end at the sender's window: 4 MiB windows and 1-byte limits give one window a piece
     monkeypatch.setattr(sender, "iter_chunk_fd", functools.partial(iter_chunk_fd, window=4 * MiB))
@@ -308,7 +310,7 @@ def test_many_pieces_and_a_change_between_them(place: Any, monkeypatch: Any) -> 
 def test_unverified_bytes_are_never_committed(tmp_path: Any, monkeypatch: Any) -> None:
     """If chunks went missing between the plan and the commit (here: the fetch of missing chunks does
     nothing), the file is not renamed into place: the previous version stays whole."""
-    from tb5sync import largefile
+    import tb5sync.roles.largefile as largefile
     from tb5sync.errors import IntegrityError
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
@@ -377,7 +379,7 @@ def test_changed_2mb_file_travels_as_a_delta(tmp_path: Any, need_rsync: None, ed
     edit, far below the file's 2 MB; the result is the source's file."""
     from conftest import start_server
 
-    from tb5sync.receiver import DELTA_FILE, SMALL_FILE
+    from tb5sync.roles.receiver import DELTA_FILE, SMALL_FILE
 
     size = 2_000_000
     assert DELTA_FILE <= size < SMALL_FILE
@@ -413,7 +415,7 @@ def test_changed_2mb_file_travels_as_a_delta(tmp_path: Any, need_rsync: None, ed
 
 def test_changed_file_below_the_delta_size_travels_whole(tmp_path: Any) -> None:
     """Below DELTA_FILE a changed file is sent whole in a batch (no chunk-list round trip)."""
-    from tb5sync.receiver import DELTA_FILE
+    from tb5sync.roles.receiver import DELTA_FILE
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     os.makedirs(src)
@@ -431,7 +433,7 @@ def test_copy_buffers_only_when_something_is_copied(tmp_path: Any, monkeypatch: 
 
     Each used to allocate and zero COPY_INFLIGHT max-size buffers (24 MiB) per large file up front.
     """
-    from tb5sync import largefile
+    import tb5sync.roles.largefile as largefile
 
     made: list[int] = []
     real = largefile._CopyBuffers.get

@@ -15,7 +15,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tb5sync.excludes import ExcludeRules, _Glob, _regex, _tokens
+from tb5sync.tree.excludes import ExcludeRules, _Glob, _regex, _tokens
 
 
 def _reference(pat: str, text: str, any_dir: bool) -> bool:

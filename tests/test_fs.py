@@ -31,7 +31,7 @@ from fsspec.tests.abstract import (
 from conftest import joined, make_tree, slurp, start_server, tmp_files
 from conftest import tb5fs as tb5
 from tb5sync import errors
-from tb5sync.fs import TB5File, TB5FileSystem
+from tb5sync.fs.filesystem import TB5File, TB5FileSystem
 
 TOKEN = b"s3cret-token"
 
@@ -858,7 +858,7 @@ def test_pickled_instance_works_in_a_fresh_state(served: Any) -> None:
 
 def test_long_listings_come_in_pages(served: Any, monkeypatch: Any) -> None:
     """ls/find larger than one page arrive in several (any connection may fetch the next page)."""
-    from tb5sync import fsops
+    import tb5sync.daemon.fsops as fsops
 
     _, fs, _, _ = served
     want_find = fs.find("", withdirs=True, detail=True)

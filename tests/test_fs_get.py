@@ -19,10 +19,10 @@ from fsspec.callbacks import Callback
 from fsspec.implementations.local import LocalFileSystem
 
 from conftest import start_server, tb5fs, tmp_files
-from tb5sync import _io
-from tb5sync import fs as fsmod
+import tb5sync._os.io as _io
+import tb5sync.fs.filesystem as fsmod
 from tb5sync.errors import SourceChangedError, Tb5syncError
-from tb5sync.fsfile import MIN_PIECE
+from tb5sync.fs.file import MIN_PIECE
 
 pytestmark = pytest.mark.timeout(120)
 

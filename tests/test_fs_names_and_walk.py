@@ -1,7 +1,7 @@
 """The fs session with names that are not valid UTF-8, and ``find``'s descriptors.
 
 Names are bytes on disk; the fs session carries one that is not valid UTF-8 as
-msgpack bin (:func:`tb5sync.entry.path_to_wire`) both ways, and the client gives
+msgpack bin (:func:`tb5sync.tree.entry.path_to_wire`) both ways, and the client gives
 it back as the surrogate-escaped str ``os.listdir`` gives (fsspec's
 LocalFileSystem). A reply that still cannot be encoded is one error for that
 request, never a dropped connection. ``find`` walks depth first and holds a
@@ -19,9 +19,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from conftest import served_fs, start_server
 from conftest import tb5fs as tb5
-from tb5sync import errors, fsops
-from tb5sync.rpc import call_direct, open_session
-from tb5sync.transport import connect
+from tb5sync import errors
+import tb5sync.daemon.fsops as fsops
+from tb5sync.wire.rpc import call_direct, open_session
+from tb5sync.wire.transport import connect
 
 BAD = b"\xff\xfe.txt"  # not valid UTF-8
 BAD_STR = os.fsdecode(BAD)

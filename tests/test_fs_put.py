@@ -16,12 +16,12 @@ from fsspec.callbacks import Callback
 from fsspec.implementations.local import LocalFileSystem
 
 from conftest import start_server, tb5fs, tmp_files, wait_for
-from tb5sync import _io
-from tb5sync import server as servermod
-from tb5sync import messages
+import tb5sync._os.io as _io
+import tb5sync.daemon.server as servermod
+import tb5sync.wire.messages as messages
 from tb5sync.errors import ConnectError, QuotaError, SourceChangedError, Tb5syncError, UsageError
-from tb5sync.fsfile import MIN_PIECE
-from tb5sync.fsops import MIN_PUT_PIECE, _Put
+from tb5sync.fs.file import MIN_PIECE
+from tb5sync.daemon.fsops import MIN_PUT_PIECE, _Put
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def test_a_new_file_equals_localfilesystems_put(remote: Any, sources: Path, tmp_
 
 def test_pieces_travel_as_data_frames_on_every_connection(remote: Any, sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root, fs, _ = remote
-    from tb5sync import rpc
+    import tb5sync.wire.rpc as rpc
 
     seen: list[tuple[str, int]] = []
     orig = rpc.Requester.submit_data
@@ -179,7 +179,7 @@ def test_a_symlink_at_the_destination_is_written_through(remote: Any, sources: P
 
 
 def test_onto_an_existing_plain_file_the_engine_reuses_its_chunks(remote: Any, sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tb5sync import client
+    import tb5sync.remote.client as client
 
     root, _, live = remote
     pushed: list[str] = []
@@ -316,7 +316,7 @@ def test_an_older_server_without_pieces_gets_todays_requests(tmp_path: Path, sou
 
 
 def test_pipe_file_of_a_large_value_goes_in_pieces(remote: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tb5sync import rpc
+    import tb5sync.wire.rpc as rpc
 
     root, fs, _ = remote
     value = random.Random(5).randbytes(3 * MIN_PIECE + 99)

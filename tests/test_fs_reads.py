@@ -17,12 +17,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from conftest import joined, start_server, tmp_files
 from conftest import tb5fs as tb5
-from tb5sync import fsfile
-from tb5sync import protocol as P
-from tb5sync._parts import FileRange, SharedFd
+import tb5sync.fs.file as fsfile
+import tb5sync.wire.protocol as P
+from tb5sync.wire.parts import FileRange, SharedFd
 from tb5sync.errors import SourceChangedError, Tb5syncError
-from tb5sync.rpc import Requester
-from tb5sync.transport import Channel
+from tb5sync.wire.rpc import Requester
+from tb5sync.wire.transport import Channel
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Regression tests from a review of tb5:// (tb5sync.fs / tb5sync.fsops) that attacked a live server.
+"""Regression tests from a review of tb5:// (tb5sync.fs.filesystem / tb5sync.daemon.fsops) that attacked a live server.
 
 Each test pins one problem that was found and fixed; its docstring describes the problem as it
 was (severity and a one-line reproduction), the test asserts the fixed behaviour.
@@ -17,8 +17,8 @@ from fsspec.implementations.local import LocalFileSystem
 from conftest import LiveServer, served_fs, slurp, start_server, tmp_files
 from conftest import tb5fs as tb5
 from tb5sync import errors
-from tb5sync.rpc import Requester, open_session
-from tb5sync.transport import connect
+from tb5sync.wire.rpc import Requester, open_session
+from tb5sync.wire.transport import connect
 
 TOKEN = b"s3cret-token"
 
@@ -324,8 +324,8 @@ def test_sync_sessions_cannot_reach_the_state_dir(srv: Any, tmp_path: Any) -> No
     `client.push(src, Remote(host, port, ".tb5sync/"), name="state.sqlite")` replaces the server's
     state database, `client.pull(Remote(.., ".tb5sync/state.sqlite"), out)` reads it, and
     `client.ls(Remote(.., ".tb5sync"))` lists it (server._push/_pull/_ls use resolve_in_root only)."""
-    from tb5sync import client
-    from tb5sync.options import SyncOptions
+    import tb5sync.remote.client as client
+    from tb5sync.tree.options import SyncOptions
 
     live, fs, root = srv
     fs.checksum("f")  # the state db exists now

@@ -1,7 +1,7 @@
 """Fuzz targets: every decoder of peer input gives a result or a ProtocolError/UsageError, never
 another exception (a crash of the reader thread, a server thread, or a wrong class to the user).
 
-Decoders covered: the frame reader (:class:`tb5sync.protocol.FrameReader`, any bytes, any split,
+Decoders covered: the frame reader (:class:`tb5sync.wire.protocol.FrameReader`, any bytes, any split,
 any limit), both handshake machines, every ``messages.*.from_wire``, ``SyncOptions.from_wire``,
 ``Entry.from_wire``, ``protocol.decode_control/decode_data/error_from_body``,
 ``rpc.reply_of`` and ``rpc.split_parts``.
@@ -23,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tb5sync import messages as M
-from tb5sync import protocol as P
-from tb5sync.entry import Entry
+import tb5sync.wire.messages as M
+import tb5sync.wire.protocol as P
+from tb5sync.tree.entry import Entry
 from tb5sync.errors import AuthError, ProtocolError, Tb5syncError, UsageError
-from tb5sync.options import SyncOptions
-from tb5sync.protocol import FrameType
-from tb5sync.rpc import reply_of, split_parts
+from tb5sync.tree.options import SyncOptions
+from tb5sync.wire.protocol import FrameType
+from tb5sync.wire.rpc import reply_of, split_parts
 
 EXAMPLES = int(os.environ.get("TB5SYNC_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,

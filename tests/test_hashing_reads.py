@@ -16,11 +16,11 @@ from pathlib import Path
 import blake3
 import pytest
 
-import tb5sync.hashing as hashing
-from tb5sync import chunking
+import tb5sync.engine.hashing as hashing
+import tb5sync.engine.chunking as chunking
 from tb5sync.errors import SourceChangedError
-from tb5sync.sender import Sender
-from tb5sync.state import TreeState
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState
 
 MiB = 1024 * 1024
 
@@ -45,7 +45,7 @@ def _expected(data: bytes, params: chunking.ChunkParams) -> list[tuple[bytes, in
 def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each way of reading into a buffer: preadv where the system has it, and the portable pread + copy."""
     if request.param == "pread-copy":
-        monkeypatch.setenv("TB5SYNC_PORTABLE", "1")  # tb5sync._io.read_into: pread and a copy
+        monkeypatch.setenv("TB5SYNC_PORTABLE", "1")  # tb5sync._os.io.read_into: pread and a copy
     elif not hasattr(os, "preadv"):
         pytest.skip("no preadv here (the portable path is tested)")
     return str(request.param)
@@ -160,7 +160,7 @@ def test_abandoned_iteration_gives_its_buffers_back(tmp_path: Path) -> None:
 _TRUNCATE_RACE = textwrap.dedent(
     """
     import os, sys, threading, time
-    from tb5sync import hashing
+    import tb5sync.engine.hashing as hashing
     from tb5sync.errors import SourceChangedError
     path = sys.argv[1]
     size = 48 * 1024 * 1024
@@ -234,8 +234,8 @@ def test_chunk_list_piece_of_a_replaced_file_is_source_changed(tmp_path: Path) -
 _CHECKSUM_TOUCH_RACE = textwrap.dedent(
     """
     import os, sys, threading, time
-    from tb5sync.server import Server
-    from tb5sync.fs import TB5FileSystem
+    from tb5sync.daemon.server import Server
+    from tb5sync.fs.filesystem import TB5FileSystem
     from tb5sync.errors import Tb5syncError
     root = sys.argv[1]
     os.makedirs(root, exist_ok=True)

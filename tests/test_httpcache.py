@@ -1,4 +1,4 @@
-"""The HTTP build cache (tb5sync.httpcache): Bazel's HTTP remote cache protocol and ccache's HTTP
+"""The HTTP build cache (tb5sync.cache.httpcache): Bazel's HTTP remote cache protocol and ccache's HTTP
 remote storage, each as its clients use it.
 
 Expected behaviour is taken from Bazel's remote caching documentation (``/ac/`` and ``/cas/``
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from conftest import http_cache_port
 
-from tb5sync.cli import main
-from tb5sync.httpcache import EMPTY_SHA256, HttpCache, parse_action_result
+from tb5sync.cli.command import main
+from tb5sync.cache.httpcache import EMPTY_SHA256, HttpCache, parse_action_result
 from tb5sync.store.blobs import blob_keys
 
 
@@ -445,7 +445,7 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
     else:
         store = tmp_path / "store"
         args = ["http-cache", str(store), "--bind", "127.0.0.1:0", "--read-only"]
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args, "--http-basic-file", str(tmp_path / "basic")],
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", *args, "--http-basic-file", str(tmp_path / "basic")],
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None

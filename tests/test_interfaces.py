@@ -16,12 +16,12 @@ import pytest
 from conftest import make_tree, snapshot
 from test_netns import REPO, TOKEN, Link, _ip, client_in_ns, finish, link, start_server  # noqa: F401 (the fixture)
 
-from tb5sync.cli import _parse_bind
+from tb5sync.cli.command import _parse_bind
 from tb5sync.errors import AuthError, UsageError
-from tb5sync.httpcache import HttpCache
-from tb5sync.netif import AllowList, bind_host, interface_networks
-from tb5sync.sync import sync
-from tb5sync.urls import parse_url, url_host
+from tb5sync.cache.httpcache import HttpCache
+from tb5sync._os.netif import AllowList, bind_host, interface_networks
+from tb5sync.api.sync import sync
+from tb5sync.wire.urls import parse_url, url_host
 
 
 def test_parse_bind_takes_interface_names_and_zones() -> None:
@@ -72,7 +72,7 @@ def test_allow_list_with_interface_names() -> None:
 def _serve_cli(root: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "-v", *args], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "-v", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     line = proc.stderr.readline()
@@ -115,7 +115,7 @@ def test_serve_refuses_peers_outside_the_interfaces_subnets(tmp_path: Path) -> N
 
 def _interfaces() -> list[str]:
     """Interfaces with an address, but the veths other tests make and remove meanwhile."""
-    from tb5sync.netif import interfaces
+    from tb5sync._os.netif import interfaces
 
     return [n for n, addrs in interfaces().items() if addrs and not n.startswith("tb5")]
 

@@ -1,4 +1,4 @@
-"""The path jail (tb5sync._paths.Jail) and its two users' views of it (FsOps, Sender).
+"""The path jail (tb5sync._os.paths.Jail) and its two users' views of it (FsOps, Sender).
 
 Every test runs twice where it matters: with ``openat2`` (skipped where the kernel
 lacks it) and with the portable walk forced, so both lookups refuse the same paths.
@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from tb5sync import _paths
-from tb5sync._paths import PORTABLE_ENV, Jail, openat2_available
+import tb5sync._os.paths as _paths
+from tb5sync._os.paths import PORTABLE_ENV, Jail, openat2_available
 from tb5sync.errors import PathError
-from tb5sync._parts import close_parts
-from tb5sync.fsops import FsOps
-from tb5sync.sender import Sender
-from tb5sync.state import TreeState
+from tb5sync.wire.parts import close_parts
+from tb5sync.daemon.fsops import FsOps
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -240,7 +240,7 @@ def test_fs_leaf_symlink_is_moved_and_removed_itself(tree: Tree, ops: FsOps) -> 
 
 
 def test_sender_reads_through_a_symlink_are_refused(tree: Tree, lookup: str) -> None:
-    from tb5sync.options import SyncOptions
+    from tb5sync.tree.options import SyncOptions
 
     s = Sender(str(tree.root), SyncOptions())
     try:

@@ -24,15 +24,15 @@ import pytest
 from conftest import snapshot, start_server, tb5fs, tmp_files
 
 import tb5sync
-import tb5sync.destination as destination_mod
-import tb5sync.fsops as fsops_mod
-from tb5sync.client import default_state_dir
-from tb5sync._paths import claim_temp, release_temp
-from tb5sync.largefile import LargeFileJob
-from tb5sync.receiver import Receiver
-from tb5sync.scan import scan, scan_tree
-from tb5sync.sender import Sender
-from tb5sync.state import TreeState
+import tb5sync.roles.destination as destination_mod
+import tb5sync.daemon.fsops as fsops_mod
+from tb5sync.remote.client import default_state_dir
+from tb5sync._os.paths import claim_temp, release_temp
+from tb5sync.roles.largefile import LargeFileJob
+from tb5sync.roles.receiver import Receiver
+from tb5sync.tree.scan import scan, scan_tree
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState
 
 T0 = 1_600_000_000_000_000_000
 MiB = 1024 * 1024
@@ -303,7 +303,7 @@ def test_commit_across_file_systems(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_fs_disk_full_during_a_streamed_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """ENOSPC on the server during a large write (``put_piece``; ``wwrite`` on a server without
     pieces) reaches the fsspec caller as ENOSPC, not as the cleanup's 'no open write'/'no open put'."""
-    from tb5sync import server as server_mod
+    import tb5sync.daemon.server as server_mod
 
     if how == "streamed":
         monkeypatch.setattr(server_mod, "FS_CAPABILITIES", {})
@@ -462,7 +462,7 @@ def test_fsync_is_full_fsync_where_the_system_has_it(tmp_path: Path, monkeypatch
     """macOS: ``fsync`` leaves data in the drive's cache; ``--fsync`` flushes every file and
     directory with ``fcntl(F_FULLFSYNC)`` (forced here: the call is stood in for, as on a Mac),
     and with ``fsync`` where the file system refuses it (ENOTSUP). Stores and their packs too."""
-    from tb5sync import _io
+    import tb5sync._os.io as _io
 
     calls: list[tuple[str, int]] = []
     real_fsync = os.fsync
@@ -510,7 +510,7 @@ def test_no_fsync_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     events = _record_durability(monkeypatch)
     tb5sync.sync(src + "/", dst)
     assert [e for e in events if e[0].startswith("fsync")] == []
-    from tb5sync.options import SyncOptions
+    from tb5sync.tree.options import SyncOptions
 
     assert SyncOptions.from_wire({"fsync": True}).fsync is True
     with pytest.raises(tb5sync.UsageError):
@@ -547,7 +547,7 @@ def test_ctrl_c_leaves_no_temporary_file(tmp_path: Path) -> None:
 
 _STATE_WRITER = """
 import os, sys
-from tb5sync.state import TreeState
+from tb5sync.tree.state import TreeState
 state = TreeState(sys.argv[1])
 print("ready", flush=True)
 i = 0

@@ -22,7 +22,7 @@ from test_vs_rsync import T0, Harness, assert_same, cp_a, digest_snapshot, freez
 
 import tb5sync
 from tb5sync.errors import PartialTransferError, PathError, UsageError
-from tb5sync.options import BASE_OPTIONS, SyncOptions
+from tb5sync.tree.options import BASE_OPTIONS, SyncOptions
 
 
 @pytest.fixture(autouse=True)
@@ -204,7 +204,7 @@ def test_sparse_vs_rsync_blocks(oh: OptHarness, monkeypatch: pytest.MonkeyPatch,
 
 def test_sparse_unit_paths_agree(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """copy_sparse gives the same bytes and blocks with SEEK_DATA and with the zero-block scan."""
-    from tb5sync import _sparse
+    import tb5sync._os.sparse as _sparse
 
     src = str(tmp_path / "s")
     with open(src, "wb") as f:
@@ -257,7 +257,7 @@ def _xattr_tree(src: str) -> None:
 def test_xattrs_vs_rsync_and_rerun(oh: OptHarness, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     if backend == "libc":  # the path macOS takes (ctypes on the C library), forced here
         monkeypatch.setenv("TB5SYNC_XATTR_LIBC", "1")
-    from tb5sync._fsmeta import xattr_backend
+    from tb5sync._os.fsmeta import xattr_backend
 
     assert xattr_backend() == backend
     _xattr_tree(oh.src)
@@ -279,7 +279,7 @@ def test_xattrs_vs_rsync_and_rerun(oh: OptHarness, monkeypatch: pytest.MonkeyPat
 def test_xattrs_from_a_peer_only_in_copied_namespaces(tmp_path: Any) -> None:
     """The receiving side sets only names it would copy itself (user.* on Linux): a peer's
     trusted.* or security.* names are not set, whatever it sends."""
-    from tb5sync.destination import Destination
+    from tb5sync.roles.destination import Destination
 
     base = str(tmp_path / "dst")
     os.makedirs(base)
@@ -500,7 +500,7 @@ def test_options_round_trip_the_wire() -> None:
 @pytest.mark.parametrize("route", ["push", "pull"])
 def test_old_server_refused_not_ignored(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     """A server that does not list an option in its OPEN reply (one older than it) makes the client fail, naming it."""
-    import tb5sync.server as srv
+    import tb5sync.daemon.server as srv
 
     monkeypatch.setattr(srv, "known_options", lambda: list(BASE_OPTIONS))
     live = start_server(str(tmp_path / "old"))

@@ -17,9 +17,9 @@ import pytest
 from conftest import start_server, wait_for
 
 import tb5sync
-import tb5sync.sender as sender_mod
+import tb5sync.roles.sender as sender_mod
 from tb5sync.errors import UsageError
-from tb5sync.generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
+from tb5sync.roles.generator import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +110,7 @@ def test_honest_tree_past_the_cap_is_refused_and_one_within_it_syncs(tmp_path: P
 
 @pytest.mark.parametrize("kw", [{"max_entries": 0}, {"max_listing_bytes": -1}])
 def test_caps_must_be_positive(tmp_path: Path, kw: dict[str, int]) -> None:
-    from tb5sync.server import Server
+    from tb5sync.daemon.server import Server
 
     with pytest.raises(UsageError, match=next(iter(kw))):
         Server(str(tmp_path), port=0, **kw)
@@ -125,8 +125,8 @@ def _push_forged_listing(port: int, pid: int, n: int, monkeypatch: pytest.Monkey
 
     from test_daemon import rss_kib
 
-    from tb5sync.entry import Entry
-    from tb5sync.scan import Tree
+    from tb5sync.tree.entry import Entry
+    from tb5sync.tree.scan import Tree
 
     now = time.time_ns()
     files = [Entry(f"f{i:08d}", "f", 0o644, 0, now, "") for i in range(n)]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from test_vs_rsync import T0, Harness, rsync, write
 
 import tb5sync
-from tb5sync._paths import NAME_MAX, is_temp_name, temp_name
-from tb5sync.entry import Entry, path_from_wire, path_to_wire, show_path
+from tb5sync._os.paths import NAME_MAX, is_temp_name, temp_name
+from tb5sync.tree.entry import Entry, path_from_wire, path_to_wire, show_path
 
 
 def fsname(raw: bytes) -> str:
@@ -78,7 +78,7 @@ def test_cli_shows_escaped_names(tmp_path: Any) -> None:
     src = str(tmp_path / "src")
     write(os.path.join(src, fsname(b"caf\xe9.txt")), b"x", 0o644, T0)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
-    cmd = [sys.executable, "-m", "tb5sync.cli", "sync"]
+    cmd = [sys.executable, "-m", "tb5sync.cli.command", "sync"]
     dry = subprocess.run([*cmd, "-n", src + "/", str(tmp_path / "dst")], capture_output=True, text=True, env=env, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert "caf\\xe9.txt" in dry.stdout.splitlines()

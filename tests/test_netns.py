@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import LiveServer, joined, make_tree, snapshot, wait_for
 
-from tb5sync.server import Server
+from tb5sync.daemon.server import Server
 
 REPO = str(Path(__file__).resolve().parent.parent)
 TOKEN = "netns-token"
@@ -92,7 +92,7 @@ def link() -> Iterator[Link]:
 
 CLIENT = r"""
 import json, sys, time
-from tb5sync.sync import sync
+from tb5sync.api.sync import sync
 t0 = time.monotonic()
 try:
     sync(sys.argv[1], sys.argv[2], token=sys.argv[3], timeout=float(sys.argv[4]), streams=2)
@@ -163,8 +163,8 @@ def test_sync_over_a_lossy_delayed_link_is_exact(link: Link, tmp_path: Path) -> 
 
 HOLDER = r"""
 import sys, time
-from tb5sync.rpc import open_session
-from tb5sync.transport import connect
+from tb5sync.wire.rpc import open_session
+from tb5sync.wire.transport import connect
 chans = []
 for port in sys.argv[2:]:
     ch = connect(sys.argv[1], int(port), b"netns-token", keepalive=None, io_timeout=None)
@@ -200,11 +200,11 @@ def test_keepalive_frees_the_sessions_of_a_vanished_peer(link: Link, tmp_path: P
 
 WAITER = r"""
 import sys, time
-from tb5sync.rpc import open_session
-from tb5sync.transport import dial
+from tb5sync.wire.rpc import open_session
+from tb5sync.wire.transport import dial
 ch = dial(sys.argv[1], int(sys.argv[2]), None, io_timeout=4.0)
 open_session(ch, {"op": "fs"})
-ch.send_control(__import__("tb5sync.protocol").protocol.FrameType.REQUEST, 1, {"m": "digest", "a": {"path": "x"}})
+ch.send_control(__import__("tb5sync.wire.protocol").protocol.FrameType.REQUEST, 1, {"m": "digest", "a": {"path": "x"}})
 print("waiting", flush=True)
 t0 = time.monotonic()
 try:
@@ -221,8 +221,8 @@ def test_client_waiting_for_a_slow_reply_keeps_waiting_until_the_link_dies(link:
     import socket
     import threading
 
-    from tb5sync import protocol as P
-    from tb5sync.transport import Channel, server_handshake
+    import tb5sync.wire.protocol as P
+    from tb5sync.wire.transport import Channel, server_handshake
 
     lsock = socket.socket()
     lsock.bind((link.host_ip, 0))

@@ -19,12 +19,12 @@ import pytest
 from conftest import LiveServer, snapshot
 
 import tb5sync
-import tb5sync.sender as sender_mod
+import tb5sync.roles.sender as sender_mod
 from tb5sync.errors import RemoteProtocolError
-from tb5sync.entry import DIR, FILE, LINK, Entry
-from tb5sync.scan import listing_digest, scan, scan_tree
-from tb5sync.receiver import Receiver
-from tb5sync.sender import Sender
+from tb5sync.tree.entry import DIR, FILE, LINK, Entry
+from tb5sync.tree.scan import listing_digest, scan, scan_tree
+from tb5sync.roles.receiver import Receiver
+from tb5sync.roles.sender import Sender
 
 pytestmark = pytest.mark.timeout(60)
 

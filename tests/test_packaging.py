@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tb5sync
-from tb5sync.server import Server
+from tb5sync.daemon.server import Server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
@@ -45,7 +45,7 @@ _NO_CYTHON = "import sys; sys.modules['tb5sync._cdc'] = None; sys.modules['tb5sy
 def test_pure_python_build_warns_once_and_version_says_so(tmp_path: Any) -> None:
     """A build without a C compiler installs the pure-Python chunker: ``tb5sync --version`` shows
     it, and a sync warns once (``RuntimeWarning``) however many syncs run."""
-    r = subprocess.run([sys.executable, "-c", _NO_CYTHON + "from tb5sync.cli import main; main(['--version'])"],
+    r = subprocess.run([sys.executable, "-c", _NO_CYTHON + "from tb5sync.cli.command import main; main(['--version'])"],
                        capture_output=True, text=True, env=ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [f"tb5sync {tb5sync.__version__}",
@@ -113,11 +113,11 @@ def test_bad_thread_count_reported_at_start(tmp_path: Any, value: str) -> None:
     (src / "small").write_bytes(b"small")
     for var in ("TB5SYNC_HASH_THREADS", "TB5SYNC_CHUNK_THREADS"):
         env = {**ENV, var: value}
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", f"{src}/", str(tmp_path / "dst")],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", f"{src}/", str(tmp_path / "dst")],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 2 and var in r.stderr, r.stderr
         assert not (tmp_path / "dst").exists()
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "127.0.0.1:0"],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "127.0.0.1:0"],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 2 and var in r.stderr, r.stderr
 

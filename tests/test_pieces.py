@@ -10,14 +10,14 @@ from pathlib import Path
 import blake3
 import pytest
 
-from tb5sync import hashing
-from tb5sync.chunking import ChunkParams
+import tb5sync.engine.hashing as hashing
+from tb5sync.engine.chunking import ChunkParams
 from tb5sync.errors import SourceChangedError, UsageError
-from tb5sync.options import SyncOptions
-from tb5sync._buffers import ReadBuffers
-from tb5sync.sender import Sender
-from tb5sync.state import TreeState
-from tb5sync._buffers import BufferPool
+from tb5sync.tree.options import SyncOptions
+from tb5sync._os.buffers import ReadBuffers
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState
+from tb5sync._os.buffers import BufferPool
 
 SMALL = ChunkParams(version=0, min_size=64, avg_size=256, max_size=1024)
 
@@ -220,7 +220,7 @@ def test_receive_buffers_are_populated_mappings_or_bytearrays_and_come_back(
     what is written into it and is taken back by ``give_back`` (other objects and small ones are not)."""
     import mmap
 
-    from tb5sync._io import populated_buffer
+    from tb5sync._os.io import populated_buffer
 
     if portable:
         monkeypatch.setenv("TB5SYNC_PORTABLE", "1")

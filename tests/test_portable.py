@@ -17,11 +17,12 @@ import pytest
 from conftest import make_tree, snapshot, start_server, tb5fs
 
 import tb5sync
-from tb5sync import _basis, _io
-from tb5sync._paths import Jail
+import tb5sync.engine.basis as _basis
+import tb5sync._os.io as _io
+from tb5sync._os.paths import Jail
 from tb5sync.store import Store
 from tb5sync.store.materialise import reflink_supported
-from tb5sync.transport import set_keepalive
+from tb5sync.wire.transport import set_keepalive
 
 LINUX_ONLY = ("copy_file_range", "preadv", "sendfile")
 

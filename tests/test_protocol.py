@@ -1,4 +1,4 @@
-"""Tests of the sans-IO wire protocol (:mod:`tb5sync.protocol`): bytes in, frames and messages out.
+"""Tests of the sans-IO wire protocol (:mod:`tb5sync.wire.protocol`): bytes in, frames and messages out.
 
 No sockets here: the handshake state machines are joined in memory by :class:`ConnectionPair`
 (after h11's tests/helpers.py), and a Hypothesis fuzz invariant checks that any bytes give
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tb5sync import protocol as P
+import tb5sync.wire.protocol as P
 from tb5sync.errors import (
     AuthError,
     LocalProtocolError,
@@ -28,7 +28,7 @@ from tb5sync.errors import (
     Tb5syncError,
     VersionMismatchError,
 )
-from tb5sync.protocol import NEED_DATA, FrameReader, FrameType
+from tb5sync.wire.protocol import NEED_DATA, FrameReader, FrameType
 
 RAW = struct.Struct("!4sBBHII")  # the header layout, written out independently of P.HEADER
 TOKEN = b"s3cret-token"
@@ -798,7 +798,7 @@ def test_decode_refuses_the_timestamp_extension(value: Any) -> None:
 
 
 def _skims() -> list[Any]:
-    from tb5sync import _skim_py
+    import tb5sync.wire.skim_py as _skim_py
 
     out = [_skim_py.skim]
     try:
@@ -895,9 +895,9 @@ def test_server_receives_its_densest_legitimate_messages_within_its_limit() -> N
     """What a server legitimately receives fits SERVER_MAX_DECODED: an fs put or wwrite of
     FS_MAX_WRITE, a store put_chunks of STORE_MAX_DIGESTS small chunks and of STORE_MAX_BATCH, an
     entries page of MAX_PAGE entries and PAGE_PATH_BYTES of astral-plane names, a have request."""
-    from tb5sync.entry import Entry
-    from tb5sync.messages import FS_MAX_WRITE, STORE_MAX_BATCH, STORE_MAX_DIGESTS, EntriesPage
-    from tb5sync.sender import MAX_PAGE, PAGE_PATH_BYTES
+    from tb5sync.tree.entry import Entry
+    from tb5sync.wire.messages import FS_MAX_WRITE, STORE_MAX_BATCH, STORE_MAX_DIGESTS, EntriesPage
+    from tb5sync.roles.sender import MAX_PAGE, PAGE_PATH_BYTES
 
     width = PAGE_PATH_BYTES // MAX_PAGE // 4
     names = [f"d/{i:0{width}d}\U0001f600" for i in range(MAX_PAGE)]
@@ -919,7 +919,7 @@ def test_server_receives_its_densest_legitimate_messages_within_its_limit() -> N
 def test_an_fs_listing_page_of_short_names_fits_a_clients_limit() -> None:
     """The densest page a server sends: an ls page (fsops.PAGE_BYTES of its estimate) of
     one-character names with every info field."""
-    from tb5sync.fsops import PAGE_BYTES
+    from tb5sync.daemon.fsops import PAGE_BYTES
 
     info = {"name": "d/a", "size": 2**40, "type": "file", "created": 1.5e9, "islink": False, "mode": 0o100644,
             "uid": 100000, "gid": 100000, "mtime": 1.5e9, "ino": 2**40, "nlink": 1, "destination": "x"}
@@ -931,8 +931,8 @@ def test_an_fs_listing_page_of_short_names_fits_a_clients_limit() -> None:
 def test_legitimate_pages_are_within_the_budget() -> None:
     """The densest legitimate messages: an entries page with a hardlink pair and an xattr per
     entry, a read_files meta of empty files, a chunk list, fs info dicts."""
-    from tb5sync.entry import Entry
-    from tb5sync.messages import EntriesPage
+    from tb5sync.tree.entry import Entry
+    from tb5sync.wire.messages import EntriesPage
 
     entries = [Entry(f"{i}", "f", 0o644, 0, 1, "") for i in range(16384)]
     page = EntriesPage(entries, False, {i: i // 2 for i in range(16384)}, {i: [(b"user.a", b"")] for i in range(16384)})

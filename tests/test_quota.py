@@ -18,7 +18,7 @@ from conftest import served_fs, start_server, tmp_files
 
 import tb5sync
 from tb5sync.errors import QuotaError, UsageError
-from tb5sync.quota import WriteQuota
+from tb5sync.tree.quota import WriteQuota
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,8 +109,8 @@ def test_fs_writes_past_the_session_limit_are_refused_and_leave_nothing(tmp_path
     server-side copy each charge their bytes: past the limit the request fails with QuotaError
     (errno ENOSPC), no file appears at its path, the streamed write's temporary file is removed,
     and the connection goes on answering."""
-    from tb5sync.rpc import call_direct, open_session
-    from tb5sync.transport import connect
+    from tb5sync.wire.rpc import call_direct, open_session
+    from tb5sync.wire.transport import connect
 
     live = start_server(str(tmp_path / "root"), max_session_bytes=3 * MiB)
     root = tmp_path / "root"
@@ -150,9 +150,9 @@ def test_fsspec_face_reports_the_quota(tmp_path: Path) -> None:
 
 def test_store_push_past_the_session_limit_is_refused(tmp_path: Path) -> None:
     from conftest import make_tree
-    from tb5sync.client import parse_url
+    from tb5sync.remote.client import parse_url
     from tb5sync.store import Store
-    from tb5sync.storeclient import push_ref
+    from tb5sync.remote.storeclient import push_ref
 
     root = tmp_path / "root"
     root.mkdir()
@@ -188,8 +188,8 @@ def test_quota_counts_and_checks_its_arguments(tmp_path: Path) -> None:
 
 def test_serve_options_reach_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``serve --max-session-bytes 50G --min-free-space 10M`` gives Server those sizes in bytes."""
-    import tb5sync.server as server_mod
-    from tb5sync.cli import main
+    import tb5sync.daemon.server as server_mod
+    from tb5sync.cli.command import main
 
     seen: dict[str, object] = {}
 
@@ -225,7 +225,7 @@ def test_single_file_push_past_the_limit_names_the_file(tmp_path: Path) -> None:
     live = start_server(str(root), max_session_bytes=2 * MiB)
     try:
         (root / "in").mkdir()
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(src / "big.bin"), live.url("in/")],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", str(src / "big.bin"), live.url("in/")],
                            capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"})
         assert r.returncode == 11, r.stderr

@@ -1,7 +1,7 @@
 """The receiving side's jail: no listing and no race writes outside the destination's root.
 
-Every change a sync makes goes through :class:`tb5sync.destination.Destination`, relative to
-directory descriptors of a :class:`tb5sync._paths.Jail`. These tests give the receiver a
+Every change a sync makes goes through :class:`tb5sync.roles.destination.Destination`, relative to
+directory descriptors of a :class:`tb5sync._os.paths.Jail`. These tests give the receiver a
 listing that names a file under a symlink (an authenticated peer's crafted listing), and swap
 a directory for a symlink leading out of the root between the steps of a run (deterministic
 hooks) and during runs (a racing thread, bounded in time). The expectation in each case comes
@@ -21,16 +21,16 @@ import pytest
 from conftest import snapshot, start_server
 
 import tb5sync
-import tb5sync.destination as destination_mod
-import tb5sync.generator as generator_mod
-from tb5sync.destination import Destination
-from tb5sync.entry import LINK
-from tb5sync.client import default_state_dir
+import tb5sync.roles.destination as destination_mod
+import tb5sync.roles.generator as generator_mod
+from tb5sync.roles.destination import Destination
+from tb5sync.tree.entry import LINK
+from tb5sync.remote.client import default_state_dir
 from tb5sync.errors import PathError, RemoteProtocolError, Tb5syncError
-from tb5sync.generator import Generator
-from tb5sync.receiver import Receiver
-from tb5sync.sender import Sender
-from tb5sync.state import TreeState
+from tb5sync.roles.generator import Generator
+from tb5sync.roles.receiver import Receiver
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState
 
 T0 = 1_600_000_000_000_000_000
 MiB = 1024 * 1024
@@ -419,7 +419,7 @@ def test_concurrent_runs_of_two_versions_leave_exactly_one(tmp_path: Path) -> No
 @pytest.mark.parametrize("lister", ["cython", "python"])
 def test_scan_does_not_follow_a_directory_swapped_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lister: str) -> None:
     """``d`` becomes ``d -> outside`` right after its parent was listed: nothing of ``outside`` is listed."""
-    import tb5sync.scan as scan_mod
+    import tb5sync.tree.scan as scan_mod
 
     if lister == "python":
         monkeypatch.setattr(scan_mod, "listdir_stat", scan_mod.py_listdir_stat)

@@ -1,4 +1,4 @@
-"""Sub-chunk refinement of a delta (tb5sync.refine) and the sender's sub_chunks request."""
+"""Sub-chunk refinement of a delta (tb5sync.engine.refine) and the sender's sub_chunks request."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import xxhash
 
 import tb5sync
 from conftest import LiveServer
-from tb5sync import refine
-from tb5sync.chunking import ChunkParams
+import tb5sync.engine.refine as refine
+from tb5sync.engine.chunking import ChunkParams
 from tb5sync.errors import RemoteProtocolError, SourceChangedError, UsageError
-from tb5sync.sender import Sender
+from tb5sync.roles.sender import Sender
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import have_rsync, snapshot, tmp_files
 
 import tb5sync
-import tb5sync.destination as destination_mod
-from tb5sync.client import default_state_dir
+import tb5sync.roles.destination as destination_mod
+from tb5sync.remote.client import default_state_dir
 
 MiB = 1024 * 1024
 T0 = 1_600_000_000_000_000_000

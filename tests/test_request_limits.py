@@ -22,12 +22,12 @@ import pytest
 from conftest import start_server
 
 import tb5sync
-from tb5sync.client import ls as remote_ls
-from tb5sync.client import parse_url
+from tb5sync.remote.client import ls as remote_ls
+from tb5sync.remote.client import parse_url
 from tb5sync.errors import PathError, UsageError
-from tb5sync.messages import MAX_REQUEST_PATHS, SENDER_MAX_READ
-from tb5sync.rpc import call_direct, open_session
-from tb5sync.transport import connect
+from tb5sync.wire.messages import MAX_REQUEST_PATHS, SENDER_MAX_READ
+from tb5sync.wire.rpc import call_direct, open_session
+from tb5sync.wire.transport import connect
 
 
 def _rss_mib() -> float:
@@ -120,10 +120,10 @@ def test_link_dest_never_looks_into_the_servers_state(tmp_path: Path) -> None:
         assert sorted(os.listdir(root / "sub")) == []
     finally:
         live.server.stop()
-    from tb5sync.inodes import LinkDest
-    from tb5sync.destination import Destination
-    from tb5sync.entry import FILE, Entry
-    from tb5sync.options import SyncOptions
+    from tb5sync.roles.inodes import LinkDest
+    from tb5sync.roles.destination import Destination
+    from tb5sync.tree.entry import FILE, Entry
+    from tb5sync.tree.options import SyncOptions
 
     (tmp_path / "ld" / ".tb5sync").mkdir(parents=True)
     (tmp_path / "ld" / ".tb5sync" / "f").write_bytes(b"abc")
@@ -152,7 +152,7 @@ def test_chunk_longer_than_any_read_is_refused() -> None:
     longer one is refused as it is checked (the receiver used to allocate a buffer of its length
     to rebuild it from a basis)."""
     from tb5sync.errors import RemoteProtocolError
-    from tb5sync.messages import ChunkListPiece, check_chunks
+    from tb5sync.wire.messages import ChunkListPiece, check_chunks
 
     assert check_chunks([[b"d" * 32, SENDER_MAX_READ]], SENDER_MAX_READ, "f") == [(b"d" * 32, SENDER_MAX_READ)]
     with pytest.raises(RemoteProtocolError, match="chunk of f longer than"):
@@ -164,7 +164,7 @@ def test_chunk_longer_than_any_read_is_refused() -> None:
 
 def test_read_files_reply_past_its_limit_is_refused_before_it_is_decompressed() -> None:
     from tb5sync.errors import RemoteProtocolError
-    from tb5sync.messages import READ_FILES_MAX, FilesMeta
+    from tb5sync.wire.messages import READ_FILES_MAX, FilesMeta
 
     n = READ_FILES_MAX // 2 + 1
     chunks = [[b"d" * 32, n // 2], [b"e" * 32, n - n // 2]]
@@ -180,7 +180,7 @@ def test_pushing_peer_cannot_make_the_server_inflate_a_bomb(tmp_path: Path, monk
     """A push client whose read_files answers a small file with a 1 MiB lz4 part claiming 256 MiB
     (one chunk of that length) used to make the server allocate and fill 256 MiB before the digest
     check failed; the reply is now refused as it is checked, before anything is decompressed."""
-    import tb5sync.sender as sender_mod
+    import tb5sync.roles.sender as sender_mod
     from tb5sync.errors import RemoteProtocolError
 
     src = tmp_path / "src"
@@ -209,7 +209,7 @@ def test_unfetched_listing_pages_are_bounded_in_entries(tmp_path: Path, monkeypa
     last 64 such listings whatever their size (each up to 2,000,000 entries, ~1 KB each held), so
     64 unfetched finds of a big tree could pin ~100 GB; now what waits is bounded in entries
     (``fsops.PAGES_MAX_ENTRIES``), the oldest dropped first (its cursor then says "list again")."""
-    import tb5sync.fsops as fsops_mod
+    import tb5sync.daemon.fsops as fsops_mod
     from tb5sync.errors import UsageError as Usage
 
     root = tmp_path / "root"
@@ -241,7 +241,7 @@ def test_a_peers_exclude_rules_are_bounded(tmp_path: Path, excludes: list[str]) 
     entry (each costs time per entry and pattern token). 100,000 patterns in a 1.3 MiB OPEN took
     the server over a minute of CPU (and ~100 MiB) before answering, and slowed every entry's
     match; one pattern of 100,000 tokens, the same per entry. Both are refused at once."""
-    from tb5sync.options import MAX_PATTERN, MAX_WIRE_EXCLUDES
+    from tb5sync.tree.options import MAX_PATTERN, MAX_WIRE_EXCLUDES
 
     live = start_server(str(tmp_path / "root"))
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import make_tree, require_cython
 
-import tb5sync.scan as m
-from tb5sync.excludes import ExcludeRules
+import tb5sync.tree.scan as m
+from tb5sync.tree.excludes import ExcludeRules
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,7 +98,7 @@ def test_scan_order_is_by_name(odd_tree: str) -> None:
 
 def test_listers_take_a_descriptor(tmp_path: Path) -> None:
     """Both twins list a directory given by descriptor the same as by path, and leave the descriptor open."""
-    from tb5sync import scan as scan_mod
+    import tb5sync.tree.scan as scan_mod
 
     (tmp_path / "a").write_bytes(b"abc")
     (tmp_path / "sub").mkdir()

@@ -13,12 +13,12 @@ import pytest
 
 import tb5sync
 from conftest import LiveServer, joined
-from tb5sync import protocol as P
-from tb5sync.options import SyncOptions
-from tb5sync.messages import CODEC_LZ4, CODEC_RAW
-from tb5sync.sender import Sender
-from tb5sync._parts import FileRange, SharedFd, close_parts
-from tb5sync.transport import Channel
+import tb5sync.wire.protocol as P
+from tb5sync.tree.options import SyncOptions
+from tb5sync.wire.messages import CODEC_LZ4, CODEC_RAW
+from tb5sync.roles.sender import Sender
+from tb5sync.wire.parts import FileRange, SharedFd, close_parts
+from tb5sync.wire.transport import Channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +192,7 @@ def _sync_fails_on_the_big_file(sync: tuple[str, str], error: type[Exception], s
 def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """One chunk arrives damaged on every request: the others are written (each verified first), that
     one never is, the file is not committed, and the failure names it."""
-    from tb5sync import largefile
+    import tb5sync.roles.largefile as largefile
     from tb5sync.errors import IntegrityError
 
     data = random.Random(6).randbytes(9 << 20)
@@ -227,7 +227,8 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     """Several replies are verified and written at once (one hash-pool task each): when a later reply
     fails, the fetch waits for every task still running before it returns (the caller then closes the
     work file and reuses the buffers), and nothing is committed; with no failure every byte lands."""
-    from tb5sync import hashing, largefile
+    import tb5sync.engine.hashing as hashing
+    import tb5sync.roles.largefile as largefile
     from tb5sync.errors import RemoteProtocolError
 
     hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine

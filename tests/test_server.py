@@ -1,4 +1,4 @@
-"""Tests of the daemon (:mod:`tb5sync.server`) against a live server on 127.0.0.1, port 0.
+"""Tests of the daemon (:mod:`tb5sync.daemon.server`) against a live server on 127.0.0.1, port 0.
 
 Every failure case checks three things: a clear error of the right tb5sync class whose message
 names what was wrong; the server keeps serving (a small sync succeeds afterwards); nothing
@@ -28,9 +28,9 @@ import pytest
 from conftest import LiveServer, snapshot, start_server
 
 import tb5sync
-from tb5sync import protocol as P
-from tb5sync.client import ls as remote_ls
-from tb5sync.client import parse_url
+import tb5sync.wire.protocol as P
+from tb5sync.remote.client import ls as remote_ls
+from tb5sync.remote.client import parse_url
 from tb5sync.errors import (
     AuthError,
     ConnectError,
@@ -43,10 +43,10 @@ from tb5sync.errors import (
     UsageError,
     VersionMismatchError,
 )
-from tb5sync.protocol import FrameType
-from tb5sync.sender import Sender
-from tb5sync.rpc import open_session
-from tb5sync.transport import Channel, connect
+from tb5sync.wire.protocol import FrameType
+from tb5sync.roles.sender import Sender
+from tb5sync.wire.rpc import open_session
+from tb5sync.wire.transport import Channel, connect
 
 RAW = struct.Struct("!4sBBHII")
 TOKEN = b"s3cret-token"
@@ -190,7 +190,7 @@ def sha(path: str) -> str:
 
 
 def ls_url(url: str, token: bytes | str | None = None) -> list[Any]:
-    """The entries :func:`tb5sync.client.ls` gives for a ``tb5://`` URL."""
+    """The entries :func:`tb5sync.remote.client.ls` gives for a ``tb5://`` URL."""
     remote = parse_url(url)
     assert remote is not None
     return remote_ls(remote, token=token)
@@ -608,7 +608,7 @@ def test_allow_list_accepts_matching_network(tmp_path: Path, allow: list[str]) -
 
 
 def test_bad_cidr_is_usage_error(tmp_path: Path) -> None:
-    from tb5sync.server import Server
+    from tb5sync.daemon.server import Server
 
     with pytest.raises(UsageError, match="allow"):
         Server(str(tmp_path), port=0, allow=["not-a-network"])
@@ -670,7 +670,7 @@ def test_read_only_directory_is_destination_error(server: LiveServer, tmp_path: 
 _KILLABLE_PUSH = """
 import sys, time
 import tb5sync
-from tb5sync.sender import Sender
+from tb5sync.roles.sender import Sender
 
 orig = Sender.read_ranges
 calls = [0]
@@ -822,7 +822,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env["PYTHONPATH"] = REPO
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "tb5sync.cli", *args], check=False, env=full_env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "tb5sync.cli.command", *args], check=False, env=full_env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -902,7 +902,7 @@ def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) 
     out = tmp_path / "stats.txt"
     with open(out, "w") as f:
         r = subprocess.run(
-            [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy")],
+            [sys.executable, "-m", "tb5sync.cli.command", "sync", "--stats", src + "/", str(tmp_path / "copy")],
             check=False, env={**os.environ, "PYTHONPATH": REPO}, stdout=f, stderr=subprocess.PIPE, text=True, timeout=60,
         )
     assert r.returncode == 0, r.stderr
@@ -910,7 +910,7 @@ def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) 
     assert [ln.split(":")[0] for ln in lines] == ["files", "bytes", "wire", "time"]
     # a reader that goes away early: the exit status says so, without a traceback
     with subprocess.Popen(
-        [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy2")],
+        [sys.executable, "-m", "tb5sync.cli.command", "sync", "--stats", src + "/", str(tmp_path / "copy2")],
         env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     ) as proc:
         assert proc.stdout is not None and proc.stderr is not None
@@ -959,7 +959,7 @@ def test_errors_do_not_reveal_the_server_root(server: LiveServer, src: str, tmp_
 
 
 def test_cli_version_and_thread_options_after_the_command() -> None:
-    from tb5sync.cli import build_parser
+    from tb5sync.cli.command import build_parser
 
     r = run_cli("--version")
     from tb5sync import _cdc
@@ -1014,7 +1014,7 @@ def _release_fifo(fifo: str) -> None:
 def test_pull_requests_for_a_fifo_answer_at_once(tmp_path: Path, method: str, args: dict[str, Any]) -> None:
     """A FIFO without a writer in ROOT: each request answers within a second (not a thread blocked
     in open() forever), with an error or the request's "not there" answer, even on --read-only."""
-    from tb5sync.rpc import call_direct
+    from tb5sync.wire.rpc import call_direct
 
     root = tmp_path / "ro"
     (root / "d").mkdir(parents=True)
@@ -1051,7 +1051,7 @@ def test_sync_cli_pulling_a_tree_with_a_fifo_finishes(server: LiveServer, tmp_pa
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     env.pop("TB5SYNC_TOKEN", None)
     try:
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", server.url("t/"), dst],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", server.url("t/"), dst],
                            capture_output=True, text=True, env=env, timeout=30)
     finally:
         _release_fifo(os.path.join(src, "fifo"))

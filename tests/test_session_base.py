@@ -21,10 +21,10 @@ import pytest
 from conftest import start_server
 
 import tb5sync
-import tb5sync.server as server_mod
-from tb5sync.client import ls
+import tb5sync.daemon.server as server_mod
+from tb5sync.remote.client import ls
 from tb5sync.errors import PathError, Tb5syncError
-from tb5sync.urls import parse_url
+from tb5sync.wire.urls import parse_url
 
 SECRET = b"OUTSIDE-SECRET\n"
 
@@ -201,8 +201,8 @@ def test_race_link_dest_never_links_from_outside(tmp_path: Path) -> None:
 def test_push_destination_scan_goes_through_roots_jail(tmp_path: Path, jail_mode: str) -> None:
     """A push's destination is scanned (as its session opens) from ROOT's descriptor: with x/a
     swapped for the symlink after the server's check, the scan is refused, it lists nothing outside."""
-    from tb5sync.excludes import NO_RULES
-    from tb5sync.receiver import scan_in_background
+    from tb5sync.tree.excludes import NO_RULES
+    from tb5sync.roles.receiver import scan_in_background
 
     root, _ = _layout(tmp_path)
     root = os.path.realpath(root)

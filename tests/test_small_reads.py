@@ -15,12 +15,12 @@ import blake3
 import pytest
 from conftest import local_agrees_with_rsync, tmp_files
 
-import tb5sync.destination as destination_mod
-import tb5sync.sender as sender_mod
-from tb5sync.destination import Destination
+import tb5sync.roles.destination as destination_mod
+import tb5sync.roles.sender as sender_mod
+from tb5sync.roles.destination import Destination
 from tb5sync.errors import UsageError
-from tb5sync.options import SyncOptions
-from tb5sync.sender import Sender
+from tb5sync.tree.options import SyncOptions
+from tb5sync.roles.sender import Sender
 
 MiB = 1024 * 1024
 T0 = 1_700_000_000_123_456_789
@@ -298,7 +298,7 @@ def test_write_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> No
 def test_temp_names_of_a_batch() -> None:
     """A batch's temporary names (tags from one random draw) are temporary names, distinct, and
     within NAME_MAX bytes for a name of 255 bytes."""
-    from tb5sync._paths import NAME_MAX, is_temp_name, temp_name, temp_tags
+    from tb5sync._os.paths import NAME_MAX, is_temp_name, temp_name, temp_tags
 
     tags = temp_tags(1000)
     assert len(set(tags)) > 990 and all(len(t) == 8 and int(t, 16) >= 0 for t in tags)
@@ -341,7 +341,8 @@ def test_a_corrupted_small_file_stops_the_batch_and_is_named(tmp_path: Path, mon
 def test_chunk_buffer_of_a_file_below_min_size_is_one_chunk_as_the_chunker_says(size: int) -> None:
     """``chunk_buffer`` skips the chunker for a buffer no larger than ``min_size`` (FastCDC cuts no
     chunk shorter): the same chunk list as the chunker's cut points give."""
-    from tb5sync import chunking, hashing
+    import tb5sync.engine.chunking as chunking
+    import tb5sync.engine.hashing as hashing
 
     data = blake3.blake3(b"seed").digest(length=size)
     params = chunking.DEFAULT_PARAMS

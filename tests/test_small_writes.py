@@ -19,8 +19,8 @@ import pytest
 from conftest import local_agrees_with_rsync, tmp_files
 
 import tb5sync
-import tb5sync.destination as destination_mod
-from tb5sync.destination import Destination
+import tb5sync.roles.destination as destination_mod
+from tb5sync.roles.destination import Destination
 
 MiB = 1024 * 1024
 T0 = 1_700_000_000_123_456_789

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tb5sync.errors import UsageError
-from tb5sync.hashing import chunk_digest
+from tb5sync.engine.hashing import chunk_digest
 from tb5sync.store import Store
 from tb5sync.store.blobs import blob_keys, has_blobs, read_blob
 

@@ -18,12 +18,12 @@ from typing import Any
 import fsspec
 import pytest
 
-from tb5sync.cli import main
+from tb5sync.cli.command import main
 from tb5sync.errors import DestinationError, RefExistsError, RefNotFoundError, RefPinnedError
 from tb5sync.store import Store
 from tb5sync.store.objstore import ObjectStore
-from tb5sync.storeclient import pull_ref, push_ref
-from tb5sync.urls import parse_url
+from tb5sync.remote.storeclient import pull_ref, push_ref
+from tb5sync.wire.urls import parse_url
 
 
 def write(path: str, data: bytes) -> str:
@@ -87,7 +87,7 @@ def test_cli_rm_pinned_exit_2_one_line_naming_unpin(tmp_path: Any, capsys: pytes
 
 
 def test_every_store_subcommand_has_a_help_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from tb5sync import cli as climod
+    import tb5sync.cli.command as climod
 
     parser = climod.build_parser()
     store = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["store"]

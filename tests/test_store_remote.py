@@ -1,4 +1,4 @@
-"""Store refs between nodes: push/pull through a server's store session (tb5sync.storeclient, store.ops).
+"""Store refs between nodes: push/pull through a server's store session (tb5sync.remote.storeclient, store.ops).
 
 Servers run on 127.0.0.1 port 0 and stop in teardown. Expected values: the bytes of the source
 trees, and the chunk counts a node can be known to lack (computed from the manifests).
@@ -19,11 +19,11 @@ import pytest
 from conftest import make_tree, slurp, snapshot, start_server
 
 from tb5sync.errors import AuthError, IntegrityError, ReadOnlyError, RefExistsError, RefNotFoundError, UsageError
-from tb5sync.hashing import chunk_digest
+from tb5sync.engine.hashing import chunk_digest
 from tb5sync.store import Store
 from tb5sync.store.ops import StoreOps
-from tb5sync.storeclient import pull_ref, push_ref, remote_refs
-from tb5sync.urls import parse_url
+from tb5sync.remote.storeclient import pull_ref, push_ref, remote_refs
+from tb5sync.wire.urls import parse_url
 
 MiB = 1024 * 1024
 
@@ -122,7 +122,7 @@ def test_store_ops_refuses_bad_chunks_and_incomplete_commits(tmp_path: Any) -> N
             info = o.put("x/1", str(src))
             mchunks = [[d, o.read_chunk(d)] for d, _ in info.mchunks]
         ops.put_chunks(lease, mchunks)
-        from tb5sync.hashing import refs_to_blob
+        from tb5sync.engine.hashing import refs_to_blob
 
         with pytest.raises(IntegrityError):
             ops.commit(lease, "x/1", info.manifest, refs_to_blob(info.mchunks))
@@ -136,8 +136,8 @@ def test_store_ops_refuses_bad_chunks_and_incomplete_commits(tmp_path: Any) -> N
 _PUSH = """
 import sys
 from tb5sync.store import Store
-from tb5sync.storeclient import push_ref
-from tb5sync.urls import parse_url
+from tb5sync.remote.storeclient import push_ref
+from tb5sync.wire.urls import parse_url
 st = Store(sys.argv[1])
 print("start", flush=True)
 push_ref(st, "big/1", parse_url(sys.argv[2]), streams=4)
@@ -146,7 +146,7 @@ print("done", flush=True)
 
 
 def _serve(tmp_path: Any, store: str) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                           "--store", store], stderr=subprocess.PIPE, text=True)
     assert p.stderr is not None
     m = re.search(r":(\d+)\s*$", p.stderr.readline())
@@ -273,7 +273,7 @@ def test_serve_store_under_the_roots_state(tmp_path: Any) -> None:
     """``tb5sync serve ROOT --store`` (no DIR) serves ROOT/.tb5sync/store, which a sync of ROOT never lists."""
     os.makedirs(tmp_path / "root" / "data")
     (tmp_path / "root" / "data" / "x").write_bytes(b"x")
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                           "--store"], stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None
@@ -326,7 +326,7 @@ def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
     """A manifest is data from a peer: paths that climb out, and files under a symlink, are refused."""
     import msgpack
 
-    from tb5sync.hashing import file_digest, refs_to_blob
+    from tb5sync.engine.hashing import file_digest, refs_to_blob
     from tb5sync.store.manifest import Item, decode_manifest, encode_manifest
 
     for bad in (b"../x", b"/abs", b"a//b", b"a/./b", b"a\0b"):
@@ -360,7 +360,7 @@ def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
 
 def test_cli_push_of_a_ref_already_there_and_urls_with_a_path(tmp_path: Any, node: Any) -> None:
     src = make_tree(str(tmp_path / "src"), files=5)
-    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "a")]
+    cli = [sys.executable, "-m", "tb5sync.cli.command", "store", "--store", str(tmp_path / "a")]
     dest = f"tb5://127.0.0.1:{node.port}"
     assert subprocess.run([*cli, "put", "r", src], capture_output=True, timeout=60).returncode == 0
     assert subprocess.run([*cli, "push", "r", dest], capture_output=True, timeout=60).returncode == 0

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_vs_rsync import Harness, rsync, write
 
 import tb5sync
-from tb5sync import scan
+import tb5sync.tree.scan as scan
 
 S = 1_000_000_000
 #: (id, mtime in ns): the issue's example (first second past 2^63 ns), far future, the epoch,
@@ -100,7 +100,7 @@ def test_property_any_stored_mtime_round_trips(mtimes: list[int]) -> None:
 def test_state_keeps_integers_past_64_bits_and_old_rows(tmp_path: Any) -> None:
     """The scan cache finds a row again whatever its mtime (ns) and inode (up to 2^64 - 1), and a
     row written the old way (an INTEGER) is still found: the schema did not change."""
-    from tb5sync.state import TreeState
+    from tb5sync.tree.state import TreeState
 
     refs = [(b"\x01" * 32, 10)]
     state = TreeState(str(tmp_path))

@@ -20,9 +20,9 @@ from conftest import make_tree, snapshot, start_server
 trustme = pytest.importorskip("trustme")
 
 from tb5sync.errors import ConnectError, ProtocolError, UsageError  # noqa: E402
-from tb5sync.server import Server  # noqa: E402
-from tb5sync.sync import sync  # noqa: E402
-from tb5sync.transport import connect, dial  # noqa: E402
+from tb5sync.daemon.server import Server  # noqa: E402
+from tb5sync.api.sync import sync  # noqa: E402
+from tb5sync.wire.transport import connect, dial  # noqa: E402
 
 REPO = str(Path(__file__).resolve().parent.parent)
 TOKEN = b"tls-token"
@@ -117,7 +117,7 @@ def test_cli_serve_and_sync_over_tls(tmp_path: Path, pki: dict[str, str]) -> Non
     env["PYTHONPATH"] = REPO
     env["TB5SYNC_TOKEN"] = TOKEN.decode()
     (tmp_path / "root").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                              "--tls-cert", pki["cert"], "--tls-key", pki["key"]], stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
@@ -125,7 +125,7 @@ def test_cli_serve_and_sync_over_tls(tmp_path: Path, pki: dict[str, str]) -> Non
         assert "(TLS)" in line, line
         port = int(line.split(":")[-1].split()[0])
         (tmp_path / "f.txt").write_bytes(b"over tls\n")
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "--tls-ca", pki["ca"], str(tmp_path / "f.txt"),
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "--tls-ca", pki["ca"], str(tmp_path / "f.txt"),
                             f"tb5s://127.0.0.1:{port}/"], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
         assert (tmp_path / "root" / "f.txt").read_bytes() == b"over tls\n"
@@ -143,7 +143,7 @@ def test_idle_tls_channel_is_not_taken_for_closed_and_reconnects(tmp_path: Path,
 
     live = start_server(str(tmp_path / "root"), token=TOKEN, tls_cert=pki["cert"], tls_key=pki["key"], idle_timeout=0.7)
     try:
-        from tb5sync.rpc import open_session
+        from tb5sync.wire.rpc import open_session
 
         ch = dial("127.0.0.1", live.port, TOKEN, tls=True, tls_ca=pki["ca"])
         open_session(ch, {"op": "fs"})

@@ -25,11 +25,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
-from ..hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+from tb5sync.errors import UsageError
+from tb5sync.engine.hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+from tb5sync.store.index import require_indexed
+from tb5sync.store.writer import PackWriter, _drop_lease
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tb5sync.store.index import StoreCore as Store
 
 __all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delete_blob", "blob_keys", "read_blob",
            "add_counters", "counters", "MAX_KEY"]
@@ -91,8 +93,6 @@ def put_blob(store: Store, key: str, src: str | os.PathLike[str] | bytes) -> Blo
     SourceChangedError
         The file changed while it was read.
     """
-    from .store import require_indexed
-    from .writer import PackWriter, _drop_lease
 
     check_blob_key(key)
     lease = store.lease()
@@ -132,8 +132,6 @@ def put_blobs(store: Store, items: list[tuple[str, bytes]]) -> list[BlobInfo]:
     UsageError
         A bad key (nothing is stored then).
     """
-    from .store import require_indexed
-    from .writer import PackWriter, _drop_lease
 
     for key, _ in items:
         check_blob_key(key)

@@ -30,12 +30,13 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import IntegrityError
-from ..hashing import chunk_digest
-from .packs import FRAME_HEADER, iter_frames
+from tb5sync.errors import IntegrityError
+from tb5sync.engine.hashing import chunk_digest
+from tb5sync.store.packs import FRAME_HEADER, iter_frames
+from tb5sync.store.writer import LEASE_TTL, PackWriter
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tb5sync.store.index import StoreCore as Store
 
 __all__ = ["gc", "verify", "reindex", "enforce_quota", "gc_lock"]
 
@@ -55,7 +56,7 @@ def gc_lock(store: Store) -> Iterator[None]:
 
 def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set[bytes]],
            parallel: bool = True) -> set[bytes]:
-    from ..hashing import blob_to_refs
+    from tb5sync.engine.hashing import blob_to_refs
 
     got = cache.get(manifest)
     if got is None:
@@ -98,8 +99,6 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
     IntegrityError
         A ref's manifest cannot be read (nothing is deleted then: a damaged store is not swept).
     """
-    from .store import LEASE_TTL, PackWriter
-
     with gc_lock(store):
         cache: dict[bytes, set[bytes]] = {}
         marked: set[bytes] = set()
@@ -154,7 +153,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
         for name in os.listdir(store.tmp_dir):
             pid = name.split("-", 1)[0]
             if pid.isdigit() and int(pid) not in alive_pids and (int(pid) != os.getpid()):
-                from .writer import _pid_alive
+                from tb5sync.store.writer import _pid_alive
 
                 if not _pid_alive(int(pid)):
                     with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ Manifest format v1: msgpack of ``{"v": 1, "entries": [entry, ...]}``, each entry
     a symlink's target as bytes, else None.
 ``digest``, ``chunks``
     a file's digest (BLAKE3 over its chunk digests) and its chunk list packed as
-    :func:`tb5sync.hashing.refs_to_blob` (36 bytes per chunk); None and ``b""`` otherwise.
+    :func:`tb5sync.engine.hashing.refs_to_blob` (36 bytes per chunk); None and ``b""`` otherwise.
 
 Entries are sorted by path (bytes order), so a directory comes before what it holds.
 A manifest's address is the file digest of its own chunks, like any file's.
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from ..errors import IntegrityError, UsageError
-from ..excludes import NO_RULES, ExcludeRules
-from ..hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+from tb5sync.errors import IntegrityError, UsageError
+from tb5sync.tree.excludes import NO_RULES, ExcludeRules
+from tb5sync.engine.hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
 
 __all__ = ["MANIFEST_VERSION", "Item", "encode_manifest", "decode_manifest", "walk", "check_path"]
 

@@ -15,12 +15,16 @@ import shutil
 import stat
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from .._io import portable
-from .._paths import temp_name
-from ..errors import DestinationError, DestinationExistsError, IntegrityError
-from .manifest import Item
-from .packs import fsync_dir
+from tb5sync._os.io import portable
+from tb5sync._os.paths import temp_name
+from tb5sync.errors import DestinationError, DestinationExistsError, IntegrityError
+from tb5sync.store.manifest import Item
+from tb5sync.store.packs import fsync_dir
+
+if TYPE_CHECKING:
+    from tb5sync.store.index import ChunkReader
 
 __all__ = ["materialise", "reflink_supported"]
 
@@ -52,10 +56,7 @@ def _set_times(path: bytes, it: Item) -> None:
     os.utime(path, ns=(it.mtime_ns, it.mtime_ns))
 
 
-def _build(store: object, items: list[Item], top: bytes, hardlink: bool) -> None:
-    from .store import Store
-
-    assert isinstance(store, Store)
+def _build(store: ChunkReader, items: list[Item], top: bytes, hardlink: bool) -> None:
     dirs = {it.path for it in items if it.kind == "d"}
     cloning = reflink_supported()  # until the first refusal: one filesystem under one destination
     where = store.locate(d for it in items if it.kind == "f" and len(it.chunks) == 1 for d, _ in it.chunks)
@@ -108,7 +109,7 @@ def _build(store: object, items: list[Item], top: bytes, hardlink: bool) -> None
         _set_times(full, it)
 
 
-def materialise(store: object, items: list[Item], dest: str, replace: bool = False, hardlink: bool = False) -> None:
+def materialise(store: ChunkReader, items: list[Item], dest: str, replace: bool = False, hardlink: bool = False) -> None:
     """Write the snapshot ``items`` at ``dest``: all of it, or nothing at ``dest``.
 
     ``dest`` must not exist, or be an empty directory (for a directory snapshot), unless

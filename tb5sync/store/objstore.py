@@ -57,12 +57,12 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ..errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
-from ..hashing import ChunkRef
-from .manifest import Item
-from .packs import FsspecPackStorage, iter_frames
-from .store import RefInfo, Store, all_digests, check_ref_name, pinned_error
-from .writer import Lease
+from tb5sync.errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
+from tb5sync.engine.hashing import ChunkRef
+from tb5sync.store.manifest import Item
+from tb5sync.store.packs import FsspecPackStorage, iter_frames
+from tb5sync.store.store import RefInfo, Store, all_digests, check_ref_name, pinned_error
+from tb5sync.store.writer import Lease
 
 __all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConflictError", "ObjectStoreError",
            "LEASE_TTL_OBJ", "REQUEST_TIMEOUT"]
@@ -435,7 +435,7 @@ class ObjectStore(Store):
         try:
             data = self.fs.cat_file(key)
         except FileNotFoundError:
-            from .store import PACK_TARGET, STORE_VERSION
+            from tb5sync.store.store import PACK_TARGET, STORE_VERSION
 
             cfg = {"format": "tb5sync-store", "version": STORE_VERSION, "chunk_params": 1,
                    "pack_target": int(pack_target or PACK_TARGET), "quota": None}
@@ -1004,7 +1004,7 @@ class ObjectStore(Store):
         """As :meth:`Store.verify` (:func:`tb5sync.store.gc.verify`): every pack read whole once, every
         indexed chunk re-hashed, each ref's chunks accounted for. ``chunks`` counts the indexed chunks
         checked (``stats()["chunks"]`` when nothing changed in between), ``frames`` the pack frames read."""
-        from .gc import verify
+        from tb5sync.store.gc import verify
 
         with self._doing(f"listing {self.root}/index"):
             self.sync_index()
@@ -1018,7 +1018,7 @@ class ObjectStore(Store):
 
         Returns ``{"packs", "chunks_added", "rows_dropped", "damaged", "index_objects_written"}``.
         """
-        from .gc import reindex
+        from tb5sync.store.gc import reindex
 
         with self._doing(f"listing {self.root}/index"):
             self.sync_index()

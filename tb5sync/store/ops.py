@@ -1,11 +1,11 @@
-"""The server side of a store session: answers :data:`tb5sync.messages.STORE_METHODS` from a Store.
+"""The server side of a store session: answers :data:`tb5sync.wire.messages.STORE_METHODS` from a Store.
 
 One :class:`StoreOps` per connection (a push or pull opens several, one per stream). Writes
 go through a lease named by the client (``lease``: 32 lowercase hex digits), shared by the
 session's streams: every chunk a stream writes or the client is told the server has stays
 protected from gc until ``commit`` turns it into a ref or the connection ends. Each stream has
 its own pack writer; the client sends ``flush`` on every stream before ``commit``.
-Knows no sockets: :func:`tb5sync.rpc.serve` calls these methods.
+Knows no sockets: :func:`tb5sync.wire.rpc.serve` calls these methods.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import IntegrityError, ReadOnlyError, Tb5syncError, UsageError
-from ..hashing import blob_to_refs, chunk_digest, refs_to_blob
-from ..messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
-from ..quota import WriteQuota
-from .store import Lease, PackWriter, RefInfo, Store, check_ref_name
+from tb5sync.errors import IntegrityError, ReadOnlyError, Tb5syncError, UsageError
+from tb5sync.engine.hashing import blob_to_refs, chunk_digest, refs_to_blob
+from tb5sync.wire.messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
+from tb5sync.tree.quota import WriteQuota
+from tb5sync.store.store import Lease, PackWriter, RefInfo, Store, check_ref_name
 
 __all__ = ["StoreOps", "ref_to_wire", "ref_from_wire"]
 

@@ -25,8 +25,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from .._io import durable_sync
-from ..errors import IntegrityError, UsageError
+from tb5sync._os.io import durable_sync
+from tb5sync.errors import IntegrityError, UsageError
 
 __all__ = [
     "PACK_MAGIC",

@@ -40,14 +40,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._io import durable_sync
-from ..chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
-from ..excludes import ExcludeRules
-from ..errors import IntegrityError, RefExistsError, RefNotFoundError, RefPinnedError, SourceChangedError, UsageError
-from ..hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
-from .manifest import Item, decode_manifest, encode_manifest, walk
-from .packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
-from .writer import Lease, PackWriter, _drop_lease, _pid_alive
+from tb5sync._os.io import durable_sync
+from tb5sync.engine.chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
+from tb5sync.tree.excludes import ExcludeRules
+from tb5sync.errors import IntegrityError, RefExistsError, RefNotFoundError, RefPinnedError, SourceChangedError, UsageError
+from tb5sync.engine.hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
+from tb5sync.store.manifest import Item, decode_manifest, encode_manifest, walk
+from tb5sync.store.packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
+from tb5sync.store.index import require_indexed
+from tb5sync.store.writer import LEASE_TTL, Lease, PackWriter, _drop_lease, _pid_alive
 
 __all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "default_store_path", "check_ref_name"]
 
@@ -58,8 +59,6 @@ log = logging.getLogger(__name__)
 STORE_VERSION = 1
 #: Default target size of a pack, bytes.
 PACK_TARGET = 32 * 1024 * 1024
-#: A lease not touched for this long is dead even if its process seems alive (pid reuse, other hosts).
-LEASE_TTL = 24 * 3600.0
 #: Files up to this size are read whole and stored in batches (one index transaction per batch).
 SMALL_FILE = 4 * 1024 * 1024
 #: Bytes of small files gathered before a batch is stored.
@@ -504,7 +503,7 @@ class Store:
     def nested_ref(self, name: str) -> str | None:
         """An existing ref whose name is a path prefix of ``name`` (``a`` for ``a/b``) or has ``name`` as
         one (``a/b/c``), or None. Such refs cannot coexist: the path view of a store
-        (:mod:`tb5sync.storefs`) would hide the outer ref's files under the inner one."""
+        (:mod:`tb5sync.fs.storefs`) would hide the outer ref's files under the inner one."""
         for anc in ref_ancestors(name):
             if self._ref_row(anc) is not None:
                 return anc
@@ -587,7 +586,7 @@ class Store:
         SourceChangedError
             A file changed while it was read.
 
-        ``exclude`` takes rsync's exclude patterns (:class:`tb5sync.excludes.ExcludeRules`).
+        ``exclude`` takes rsync's exclude patterns (:class:`tb5sync.tree.excludes.ExcludeRules`).
         """
         check_ref_name(name)
         rules = ExcludeRules(tuple(exclude))
@@ -782,7 +781,7 @@ class Store:
 
     def get(self, name: str, dest: str | os.PathLike[str], replace: bool = False, hardlink: bool = False) -> RefInfo:
         """Materialise ref ``name`` at ``dest`` atomically (see :func:`tb5sync.store.materialise.materialise`)."""
-        from .materialise import materialise
+        from tb5sync.store.materialise import materialise
 
         info = self.ref(name)
         materialise(self, self.manifest(info), os.fspath(dest), replace=replace, hardlink=hardlink)
@@ -810,44 +809,44 @@ class Store:
     # ---- keyed blobs (blobs.py) ----
     def put_blob(self, key: str, src: str | os.PathLike[str] | bytes) -> Any:
         """Store a file or bytes as blob ``key``; see :func:`tb5sync.store.blobs.put_blob`."""
-        from .blobs import put_blob
+        from tb5sync.store.blobs import put_blob
 
         return put_blob(self, key, src)
 
     def blob(self, key: str, touch: bool = True) -> Any:
         """Blob ``key`` (a :class:`tb5sync.store.blobs.BlobInfo`) or None; see :func:`tb5sync.store.blobs.blob`."""
-        from .blobs import blob
+        from tb5sync.store.blobs import blob
 
         return blob(self, key, touch)
 
     def delete_blob(self, key: str) -> bool:
         """Remove blob ``key``; whether it was there. See :func:`tb5sync.store.blobs.delete_blob`."""
-        from .blobs import delete_blob
+        from tb5sync.store.blobs import delete_blob
 
         return delete_blob(self, key)
 
     # ---- housekeeping (gc.py) ----------------------------------------------------------------
     def gc(self, repack_below: float = 0.5) -> dict[str, Any]:
         """Sweep chunks no ref or live writer needs and repack sparse packs; see :func:`tb5sync.store.gc.gc`."""
-        from .gc import gc
+        from tb5sync.store.gc import gc
 
         return gc(self, repack_below)
 
     def verify(self) -> dict[str, Any]:
         """Re-hash every chunk of every pack and report damage per ref; see :func:`tb5sync.store.gc.verify`."""
-        from .gc import verify
+        from tb5sync.store.gc import verify
 
         return verify(self)
 
     def reindex(self) -> dict[str, int]:
         """Rebuild the chunk index from the packs; see :func:`tb5sync.store.gc.reindex`."""
-        from .gc import reindex
+        from tb5sync.store.gc import reindex
 
         return reindex(self)
 
     def enforce_quota(self, keep: str | None = None) -> list[str]:
         """Evict unpinned refs, least recently used first, until the packs fit the quota; see :func:`tb5sync.store.gc.enforce_quota`."""
-        from .gc import enforce_quota
+        from tb5sync.store.gc import enforce_quota
 
         return enforce_quota(self, keep)
 
@@ -905,19 +904,6 @@ def _read_small(full: str, st: os.stat_result) -> bytes:
     if got != st.st_size or (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         raise SourceChangedError(full)
     return b"".join(parts)
-
-
-def require_indexed(db: sqlite3.Connection, digests: Iterable[bytes], what: str) -> None:
-    """Check, inside a transaction on the index ``db``, that every chunk of ``digests`` is indexed.
-
-    Raises
-    ------
-    IntegrityError
-        ``"{what}: chunk HEX is not in the store"`` for the first one that is not.
-    """
-    for d in digests:
-        if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
-            raise IntegrityError(f"{what}: chunk {d.hex()} is not in the store")
 
 
 def pinned_error(name: str, where: str) -> RefPinnedError:

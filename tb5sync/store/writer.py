@@ -16,13 +16,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
-from .._io import durable_sync
-from .packs import FRAME_HEADER, PACK_MAGIC, frame_header
+from tb5sync._os.io import durable_sync
+from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tb5sync.store.index import PackIndex
 
-__all__ = ["Lease", "PackWriter"]
+__all__ = ["Lease", "PackWriter", "LEASE_TTL"]
+
+#: A lease not touched for this long is dead even if its process seems alive (pid reuse, other hosts).
+LEASE_TTL = 24 * 3600.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -38,7 +41,7 @@ def _pid_alive(pid: int) -> bool:
 class Lease:
     """A writer's claim on chunks it will reference; see the module docstring. Thread-safe."""
 
-    def __init__(self, store: Store, lease_id: str | None = None) -> None:
+    def __init__(self, store: PackIndex, lease_id: str | None = None) -> None:
         self.store = store
         self.id = lease_id or secrets.token_hex(16)
         now = time.time()
@@ -76,7 +79,7 @@ class PackWriter:
     ``(digest, pack, offset, length)`` of what it wrote.
     """
 
-    def __init__(self, store: Store, lease: Lease) -> None:
+    def __init__(self, store: PackIndex, lease: Lease) -> None:
         self.store = store
         self.lease = lease
         self.known: set[bytes] = set()

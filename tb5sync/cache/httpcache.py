@@ -1,0 +1,590 @@
+"""A build cache over HTTP/1.1 (ccache's and Bazel's remote cache protocols) backed by the artifact store.
+
+``tb5sync http-cache STORE --bind HOST:PORT`` (or ``tb5sync serve ROOT --http-cache HOST:PORT``)
+answers, on an aiohttp server:
+
+- ccache's HTTP remote storage (``remote_storage = http://HOST:PORT/PREFIX|layout=...``): ``GET``,
+  ``HEAD``, ``PUT`` and ``DELETE`` of any key path, in its ``subdirs`` (``ab/cdef...``), ``flat``
+  and ``bazel`` (``ac/<64 hex>``) layouts. A miss is 404; "parent directories" need no creating
+  (keys are names, not files).
+- Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT[/PREFIX]``): ``/ac/<sha256>`` and
+  ``/cas/<sha256>``; 200 hit, 404 miss, PUT answered 200. A ``/cas`` PUT whose body's SHA-256 is not
+  its key is refused (400) and stores nothing; a body cut off before its ``Content-Length`` stores
+  nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as one is
+  refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is a miss
+  (bazel-remote's rule). ``--no-ac-validation`` turns both off (what ccache's ``bazel`` layout
+  needs, as with bazel-remote's ``--disable_http_ac_validation``).
+
+Entries are the store's keyed blobs (:mod:`tb5sync.store.blobs`): chunked, deduplicated, checked
+against their digests on every read, evicted least recently used under the store's quota.
+
+Request bodies are read in pieces: up to :data:`SPOOL_MEMORY` in memory, beyond that into a
+temporary file in the store's ``tmp/`` written with aiofiles, then stored from a worker thread.
+Responses are written a chunk at a time (at most a few chunks of 1 MiB average in memory). All
+file and index work runs in a bounded thread pool, never on the event loop; at most
+``concurrency`` requests are served at once (the rest wait). Keep-alive is aiohttp's (HTTP/1.1).
+
+Access: ``--allow CIDR`` (403 for other addresses), optional HTTP basic (``user:password``) and/or
+bearer token (401 without one), ``--read-only`` (hits served, PUT and DELETE refused with 403).
+``/metrics`` serves Prometheus text (hits, misses, bytes, a latency histogram per method);
+``/status`` JSON. Counters are also added to the store's ``counters`` table every few seconds, so
+``tb5sync store stats`` shows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiofiles
+from aiohttp import web
+
+from tb5sync.errors import IntegrityError, UsageError
+from tb5sync._os.netif import AllowList, bind_host, peer_address
+from tb5sync.cache.reapi import ActionResultError, parse_action_result, tree_files
+from tb5sync.store import Store
+from tb5sync.store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs, read_blob
+
+__all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
+
+log = logging.getLogger(__name__)
+
+#: Request bodies up to this size are held in memory; larger ones are spooled to a file (bytes).
+SPOOL_MEMORY = 1024 * 1024
+#: Bytes read from a request body at a time.
+READ_PIECE = 256 * 1024
+#: Largest ActionResult read for validation (bytes); bazel-remote caps AC entries similarly.
+MAX_AC = 64 * 1024 * 1024
+#: SHA-256 of the empty string: Bazel never uploads the empty blob and treats it as always present.
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+#: Upper bounds of the latency histogram (seconds), Prometheus' default buckets.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Most in-memory PUTs, and bytes, written together as one batch (one pack, one transaction).
+BATCH_COUNT = 256
+BATCH_BYTES = 32 * 1024 * 1024
+#: Seconds between two flushes of the counters to the store.
+FLUSH_EVERY = 5.0
+#: A request body or response that makes no progress for this long is cut (seconds), so idle
+#: clients cannot hold the request slots for ever.
+IDLE_TIMEOUT = 60.0
+
+_BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
+#: A key in Bazel's ``ac``/``cas`` namespaces whose name is not a lowercase SHA-256 hex digest.
+_BAZEL_NS_RE = re.compile(r"^(?:.+/)?(?:ac|cas)/[^/]+$")
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+class _Metrics:
+    """Counters and latency histograms; updated on the event loop only, read from any thread."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, float] = {}
+        self.unflushed: dict[str, float] = {}
+        self.hist: dict[str, list[int]] = {}
+        self.lat_sum: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + n
+            self.unflushed[name] = self.unflushed.get(name, 0) + n
+
+    def observe(self, method: str, seconds: float) -> None:
+        with self.lock:
+            h = self.hist.setdefault(method, [0] * (len(BUCKETS) + 1))
+            for i, b in enumerate(BUCKETS):
+                if seconds <= b:
+                    h[i] += 1
+                    break
+            else:
+                h[-1] += 1
+            self.lat_sum[method] = self.lat_sum.get(method, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            out, self.unflushed = self.unflushed, {}
+        return out
+
+    def prometheus(self) -> str:
+        lines = []
+        with self.lock:
+            counts = dict(self.counts)
+            hist = {k: list(v) for k, v in self.hist.items()}
+            sums = dict(self.lat_sum)
+        by_metric: dict[str, list[tuple[str, float]]] = {}
+        for name, v in sorted(counts.items()):
+            kind, metric = name.split(".", 1)
+            by_metric.setdefault(metric, []).append((kind, v))
+        for metric, rows in by_metric.items():
+            full = f"tb5sync_httpcache_{metric}_total"
+            lines.append(f"# TYPE {full} counter")
+            lines += [f'{full}{{kind="{k}"}} {int(v) if float(v).is_integer() else v}' for k, v in rows]
+        full = "tb5sync_httpcache_request_seconds"
+        lines.append(f"# TYPE {full} histogram")
+        for method, h in sorted(hist.items()):
+            acc = 0
+            for b, n in zip(BUCKETS, h):
+                acc += n
+                lines.append(f'{full}_bucket{{method="{method}",le="{b:g}"}} {acc}')
+            acc += h[-1]
+            lines.append(f'{full}_bucket{{method="{method}",le="+Inf"}} {acc}')
+            lines.append(f'{full}_sum{{method="{method}"}} {sums.get(method, 0.0):.6f}')
+            lines.append(f'{full}_count{{method="{method}"}} {acc}')
+        return "\n".join(lines) + "\n"
+
+
+# ---- the server ---------------------------------------------------------------------------------
+class HttpCache:
+    """A ccache / Bazel HTTP remote cache over a :class:`tb5sync.store.Store`.
+
+    Parameters
+    ----------
+    store : Store or str
+        The store (or its directory; then it is opened here and closed by :meth:`stop`).
+    host, port : str, int
+        Address to listen on (port 0 picks a free one; :attr:`port` holds it after :meth:`start`).
+    read_only : bool
+        Serve hits; refuse PUT and DELETE with 403. The counters are added to the store unless
+        the store itself was opened read-only (``Store(..., read_only=True)``, as ``serve
+        --read-only`` does): then they stay in memory (``/metrics``, ``/status``).
+    allow : sequence of str
+        CIDR networks or interface names (:class:`tb5sync._os.netif.AllowList`) clients may connect
+        from (403 for others); empty allows all.
+    basic : str, optional
+        ``"user:password"`` for HTTP basic authentication.
+    bearer : str, optional
+        A token accepted as ``Authorization: Bearer TOKEN``. With ``basic`` and/or ``bearer`` set,
+        a request without valid credentials is answered 401.
+    ac_validation : bool
+        Check ``/ac/`` entries as ActionResults (see the module docstring).
+    concurrency : int
+        Requests served at once (others wait), and the worker threads for store I/O.
+
+    Raises
+    ------
+    UsageError
+        A bad ``allow`` network or ``basic`` value.
+    """
+
+    def __init__(self, store: Store | str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0, *,
+                 read_only: bool = False, allow: Sequence[str] = (), basic: str | None = None,
+                 bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64) -> None:
+        self._own_store = not isinstance(store, Store)
+        self.store = Store(store) if not isinstance(store, Store) else store
+        self.host, self.port = bind_host(host), port  # an interface name -> its address
+        self.read_only = read_only
+        self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync._os.netif)
+        if basic is not None and ":" not in basic:
+            raise UsageError("--http-basic takes USER:PASSWORD")
+        self._basic = ("Basic " + base64.b64encode(basic.encode()).decode()) if basic else None
+        self._bearer = f"Bearer {bearer}" if bearer else None
+        self.ac_validation = ac_validation
+        self.concurrency = max(1, int(concurrency))
+        self.idle_timeout = IDLE_TIMEOUT
+        self.metrics = _Metrics()
+        self.started = time.time()
+        self._pool = ThreadPoolExecutor(max_workers=min(32, self.concurrency), thread_name_prefix="tb5-httpcache")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._stop_ev: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self._drain_task: asyncio.Task[None] | None = None
+        self._quota_running = False
+        self._quota_again = False
+        self._quota_lock = threading.Lock()
+
+    # ---- life cycle ----
+    def start(self) -> HttpCache:
+        """Listen and serve in a background thread; returns once the port is bound.
+
+        Raises
+        ------
+        OSError
+            The address cannot be bound.
+        """
+        self._thread = threading.Thread(target=self._run_thread, name="tb5-httpcache-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until :meth:`stop` (or KeyboardInterrupt)."""
+        if self._thread is None:
+            self.start()
+        assert self._thread is not None
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def stop(self) -> None:
+        """Stop serving (requests in flight are finished or cut), flush the counters, close what it opened."""
+        if self._loop is not None and self._stop_ev is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop_ev.set)
+            self._thread.join(30)
+        self._pool.shutdown(wait=True)
+        if not self.store.read_only:
+            with contextlib.suppress(Exception):
+                add_counters(self.store, self.metrics.take())
+        if self._own_store:
+            self.store.close()
+
+    def __enter__(self) -> HttpCache:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run_thread(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_ev = asyncio.Event()
+        self._sem = asyncio.Semaphore(self.concurrency)
+        app = web.Application(client_max_size=MAX_AC, middlewares=[self._guard])
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        server = site._server
+        if server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        flusher = asyncio.create_task(self._flush_loop())
+        try:
+            await self._stop_ev.wait()
+        finally:
+            flusher.cancel()
+            await self._runner.cleanup()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_EVERY)
+            if self.store.read_only:
+                continue  # counted in memory only
+            deltas = self.metrics.take()
+            if deltas:
+                try:
+                    await self._run(add_counters, self.store, deltas)
+                except Exception as exc:  # the counters are best effort; the cache goes on
+                    log.warning("http cache: counters not recorded: %s", exc)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._pool, fn, *args)
+
+    # ---- access ----
+    def _allowed(self, ip: str | None) -> bool:
+        return not self.allow or (ip or "") in self.allow
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self._basic is None and self._bearer is None:
+            return True
+        got = request.headers.get("Authorization", "")
+        return any(want is not None and hmac.compare_digest(got.encode(), want.encode())
+                   for want in (self._basic, self._bearer))
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+            if not self._allowed(peer):
+                return web.Response(status=403, text=f"client address {peer} is not allowed\n")
+            if not self._authorized(request):
+                return web.Response(status=401, text="authorization required\n",
+                                    headers={"WWW-Authenticate": 'Basic realm="tb5sync"'})
+            async with self._sem:
+                return await handler(request)  # type: ignore[no-any-return]
+        finally:
+            self.metrics.observe(request.method, time.perf_counter() - t0)
+
+    # ---- requests ----
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        path = request.match_info["tail"]
+        if path in ("metrics", "status") and request.method in ("GET", "HEAD"):
+            return await (self._metrics(request) if path == "metrics" else self._status(request))
+        try:
+            key = check_blob_key(path.strip("/") if path.endswith("/") else path)
+        except UsageError as exc:
+            return web.Response(status=400, text=f"{exc}\n")
+        m = _BAZEL_RE.match(key)
+        if m is None and _BAZEL_NS_RE.match(key):
+            # Bazel's protocol names ac and cas entries by their SHA-256 (bazel-remote answers 400
+            # to anything else): such a key is not an opaque kv key that skips the digest check.
+            return web.Response(status=400, text=f"not a lowercase SHA-256 hex digest: {key.rsplit('/', 1)[1][:80]}\n")
+        kind = m.group("kind") if m else "kv"
+        if request.method in ("GET", "HEAD"):
+            return await self._get(request, key, kind, m)
+        if request.method == "PUT":
+            return await self._put(request, key, kind, m)
+        if request.method == "DELETE":
+            if self.read_only:
+                return web.Response(status=403, text="read-only cache\n")
+            gone = await self._run(delete_blob, self.store, key)
+            return web.Response(status=200 if gone else 404)
+        return web.Response(status=405, headers={"Allow": "GET, HEAD, PUT, DELETE"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.prometheus(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        stats = await self._run(self.store.stats)
+        with self.metrics.lock:
+            counts = dict(self.metrics.counts)
+        return web.json_response({"uptime": time.time() - self.started, "read_only": self.read_only,
+                                  "ac_validation": self.ac_validation, "counters": counts, "store": stats})
+
+    async def _ac_valid(self, prefix: str, data: bytes) -> bool:
+        """Whether every CAS blob an ActionResult references is held (trees: the tree and its files)."""
+        try:
+            blobs, trees = parse_action_result(data)
+        except ActionResultError:
+            return False
+        keys = [f"{prefix}cas/{h}" for h, n in blobs + trees if h != EMPTY_SHA256]
+        if not keys:
+            return True
+        held = await self._run(has_blobs, self.store, keys)
+        if len(held) < len(set(keys)):
+            return False
+        for h, _ in trees:
+            if h == EMPTY_SHA256:
+                continue
+            info = await self._run(blob, self.store, f"{prefix}cas/{h}", False)
+            if info is None or info.size > MAX_AC:
+                return False
+            try:
+                raw = b"".join(await self._run(lambda i=info: list(read_blob(self.store, i))))
+                files = tree_files(raw)
+            except (IntegrityError, ActionResultError):
+                return False
+            fkeys = [f"{prefix}cas/{fh}" for fh, _ in files if fh != EMPTY_SHA256]
+            if fkeys and len(await self._run(has_blobs, self.store, fkeys)) < len(set(fkeys)):
+                return False
+        return True
+
+    async def _get(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.StreamResponse:
+        head = request.method == "HEAD"
+        if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
+            self.metrics.add(f"{kind}.hits")
+            return web.Response(body=b"" if not head else None, content_type="application/octet-stream")
+        info = await self._run(blob, self.store, key, not self.read_only)
+        if info is None:
+            self.metrics.add(f"{kind}.misses")
+            return web.Response(status=404)
+        first: bytes | None = None
+        chunks = read_blob(self.store, info)
+        if kind == "ac" and self.ac_validation:
+            if info.size > MAX_AC:
+                self.metrics.add(f"{kind}.misses")
+                return web.Response(status=404)
+            try:
+                first = b"".join(await self._run(list, chunks))
+            except IntegrityError as exc:
+                return await self._damaged(key, kind, exc)
+            assert m is not None
+            if not await self._ac_valid(m.group("prefix"), first):
+                self.metrics.add(f"{kind}.misses")
+                self.metrics.add(f"{kind}.ac_incomplete")
+                return web.Response(status=404)
+            chunks = iter(())
+        self.metrics.add(f"{kind}.hits")
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = info.size
+        if head:
+            await resp.prepare(request)
+            return resp
+        if first is None and info.size:
+            try:
+                first = await self._run(next, chunks, b"")
+            except IntegrityError as exc:
+                return await self._damaged(key, kind, exc)
+        await resp.prepare(request)
+        sent = 0
+        if first:
+            await asyncio.wait_for(resp.write(first), self.idle_timeout)
+            sent += len(first)
+        while sent < info.size:
+            try:
+                piece = await self._run(next, chunks, b"")
+            except IntegrityError as exc:
+                # The status line is sent: a body cut short of its Content-Length is how HTTP says
+                # "failed" now. The entry is dropped so that the next GET is a clean miss.
+                await self._damaged(key, kind, exc)
+                raise
+            if not piece:
+                break
+            await asyncio.wait_for(resp.write(piece), self.idle_timeout)  # a stalled reader is cut
+            sent += len(piece)
+        await resp.write_eof()
+        self.metrics.add(f"{kind}.bytes_sent", sent)
+        return resp
+
+    async def _damaged(self, key: str, kind: str, exc: Exception) -> web.Response:
+        log.warning("http cache: dropping damaged entry %s: %s", key, exc)
+        self.metrics.add(f"{kind}.misses")
+        self.metrics.add(f"{kind}.damaged")
+        if not self.read_only:
+            await self._run(delete_blob, self.store, key)
+        return web.Response(status=404)
+
+    async def _put(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.Response:
+        if self.read_only:
+            self.metrics.add(f"{kind}.puts_refused")
+            return web.Response(status=403, text="read-only cache\n")
+        want = request.content_length
+        sha = hashlib.sha256() if kind == "cas" else None
+        mem = bytearray()
+        spool: Any = None
+        spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-http-{secrets.token_hex(8)}.body")
+        got = 0
+        try:
+            try:
+                while True:
+                    piece = await asyncio.wait_for(request.content.read(READ_PIECE), self.idle_timeout)
+                    if not piece:
+                        break
+                    got += len(piece)
+                    if sha is not None:
+                        sha.update(piece)
+                    if spool is None and len(mem) + len(piece) <= SPOOL_MEMORY:
+                        mem += piece
+                        continue
+                    if spool is None:
+                        spool = await aiofiles.open(spool_path, "xb")
+                        await spool.write(bytes(mem))
+                        mem = bytearray()
+                    await spool.write(piece)
+            except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError) as exc:
+                self.metrics.add(f"{kind}.puts_cut")
+                log.info("http cache: upload of %s cut off: %s", key, exc)
+                return web.Response(status=400, text="body cut off\n")
+            except Exception as exc:  # aiohttp's payload errors (ContentLengthError, ...)
+                if type(exc).__module__.startswith("aiohttp"):
+                    self.metrics.add(f"{kind}.puts_cut")
+                    return web.Response(status=400, text="body cut off\n")
+                raise
+            if want is not None and got != want:
+                self.metrics.add(f"{kind}.puts_cut")
+                return web.Response(status=400, text=f"body of {got} bytes, Content-Length {want}\n")
+            if sha is not None and m is not None and sha.hexdigest() != m.group("hash"):
+                self.metrics.add(f"{kind}.puts_refused")
+                return web.Response(status=400, text=f"body hashes to {sha.hexdigest()}, not {m.group('hash')}\n")
+            if kind == "ac" and self.ac_validation:
+                if got > MAX_AC:
+                    return web.Response(status=413, text="ActionResult too large\n")
+                data = bytes(mem)
+                if spool is not None:
+                    await spool.close()
+                    spool = None
+                    async with aiofiles.open(spool_path, "rb") as f:
+                        data = await f.read()
+                try:
+                    parse_action_result(data)
+                except ActionResultError as exc:
+                    self.metrics.add(f"{kind}.puts_refused")
+                    return web.Response(status=400, text=f"not an ActionResult: {exc}\n")
+            if spool is not None:
+                await spool.flush()
+                await spool.close()
+                spool = None
+                await self._run(put_blob, self.store, key, spool_path)
+            else:
+                await self._put_small(key, bytes(mem))
+            self.metrics.add(f"{kind}.puts")
+            self.metrics.add(f"{kind}.bytes_received", got)
+        finally:
+            if spool is not None:
+                await spool.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spool_path)
+        self._maybe_enforce_quota()
+        return web.Response(status=200)
+
+    async def _put_small(self, key: str, data: bytes) -> None:
+        """Store an in-memory body with those that arrive while the previous batch is written (group
+        commit: one pack, one ``fsync`` pair, one index transaction per batch); returns once it is stored.
+
+        Raises
+        ------
+        Exception
+            What storing its batch raised.
+        """
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pending.append((key, data, fut))
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                batch: list[tuple[str, bytes, asyncio.Future[None]]] = []
+                size = 0
+                while self._pending and len(batch) < BATCH_COUNT and size < BATCH_BYTES:
+                    batch.append(self._pending.pop(0))
+                    size += len(batch[-1][1])
+                try:
+                    await self._run(put_blobs, self.store, [(k, d) for k, d, _ in batch])
+                except Exception as exc:
+                    for _, _, f in batch:
+                        if not f.done():
+                            f.set_exception(exc)
+                else:
+                    for _, _, f in batch:
+                        if not f.done():
+                            f.set_result(None)
+        finally:
+            self._drain_task = None
+
+    def _maybe_enforce_quota(self) -> None:
+        """Run quota checks in the pool while the packs exceed the store's quota (one runner at a time;
+        a PUT finishing while it runs makes it look again)."""
+        if self.store.quota is None:
+            return
+        with self._quota_lock:
+            self._quota_again = True
+            if self._quota_running:
+                return
+            self._quota_running = True
+
+        def run() -> None:
+            while True:
+                with self._quota_lock:
+                    if not self._quota_again:
+                        self._quota_running = False
+                        return
+                    self._quota_again = False
+                try:
+                    while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
+                        evicted = self.store.enforce_quota()
+                        self.metrics.add("all.evicted", len(evicted))
+                        if not evicted:
+                            break  # nothing evictable left (pinned refs); logged by enforce_quota
+                except Exception as exc:
+                    log.warning("http cache: quota check failed: %s", exc)
+
+        self._pool.submit(run)

@@ -1,0 +1,1059 @@
+"""The tb5sync daemon: authentication, allow-list, path jail, read-only mode, sessions.
+
+Each TCP connection authenticates (HMAC challenge-response, see
+:mod:`tb5sync.wire.protocol`), then sends OPEN naming what it wants:
+
+``{"op": "pull", "path", "options", "streams"}``
+    The server hosts a :class:`~tb5sync.roles.sender.Sender` for ``path``; the client's receiver drives.
+``{"op": "push", "path", "name", "src_kind", "dst_slash", "options", "streams"}``
+    The server hosts a :class:`~tb5sync.roles.receiver.Receiver` writing under ``path``;
+    it drives the client's sender over the session's streams.
+``{"op": "join", "session", "index"}``
+    An extra stream for an open session (push or pull).
+``{"op": "ls", "path"}``
+    One directory level (or one entry) under ``path``.
+``{"op": "fs"}``
+    A file-system session for :mod:`tb5sync.fs.filesystem`: requests as in
+    :class:`~tb5sync.daemon.fsops.FsOps` until BYE.
+
+Every error in one connection ends that connection (after an ERROR frame to
+the peer); the server itself keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tb5sync._os.diskbench import remove_stale
+from tb5sync._os.paths import STATE_DIR, Jail, follow_slash, resolve_in_root
+from tb5sync.daemon.admission import AuthLimiter, Janitor, is_loopback, peer_key
+from tb5sync.errors import (
+    shown,
+    ArgumentTypeError,
+    AuthError,
+    BusyError,
+    ConnectError,
+    DestinationError,
+    PathError,
+    ReadOnlyError,
+    RefusedError,
+    RemoteNotFoundError,
+    RemoteProtocolError,
+    Tb5syncError,
+    UsageError,
+)
+from tb5sync.daemon.fsops import FsOps, Pages, Puts, args_from_wire
+from tb5sync.roles.generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
+from tb5sync.wire.messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_DATA_METHODS, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
+from tb5sync.tree.quota import WriteQuota
+from tb5sync.tree.entry import DIR, FILE, LINK, path_from_wire, path_to_wire
+from tb5sync._os.netif import AllowList, bind_host, peer_address
+from tb5sync.tree.scan import scan
+from tb5sync.tree.options import SyncOptions, known_options
+from tb5sync.wire.protocol import FrameType
+from tb5sync.remote.links import RemoteLink
+from tb5sync.roles.receiver import Receiver, dest_base, prepare_dest_dir, scan_in_background
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.state import TreeState, check_own_dir
+from tb5sync.wire.rpc import Requester, serve
+from tb5sync.wire.transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, host_port, peer_closed, server_handshake, set_keepalive, tune_socket
+import tb5sync.wire.protocol as P
+
+__all__ = ["Server"]
+
+log = logging.getLogger(__name__)
+
+#: What an fs session's OPEN reply announces beyond ``read_only``: ``pieces``, the server takes
+#: ``put_open``/``put_piece``/``put_close`` (a client sends a file in pieces only to a server that says so).
+FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
+
+_JOIN_TIMEOUT = 30.0
+_SOURCE_BLOCK = 4 * 1024 * 1024
+#: accept() errors that mean "out of descriptors or memory": wait, do not spin.
+_ACCEPT_BACKOFF_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKOFF_MIN = 0.05
+_BACKOFF_MAX = 1.0
+
+class _Ping:
+    """Handler for the link test's round trips."""
+
+    def ping(self) -> dict[str, Any]:
+        return {}
+
+
+class _Session:
+    def __init__(self, op: str, streams: int) -> None:
+        self.op = op
+        self.streams = streams
+        self.channels: list[Channel | None] = [None] * streams
+        self.joined = threading.Condition()
+        self.sender: Sender | None = None
+        self.users = 0
+        self.lock = threading.Lock()
+
+
+def _check_server_arguments(
+    root: object, host: object, port: object, token: object, allow: object, read_only: object, state_dir: object
+) -> None:
+    """Check the types of :class:`Server`'s arguments, naming the first wrong one.
+
+    Raises
+    ------
+    ArgumentTypeError
+        (a ``TypeError`` and a ``UsageError``) e.g. ``allow="10.0.0.0/8"`` (a str, not a list
+        of networks), ``port="8873"``.
+    """
+
+    def bad(name: str, want: str, got: object) -> ArgumentTypeError:
+        return ArgumentTypeError(f"Server(): {name} must be {want}, not {type(got).__name__} {got!r:.80}")
+
+    if not isinstance(root, (str, os.PathLike)):
+        raise bad("root", "a str or os.PathLike", root)
+    if not isinstance(host, str):
+        raise bad("host", "a str", host)
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise bad("port", "an int", port)
+    if token is not None and not isinstance(token, (str, bytes)):
+        raise bad("token", "bytes, str or None", token)
+    if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable) or not all(isinstance(c, str) for c in allow):
+        raise bad("allow", "a list of CIDR strings (allow=['10.0.0.0/8'])", allow)
+    if not isinstance(read_only, bool):
+        raise bad("read_only", "a bool", read_only)
+    if state_dir is not None and not isinstance(state_dir, (str, os.PathLike)):
+        raise bad("state_dir", "a str, os.PathLike or None", state_dir)
+
+
+class Server:
+    """Serve ``root`` over TCP (optionally TLS).
+
+    Parameters
+    ----------
+    root : str or path
+        Directory to serve; nothing outside it is read or written.
+    host : str
+        Address to bind (default 127.0.0.1), an IPv6 link-local one with its zone
+        (``fe80::1%bridge0``), or an interface's name (its address, :func:`tb5sync._os.netif.bind_host`).
+    port : int
+        TCP port; 0 picks a free one (read :attr:`port` after :meth:`start`).
+    token : bytes or str or None
+        Shared secret for HMAC authentication; None accepts any client (loopback use).
+    allow : sequence of str
+        CIDR networks clients may connect from, or interface names (their subnets, IPv4 and IPv6,
+        followed as they change: :class:`tb5sync._os.netif.AllowList`); empty allows all.
+    read_only : bool
+        Refuse pushes (writes) with :class:`~tb5sync.errors.ReadOnlyError`.
+    state_dir : str or path, optional
+        Where the root's scan cache, chunk index and partial files live; ``ROOT/.tb5sync``
+        by default.
+    store : str or path or None
+        An artifact store (:class:`tb5sync.store.Store`) to serve to ``{"op": "store"}`` sessions
+        (``tb5sync store push/pull``); None: such sessions are refused.
+    no_auth : bool
+        Allow ``token=None`` on an address that is not loopback. Without it, :meth:`bind`
+        refuses: a daemon reachable from a network serves only those who hold the token.
+    max_connections : int
+        Connections open at once (handshaking or in a session, every stream counted);
+        more are refused at once with :class:`~tb5sync.errors.BusyError`. Each holds
+        one thread and, after authentication, at most one frame of
+        :data:`tb5sync.wire.protocol.MAX_PAYLOAD` bytes (64 MiB) in memory; before it, at most
+        :data:`tb5sync.wire.protocol.MAX_HANDSHAKE` (512) bytes.
+    max_sessions : int
+        Sessions (OPENs other than ``join``) at once; more get ``BusyError``.
+    max_entries : int
+        Entries of a pushing peer's source listing held for one session (directory summaries and
+        listed entries together, :class:`tb5sync.roles.generator.ListingLimits`); a listing past it, or
+        whose first page announces more directories, ends the session with ``UsageError``.
+    max_listing_bytes : int
+        Bytes of that listing held (:data:`tb5sync.roles.generator.ENTRY_COST` per entry plus
+        :data:`tb5sync.roles.generator.STRING_COST` per byte of its path, link target and extended
+        attributes: what the server really holds, measured); past it, the same.
+    max_session_bytes : int or None
+        Bytes one session (a push, an fs or a store connection) may write, counted as the sizes
+        of the files it writes, each charged before any byte of it is written
+        (:class:`tb5sync.tree.quota.WriteQuota`); past it the write is refused with
+        :class:`~tb5sync.errors.QuotaError` (a push stops; an fs request fails). None: no limit.
+    min_free_space : int
+        Free bytes a session's write must leave on ROOT's file system; 0: not checked.
+    max_unauthenticated_per_address : int
+        Connections from one peer (an IPv4 address or an IPv6 /64) that have not completed the
+        handshake yet; more from it are refused at once with ``BusyError``, so one address
+        cannot hold every ``max_connections`` slot for ``handshake_timeout`` seconds at a time.
+    handshake_timeout : float
+        Seconds from accept to a complete handshake and OPEN (TLS's included); a whole
+        deadline, not per read.
+    io_timeout : float or None
+        Progress timeout of a started frame, seconds, both directions; also the longest sent
+        data may stay unacknowledged (``TCP_USER_TIMEOUT``). None: none.
+    idle_timeout : float or None
+        Seconds a session may wait for the peer's next frame (a request, or a reply it owes);
+        then it is ended and its resources released. None: no limit (keepalive still ends
+        sessions whose peer died).
+    keepalive : float or None
+        TCP keepalive idle time, seconds (see :func:`tb5sync.wire.transport.set_keepalive`); a dead
+        peer is found in about twice this. None: off.
+    auth_limit : int
+        Failed authentications allowed per peer (an IPv4 address or an IPv6 /64) within
+        ``auth_window`` seconds; past it the peer is refused before its MAC is checked until
+        the oldest failure is older than the window. 0: no limit. Each failure is logged
+        (WARNING) with the peer's address.
+    auth_window : float
+        The window of ``auth_limit``, seconds.
+    tls_cert, tls_key : str or None
+        PEM certificate chain and private key: serve over TLS (``ssl`` module, TLS >= 1.2).
+        Clients connect with ``tb5s://`` URLs. The token is still required as configured.
+    upstream : str or None
+        With ``store``: a shared store (``s3://bucket/prefix``, any fsspec URL, or a directory) the
+        local store caches: refs it lacks are read through, pushes written through
+        (:mod:`tb5sync.remote.tiers`).
+    peers : sequence of str
+        ``tb5://HOST[:PORT]`` servers whose stores a read-through also fetches from, in parallel.
+    storage_options : dict or None
+        fsspec options for ``upstream``.
+
+    Raises
+    ------
+    UsageError
+        ``root`` is not a directory, a CIDR is malformed, a cap is not positive, the TLS
+        files cannot be loaded, or ``$TB5SYNC_HASH_THREADS`` / ``$TB5SYNC_CHUNK_THREADS`` is not
+        a valid thread count.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        token: bytes | str | None = None,
+        allow: Sequence[str] = (),
+        read_only: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
+        store: str | os.PathLike[str] | None = None,
+        *,
+        no_auth: bool = False,
+        max_connections: int = 256,
+        max_sessions: int = 64,
+        max_unauthenticated_per_address: int = 16,
+        max_entries: int = MAX_ENTRIES,
+        max_listing_bytes: int = MAX_LISTING_BYTES,
+        max_session_bytes: int | None = None,
+        min_free_space: int = 0,
+        handshake_timeout: float = 10.0,
+        io_timeout: float | None = IO_TIMEOUT,
+        idle_timeout: float | None = 3600.0,
+        keepalive: float | None = KEEPALIVE,
+        auth_limit: int = 10,
+        auth_window: float = 60.0,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        upstream: str | None = None,
+        peers: Sequence[str] = (),
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        from tb5sync.engine.chunking import warn_if_pure_python
+        from tb5sync.engine.hashing import check_environment
+
+        check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
+        warn_if_pure_python()
+        _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
+        given_root = os.path.abspath(os.fspath(root))
+        root = os.path.realpath(os.fspath(root))
+        if not os.path.isdir(root):
+            raise UsageError(f"server root is not a directory: {root}")
+        self.root = root
+        self.host = bind_host(host)  # an interface name -> its address (tb5sync._os.netif)
+        self._port = port
+        self.token = token.encode() if isinstance(token, str) else token
+        if self.token == b"":
+            raise UsageError("the token is empty")
+        self.allow = AllowList(allow)  # CIDRs and interface names (tb5sync._os.netif)
+        for name, value in (("max_connections", max_connections), ("max_sessions", max_sessions),
+                            ("max_unauthenticated_per_address", max_unauthenticated_per_address),
+                            ("max_entries", max_entries), ("max_listing_bytes", max_listing_bytes)):
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, not {value!r}")
+        for name, secs in (("handshake_timeout", handshake_timeout), ("io_timeout", io_timeout),
+                           ("idle_timeout", idle_timeout), ("keepalive", keepalive), ("auth_window", auth_window)):
+            if secs is not None and not secs > 0:
+                raise UsageError(f"{name} must be positive seconds, not {secs!r}")
+        self.read_only = read_only
+        self.no_auth = no_auth
+        self.max_connections = max_connections
+        self.max_sessions = max_sessions
+        self.listing_limits = ListingLimits(max_entries, max_listing_bytes)
+        WriteQuota(root, max_session_bytes, min_free_space)  # checks the limits once, here
+        self.max_session_bytes = max_session_bytes
+        self.min_free_space = min_free_space
+        self.max_unauthenticated_per_address = max_unauthenticated_per_address
+        self.handshake_timeout = handshake_timeout
+        self.io_timeout = io_timeout
+        self.idle_timeout = idle_timeout
+        self.keepalive = keepalive
+        self._auth = AuthLimiter(auth_limit, auth_window)
+        self.tls: ssl.SSLContext | None = None
+        if (tls_cert is None) != (tls_key is None):
+            raise UsageError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if tls_cert is not None and tls_key is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                ctx.load_cert_chain(os.fspath(tls_cert), os.fspath(tls_key))
+            except (OSError, ssl.SSLError) as exc:
+                raise UsageError(f"cannot load the TLS certificate {os.fspath(tls_cert)} and key: {getattr(exc, 'strerror', None) or exc}") from exc
+            self.tls = ctx
+        # a read-only server writes nothing under its root, not even its own scan cache
+        sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
+        writable = not read_only and (os.access(root, os.W_OK) if sdir is None else True)
+        # tb5sync's own directories (ROOT/.tb5sync, --state-dir): real directories (this user's
+        # when the server writes its state there), or missing; else the server stops (PathError)
+        check_own_dir(os.path.join(root, STATE_DIR), owned=writable and sdir is None)
+        if sdir is not None:
+            check_own_dir(sdir, owned=writable)
+        self.state = TreeState(root, writable=writable, state_dir=sdir)
+        if writable:
+            remove_stale(self.state.state_dir)  # disk-test files of a server killed mid-test
+        self._sessions: dict[str, _Session] = {}
+        self._open_sessions = 0
+        self._pages = Pages()
+        self._puts = Puts()
+        self._lock = threading.Lock()
+        self._disk_lock = threading.Lock()  # one disk test at a time
+        self._conns: set[Channel] = set()
+        self._handlers: set[threading.Thread] = set()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        #: the store's components below ROOT when it lies there (``--store`` alone: ROOT/.tb5sync/store):
+        #: each is looked up without following symlinks; a store elsewhere is resolved once, here
+        self._store_parts: list[str] | None = None
+        self.store_path: str | None = None
+        if store is not None:
+            sp = os.path.abspath(os.fspath(store))
+            for r in (given_root, root):
+                if sp.startswith(r.rstrip("/") + "/"):
+                    self._store_parts = sp[len(r.rstrip("/")) + 1 :].split("/")
+                    sp = os.path.join(root, *self._store_parts)
+                    break
+            else:
+                sp = os.path.realpath(sp)
+            self.store_path = sp
+        self._store: Any = None
+        self._janitor: Janitor | None = None
+        self._logged: dict[str, float] = {}
+        if upstream is not None and store is None:
+            raise UsageError("--upstream needs --store (the local tier)")
+        self.upstream, self.peers, self.storage_options = upstream, list(peers), storage_options
+        self._tier: Any = None
+        self._log_lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # peer_key -> connections not authenticated yet
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when constructed with port 0)."""
+        return self._port
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (handshaking or in a session)."""
+        with self._lock:
+            return len(self._conns)
+
+    @property
+    def threads(self) -> int:
+        """Connection threads alive now."""
+        with self._lock:
+            return len(self._handlers)
+
+    def bind(self) -> None:
+        """Create the listening socket.
+
+        Raises
+        ------
+        UsageError
+            No token, an address that is not loopback, and ``no_auth`` not given.
+        ConnectError
+            The address cannot be bound (in use, not local).
+        """
+        if self.token is None and not self.no_auth and not is_loopback(self.host):
+            raise UsageError(
+                f"refusing to serve {self.host} without a token: anyone who can reach it could read and write "
+                f"the tree; give a token (--token-file or TB5SYNC_TOKEN), or --no-auth to allow it"
+            )
+        try:
+            infos = socket.getaddrinfo(self.host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+        except OSError as exc:
+            raise ConnectError(f"cannot listen on {host_port(self.host, self._port)}: {exc.strerror or exc}") from exc
+        self._sock = sock
+        self._port = int(sock.getsockname()[1])  # the real port, also after stop() closed the socket
+
+    def start(self) -> Server:
+        """Bind (if needed) and serve in a background thread; returns self."""
+        if self._sock is None:
+            self.bind()
+        self._thread = threading.Thread(target=self.serve_forever, name="tb5-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop`; each connection gets its own thread.
+
+        Never ends on a peer's doing: at the connection cap, or when a thread cannot be
+        started, the connection is refused with ``BusyError``; when ``accept`` runs out of
+        descriptors or memory (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) it waits,
+        50 ms doubling up to 1 s, instead of spinning.
+        """
+        if self._sock is None:
+            self.bind()
+        assert self._sock is not None
+        if self._janitor is None:
+            self._janitor = Janitor()
+        log.info("serving %s on %s%s", self.root, host_port(self.host, self.port), " (TLS)" if self.tls else "")
+        backoff = 0.0
+        while not self._stopping.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    break
+                if exc.errno in _ACCEPT_BACKOFF_ERRNOS:
+                    backoff = min(_BACKOFF_MAX, max(_BACKOFF_MIN, backoff * 2))
+                    if backoff == _BACKOFF_MIN:
+                        log.warning("cannot accept connections: %s; backing off (lower --max-connections "
+                                    "or raise the descriptor limit)", exc.strerror or exc)
+                    self._stopping.wait(backoff)
+                continue
+            backoff = 0.0
+            self._accepted(conn, addr)
+
+    def _refuse(self, conn: socket.socket, exc: Tb5syncError) -> None:
+        assert self._janitor is not None
+        self._janitor.refuse(conn, P.error_frame(0, exc))
+
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        """Log a refusal at most once per 10 s per kind (a flood of refused connections is not a flood of log lines)."""
+        now = time.monotonic()
+        with self._log_lock:
+            if now - self._logged.get(what, -1e9) <= 10:
+                return
+            self._logged[what] = now
+        log.warning(msg, *args)
+
+    def _accepted(self, conn: socket.socket, addr: Any) -> None:
+        ip = peer_address(addr)  # with its zone when link-local (fe80::2%bridge0)
+        if not self._allowed(ip):  # refused before a thread exists
+            self._log_once("allow", "refused %s: not in --allow (such refusals are logged once per 10 s)", ip)
+            self._refuse(conn, RefusedError(f"client address {ip} is not allowed (not in the server's --allow)"))
+            return
+        wait = self._auth.blocked_for(ip)
+        if wait:
+            if self._auth.first_refusal(ip):  # once per lockout: an attacker cannot flood the log
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
+            self._refuse(conn, AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s"))
+            return
+        key = peer_key(ip)
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            crowded = not busy and self._pending.get(key, 0) >= self.max_unauthenticated_per_address
+            if not busy and not crowded:
+                try:
+                    ch = Channel(conn, io_timeout=self.handshake_timeout)
+                except OSError:
+                    conn.close()
+                    return
+                self._conns.add(ch)
+                self._pending[key] = self._pending.get(key, 0) + 1
+        if crowded:
+            self._log_once("pending", "refusing connections from %s: %d not authenticated yet "
+                           "(--max-pending-per-address; such refusals are logged once per 10 s)",
+                           ip, self.max_unauthenticated_per_address)
+            self._refuse(conn, BusyError(f"server busy: {self.max_unauthenticated_per_address} connections from "
+                                         f"{ip} not authenticated yet (its --max-pending-per-address); try again later"))
+            return
+        if busy:
+            self._log_once("busy", "refusing connections: %d open (--max-connections)", self.max_connections)
+            self._refuse(conn, BusyError(f"server busy: {self.max_connections} connections open (its --max-connections); try again later"))
+            return
+        t = threading.Thread(target=self._handle, args=(ch, addr), name=f"tb5-conn-{addr[1]}", daemon=True)
+        with self._lock:
+            self._handlers.add(t)
+        try:
+            t.start()
+        except RuntimeError as exc:  # the process is out of threads
+            with self._lock:
+                self._handlers.discard(t)
+                self._conns.discard(ch)
+            self._authenticated(ip)
+            log.warning("refusing a connection from %s: cannot start a thread: %s", ip, exc)
+            self._refuse(conn, BusyError("server busy: cannot start a thread for the connection; try again later"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, close every connection, wait for every connection thread.
+
+        Sessions in progress end as a broken connection would end them (a push's partial
+        file stays in the resumable partial store; nothing half-written reaches a final path).
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds to wait for connection threads to finish; one still running after it is
+            logged (its daemon thread ends with the process).
+        """
+        self._stopping.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for ch in conns:
+            ch.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = list(self._handlers)
+                conns = list(self._conns)
+            for ch in conns:  # channels a session took over meanwhile
+                ch.close()
+            if not left:
+                break
+            if time.monotonic() >= deadline:
+                log.warning("stop: %d connection threads still running after %.0f s", len(left), timeout)
+                break
+            left[0].join(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        if self._janitor is not None:
+            self._janitor.close()
+        self.state.close()
+        if self._tier is not None:
+            self._tier.close()
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- one connection ---------------------------------------------------------------
+    def _allowed(self, ip: str) -> bool:
+        return not self.allow or (ip or "") in self.allow
+
+    def _authenticated(self, ip: str) -> None:
+        """``ip``'s connection is no longer pending authentication (it passed, or it ended)."""
+        key = peer_key(ip)
+        with self._lock:
+            n = self._pending.get(key, 0) - 1
+            if n > 0:
+                self._pending[key] = n
+            else:
+                self._pending.pop(key, None)
+
+    def _handle(self, ch: Channel, addr: Any) -> None:
+        keep = False
+        assert self._janitor is not None
+        current = [ch]  # the channel the deadline closes (the TLS one once it is wrapped)
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            current[-1].close()
+
+        deadline = self._janitor.deadline(self.handshake_timeout, expire)
+        pending = True
+        counted = False
+        try:
+            tune_socket(ch.sock)
+            set_keepalive(ch.sock, self.keepalive, self.io_timeout)
+            ch.hide_root = self.root
+            if self.tls is not None:
+                ch = self._wrap_tls(ch)
+                current.append(ch)
+            charged = [0]  # failures in the window counting this attempt; 0: its MAC was not checked
+            try:
+                server_handshake(ch, self.token, lambda: self._auth_gate(addr[0], charged))
+            except AuthError as exc:
+                if charged[0]:
+                    log.warning("authentication failed from %s port %s (%d in the last %.0f s): %s",
+                                addr[0], addr[1], charged[0], self._auth.window, exc)
+                raise
+            pending = False
+            self._authenticated(addr[0])
+            ch.max_payload = P.MAX_PAYLOAD
+            ch.max_decoded = P.SERVER_MAX_DECODED
+            got = ch.recv_frame()
+            if got is None:
+                return
+            header, payload = got
+            if header.type is not FrameType.OPEN:
+                raise UsageError(f"expected OPEN, got {header.type.name}")
+            msg = P.decode_control(payload, max_decoded=ch.max_decoded)
+            self._janitor.cancel(deadline)
+            if ch.closed:  # the deadline passed just now
+                return
+            ch.set_io_timeout(self.io_timeout)
+            ch.idle_timeout = self.idle_timeout
+            if msg.get("op") != "join":
+                with self._lock:
+                    if self._open_sessions >= self.max_sessions:
+                        raise BusyError(f"server busy: {self.max_sessions} sessions open (its --max-sessions); try again later")
+                    self._open_sessions += 1
+                    counted = True
+            keep = self._open(ch, msg)
+        except (Tb5syncError, OSError) as exc:
+            if not timed_out.is_set():  # a timeout is logged below
+                log.info("connection from %s ended: %s", addr[0], exc)
+            if not isinstance(exc, OSError) or isinstance(exc, Tb5syncError):
+                ch.send_error(0, exc)
+        except Exception as exc:  # a bug must not take the server down
+            log.exception("internal error serving %s", addr[0])
+            ch.send_error(0, exc)
+        finally:
+            self._janitor.cancel(deadline)
+            if timed_out.is_set() and not self._stopping.is_set():
+                self._log_once("handshake-timeout", "closed a connection from %s: handshake not done within %g s "
+                               "(--handshake-timeout; such closes are logged once per 10 s)", addr[0], self.handshake_timeout)
+            if pending:
+                self._authenticated(addr[0])
+            with self._lock:
+                if counted:
+                    self._open_sessions -= 1
+                if not keep:
+                    self._conns.discard(ch)
+                self._handlers.discard(threading.current_thread())
+            if not keep:
+                ch.close()
+
+    def _auth_gate(self, ip: str, charged: list[int]) -> Callable[[], None]:
+        """Right before an AUTH's MAC is checked: refuse ``ip`` when it is over its failure limit
+        (whatever it was when it connected), else count a failure now, refunded when the MAC
+        proves right (so parallel handshakes cannot each pass the limit before any fails).
+
+        Raises
+        ------
+        AuthError
+            ``ip`` has ``auth_limit`` failures in the window; its MAC is not checked.
+        """
+        n, wait = self._auth.charge(ip)
+        if wait:
+            if self._auth.first_refusal(ip):
+                log.warning("refusing %s for %.0f s: too many failed authentications", ip, wait)
+            raise AuthError(f"too many failed authentications from {ip}; try again in {wait:.0f} s")
+        charged[0] = n
+        return lambda: self._auth.refund(ip)
+
+    def _wrap_tls(self, ch: Channel) -> Channel:
+        """``ch``'s socket wrapped in TLS (handshake within the connection's deadline)."""
+        assert self.tls is not None
+        ch.set_io_timeout(ch.io_timeout, kernel=False)  # the ssl module expects Python's socket timeout
+        try:
+            tls_sock = self.tls.wrap_socket(ch.sock, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConnectError(f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}") from exc
+        new = Channel(tls_sock)
+        new.hide_root = ch.hide_root
+        with self._lock:
+            self._conns.discard(ch)
+            self._conns.add(new)
+        ch.closed = True  # the TLS channel owns the socket now
+        return new
+
+    def _quota(self) -> WriteQuota | None:
+        """A new session's write limits (``max_session_bytes``, ``min_free_space``); None without them."""
+        quota = WriteQuota(self.root, self.max_session_bytes, self.min_free_space)
+        return quota if quota.active else None
+
+    def _open(self, ch: Channel, msg: dict[str, Any]) -> bool:
+        """Run the session ``msg`` asks for. Returns True when ``ch`` now belongs to someone else."""
+        op = msg.get("op")
+        if op == "join":
+            return self._join(ch, msg)
+        path = msg.get("path", "")
+        if isinstance(path, bytes):  # a path that is not valid UTF-8 (entry.path_to_wire)
+            path = path_from_wire(path)
+        if not isinstance(path, str):
+            raise UsageError("path must be a string")
+        if op == "ls":
+            self._ls(ch, path)
+            return False
+        if op == "fs":
+            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota(), puts=self._puts)
+            try:
+                # "pieces": this server takes put_open/put_piece/put_close (older ones lack the key)
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, **FS_CAPABILITIES})
+                serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
+            finally:
+                ops.close()
+            return False
+        if op == "store":
+            self._serve_store(ch)
+            return False
+        if op == "ping":
+            ch.send_control(FrameType.RESPONSE, 0, {})
+            serve(ch, _Ping(), PING_METHODS)
+            return False
+        if op == "source":
+            self._source(ch, msg.get("bytes"))
+            return False
+        if op == "sink":
+            self._sink(ch, msg.get("bytes"))
+            return False
+        if op == "disk":
+            self._disk(ch, msg.get("bytes"))
+            return False
+        options = SyncOptions.from_wire(msg.get("options", {}))
+        streams = msg.get("streams", 1)
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError("streams must be 1..64")
+        if op == "pull":
+            self._pull(ch, path, options, streams)
+            return False
+        if op == "push":
+            self._push(ch, msg, path, options, streams)
+            return False
+        raise UsageError(f"unknown session op {shown(op)}")
+
+    def _serve_store(self, ch: Channel) -> None:
+        """A store session: :data:`~tb5sync.wire.messages.STORE_METHODS` answered from ``--store``."""
+        from tb5sync.wire.messages import STORE_METHODS
+        from tb5sync.store import Store
+        from tb5sync.store.ops import StoreOps
+
+        if self.store_path is None:
+            raise UsageError("this server has no artifact store (start it with --store DIR)")
+        # read-only without a tier to fill: the store opened read-only for this session only (so
+        # it sees what a local writer added since), never created (a missing one: "no store yet")
+        session_store = self.read_only and self.upstream is None
+        with self._lock:
+            if session_store:
+                store = Store(self.store_dir(create=False), read_only=True)
+            else:
+                if self._store is None:
+                    self._store = Store(self.store_dir(create=True))
+                store = self._store
+            if self.upstream is not None and self._tier is None:
+                from tb5sync.remote.tiers import Tier
+
+                self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
+        try:
+            if self._tier is not None:
+                from tb5sync.remote.tiers import TieredStoreOps
+
+                ops: StoreOps = TieredStoreOps(store, self.read_only, self._tier)
+            else:
+                ops = StoreOps(store, self.read_only)
+            ops.quota = self._quota()
+            try:
+                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+                serve(ch, ops, STORE_METHODS)
+            finally:
+                ops.close()
+        finally:
+            if session_store:
+                store.close()
+
+    def store_dir(self, create: bool) -> str:
+        """The ``--store`` directory, checked (and created, mode 0700, when ``create``); for the
+        store sessions and ``serve --http-cache``.
+
+        Below ROOT each component is looked up without following a symlink and must be a
+        directory this user owns (:func:`~tb5sync.tree.state.check_own_dir`); a store elsewhere
+        (resolved when the server started) must be such a directory too.
+
+        Raises
+        ------
+        PathError
+            A component is a symlink, not a directory or someone else's (the message hides ROOT).
+        UsageError
+            Missing and not ``create`` (a read-only server has no store yet).
+        """
+        assert self.store_path is not None
+        if self._store_parts is None:
+            steps = [self.store_path]
+        else:
+            steps = [os.path.join(self.root, *self._store_parts[: i + 1]) for i in range(len(self._store_parts))]
+        try:
+            for i, path in enumerate(steps):
+                # written in: this user's; only read (read-only) or the admin's own --store DIR: any owner
+                owned = create and self._store_parts is not None
+                if check_own_dir(path, owned=owned):
+                    continue
+                if not create:
+                    raise UsageError("this server's artifact store is empty (a read-only server does not create it)")
+                try:
+                    if i == 0 and self._store_parts is None:
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.mkdir(path, 0o700)
+                except FileExistsError:
+                    pass
+                check_own_dir(path, owned=owned)  # made meanwhile by someone else: checked again
+        except PathError as exc:
+            raise PathError(hide_root(exc.path, self.root), str(exc).split(": ", 1)[-1]) from None
+        return self.store_path
+
+    def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
+        sid = secrets.token_hex(16)
+        s = _Session(op, streams)
+        with self._lock:
+            self._sessions[sid] = s
+        return sid, s
+
+    def _join(self, ch: Channel, msg: dict[str, Any]) -> bool:
+        sid, idx = msg.get("session"), msg.get("index")
+        with self._lock:
+            s = self._sessions.get(sid) if isinstance(sid, str) else None
+        if s is None or not isinstance(idx, int) or not 1 <= idx < s.streams:
+            raise UsageError("join: unknown session or bad stream index")
+        with s.joined:
+            if s.channels[idx] is not None:
+                raise UsageError("join: stream index already taken")
+            s.channels[idx] = ch
+            s.joined.notify_all()
+        ch.send_control(FrameType.RESPONSE, 0, {})
+        if s.op == "pull":
+            assert s.sender is not None
+            self._serve_sender(ch, s)
+            return False
+        return True  # push: the session's receiver owns this channel now
+
+    def _source(self, ch: Channel, nbytes: object) -> None:
+        """Link test: send ``nbytes`` of zeros in DATA frames (no disk, no hashing), then BYE."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
+            raise UsageError(f"source bytes must be 0..{BENCH_MAX_BYTES}")
+        ch.send_control(FrameType.RESPONSE, 0, {})
+        block = bytes(_SOURCE_BLOCK)
+        while nbytes > 0:
+            n = min(nbytes, _SOURCE_BLOCK)
+            ch.send_data(0, {}, [memoryview(block)[:n]])
+            nbytes -= n
+        ch.send_control(FrameType.BYE, 0, {})
+
+    def _sink(self, ch: Channel, nbytes: object) -> None:
+        """Link test, client to server: read DATA frames carrying ``nbytes`` (their bodies, after
+        the meta map) and drop them (no disk, no hashing); answer ``{"bytes": received}``. A frame other than DATA, or more bytes than
+        announced, is a protocol error."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
+            raise UsageError(f"sink bytes must be 0..{BENCH_MAX_BYTES}")
+        ch.send_control(FrameType.RESPONSE, 0, {})
+        got = 0
+        while got < nbytes:
+            fr = ch.recv_frame()
+            if fr is None:
+                raise ConnectError(f"sink: the client closed after {got} of {nbytes} bytes")
+            header, payload = fr
+            if header.type is not FrameType.DATA:
+                raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
+            got += len(P.decode_data(payload, ch.max_decoded)[1])
+        if got != nbytes:
+            raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
+        ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
+
+    def _disk(self, ch: Channel, nbytes: object) -> None:
+        """Disk test (``tb5sync bench``): write, read back cold and remove a temporary file of
+        ``nbytes`` in the state directory (:func:`tb5sync._os.diskbench.disk_rates`); answer its figures.
+        Refused on a read-only server; one at a time (``BusyError`` for a second)."""
+        from tb5sync._os.diskbench import MIN_SIZE, disk_rates
+
+        if self.read_only:
+            raise ReadOnlyError("server is read-only; its disk test would write a file")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not MIN_SIZE <= nbytes <= BENCH_MAX_DISK:
+            raise UsageError(f"disk test bytes must be {MIN_SIZE}..{BENCH_MAX_DISK}")
+        if not self._disk_lock.acquire(blocking=False):
+            raise BusyError("server busy: another disk test is running; try again later")
+        try:
+            try:
+                try:
+                    os.makedirs(self.state.state_dir, mode=0o700, exist_ok=True)
+                except OSError as exc:
+                    raise DestinationError(f"disk test: cannot create {self.state.state_dir}: {exc.strerror or exc}") from exc
+                res = disk_rates(self.state.state_dir, nbytes, alive=lambda: not (self._stopping.is_set() or ch.peer_closed()))
+            except DestinationError as exc:  # the message would show the state directory's path
+                raise DestinationError(hide_root(str(exc), self.root)) from None
+        finally:
+            self._disk_lock.release()
+        ch.send_control(FrameType.RESPONSE, 0, res)
+
+    def _rel(self, path: str) -> str:
+        rel = os.path.relpath(path, self.root)
+        return "" if rel == "." else rel
+
+    def _locate(self, path: str, *, follow: bool = False) -> tuple[str, tuple[int, str]]:
+        """Request ``path``'s place under ROOT, opened through ROOT's jail: ``(full, (dir_fd, name))``.
+
+        ``full`` (absolute; only shown and used for state paths) is computed as
+        :func:`resolve_in_root` and :func:`follow_slash` do (``follow``: ``-L``); then the
+        directory holding it is opened from ROOT's descriptor with no symlink on the way
+        (:meth:`tb5sync._os.paths.Jail.locate`), so a parent swapped for a symlink after the
+        computation is refused, never followed. The caller owns ``dir_fd``.
+
+        Raises
+        ------
+        PathError
+            ``path`` is unsafe, leads outside ROOT or into its state, or a directory on the way
+            was swapped for a symlink.
+        RemoteNotFoundError
+            Nothing is there.
+        """
+        base = resolve_in_root(self.root, path)
+        if not os.path.lexists(base):
+            raise RemoteNotFoundError(f"no such file or directory: {path}")
+        base = follow_slash(base, path, self.root, follow=follow)  # "link/": the directory, if it is inside ROOT
+        with Jail(self.root) as jail:
+            try:
+                return base, jail.locate(self._rel(base))
+            except (FileNotFoundError, NotADirectoryError):
+                raise RemoteNotFoundError(f"no such file or directory: {path}") from None
+
+    def _ls(self, ch: Channel, path: str) -> None:
+        base, (dfd, name) = self._locate(path)
+        try:
+            entries = scan(base, recursive=False, at=(dfd, name))
+        finally:
+            os.close(dfd)
+        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+
+    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
+        base, at = self._locate(path, follow=options.copy_links)
+        try:
+            sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root, at=at)  # replies go out through sockets only
+        except (FileNotFoundError, NotADirectoryError):
+            raise RemoteNotFoundError(f"no such file or directory: {path}") from None
+        sid, s = self._new_session("pull", streams)
+        try:
+            s.sender = sender
+            s.sender.prepare()  # scan while the client joins its other streams
+            s.channels[0] = ch
+            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": sender.kind, "options": known_options()})
+            self._serve_sender(ch, s)
+        finally:
+            self._end_session(sid, s)
+
+    def _pace_stop(self, ch: Channel) -> str | None:
+        """Why a ``--bwlimit`` wait of ``ch``'s requests should end now (None: it goes on)."""
+        if self._stopping.is_set():
+            return "the server is stopping"
+        if ch.closed or peer_closed(ch.sock):
+            return "the client closed the connection"
+        return None
+
+    def _serve_sender(self, ch: Channel, s: _Session) -> None:
+        assert s.sender is not None
+        with s.lock:
+            s.users += 1
+        try:
+            # --bwlimit waits end when this peer goes, the server stops or the session ends
+            # (Sender.close), and none lasts longer than the idle timeout
+            s.sender.pace_guard(lambda: self._pace_stop(ch), self.idle_timeout)
+            serve(ch, s.sender, SENDER_METHODS)
+        finally:
+            with s.lock:
+                s.users -= 1
+
+    def _end_session(self, sid: str, s: _Session) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+        # wait briefly for joined streams to finish before releasing the sender
+        if s.sender is not None:
+            for _ in range(50):
+                with s.lock:
+                    if s.users == 0:
+                        break
+                threading.Event().wait(0.05)
+            s.sender.close()
+
+    def _makedirs(self, path: str) -> None:
+        """Create the directory ``path`` (absolute, under ROOT) and its missing parents, through
+        the ROOT's jail: no symlink on the way is followed (``--mkpath`` of a push)."""
+        with Jail(self.root) as jail:
+            os.close(jail.open_dir(os.path.relpath(path, self.root), create=True))
+
+    def _push(self, ch: Channel, msg: dict[str, Any], path: str, options: SyncOptions, streams: int) -> None:
+        if self.read_only:
+            raise ReadOnlyError(f"server is read-only; cannot write {shown(path)}")
+        name = msg.get("name")
+        if isinstance(name, bytes):
+            name = path_from_wire(name)
+        src_kind = msg.get("src_kind")
+        if name is not None and (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name):
+            raise PathError(str(name), "bad source name")
+        if src_kind not in (DIR, FILE, LINK):
+            raise UsageError("src_kind must be d, f or l")
+        dst = resolve_in_root(self.root, path)
+        dest = dest_base(dst, bool(msg.get("dst_slash")), name, str(src_kind))
+        if dest != dst:
+            # dest_base looked through a symlink at dst: resolve again and refuse if it leaves ROOT
+            dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
+        if STATE_DIR in os.path.relpath(dest, self.root).split("/"):
+            # a scan never lists a directory of that name, at any depth: a push into one (or of a
+            # source so named) is refused, as is every listed path naming it (check_peer_path)
+            raise PathError(os.path.relpath(dest, self.root), f"{STATE_DIR} is tb5sync's own state directory name")
+        created = prepare_dest_dir(dst, path, bool(msg.get("dst_slash")), str(src_kind), mkpath=options.mkpath,
+                                   dry_run=options.dry_run, makedirs=self._makedirs)
+        sid, s = self._new_session("push", streams)
+        s.channels[0] = ch
+        # the destination is scanned while the other streams join and the client scans its source
+        # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
+        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run, root=self.root)
+        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
+        requester: Requester | None = None
+        try:
+            with s.joined:
+                ok = s.joined.wait_for(lambda: all(c is not None for c in s.channels), timeout=_JOIN_TIMEOUT)
+            if not ok:
+                raise ConnectError("not all streams of the session joined in time")
+            channels = [c for c in s.channels if c is not None]
+            requester = Requester(channels, peer="client")
+            quota = self._quota()
+            if quota is not None:  # a single-file push (put_file) is named by its path under ROOT, not ""
+                quota.root_name = os.path.relpath(dest, self.root)
+            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
+                                link_dest_root=self.root, listing_limits=self.listing_limits, quota=quota)
+            try:
+                stats = dataclasses.replace(receiver.run(), created=created)
+                result: dict[str, Any] = {"stats": stats.as_dict()}
+                if "changes" in stats.extra:  # paths as they travel (bytes when not valid UTF-8)
+                    result["changes"] = {k: [path_to_wire(p) for p in v] for k, v in stats.extra["changes"].items()}
+            except Tb5syncError as exc:
+                log.info("push to %s failed: %s", path, exc)
+                result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}
+            except OSError as exc:
+                log.info("push to %s failed: %s", path, exc)
+                message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
+                result = {"error": {"kind": "DestinationError", "message": message}}
+            try:
+                result, pages = result_pages(result)  # a long result goes ahead in pages
+                for page in pages:
+                    requester.call("finish_part", page, timeout=30)
+                requester.call("finish", result, timeout=30)
+            except (Tb5syncError, OSError, TimeoutError) as exc:
+                log.info("push session %s: could not report the result: %s", sid, exc)
+        finally:
+            with self._lock:
+                self._sessions.pop(sid, None)
+                for c in s.channels:
+                    if c is not None:
+                        self._conns.discard(c)
+            if requester is not None:
+                requester.close(bye=True)
+            else:
+                for c in s.channels:
+                    if c is not None and c is not ch:
+                        c.close()
+

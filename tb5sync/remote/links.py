@@ -1,0 +1,117 @@
+"""Links: how a receiver reaches its sender, in the same process or across the wire.
+
+A link has one method that matters, ``submit(method, **args) -> Future``, with the
+sender's request vocabulary (:data:`tb5sync.wire.messages.SENDER_METHODS`); ``recycle(parts)``
+gives a DATA reply's receive buffer back, ``streams`` and ``wire_bytes`` describe it, and
+``close()`` ends it. :class:`LocalLink` calls an in-process :class:`~tb5sync.roles.sender.Sender`
+on a small thread pool (local sync); :class:`RemoteLink` sends the requests through a
+:class:`~tb5sync.wire.rpc.Requester` (push on the server, pull on the client). The receiver is
+the same code over both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from tb5sync.errors import RemoteProtocolError
+from tb5sync.wire.messages import DATA_METHODS, READ_METHODS, args_to_wire
+from tb5sync.wire.rpc import Requester, split_parts
+from tb5sync.roles.sender import Sender
+
+__all__ = ["Link", "LocalLink", "RemoteLink"]
+
+
+class Link(Protocol):
+    """What a :class:`~tb5sync.roles.receiver.Receiver` needs of the way to its sender."""
+
+    streams: int
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes sent and received so far, frames included (0 in process)."""
+        ...
+
+    def submit(self, method: str, **args: Any) -> Future[Any]:
+        """Send one sender request; the future settles with its reply (a dict, or ``(meta, parts)`` for DATA)."""
+        ...
+
+    def recycle(self, parts: list[Any]) -> None:
+        """Give back the buffer under a DATA reply's ``parts`` once nothing reads them again."""
+        ...
+
+    def close(self) -> None:
+        """End the link (an in-process sender is closed with it)."""
+        ...
+
+
+class LocalLink:
+    """Link to an in-process :class:`Sender`; requests run on a small thread pool (overlap with writes)."""
+
+    wire_bytes = 0
+
+    def __init__(self, sender: Sender, threads: int = 2) -> None:
+        self.sender = sender
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tb5-local")
+        self.streams = threads
+
+    def submit(self, method: str, **args: Any) -> Future[Any]:
+        return self._pool.submit(getattr(self.sender, method), **args)
+
+    def recycle(self, parts: list[Any]) -> None:
+        """Nothing to give back: in-process replies own their bytes."""
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.sender.close()
+
+
+class RemoteLink:
+    """Link to a sender across the wire through a :class:`Requester`.
+
+    Control requests go on stream 0; chunk and file reads are spread over the other streams
+    (over all of them when there is only one), so that a read never queues behind a
+    ``chunk_list`` piece that the sender is still cutting and hashing.
+    """
+
+    def __init__(self, requester: Requester) -> None:
+        self.requester = requester
+        self.streams = len(requester.channels)
+        self._data_streams = itertools.cycle(range(1, self.streams) if self.streams > 1 else [0])
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.requester.wire_bytes
+
+    def recycle(self, parts: list[Any]) -> None:
+        """Give the receive buffer under a DATA reply's ``parts`` back to the pool.
+
+        Call only when nothing will read ``parts`` (or any view of the same reply) again.
+        """
+        if parts and isinstance(parts[0], memoryview):
+            self.requester.pool.give_back(parts[0].obj)
+
+    def submit(self, method: str, **args: Any) -> Future[Any]:
+        args = args_to_wire(args)  # a name that is not valid UTF-8 goes as bytes
+        if method not in DATA_METHODS:
+            channel = next(self._data_streams) if method in READ_METHODS else 0
+            return self.requester.submit(method, args, channel=channel)
+        inner = self.requester.submit(method, args, channel=next(self._data_streams))
+        outer: Future[Any] = Future()
+
+        def done(f: Future[Any]) -> None:
+            try:
+                res = f.result()
+                if not isinstance(res, tuple):
+                    raise RemoteProtocolError(f"{method} must be answered with DATA")
+                meta, body = res
+                wire = meta.get("wire")
+                if not isinstance(wire, list):
+                    raise RemoteProtocolError("DATA meta lacks part lengths")
+                outer.set_result((meta, split_parts(body, wire)))
+            except BaseException as exc:  # delivered to the waiting receiver
+                outer.set_exception(exc)
+
+        inner.add_done_callback(done)
+        return outer

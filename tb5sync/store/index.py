@@ -1,0 +1,89 @@
+"""What the store's helpers need of a store, as narrow interfaces, and the index check they share.
+
+The helpers (:mod:`~tb5sync.store.writer`, :mod:`~tb5sync.store.materialise`,
+:mod:`~tb5sync.store.blobs`, :mod:`~tb5sync.store.gc`) are handed an object with these
+attributes (in practice a :class:`tb5sync.store.store.Store` or an object-store subclass) and
+never import the facade, so the facade imports them and nothing imports back.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tb5sync.errors import IntegrityError
+from tb5sync.store.packs import PackStorage
+
+if TYPE_CHECKING:
+    from tb5sync.engine.hashing import ChunkRef
+    from tb5sync.store.manifest import Item
+    from tb5sync.store.writer import Lease, PackWriter
+
+__all__ = ["PackIndex", "ChunkReader", "StoreCore", "require_indexed"]
+
+
+class PackIndex(Protocol):
+    """What a lease and a pack writer need: the SQLite index (one transaction at a time), the
+    pack storage, where temporary packs go, the target pack size in bytes, this host's name."""
+
+    host: str
+    tmp_dir: str
+    pack_target: int
+    packs: PackStorage
+
+    def _tx(self, durable: bool = False) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
+class ChunkReader(Protocol):
+    """What rebuilding a snapshot needs: where chunks are, and their bytes (verified)."""
+
+    def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]: ...
+
+    def read_at(self, digest: bytes, where: tuple[str, int, int] | None) -> bytes: ...
+
+    def iter_chunks(self, digests: Sequence[bytes], ahead: int = 4) -> Iterator[bytes]: ...
+
+
+class StoreCore(PackIndex, ChunkReader, Protocol):
+    """What keyed blobs and gc/verify/repack need on top: queries, leases, writes of bytes and
+    files as chunks, refs and manifests (each as :class:`tb5sync.store.store.Store` defines it)."""
+
+    path: str
+    quota: int | None
+
+    def _q(self, sql: str, args: Sequence[Any] = ()) -> list[Any]: ...
+
+    def lease(self, lease_id: str | None = None) -> Lease: ...
+
+    def put_bytes(self, data: bytes, lease: Lease, writer: PackWriter) -> tuple[bytes, list[ChunkRef]]: ...
+
+    def _put_file(self, full: str, st: os.stat_result, lease: Lease, writer: PackWriter) -> list[ChunkRef]: ...
+
+    def read_chunk(self, digest: bytes) -> bytes: ...
+
+    def read_manifest(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str = "manifest",
+                      parallel: bool = True) -> list[Item]: ...
+
+    def refs(self, prefix: str = "") -> list[Any]: ...
+
+    def live_leases(self, db: sqlite3.Connection) -> list[str]: ...
+
+    def gc(self, repack_below: float = 0.5) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+def require_indexed(db: sqlite3.Connection, digests: Iterable[bytes], what: str) -> None:
+    """Check, inside a transaction on the index ``db``, that every chunk of ``digests`` is indexed.
+
+    Raises
+    ------
+    IntegrityError
+        ``"{what}: chunk HEX is not in the store"`` for the first one that is not.
+    """
+    for d in digests:
+        if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+            raise IntegrityError(f"{what}: chunk {d.hex()} is not in the store")
