@@ -41,7 +41,7 @@ _OLD = (
 def command(old: str | None) -> list[str]:
     """How to run one version's CLI."""
     if old is None:
-        return [sys.executable, "-m", "tb5sync.cli.command"]
+        return [sys.executable, "-m", "tb5sync.cli"]
     return [sys.executable, "-c", _OLD, old]
 
 

@@ -36,7 +36,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 PY = sys.executable
-TB5 = [PY, "-m", "tb5sync.cli.command"]
+TB5 = [PY, "-m", "tb5sync.cli"]
 
 
 def main() -> int:

@@ -89,7 +89,7 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
 class Tb5Server:
     def __init__(self, work: str) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([PY, "-m", "tb5sync.cli.command", "http-cache", os.path.join(work, "store"),
+        self.proc = subprocess.Popen([PY, "-m", "tb5sync.cli", "http-cache", os.path.join(work, "store"),
                                       "--bind", f"127.0.0.1:{self.port}"], stderr=subprocess.PIPE, text=True)
         wait_port(self.port)
 

@@ -41,7 +41,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
-TB5 = [PY, "-m", "tb5sync.cli.command"]
+TB5 = [PY, "-m", "tb5sync.cli"]
 
 
 def run(cmd: list[str], **kw: Any) -> tuple[float, str]:

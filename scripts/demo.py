@@ -48,7 +48,7 @@ def tree_fingerprint(base: str) -> dict[str, tuple]:
 
 def start_server(root: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tb5sync.cli.command", "serve", root, "--bind", "127.0.0.1:0"],
+        [sys.executable, "-m", "tb5sync.cli", "serve", root, "--bind", "127.0.0.1:0"],
         stderr=subprocess.PIPE,
         text=True,
     )

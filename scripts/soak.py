@@ -113,7 +113,7 @@ class Soak:
     def start_server(self) -> None:
         env = {**os.environ, "PYTHONPATH": REPO, "TB5SYNC_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tb5sync.cli.command", "serve", str(self.root), "--bind", f"{self.host_ip}:{self.port}",
+            [sys.executable, "-m", "tb5sync.cli", "serve", str(self.root), "--bind", f"{self.host_ip}:{self.port}",
              "--timeout", "3", "--keepalive", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         )
@@ -133,7 +133,7 @@ class Soak:
 
     def client(self, *args: str) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": REPO, "TB5SYNC_TOKEN": TOKEN}
-        cmd = [sys.executable, "-m", "tb5sync.cli.command", *args]
+        cmd = [sys.executable, "-m", "tb5sync.cli", *args]
         if self.ns:
             cmd = ["ip", "netns", "exec", self.ns, *cmd]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -1,6 +1,6 @@
 """make demo, the artifact store part: put, dedup, push through `tb5sync serve --store`, get back, verify.
 
-Steps, each through the real command line (``python -m tb5sync.cli.command store ...``):
+Steps, each through the real command line (``python -m tb5sync.cli store ...``):
 
 1. put the stdlib tree (site-packages left out) and the corpus models (when built) into store A;
 2. put an edited second version of the models (1% of the largest file rewritten, one file
@@ -32,7 +32,7 @@ PY = sys.executable
 
 
 def tb5(*args: str) -> str:
-    out = subprocess.run([PY, "-m", "tb5sync.cli.command", *args], check=True, capture_output=True, text=True)
+    out = subprocess.run([PY, "-m", "tb5sync.cli", *args], check=True, capture_output=True, text=True)
     return out.stdout
 
 
@@ -88,7 +88,7 @@ def main() -> int:
             for line in tb5("store", "--store", a, "diff", "models/corpus/v1", "models/corpus/v2").splitlines():
                 print(f"  {line}")
         os.makedirs(os.path.join(work, "root"))
-        proc = subprocess.Popen([PY, "-m", "tb5sync.cli.command", "serve", os.path.join(work, "root"), "--bind", "127.0.0.1:0",
+        proc = subprocess.Popen([PY, "-m", "tb5sync.cli", "serve", os.path.join(work, "root"), "--bind", "127.0.0.1:0",
                                  "--store", b], stderr=subprocess.PIPE, text=True)
         assert proc.stderr is not None
         m = re.search(r":(\d+)\s*$", proc.stderr.readline())
@@ -120,7 +120,7 @@ def main() -> int:
             else:
                 print(f"  verified: get {ref} ({dt:.2f} s): {len(want)} entries byte-identical (content, modes, mtimes, symlinks)")
         for name, st in (("B", b), ("C", c)):
-            r = subprocess.run([PY, "-m", "tb5sync.cli.command", "store", "--store", st, "verify"], capture_output=True, text=True)
+            r = subprocess.run([PY, "-m", "tb5sync.cli", "store", "--store", st, "verify"], capture_output=True, text=True)
             last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr.strip()
             print(f"  verify store {name}: {last}")
             ok = ok and r.returncode == 0

@@ -42,7 +42,7 @@ def test_host_port_brackets_ipv6_only() -> None:
 
 
 def test_serve_bind_unknown_name_lists_the_interfaces(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "nosuch0:0"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "nosuch0:0"],
                        capture_output=True, text=True, timeout=60)
     names = sorted(n for _, n in socket.if_nameindex())
     assert r.returncode == UsageError.exit_code, r.stderr
@@ -56,7 +56,7 @@ def test_serve_bind_unknown_name_lists_the_interfaces(tmp_path: Path) -> None:
 
 @needs_v6
 def test_serve_any_v6_prints_brackets_and_takes_both_families(tmp_path: Path) -> None:
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "[::]:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "[::]:0",
                           "--no-auth"],
                          stderr=subprocess.PIPE, text=True)
     try:

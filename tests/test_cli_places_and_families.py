@@ -26,7 +26,7 @@ from tb5sync.daemon.server import Server
 
 
 def _cli(*args: str, cwd: Any = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tb5sync.cli.command", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True, timeout=60,
                           check=False, cwd=cwd)
 
 

@@ -139,7 +139,7 @@ def start_serve_process(root: str, *args: str, preexec: Any = None) -> tuple[sub
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tb5sync.cli.command", "-v", "serve", root, "--bind", "127.0.0.1:0", *args],
+        [sys.executable, "-m", "tb5sync.cli", "-v", "serve", root, "--bind", "127.0.0.1:0", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=preexec,
     )
     assert proc.stderr is not None
@@ -691,7 +691,7 @@ def test_no_token_on_a_network_address_is_refused(tmp_path: Path) -> None:
 def test_cli_refuses_network_bind_without_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "0.0.0.0:0"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "0.0.0.0:0"],
                        capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 2
     assert r.stderr.startswith("tb5sync: error: refusing to serve 0.0.0.0 without a token") and r.stderr.count("\n") == 1

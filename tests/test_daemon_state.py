@@ -400,7 +400,7 @@ def test_read_only_serve_http_cache_writes_nothing(tmp_path: Path) -> None:
 
     def serve() -> subprocess.Popen[str]:
         args = ["serve", str(root), "--bind", "127.0.0.1:0", "--read-only", "--http-cache", "127.0.0.1:0"]
-        return subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", *args], stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args], stderr=subprocess.PIPE, text=True)
 
     p = serve()
     err = p.communicate(timeout=60)[1]

@@ -93,6 +93,6 @@ def test_exclude_option_include_rule_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"include rule .*exclude rules only"):
         tb5sync.sync(f"{src}/", str(tmp_path / "d"), exclude=["+ */", "+ *.txt", "*"])
     assert not (tmp_path / "d").exists()
-    r = subprocess.run([os.sys.executable, "-m", "tb5sync.cli.command", "sync", "--exclude", "+ *.txt", f"{src}/", str(tmp_path / "d")],
+    r = subprocess.run([os.sys.executable, "-m", "tb5sync.cli", "sync", "--exclude", "+ *.txt", f"{src}/", str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "include rule" in r.stderr

@@ -83,7 +83,7 @@ def test_cli_prints_one_line_each_and_exits_23(tmp_path: Path) -> None:
     src = str(tmp_path / "src")
     _tree(src)
     env = {**os.environ, "TB5SYNC_DEST_FOLD": "case,unicode", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", src + "/", str(tmp_path / "dst")],
+    proc = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", src + "/", str(tmp_path / "dst")],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 23, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "collides" in ln]

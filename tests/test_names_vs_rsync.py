@@ -78,7 +78,7 @@ def test_cli_shows_escaped_names(tmp_path: Any) -> None:
     src = str(tmp_path / "src")
     write(os.path.join(src, fsname(b"caf\xe9.txt")), b"x", 0o644, T0)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
-    cmd = [sys.executable, "-m", "tb5sync.cli.command", "sync"]
+    cmd = [sys.executable, "-m", "tb5sync.cli", "sync"]
     dry = subprocess.run([*cmd, "-n", src + "/", str(tmp_path / "dst")], capture_output=True, text=True, env=env, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert "caf\\xe9.txt" in dry.stdout.splitlines()

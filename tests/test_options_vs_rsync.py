@@ -230,7 +230,7 @@ def test_max_delete_message_and_count_match_rsync(h: Opts, tmp_path: Any) -> Non
     ref = subprocess.run(["rsync", "-a", "--delete", "--max-delete=2", h.src + "/", os.path.join(h.dp["rsync"], "dst")],
                          capture_output=True, text=True, timeout=100, check=False)
     want = int(re.search(r"--max-delete limit \((\d+) skipped\)", ref.stderr).group(1))
-    got = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "--delete", "--max-delete", "2", h.src + "/",
+    got = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "--delete", "--max-delete", "2", h.src + "/",
                           os.path.join(h.dp["local"], "dst")], capture_output=True, text=True, timeout=100, check=False)
     assert got.returncode == ref.returncode == 25, got.stderr
     assert f"--max-delete limit ({want} skipped)" in got.stderr
@@ -352,7 +352,7 @@ def test_itemize_cli_and_json(tmp_path: Any) -> None:
                          timeout=100, check=True, cwd=tmp_path / "rsync")
     created = [ln for ln in ref.stdout.splitlines() if ln.startswith("created directory ")]
     assert created == ["created directory t"]
-    cmd = [sys.executable, "-m", "tb5sync.cli.command", "sync", "-i"]
+    cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-i"]
     got = subprocess.run([*cmd, src + "/", "t"], capture_output=True, text=True, timeout=100, check=True, cwd=tmp_path)
     assert sorted(got.stdout.splitlines()) == sorted(items_of(ref.stdout) + created)
     js = subprocess.run([*cmd, "-n", "--json", src + "/", "t2"], capture_output=True, text=True,
@@ -546,7 +546,7 @@ def test_missing_local_source_says_so(tmp_path: Any, server: Any) -> None:
         assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, tb5sync.RemoteNotFoundError)
         with pytest.raises(tb5sync.SourceNotFoundError, match="local source .* is a symlink to nothing"):
             tb5sync.sync(str(tmp_path / "dangling") + "/", dst)
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", str(tmp_path / "nope"), str(tmp_path / "d")],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(tmp_path / "nope"), str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 23 and "local source does not exist" in r.stderr
     with pytest.raises(tb5sync.RemoteNotFoundError) as ei2:
@@ -576,7 +576,7 @@ def test_cli_dry_run_prints_what_rsync_n_v_prints(tmp_path: Any, server: Any, sl
     want = sorted(ln for ln in ref.stdout.splitlines()[1:] if ln and not ln.startswith(("sent ", "total size")))
     assert ("created directory dst" in want) == (not exists)
     for target in ("dst", server.url("dst")):
-        cmd = [sys.executable, "-m", "tb5sync.cli.command", "sync", "-n", "--delete", s, target]
+        cmd = [sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", s, target]
         got = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
         assert sorted(got.stdout.splitlines()) == want, target
         with_stats = subprocess.run([*cmd, "--stats"], capture_output=True, text=True, timeout=60, check=True)
@@ -710,7 +710,7 @@ def test_itemize_link_dest_shows_only_what_changed(h: Opts, dry: bool) -> None:
 
 
 def _cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tb5sync.cli.command", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True,
                           timeout=100, check=False, cwd=cwd)
 
 

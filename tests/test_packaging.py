@@ -113,11 +113,11 @@ def test_bad_thread_count_reported_at_start(tmp_path: Any, value: str) -> None:
     (src / "small").write_bytes(b"small")
     for var in ("TB5SYNC_HASH_THREADS", "TB5SYNC_CHUNK_THREADS"):
         env = {**ENV, var: value}
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", f"{src}/", str(tmp_path / "dst")],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", f"{src}/", str(tmp_path / "dst")],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 2 and var in r.stderr, r.stderr
         assert not (tmp_path / "dst").exists()
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path), "--bind", "127.0.0.1:0"],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path), "--bind", "127.0.0.1:0"],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 2 and var in r.stderr, r.stderr
 

@@ -47,8 +47,8 @@ def as_user(user: str) -> list[str]:
 
 
 def cli(args: list[str], user: str | None = None) -> subprocess.CompletedProcess[str]:
-    """The tb5sync command (``python -m tb5sync.cli.command``), as ``user`` when given."""
-    cmd = [sys.executable, "-m", "tb5sync.cli.command", *args]
+    """The tb5sync command (``python -m tb5sync.cli``), as ``user`` when given."""
+    cmd = [sys.executable, "-m", "tb5sync.cli", *args]
     if user is not None:
         cmd = [*as_user(user), *cmd]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
@@ -213,7 +213,7 @@ class NobodyServer:
         env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
         env.pop("TB5SYNC_TOKEN", None)
         self.proc = subprocess.Popen(
-            [*as_user(user), sys.executable, "-m", "tb5sync.cli.command", "serve", root, "--bind", "127.0.0.1:0"],
+            [*as_user(user), sys.executable, "-m", "tb5sync.cli", "serve", root, "--bind", "127.0.0.1:0"],
             stderr=subprocess.PIPE, text=True, env=env,
         )
         assert self.proc.stderr is not None

@@ -225,7 +225,7 @@ def test_single_file_push_past_the_limit_names_the_file(tmp_path: Path) -> None:
     live = start_server(str(root), max_session_bytes=2 * MiB)
     try:
         (root / "in").mkdir()
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", str(src / "big.bin"), live.url("in/")],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(src / "big.bin"), live.url("in/")],
                            capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"})
         assert r.returncode == 11, r.stderr

@@ -45,7 +45,7 @@ def test_dry_run_push_over_32_mib_is_reported_whole(tmp_path: Any) -> None:
     try:
         want = _rsync_n_v(src + "/", str(tmp_path), ["-v"])
         assert 2 * sum(map(len, want)) > 32 << 20  # the result carries each path twice: its transfer list and its lines
-        got = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "-n", src + "/", live.url("dst")],
+        got = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "-n", src + "/", live.url("dst")],
                              capture_output=True, text=True, timeout=600, check=False)
         assert got.returncode == 0, got.stderr[-2000:]
         assert sorted(ln for ln in got.stdout.splitlines() if ln) == want

@@ -29,7 +29,7 @@ REPO = str(Path(__file__).resolve().parent.parent)
 def serve(root: Path, port: int = 0) -> tuple[subprocess.Popen[str], int]:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "-v", "serve", str(root), "--bind", f"127.0.0.1:{port}"],
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "-v", "serve", str(root), "--bind", f"127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     line = proc.stderr.readline()

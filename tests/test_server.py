@@ -822,7 +822,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env["PYTHONPATH"] = REPO
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "tb5sync.cli.command", *args], check=False, env=full_env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "tb5sync.cli", *args], check=False, env=full_env, capture_output=True, text=True, timeout=60
     )
 
 
@@ -902,7 +902,7 @@ def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) 
     out = tmp_path / "stats.txt"
     with open(out, "w") as f:
         r = subprocess.run(
-            [sys.executable, "-m", "tb5sync.cli.command", "sync", "--stats", src + "/", str(tmp_path / "copy")],
+            [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy")],
             check=False, env={**os.environ, "PYTHONPATH": REPO}, stdout=f, stderr=subprocess.PIPE, text=True, timeout=60,
         )
     assert r.returncode == 0, r.stderr
@@ -910,7 +910,7 @@ def test_cli_output_is_complete_before_the_quick_exit(src: str, tmp_path: Path) 
     assert [ln.split(":")[0] for ln in lines] == ["files", "bytes", "wire", "time"]
     # a reader that goes away early: the exit status says so, without a traceback
     with subprocess.Popen(
-        [sys.executable, "-m", "tb5sync.cli.command", "sync", "--stats", src + "/", str(tmp_path / "copy2")],
+        [sys.executable, "-m", "tb5sync.cli", "sync", "--stats", src + "/", str(tmp_path / "copy2")],
         env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     ) as proc:
         assert proc.stdout is not None and proc.stderr is not None
@@ -1051,7 +1051,7 @@ def test_sync_cli_pulling_a_tree_with_a_fifo_finishes(server: LiveServer, tmp_pa
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     env.pop("TB5SYNC_TOKEN", None)
     try:
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", server.url("t/"), dst],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", server.url("t/"), dst],
                            capture_output=True, text=True, env=env, timeout=30)
     finally:
         _release_fifo(os.path.join(src, "fifo"))

@@ -59,7 +59,7 @@ def test_server_gone_mid_transfer_exits_12(tmp_path: Any, how: int) -> None:
             url = f"tb5://127.0.0.1:{port}/"
             args, landed = (([src + "/", url + "pushed"], str(root / "pushed")) if route == "push"
                             else ([url + "pullsrc/", str(tmp_path / "pulled")], str(tmp_path / "pulled")))
-            proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "sync", "--bwlimit=1M", *args],
+            proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "sync", "--bwlimit=1M", *args],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
             try:
                 wait_for(lambda: os.path.isdir(landed) and len(os.listdir(landed)) > 1 or proc.poll() is not None,
@@ -93,7 +93,7 @@ def test_no_server_is_still_10(tmp_path: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", str(tmp_path) + "/", f"tb5://127.0.0.1:{port}/x"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", str(tmp_path) + "/", f"tb5://127.0.0.1:{port}/x"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 10, r.stderr
     assert "cannot connect" in r.stderr

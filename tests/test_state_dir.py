@@ -65,7 +65,7 @@ def test_state_dir_option_and_argument(tmp_path: Any) -> None:
     assert _rows(api_state) > 0
     assert not os.path.exists(default_state_dir(str(tmp_path / "dst1")) or "/nonexistent")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tb5sync.__file__))}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "--state-dir", cli_state, src + "/", str(tmp_path / "dst2")],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "--state-dir", cli_state, src + "/", str(tmp_path / "dst2")],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert _rows(cli_state) > 0

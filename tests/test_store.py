@@ -330,7 +330,7 @@ def test_quota_names_what_it_evicts(tmp_path: Any) -> None:
     st = ["--store", str(tmp_path / "st")]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", *st, *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", *st, *args], capture_output=True, text=True,
                               timeout=60)
 
     assert cli("put", "r/a", str(tmp_path / "v0")).returncode == 0
@@ -682,7 +682,7 @@ def test_cat_without_a_path_and_get_onto_an_existing_path(tmp_path: Any, capsys:
         with pytest.raises(DestinationError) as ei:
             s.get("file", str(f))
         assert "--force" in str(ei.value) and "replace=" not in str(ei.value)
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", *st, "cat", "file"], capture_output=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", *st, "cat", "file"], capture_output=True, timeout=60)
     assert r.returncode == 0 and r.stdout == f.read_bytes()
 
 

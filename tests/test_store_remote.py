@@ -146,7 +146,7 @@ print("done", flush=True)
 
 
 def _serve(tmp_path: Any, store: str) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                           "--store", store], stderr=subprocess.PIPE, text=True)
     assert p.stderr is not None
     m = re.search(r":(\d+)\s*$", p.stderr.readline())
@@ -273,7 +273,7 @@ def test_serve_store_under_the_roots_state(tmp_path: Any) -> None:
     """``tb5sync serve ROOT --store`` (no DIR) serves ROOT/.tb5sync/store, which a sync of ROOT never lists."""
     os.makedirs(tmp_path / "root" / "data")
     (tmp_path / "root" / "data" / "x").write_bytes(b"x")
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                           "--store"], stderr=subprocess.PIPE, text=True)
     try:
         assert p.stderr is not None
@@ -360,7 +360,7 @@ def test_unsafe_manifests_are_refused(tmp_path: Any) -> None:
 
 def test_cli_push_of_a_ref_already_there_and_urls_with_a_path(tmp_path: Any, node: Any) -> None:
     src = make_tree(str(tmp_path / "src"), files=5)
-    cli = [sys.executable, "-m", "tb5sync.cli.command", "store", "--store", str(tmp_path / "a")]
+    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "a")]
     dest = f"tb5://127.0.0.1:{node.port}"
     assert subprocess.run([*cli, "put", "r", src], capture_output=True, timeout=60).returncode == 0
     assert subprocess.run([*cli, "push", "r", dest], capture_output=True, timeout=60).returncode == 0

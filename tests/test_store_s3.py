@@ -123,7 +123,7 @@ def test_gc_spares_young_packs_and_running_writers(seaweed: Any, url: str, tmp_p
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
@@ -263,7 +263,7 @@ def test_volume_server_killed_during_reads_and_writes(seaweed: Any, url: str, tm
         # the same through the CLI, bounded by --timeout
         env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, "--timeout", "6", "put",
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "--timeout", "6", "put",
                             "r/3", src2], capture_output=True, text=True, env=env, timeout=120)
         assert time.monotonic() - t0 < 40, r.stderr
         assert r.returncode == 11, r.stderr
@@ -401,11 +401,11 @@ def test_cli_storage_options_and_serve_upstream(seaweed: Any, url: str, tmp_path
           "--storage-option", f"secret={seaweed.env()['AWS_SECRET_ACCESS_KEY']}",
           "--storage-option", f"endpoint_url={seaweed.endpoint}", "--storage-option", "region_name=us-east-1"]
     src = make_tree(str(tmp_path / "src"), files=5)
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, *so, "put", "c/1", src],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *so, "put", "c/1", src],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     os.makedirs(tmp_path / "root")
-    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                           "--store", str(tmp_path / "tier"), "--upstream", url, *so], stderr=subprocess.PIPE,
                          text=True, env=env)
     try:
@@ -413,7 +413,7 @@ def test_cli_storage_options_and_serve_upstream(seaweed: Any, url: str, tmp_path
         line = p.stderr.readline()
         port = line.rsplit(":", 1)[-1].strip()
         assert port.isdigit(), line
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", str(tmp_path / "client"), "pull",
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "client"), "pull",
                             "c/1", f"tb5://127.0.0.1:{port}", "--json"], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stderr
@@ -488,7 +488,7 @@ def test_errors_name_the_store_url(seaweed: Any, url: str, tmp_path: Any) -> Non
                 call()
             assert url in str(ei.value) and str(tmp_path) not in str(ei.value), ei.value
     for args in (["get", "nope", str(tmp_path / "o")], ["cat", "nope"], ["put", "a", other], ["rm", "nope"]):
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, *args],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *args],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode != 0 and url in r.stderr and str(tmp_path / "xdg") not in r.stderr, r.stderr
 
@@ -497,14 +497,14 @@ def test_wrong_credentials_and_endpoint_say_what_to_check(seaweed: Any, url: str
     src = make_tree(str(tmp_path / "src"), files=3)
     bad = {**seaweed.env(), "AWS_SECRET_ACCESS_KEY": "wrong-secret", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     for args in (["ls"], ["put", "a", src]):
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, *args],
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, *args],
                            capture_output=True, text=True, env=bad, timeout=60)
         assert r.returncode == 11, r.stderr
         assert f"{url}: opening the store failed while reading the store config" in r.stderr
         assert "AWS_ACCESS_KEY_ID" in r.stderr and "--storage-option key=" in r.stderr and "endpoint" in r.stderr
         assert r.stderr.count("\n") == 1  # one line
     nowhere = {**seaweed.env(), "AWS_ENDPOINT_URL": "http://127.0.0.1:1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, "--timeout", "3", "ls"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "--timeout", "3", "ls"],
                        capture_output=True, text=True, env=nowhere, timeout=60)
     assert r.returncode == 11 and url in r.stderr and "endpoint" in r.stderr, r.stderr
 
@@ -524,7 +524,7 @@ def test_gc_reports_the_writer_leases_that_held_it_back(seaweed: Any, url: str, 
         assert b["lease"] == "writer-feedface" and b["owner"] == "builder7:4242:ab" and b["since"] == since
         assert time.time() < b["expires"] <= time.time() + 61
     env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, "gc", "--grace", "0"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "gc", "--grace", "0"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "freed 0 B" in r.stdout
@@ -659,7 +659,7 @@ def test_reindex_on_the_object_store(seaweed: Any, url: str, tmp_path: Any) -> N
         assert meta["chunks"] == before[n]["chunks"] and meta["size"] == before[n]["size"]
         assert abs(meta["created"] - before[n]["created"]) < 120  # the pack's time, not the reindex's
     env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url, "reindex", "--json"],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", url, "reindex", "--json"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["index_objects_written"] == 0, r.stderr
     with _open(seaweed, url, tmp_path, "c") as st:
@@ -688,7 +688,7 @@ def test_fanout_warns_once_per_unusable_source(seaweed: Any, url: str, tmp_path:
         assert dead_peer in str(ei.value) and no_bucket in str(ei.value)
     assert snapshot(str(tmp_path / "out")) == snapshot(src)
     env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "store", "--store", str(tmp_path / "node2"), "pull",
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "store", "--store", str(tmp_path / "node2"), "pull",
                         "m", "--from", dead_peer, "--from", url], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stderr.count(dead_peer) == 1, r.stderr
 
@@ -697,7 +697,7 @@ def test_cli_cat_of_a_single_file_ref_and_get_errors(seaweed: Any, url: str, tmp
     env = {**seaweed.env(), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     f = tmp_path / "one.bin"
     f.write_bytes(os.urandom(3000))
-    cli = [sys.executable, "-m", "tb5sync.cli.command", "store", "--store", url]
+    cli = [sys.executable, "-m", "tb5sync.cli", "store", "--store", url]
     assert subprocess.run([*cli, "put", "f", str(f)], env=env, timeout=60).returncode == 0
     r = subprocess.run([*cli, "cat", "f"], capture_output=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stdout == f.read_bytes(), r.stderr

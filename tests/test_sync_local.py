@@ -299,13 +299,13 @@ def test_cli_dry_run_prints_the_paths(tmp_path):
     dst.mkdir()
     (dst / "old.txt").write_text("old")
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "-n", "--delete", f"{src}/", str(dst)],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--delete", f"{src}/", str(dst)],
                        capture_output=True, text=True, timeout=60, env=env, check=False)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "deleting old.txt" in lines and "a.txt" in lines
     assert not any(ln.startswith("files:") for ln in lines)  # as rsync -n: the list, no statistics
-    r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "-n", "--stats", "--delete", f"{src}/", str(dst)],
+    r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "-n", "--stats", "--delete", f"{src}/", str(dst)],
                        capture_output=True, text=True, timeout=60, env=env, check=False)
     assert any(ln.startswith("files:") and "1 would delete" in ln for ln in r.stdout.splitlines())
     assert sorted(os.listdir(dst)) == ["old.txt"]

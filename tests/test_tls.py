@@ -117,7 +117,7 @@ def test_cli_serve_and_sync_over_tls(tmp_path: Path, pki: dict[str, str]) -> Non
     env["PYTHONPATH"] = REPO
     env["TB5SYNC_TOKEN"] = TOKEN.decode()
     (tmp_path / "root").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                              "--tls-cert", pki["cert"], "--tls-key", pki["key"]], stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
@@ -125,7 +125,7 @@ def test_cli_serve_and_sync_over_tls(tmp_path: Path, pki: dict[str, str]) -> Non
         assert "(TLS)" in line, line
         port = int(line.split(":")[-1].split()[0])
         (tmp_path / "f.txt").write_bytes(b"over tls\n")
-        r = subprocess.run([sys.executable, "-m", "tb5sync.cli.command", "sync", "--tls-ca", pki["ca"], str(tmp_path / "f.txt"),
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", "--tls-ca", pki["ca"], str(tmp_path / "f.txt"),
                             f"tb5s://127.0.0.1:{port}/"], capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0, r.stderr
         assert (tmp_path / "root" / "f.txt").read_bytes() == b"over tls\n"

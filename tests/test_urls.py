@@ -28,7 +28,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     full = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     full["PYTHONPATH"] = REPO
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tb5sync.cli.command", *args], capture_output=True, text=True, env=full, timeout=60)
+    return subprocess.run([sys.executable, "-m", "tb5sync.cli", *args], capture_output=True, text=True, env=full, timeout=60)
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ def test_server_logs_no_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TB5SYNC_TOKEN"}
     env["PYTHONPATH"] = REPO
     (tmp_path / "root").mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli.command", "-vv", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", "-vv", "serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0",
                              "--token-file", str(tf)], stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     port = int(proc.stderr.readline().rsplit(":", 1)[1].split()[0])
