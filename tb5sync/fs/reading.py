@@ -121,8 +121,8 @@ def _info_from_wire(info: Any) -> dict[str, Any]:
 
 
 class ReadingMixin:
-    """The reading calls of :class:`~tb5sync.fs.filesystem.TB5FileSystem`, which has this
-    class before fsspec's ``AsyncFileSystem`` among its bases
+    """The reading calls of :class:`~tb5sync.fs.filesystem.TB5FileSystem`, which combines this
+    class with :class:`~tb5sync.fs.writing.WritingMixin` before fsspec's ``AsyncFileSystem``
     (so the ``super()`` calls here reach fsspec's). Its methods use what TB5FileSystem sets up:
     the settings and connection holder of its ``__init__`` and its request layer, declared here.
     """
