@@ -1,8 +1,9 @@
 """fsspec filesystems: ``tb5://`` and ``tb5s://`` (:class:`TB5FileSystem`), ``tb5store://``.
 
-`filesystem` (the async filesystem, over `tb5sync.remote.client` connections), `file` (the
-buffered file object: ranged reads, atomic writes), `storefs` (a server's store refs,
-read-only). May import `remote` and below. The names users import are re-exported here.
+`filesystem` (the async filesystem, over `tb5sync.remote.client` connections) with its halves
+`reading` and `writing` (mixins it combines), `file` (the buffered file object: ranged reads,
+atomic writes), `storefs` (a server's store refs, read-only). May import `remote` and below.
+The names users import are re-exported here.
 """
 
 from tb5sync.fs.file import TB5File
