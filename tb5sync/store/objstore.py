@@ -57,14 +57,16 @@ import msgpack
 
 from tb5sync.errors import IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
 from tb5sync.engine.hashing import ChunkRef
+from tb5sync.store.condwrite import LEASE_TTL_OBJ, ConditionalWrites, _Precondition
 from tb5sync.store.manifest import Item
 from tb5sync.store.objerrors import REQUEST_ATTEMPTS, ObjectStoreError, _clear_errors, _name_store, describe_error
 from tb5sync.store.objpacks import ObjectPackStorage, _mtime
 from tb5sync.store.store import RefInfo, Store, all_digests, check_ref_name, pinned_error
 from tb5sync.store.writer import Lease
 
-# What moved to objerrors and objpacks (and what it imported), importable from here as before
+# What moved to condwrite, objerrors and objpacks (and what it imported), importable from here as before
 from tb5sync.errors import DestinationError  # noqa: F401
+from tb5sync.store.condwrite import LEASE_SETTLE, RefConflictError  # noqa: F401
 from tb5sync.store.objerrors import (  # noqa: F401
     _AUTH, _AUTH_WORDS, _BUCKET, _BUCKET_WORDS, _CONNECT, _CONNECT_WORDS, _F, _PATH_TOKEN, _TIMEOUT, _TIMEOUT_WORDS,
     _nesting, _words)
@@ -76,10 +78,6 @@ __all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConf
 
 log = logging.getLogger(__name__)
 
-#: A lease object (ref lease or writer lease) not renewed for this long is dead, seconds.
-LEASE_TTL_OBJ = 60.0
-#: Seconds a writer waits between writing the ref lease object and reading it back.
-LEASE_SETTLE = 0.2
 #: Default grace period of gc on an object store: packs indexed more recently are never deleted, seconds.
 GC_GRACE = 3600.0
 #: Default bound of one request to the object store with its retries, seconds (module docstring).
@@ -90,14 +88,6 @@ TOUCH_WAIT = 2.0
 TOUCH_EVERY = 60.0
 #: Most seconds a ref commit waits for a running gc (its ``locks/gc-*`` object) to finish.
 GC_WAIT = 600.0
-
-
-class RefConflictError(Tb5syncError, RuntimeError):
-    """A ref changed under a compare-and-swap too many times in a row (another writer keeps winning)."""
-
-
-class _Precondition(Exception):
-    pass
 
 
 def is_object_url(s: str | os.PathLike[str] | None) -> bool:
@@ -133,7 +123,7 @@ def open_store(url: str | os.PathLike[str] | None = None, storage_options: dict[
     return Store(path, **kw)
 
 
-class ObjectStore(Store):
+class ObjectStore(ConditionalWrites, Store):
     """The artifact store with its packs, index objects and refs on an fsspec URL (module docstring).
 
     Parameters
@@ -352,151 +342,6 @@ class ObjectStore(Store):
                 raise
             self.sync_index()
             return super().read_chunk(digest)
-
-    # ---- conditional writes ---------------------------------------------------------------------
-    def _s3_split(self, key: str) -> tuple[str, str]:
-        bucket, _, k = key.partition("/")
-        return bucket, k
-
-    def _is_s3(self) -> bool:
-        return hasattr(self.fs, "call_s3")
-
-    def _put_if_absent(self, key: str, body: bytes) -> None:
-        if self._is_s3() and self.conditional:
-            b, k = self._s3_split(key)
-            self._s3_put(Bucket=b, Key=k, Body=body, IfNoneMatch="*")
-            return
-        if self.fs.exists(key):
-            raise _Precondition(key)
-        self.fs.pipe_file(key, body)
-
-    def _s3_put(self, **kw: Any) -> None:
-        try:
-            self.fs.call_s3("put_object", **kw)
-        except Exception as exc:  # botocore ClientError, or s3fs's translation of it
-            # s3fs turns 412 into OSError(EINVAL, "At least one of the pre-conditions ... did not hold")
-            text = f"{exc!r} {getattr(exc, 'response', '')}".lower()
-            if any(s in text for s in ("precondition", "pre-condition", "conditionalrequestconflict")):
-                raise _Precondition(kw.get("Key")) from exc
-            raise
-
-    def _etag(self, key: str) -> str | None:
-        try:
-            info = self.fs.info(key, refresh=True) if self._is_s3() else self.fs.info(key)
-        except FileNotFoundError:
-            return None
-        return str(info.get("ETag") or info.get("etag") or "")
-
-    @property
-    def conditional(self) -> bool:
-        """Whether the backend honours ``If-None-Match``/``If-Match`` on PUT: probed once per store and
-        recorded in the local cache directory (``conditional.json``), so later runs do not probe again."""
-        if self._conditional is None:
-            with self._doing("probing conditional writes (a PUT under locks/probe-*)"):
-                found = self._probe_conditional()
-            self._conditional = found
-            with contextlib.suppress(OSError):
-                tmp = os.path.join(self.cache_dir, f"conditional.json.{secrets.token_hex(6)}")
-                with open(tmp, "w") as f:
-                    json.dump({"conditional": found, "probed": time.time()}, f)
-                os.replace(tmp, os.path.join(self.cache_dir, "conditional.json"))
-        return self._conditional
-
-    def _cached_probe(self) -> bool | None:
-        """The probe result recorded in the cache directory, or None."""
-        try:
-            with open(os.path.join(self.cache_dir, "conditional.json"), "rb") as f:
-                v = json.loads(f.read()).get("conditional")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return v if isinstance(v, bool) else None
-
-    def _probe_conditional(self) -> bool:
-        """Create-if-absent twice and If-Match with a wrong ETag: both refused means honoured. An error
-        other than a refused precondition propagates (and nothing is recorded)."""
-        if not self._is_s3():
-            return False
-        b, k = self._s3_split(f"{self.root}/locks/probe-{secrets.token_hex(8)}")
-        try:
-            self.fs.call_s3("put_object", Bucket=b, Key=k, Body=b"1", IfNoneMatch="*")
-            try:
-                self._s3_put(Bucket=b, Key=k, Body=b"2", IfNoneMatch="*")
-                return False  # accepted twice: the header is ignored
-            except _Precondition:
-                pass
-            try:
-                self._s3_put(Bucket=b, Key=k, Body=b"3", IfMatch='"0123456789abcdef0123456789abcdef"')
-                return False
-            except _Precondition:
-                return True
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.call_s3("delete_object", Bucket=b, Key=k)
-
-    @contextlib.contextmanager
-    def _ref_lease(self) -> Any:
-        """The lease object ``locks/refs`` (module docstring), for backends without conditional writes."""
-        key = f"{self.root}/locks/refs"
-        end = time.monotonic() + 2 * LEASE_TTL_OBJ
-        me = f"{self.owner}:{secrets.token_hex(4)}"
-        while True:
-            try:
-                cur = json.loads(self.fs.cat_file(key))
-            except FileNotFoundError:
-                cur = None
-            except ValueError:
-                cur = {"expires": 0}
-            if cur is None or cur.get("expires", 0) < time.time():
-                self.fs.pipe_file(key, json.dumps({"owner": me, "expires": time.time() + LEASE_TTL_OBJ}).encode())
-                time.sleep(LEASE_SETTLE)
-                with contextlib.suppress(FileNotFoundError, ValueError):
-                    if json.loads(self.fs.cat_file(key)).get("owner") == me:
-                        break
-            if time.monotonic() > end:
-                raise RefConflictError(f"{self.url}: the ref lease {key} stays held by {cur and cur.get('owner')}")
-            time.sleep(0.05 + secrets.randbelow(100) / 1000)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                if json.loads(self.fs.cat_file(key)).get("owner") == me:
-                    self.fs.rm_file(key)
-
-    def _update_ref(self, name: str, fn: Any, create_only: bool = False) -> dict[str, Any] | None:
-        """Read ref object ``name``, compute ``fn(old or None)`` (a dict, or None for no change) and write it
-        so that no concurrent update is lost; returns what was written."""
-        key = f"{self.root}/refs/{name}"
-        if not self.conditional:
-            with self._ref_lease():
-                old = self._ref_obj(name)
-                new = fn(old)
-                if new is not None:
-                    self.fs.pipe_file(key, json.dumps(new).encode())
-                return new
-        b, k = self._s3_split(key)
-        for _ in range(20):
-            etag = self._etag(key)
-            if etag is not None and create_only:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)")
-            old = self._ref_obj(name) if etag is not None else None
-            if etag is not None and old is None:
-                time.sleep(0.02)  # removed between the two reads, or not yet readable where it was written
-                continue
-            new = fn(old)
-            if new is None:
-                return None
-            body = json.dumps(new).encode()
-            try:
-                if etag is None:
-                    self._s3_put(Bucket=b, Key=k, Body=body, IfNoneMatch="*")
-                else:
-                    self._s3_put(Bucket=b, Key=k, Body=body, IfMatch=etag)
-                return new
-            except _Precondition:
-                if create_only:
-                    raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)") from None
-                time.sleep(0.01 + secrets.randbelow(50) / 1000)
-        raise RefConflictError(f"ref {name!r} in {self.url} changed under 20 updates in a row")
 
     # ---- refs as objects ----------------------------------------------------------------------
     def _ref_obj(self, name: str) -> dict[str, Any] | None:
