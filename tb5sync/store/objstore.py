@@ -38,6 +38,11 @@ each reply, with its standard backoff (at most 1 + 2 s) between them, and s3fs d
 top; a request with no answer fails after about ``timeout + 3`` s as :class:`ObjectStoreError`,
 naming the store URL and the step. Lock objects a failed or killed writer leaves (``writer-*``,
 ``probe-*``, ``gc-*``) expire after ``LEASE_TTL_OBJ`` s and are removed by the next gc.
+
+This module holds :class:`ObjectStore` (config, index copy, refs as objects) and :func:`open_store`; the
+conditional writes are in :mod:`~tb5sync.store.condwrite`, the lock objects and gc in
+:mod:`~tb5sync.store.objlocks`, the packs in :mod:`~tb5sync.store.objpacks`, the errors in
+:mod:`~tb5sync.store.objerrors`.
 """
 
 from __future__ import annotations
