@@ -538,13 +538,13 @@ def test_gc_reports_the_writer_leases_that_held_it_back(seaweed: Any, url: str, 
 
 def test_gc_removes_expired_lock_objects(seaweed: Any, url: str, tmp_path: Any, monkeypatch: Any) -> None:
     # writer, probe and gc lock objects a killed process left expire after LEASE_TTL_OBJ and gc removes them
-    from tb5sync.store import objstore
+    from tb5sync.store import objlocks
 
     fs = _fs(seaweed)
     with _open(seaweed, url, tmp_path) as st:
         for k in ("writer-aa", "probe-bb", "gc-cc"):
             fs.pipe_file(f"{url[5:]}/locks/{k}", b"{}")
-        monkeypatch.setattr(objstore, "LEASE_TTL_OBJ", 1.0)
+        monkeypatch.setattr(objlocks, "LEASE_TTL_OBJ", 1.0)
         time.sleep(2.2)  # LastModified has one-second resolution
         res = st.gc(grace=0)
         assert res["locks_removed"] == 3 and res["deferred"] == 0

@@ -38,166 +38,59 @@ each reply, with its standard backoff (at most 1 + 2 s) between them, and s3fs d
 top; a request with no answer fails after about ``timeout + 3`` s as :class:`ObjectStoreError`,
 naming the store URL and the step. Lock objects a failed or killed writer leaves (``writer-*``,
 ``probe-*``, ``gc-*``) expire after ``LEASE_TTL_OBJ`` s and are removed by the next gc.
+
+This module holds :class:`ObjectStore` (config, index copy, refs as objects) and :func:`open_store`; the
+conditional writes are in :mod:`~tb5sync.store.condwrite`, the lock objects and gc in
+:mod:`~tb5sync.store.objlocks`, the packs in :mod:`~tb5sync.store.objpacks`, the errors in
+:mod:`~tb5sync.store.objerrors`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 
-from tb5sync.errors import DestinationError, IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
+from tb5sync.errors import IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
 from tb5sync.engine.hashing import ChunkRef
+from tb5sync.store.condwrite import ConditionalWrites, _Precondition
 from tb5sync.store.manifest import Item
-from tb5sync.store.packs import FsspecPackStorage, iter_frames
+from tb5sync.store.objerrors import REQUEST_ATTEMPTS, _clear_errors, _name_store, describe_error
+from tb5sync.store.objlocks import ObjectLease, ObjectLocks
+from tb5sync.store.objpacks import ObjectPackStorage
 from tb5sync.store.store import RefInfo, Store, all_digests, check_ref_name, pinned_error
 from tb5sync.store.writer import Lease
+
+# What moved to condwrite, objerrors, objlocks and objpacks (and what it imported), importable from here as before
+from tb5sync.errors import DestinationError  # noqa: F401
+from tb5sync.store.condwrite import LEASE_SETTLE, LEASE_TTL_OBJ, RefConflictError  # noqa: F401
+from tb5sync.store.objerrors import (  # noqa: F401
+    _AUTH, _AUTH_WORDS, _BUCKET, _BUCKET_WORDS, _CONNECT, _CONNECT_WORDS, _F, _PATH_TOKEN, _TIMEOUT, _TIMEOUT_WORDS,
+    ObjectStoreError, _nesting, _words)
+from tb5sync.store.objlocks import GC_GRACE, GC_WAIT  # noqa: F401
+from tb5sync.store.objpacks import READ_TRIES, _mtime  # noqa: F401
+from tb5sync.store.packs import FsspecPackStorage, iter_frames  # noqa: F401
 
 __all__ = ["ObjectStore", "ObjectLease", "open_store", "is_object_url", "RefConflictError", "ObjectStoreError",
            "LEASE_TTL_OBJ", "REQUEST_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
-#: A lease object (ref lease or writer lease) not renewed for this long is dead, seconds.
-LEASE_TTL_OBJ = 60.0
-#: Seconds a writer waits between writing the ref lease object and reading it back.
-LEASE_SETTLE = 0.2
-#: Tries of one ranged pack read before its error is raised.
-READ_TRIES = 4
-#: Default grace period of gc on an object store: packs indexed more recently are never deleted, seconds.
-GC_GRACE = 3600.0
 #: Default bound of one request to the object store with its retries, seconds (module docstring).
 REQUEST_TIMEOUT = 60.0
-#: Attempts botocore makes of one request.
-REQUEST_ATTEMPTS = 3
 #: Seconds :meth:`ObjectStore.close` waits for a last-use record still being written.
 TOUCH_WAIT = 2.0
 #: A use of a ref within this many seconds of the recorded one is not written again.
 TOUCH_EVERY = 60.0
-#: Most seconds a ref commit waits for a running gc (its ``locks/gc-*`` object) to finish.
-GC_WAIT = 600.0
-
-
-class RefConflictError(Tb5syncError, RuntimeError):
-    """A ref changed under a compare-and-swap too many times in a row (another writer keeps winning)."""
-
-
-class ObjectStoreError(Tb5syncError, OSError):
-    """The object store failed a request (unreachable, timed out, refused a write); names the store URL,
-    what was being done and the backend's own message. Nothing half-written is referenced."""
-
-    exit_code = 11
-
-
-class _Precondition(Exception):
-    pass
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-_AUTH_WORDS = ("forbidden", "accessdenied", "access denied", "invalidaccesskeyid", "signaturedoesnotmatch",
-               "invalidtoken", "expiredtoken", "403", "unauthorized", "nocredentials", "unable to locate credentials")
-_TIMEOUT_WORDS = ("timeout", "timed out")
-_CONNECT_WORDS = ("could not connect", "connection refused", "cannot connect", "endpointconnectionerror",
-                  "name or service not known", "nodename nor servname")
-_BUCKET_WORDS = ("nosuchbucket", "invalidbucketname", "bucket is not valid", "bucket does not exist")
-
-
-def _words(*words: str) -> re.Pattern[str]:
-    """One pattern matching any of ``words`` inside the text (``timeout`` in ``readtimeouterror``),
-    a number only as a whole word (the status ``403``, not the ``403`` of a digest's ``ab4035``)."""
-    return re.compile("|".join(rf"\b{w}\b" if w.isdigit() else re.escape(w) for w in words))
-
-
-_AUTH, _TIMEOUT, _CONNECT, _BUCKET = (_words(*w) for w in (_AUTH_WORDS, _TIMEOUT_WORDS, _CONNECT_WORDS, _BUCKET_WORDS))
-#: A token with a ``/`` in it (an endpoint URL, an object key): its words are names, not the error's.
-_PATH_TOKEN = re.compile(r"\S*/\S*")
-
-
-def describe_error(store: Any, what: str, exc: BaseException) -> ObjectStoreError:
-    """An :class:`ObjectStoreError` for ``exc`` raised by the object store's client during ``what``:
-    ``"<url>: <what> failed [while <step>]: <type>: <message>[; <hint>]"``. The step is the innermost
-    :meth:`ObjectStore._doing` the error passed through; the hint says what to check for a refused
-    login (credentials, endpoint), an unreachable endpoint, or a timeout (``--timeout``)."""
-    url = getattr(store, "url", None) or getattr(store, "root", "?")
-    step = getattr(exc, "_tb5_step", None)
-    text = f"{type(exc).__name__}: {exc}".strip()
-    low = f"{text} {getattr(exc, 'response', '')}".lower()
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None:
-        low += f" {type(cause).__name__} {cause}".lower()
-    low = _PATH_TOKEN.sub(" ", low)  # object keys hold hex digests ("...ab4035..."), URLs hold ports
-    if isinstance(exc, PermissionError) or _AUTH.search(low):
-        hint = ("the object store refused these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or --storage-option key=... --storage-option secret=...) and that the endpoint "
-                "(AWS_ENDPOINT_URL, or --storage-option endpoint_url=...) is the store's")
-    elif _BUCKET.search(low):
-        hint = "check the bucket in the store URL (s3://BUCKET/PREFIX): it must exist and be a valid name"
-    elif _TIMEOUT.search(low):
-        t = getattr(store, "timeout", None)
-        hint = (f"no answer within the request timeout ({t:g} s, {REQUEST_ATTEMPTS} attempts; --timeout S)"
-                if t else "no answer in time")
-    elif _CONNECT.search(low) or isinstance(exc, ConnectionError):
-        hint = "cannot reach the object store: check the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)"
-    else:
-        hint = ""
-    msg = f"{url}: {what} failed" + (f" while {step}" if step and step != what else "") + f": {text}"
-    return ObjectStoreError(msg + (f"; {hint}" if hint else ""))
-
-
-def _name_store(store: Any, exc: Tb5syncError) -> None:
-    """Make a store error name the store URL (once)."""
-    url = getattr(store, "url", None)
-    if url and exc.args and isinstance(exc.args[0], str) and url not in exc.args[0]:
-        exc.args = (f"{url}: {exc.args[0]}", *exc.args[1:])
-
-
-_nesting = threading.local()
-
-
-def _clear_errors(what: str) -> Callable[[_F], _F]:
-    """Errors of the object store's client (botocore, aiohttp, OSError) leave the outermost wrapped call as
-    :class:`ObjectStoreError` (see :func:`describe_error`: that call's ``what``, the innermost step);
-    tb5sync's own errors (but a local destination's) are made to name the store URL."""
-
-    def deco(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
-            depth = getattr(_nesting, "depth", 0)
-            _nesting.depth = depth + 1
-            try:
-                return fn(self, *args, **kw)
-            except (DestinationError, KeyboardInterrupt):
-                raise
-            except Tb5syncError as exc:
-                _name_store(self, exc)
-                raise
-            except FileNotFoundError:
-                raise
-            except Exception as exc:
-                if getattr(exc, "_tb5_step", None) is None:
-                    with contextlib.suppress(AttributeError, TypeError):
-                        exc._tb5_step = what  # type: ignore[attr-defined]
-                if depth:
-                    raise  # an outer call names the operation
-                raise describe_error(self, what, exc) from exc
-            finally:
-                _nesting.depth = depth
-
-        return wrapper  # type: ignore[return-value]
-
-    return deco
 
 
 def is_object_url(s: str | os.PathLike[str] | None) -> bool:
@@ -233,64 +126,7 @@ def open_store(url: str | os.PathLike[str] | None = None, storage_options: dict[
     return Store(path, **kw)
 
 
-class ObjectPackStorage(FsspecPackStorage):
-    """Packs on an fsspec filesystem, each followed by its index object ``INDEX/<id>`` (see the module docstring)."""
-
-    def __init__(self, fs: object, root: str, index_root: str, url: str = "", timeout: float | None = None) -> None:
-        super().__init__(fs, root)
-        self.index_root = index_root
-        self.url = url  # the store's URL, for errors
-        self.timeout = timeout
-
-    @_clear_errors("writing a pack")
-    def put_file(self, name: str, path: str) -> int:
-        with open(path, "rb") as f:
-            data = f.read()
-        rows = [[d, off, n] for d, off, n in iter_frames(data, name)]
-        size = super().put_file(name, path)  # whole PUT; raises on a failed upload and references nothing
-        self.put_index(name, size, time.time(), rows)
-        return size
-
-    def put_index(self, name: str, size: int, created: float, rows: Sequence[Sequence[Any]]) -> None:
-        """Write the index object of pack ``name`` (``rows``: ``[digest, offset, length]`` per frame)."""
-        idx = msgpack.packb({"v": 1, "size": size, "created": created, "chunks": [list(r) for r in rows]})
-        try:
-            self.fs.pipe_file(f"{self.index_root}/{name}", idx)
-        except Exception as exc:
-            exc._tb5_step = f"writing the index object of pack {name}"  # type: ignore[attr-defined]
-            raise
-
-    def get_range(self, name: str, offset: int, length: int) -> bytes:
-        """As :meth:`FsspecPackStorage.get_range`, a failed read tried again ``READ_TRIES`` times in all
-        (0.2, 0.4, 0.8 s apart): a replica's server going away mid-read costs a retry, not the read.
-        A timeout is not tried again (the client's attempts are spent: the read stays within the request bound)."""
-        for attempt in range(READ_TRIES):
-            try:
-                return super().get_range(name, offset, length)
-            except (FileNotFoundError, IntegrityError):
-                raise
-            except Exception as exc:
-                if attempt == READ_TRIES - 1 or _TIMEOUT.search(str(exc).lower()):
-                    raise  # a timeout has had its attempts already (the request bound): not again
-                time.sleep(0.2 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(f"{self.index_root}/{name}")
-        super().delete(name)
-
-    def list(self) -> dict[str, tuple[int, float]]:
-        """As :meth:`FsspecPackStorage.list`, with each pack's modification time (seconds) where the listing has it."""
-        with contextlib.suppress(AttributeError, TypeError):
-            self.fs.invalidate_cache(self.root)
-        return super().list()
-
-    def _listed_mtime(self, info: dict[str, Any]) -> float:
-        return _mtime(info)
-
-
-class ObjectStore(Store):
+class ObjectStore(ObjectLocks, ConditionalWrites, Store):
     """The artifact store with its packs, index objects and refs on an fsspec URL (module docstring).
 
     Parameters
@@ -510,151 +346,6 @@ class ObjectStore(Store):
             self.sync_index()
             return super().read_chunk(digest)
 
-    # ---- conditional writes ---------------------------------------------------------------------
-    def _s3_split(self, key: str) -> tuple[str, str]:
-        bucket, _, k = key.partition("/")
-        return bucket, k
-
-    def _is_s3(self) -> bool:
-        return hasattr(self.fs, "call_s3")
-
-    def _put_if_absent(self, key: str, body: bytes) -> None:
-        if self._is_s3() and self.conditional:
-            b, k = self._s3_split(key)
-            self._s3_put(Bucket=b, Key=k, Body=body, IfNoneMatch="*")
-            return
-        if self.fs.exists(key):
-            raise _Precondition(key)
-        self.fs.pipe_file(key, body)
-
-    def _s3_put(self, **kw: Any) -> None:
-        try:
-            self.fs.call_s3("put_object", **kw)
-        except Exception as exc:  # botocore ClientError, or s3fs's translation of it
-            # s3fs turns 412 into OSError(EINVAL, "At least one of the pre-conditions ... did not hold")
-            text = f"{exc!r} {getattr(exc, 'response', '')}".lower()
-            if any(s in text for s in ("precondition", "pre-condition", "conditionalrequestconflict")):
-                raise _Precondition(kw.get("Key")) from exc
-            raise
-
-    def _etag(self, key: str) -> str | None:
-        try:
-            info = self.fs.info(key, refresh=True) if self._is_s3() else self.fs.info(key)
-        except FileNotFoundError:
-            return None
-        return str(info.get("ETag") or info.get("etag") or "")
-
-    @property
-    def conditional(self) -> bool:
-        """Whether the backend honours ``If-None-Match``/``If-Match`` on PUT: probed once per store and
-        recorded in the local cache directory (``conditional.json``), so later runs do not probe again."""
-        if self._conditional is None:
-            with self._doing("probing conditional writes (a PUT under locks/probe-*)"):
-                found = self._probe_conditional()
-            self._conditional = found
-            with contextlib.suppress(OSError):
-                tmp = os.path.join(self.cache_dir, f"conditional.json.{secrets.token_hex(6)}")
-                with open(tmp, "w") as f:
-                    json.dump({"conditional": found, "probed": time.time()}, f)
-                os.replace(tmp, os.path.join(self.cache_dir, "conditional.json"))
-        return self._conditional
-
-    def _cached_probe(self) -> bool | None:
-        """The probe result recorded in the cache directory, or None."""
-        try:
-            with open(os.path.join(self.cache_dir, "conditional.json"), "rb") as f:
-                v = json.loads(f.read()).get("conditional")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return v if isinstance(v, bool) else None
-
-    def _probe_conditional(self) -> bool:
-        """Create-if-absent twice and If-Match with a wrong ETag: both refused means honoured. An error
-        other than a refused precondition propagates (and nothing is recorded)."""
-        if not self._is_s3():
-            return False
-        b, k = self._s3_split(f"{self.root}/locks/probe-{secrets.token_hex(8)}")
-        try:
-            self.fs.call_s3("put_object", Bucket=b, Key=k, Body=b"1", IfNoneMatch="*")
-            try:
-                self._s3_put(Bucket=b, Key=k, Body=b"2", IfNoneMatch="*")
-                return False  # accepted twice: the header is ignored
-            except _Precondition:
-                pass
-            try:
-                self._s3_put(Bucket=b, Key=k, Body=b"3", IfMatch='"0123456789abcdef0123456789abcdef"')
-                return False
-            except _Precondition:
-                return True
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.call_s3("delete_object", Bucket=b, Key=k)
-
-    @contextlib.contextmanager
-    def _ref_lease(self) -> Any:
-        """The lease object ``locks/refs`` (module docstring), for backends without conditional writes."""
-        key = f"{self.root}/locks/refs"
-        end = time.monotonic() + 2 * LEASE_TTL_OBJ
-        me = f"{self.owner}:{secrets.token_hex(4)}"
-        while True:
-            try:
-                cur = json.loads(self.fs.cat_file(key))
-            except FileNotFoundError:
-                cur = None
-            except ValueError:
-                cur = {"expires": 0}
-            if cur is None or cur.get("expires", 0) < time.time():
-                self.fs.pipe_file(key, json.dumps({"owner": me, "expires": time.time() + LEASE_TTL_OBJ}).encode())
-                time.sleep(LEASE_SETTLE)
-                with contextlib.suppress(FileNotFoundError, ValueError):
-                    if json.loads(self.fs.cat_file(key)).get("owner") == me:
-                        break
-            if time.monotonic() > end:
-                raise RefConflictError(f"{self.url}: the ref lease {key} stays held by {cur and cur.get('owner')}")
-            time.sleep(0.05 + secrets.randbelow(100) / 1000)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                if json.loads(self.fs.cat_file(key)).get("owner") == me:
-                    self.fs.rm_file(key)
-
-    def _update_ref(self, name: str, fn: Any, create_only: bool = False) -> dict[str, Any] | None:
-        """Read ref object ``name``, compute ``fn(old or None)`` (a dict, or None for no change) and write it
-        so that no concurrent update is lost; returns what was written."""
-        key = f"{self.root}/refs/{name}"
-        if not self.conditional:
-            with self._ref_lease():
-                old = self._ref_obj(name)
-                new = fn(old)
-                if new is not None:
-                    self.fs.pipe_file(key, json.dumps(new).encode())
-                return new
-        b, k = self._s3_split(key)
-        for _ in range(20):
-            etag = self._etag(key)
-            if etag is not None and create_only:
-                raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)")
-            old = self._ref_obj(name) if etag is not None else None
-            if etag is not None and old is None:
-                time.sleep(0.02)  # removed between the two reads, or not yet readable where it was written
-                continue
-            new = fn(old)
-            if new is None:
-                return None
-            body = json.dumps(new).encode()
-            try:
-                if etag is None:
-                    self._s3_put(Bucket=b, Key=k, Body=body, IfNoneMatch="*")
-                else:
-                    self._s3_put(Bucket=b, Key=k, Body=body, IfMatch=etag)
-                return new
-            except _Precondition:
-                if create_only:
-                    raise RefExistsError(f"ref {name!r} already exists in store {self.url} (--force replaces it)") from None
-                time.sleep(0.01 + secrets.randbelow(50) / 1000)
-        raise RefConflictError(f"ref {name!r} in {self.url} changed under 20 updates in a row")
-
     # ---- refs as objects ----------------------------------------------------------------------
     def _ref_obj(self, name: str) -> dict[str, Any] | None:
         try:
@@ -847,158 +538,6 @@ class ObjectStore(Store):
         s["dedup_ratio"] = round(s["logical_bytes"] / s["unique_bytes"], 3) if s["unique_bytes"] else 1.0
         return s
 
-    @_clear_errors("gc")
-    def gc(self, repack_below: float = 0.5, grace: float = GC_GRACE) -> dict[str, Any]:
-        """Delete packs no ref reaches (module docstring); ``repack_below`` is ignored here.
-
-        gc holds ``locks/gc-<id>`` while it runs (ref commits wait for it before checking their packs).
-        It does nothing while a writer lease object younger than ``LEASE_TTL_OBJ`` exists (checked before
-        and after marking); after the second check it marks again from every ref written meanwhile (their
-        writers were done before that check), so a ref committed during the mark keeps its chunks. Lock
-        objects (``writer-*``, ``probe-*``, ``gc-*``) older than ``LEASE_TTL_OBJ`` are removed.
-
-        Returns ``{"chunks_deleted", "packs_deleted", "packs_repacked" (0), "orphans", "bytes_freed" (bytes),
-        "locks_removed", "deferred" (1 when a live writer lease stopped the sweep), "blocked_by"}``;
-        ``blocked_by`` lists the writer leases that stopped it: ``{"lease", "owner", "since", "expires"}``
-        (seconds since the epoch).
-        """
-        res: dict[str, Any] = {"chunks_deleted": 0, "packs_deleted": 0, "packs_repacked": 0, "orphans": 0,
-                               "bytes_freed": 0, "locks_removed": 0, "deferred": 0, "blocked_by": []}
-        gc_key = f"{self.root}/locks/gc-{secrets.token_hex(8)}"
-        with self._doing("writing the gc lock object"):
-            self._write_lock(gc_key)
-        try:
-            with self._doing("listing the lock objects"):
-                res["locks_removed"] = self._remove_stale_locks(keep=gc_key)
-                blockers = self._writers()
-            if blockers:
-                res.update(deferred=1, blocked_by=blockers)
-                return res
-            self.sync_index()
-            marked: set[bytes] = set()
-            seen: dict[str, bytes] = {}
-            for info in self.refs():
-                seen[info.name] = info.manifest
-                marked.update(d for d, _ in info.mchunks)
-                marked |= all_digests(self.manifest(info, touch=False))
-            if self._hook_marked is not None:
-                self._hook_marked()
-            blockers = self._writers()
-            if blockers:  # a writer began while we marked: its chunks may be in the dead packs
-                res.update(deferred=1, blocked_by=blockers)
-                return res
-            # a writer that committed while we marked is done (its lease object gone): mark what its ref reaches
-            for info in self.refs():
-                if seen.get(info.name) != info.manifest:
-                    marked.update(d for d, _ in info.mchunks)
-                    marked |= all_digests(self.manifest(info, touch=False))
-            now = time.time()
-            by_pack: dict[str, list[bytes]] = {}
-            for d, p in self._q("SELECT digest, pack FROM chunks"):
-                by_pack.setdefault(p, []).append(bytes(d))
-            created = {p: (c, s) for p, s, c in self._q("SELECT id, size, created FROM packs")}
-            dead = [p for p, ds in by_pack.items() if not any(d in marked for d in ds)
-                    and now - created.get(p, (now, 0))[0] >= grace]
-            renewed = time.monotonic()
-            for p in dead:
-                if time.monotonic() - renewed > LEASE_TTL_OBJ / 3:
-                    self._write_lock(gc_key)
-                    renewed = time.monotonic()
-                with self._doing(f"deleting pack {p}"):
-                    self.packs.delete(p)
-                with self._tx() as db:
-                    res["chunks_deleted"] += db.execute("DELETE FROM chunks WHERE pack=?", (p,)).rowcount
-                    db.execute("DELETE FROM packs WHERE id=?", (p,))
-                res["packs_deleted"] += 1
-                res["bytes_freed"] += created.get(p, (0, 0))[1]
-            # packs without an index object (a writer stopped between the two PUTs), older than the grace
-            indexed = {r[0] for r in self._q("SELECT id FROM packs")}
-            for name, (size, mtime) in self.packs.list().items():
-                if name in indexed or self.fs.exists(f"{self.root}/index/{name}"):
-                    continue
-                if mtime == 0.0 and grace > 0:
-                    continue  # no modification time known: leave it
-                if now - mtime >= grace:
-                    with self._doing(f"deleting orphan pack {name}"):
-                        self.packs.delete(name)
-                    res["orphans"] += 1
-                    res["bytes_freed"] += size
-            return res
-        finally:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(gc_key)
-
-    #: Called (tests) between gc's mark and its second look at the writer leases.
-    _hook_marked: Callable[[], None] | None = None
-
-    def _write_lock(self, key: str, started: float | None = None) -> None:
-        body = {"owner": self.owner, "at": time.time(), "started": started or time.time()}
-        self.fs.pipe_file(key, json.dumps(body).encode())
-
-    def _locks(self, kind: str) -> list[dict[str, Any]]:
-        """Lock objects ``locks/<kind>-*``: ``{"key", "lease", "owner", "since", "modified", "expires", "live"}``."""
-        try:
-            found = self._find(f"{self.root}/locks", detail=True)
-        except FileNotFoundError:
-            return []
-        now = time.time()
-        out = []
-        for key, info in found.items():
-            base = key.rsplit("/", 1)[-1]
-            if not base.startswith(kind + "-"):
-                continue
-            mt = _mtime(info) or now
-            entry = {"key": key, "lease": base, "owner": None, "since": None, "modified": mt,
-                     "expires": mt + LEASE_TTL_OBJ, "live": now - mt < LEASE_TTL_OBJ}
-            out.append(entry)
-        return out
-
-    def _writers(self) -> list[dict[str, Any]]:
-        """The live writer leases (``locks/writer-*`` younger than ``LEASE_TTL_OBJ``), with owner and start."""
-        out = []
-        for e in self._locks("writer"):
-            if not e["live"]:
-                continue
-            with contextlib.suppress(Exception):
-                body = json.loads(self.fs.cat_file(e["key"]))
-                e["owner"], e["since"] = body.get("owner"), body.get("started", body.get("at"))
-            out.append({k: e[k] for k in ("lease", "owner", "since", "expires")})
-        return out
-
-    def _live_writers(self) -> bool:
-        return bool(self._writers())
-
-    def _remove_stale_locks(self, keep: str = "") -> int:
-        """Remove lock objects (writer, probe, gc; not ``keep``) not renewed for ``LEASE_TTL_OBJ`` s; how many."""
-        n = 0
-        for kind in ("writer", "probe", "gc"):
-            for e in self._locks(kind):
-                if not e["live"] and e["key"].rstrip("/") != keep:
-                    with contextlib.suppress(FileNotFoundError):
-                        self.fs.rm_file(e["key"])
-                        n += 1
-        return n
-
-    def _wait_for_gc(self) -> bool:
-        """Wait (at most ``GC_WAIT`` s) until no live ``locks/gc-*`` object exists; whether it had to wait.
-
-        Raises
-        ------
-        ObjectStoreError
-            A gc is still running after ``GC_WAIT`` s.
-        """
-        end = time.monotonic() + GC_WAIT
-        waited = False
-        while True:
-            live = [e for e in self._locks("gc") if e["live"]]
-            if not live:
-                return waited
-            waited = True
-            if time.monotonic() > end:
-                raise ObjectStoreError(f"{self.url}: a gc ({live[0]['lease']}) has held the store for more than "
-                                       f"{GC_WAIT:g} s; the ref was not written")
-            time.sleep(0.2)
-
     @_clear_errors("verify")
     def verify(self) -> dict[str, Any]:
         """As :meth:`Store.verify` (:func:`tb5sync.store.gc.verify`): every pack read whole once, every
@@ -1023,58 +562,6 @@ class ObjectStore(Store):
         with self._doing(f"listing {self.root}/index"):
             self.sync_index()
         return reindex(self)
-
-
-class ObjectLease(Lease):
-    """A :class:`~tb5sync.store.writer.Lease` in the local index plus a writer lease object
-    ``locks/writer-<id>`` (JSON ``{"owner", "at", "started"}``) in the store, rewritten at least every
-    ``LEASE_TTL_OBJ / 3`` seconds while the writer protects chunks and before its ref commit, removed on
-    release (if that removal fails, the object expires after ``LEASE_TTL_OBJ`` s and gc removes it);
-    gc sweeps nothing while a young one exists.
-
-    Raises
-    ------
-    ObjectStoreError
-        The lease object cannot be written (the local lease row is dropped again).
-    """
-
-    def __init__(self, store: ObjectStore, lease_id: str | None = None) -> None:
-        super().__init__(store, lease_id)
-        self.obj_store = store
-        self.key = f"{store.root}/locks/writer-{self.id}"
-        self._written = 0.0
-        self.started = time.time()
-        try:
-            self._renew()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                super().release()
-            raise
-
-    def _renew(self) -> None:
-        with self.obj_store._doing(f"writing the writer lease object {self.key}"):
-            self.obj_store._write_lock(self.key, self.started)
-        self._written = time.monotonic()
-
-    def protect(self, digests: Sequence[bytes]) -> list[bool]:
-        if time.monotonic() - self._written > LEASE_TTL_OBJ / 3:
-            self._renew()
-        return super().protect(digests)
-
-    def release(self) -> None:
-        try:
-            super().release()
-        finally:
-            with contextlib.suppress(Exception):
-                self.obj_store.fs.rm_file(self.key)
-
-
-def _mtime(info: dict[str, Any]) -> float:
-    """Modification time (s since epoch) of a listed object, 0.0 when the listing has none."""
-    mt = info.get("LastModified") or info.get("mtime") or info.get("created")
-    if mt is None:
-        return 0.0
-    return mt.timestamp() if hasattr(mt, "timestamp") else float(mt)
 
 
 def _info(obj: dict[str, Any]) -> RefInfo:
