@@ -37,6 +37,7 @@ from typing import Any
 from tb5sync._os.diskbench import remove_stale
 from tb5sync._os.paths import STATE_DIR, Jail, follow_slash, resolve_in_root
 from tb5sync.daemon.admission import AuthLimiter, Janitor, is_loopback, peer_key
+from tb5sync.daemon.benchops import SOURCE_BLOCK as _SOURCE_BLOCK, Ping as _Ping, disk, ping, sink, source
 from tb5sync.errors import (
     shown,
     ArgumentTypeError,
@@ -78,18 +79,10 @@ log = logging.getLogger(__name__)
 FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
 
 _JOIN_TIMEOUT = 30.0
-_SOURCE_BLOCK = 4 * 1024 * 1024
 #: accept() errors that mean "out of descriptors or memory": wait, do not spin.
 _ACCEPT_BACKOFF_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 1.0
-
-class _Ping:
-    """Handler for the link test's round trips."""
-
-    def ping(self) -> dict[str, Any]:
-        return {}
-
 
 class _Session:
     def __init__(self, op: str, streams: int) -> None:
@@ -706,17 +699,17 @@ class Server:
             self._serve_store(ch)
             return False
         if op == "ping":
-            ch.send_control(FrameType.RESPONSE, 0, {})
-            serve(ch, _Ping(), PING_METHODS)
+            ping(ch)
             return False
         if op == "source":
-            self._source(ch, msg.get("bytes"))
+            source(ch, msg.get("bytes"))
             return False
         if op == "sink":
-            self._sink(ch, msg.get("bytes"))
+            sink(ch, msg.get("bytes"))
             return False
         if op == "disk":
-            self._disk(ch, msg.get("bytes"))
+            disk(ch, msg.get("bytes"), read_only=self.read_only, lock=self._disk_lock, state_dir=self.state.state_dir,
+                 root=self.root, stopping=self._stopping)
             return False
         options = SyncOptions.from_wire(msg.get("options", {}))
         streams = msg.get("streams", 1)
@@ -832,63 +825,6 @@ class Server:
             self._serve_sender(ch, s)
             return False
         return True  # push: the session's receiver owns this channel now
-
-    def _source(self, ch: Channel, nbytes: object) -> None:
-        """Link test: send ``nbytes`` of zeros in DATA frames (no disk, no hashing), then BYE."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
-            raise UsageError(f"source bytes must be 0..{BENCH_MAX_BYTES}")
-        ch.send_control(FrameType.RESPONSE, 0, {})
-        block = bytes(_SOURCE_BLOCK)
-        while nbytes > 0:
-            n = min(nbytes, _SOURCE_BLOCK)
-            ch.send_data(0, {}, [memoryview(block)[:n]])
-            nbytes -= n
-        ch.send_control(FrameType.BYE, 0, {})
-
-    def _sink(self, ch: Channel, nbytes: object) -> None:
-        """Link test, client to server: read DATA frames carrying ``nbytes`` (their bodies, after
-        the meta map) and drop them (no disk, no hashing); answer ``{"bytes": received}``. A frame other than DATA, or more bytes than
-        announced, is a protocol error."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
-            raise UsageError(f"sink bytes must be 0..{BENCH_MAX_BYTES}")
-        ch.send_control(FrameType.RESPONSE, 0, {})
-        got = 0
-        while got < nbytes:
-            fr = ch.recv_frame()
-            if fr is None:
-                raise ConnectError(f"sink: the client closed after {got} of {nbytes} bytes")
-            header, payload = fr
-            if header.type is not FrameType.DATA:
-                raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
-            got += len(P.decode_data(payload, ch.max_decoded)[1])
-        if got != nbytes:
-            raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
-        ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
-
-    def _disk(self, ch: Channel, nbytes: object) -> None:
-        """Disk test (``tb5sync bench``): write, read back cold and remove a temporary file of
-        ``nbytes`` in the state directory (:func:`tb5sync._os.diskbench.disk_rates`); answer its figures.
-        Refused on a read-only server; one at a time (``BusyError`` for a second)."""
-        from tb5sync._os.diskbench import MIN_SIZE, disk_rates
-
-        if self.read_only:
-            raise ReadOnlyError("server is read-only; its disk test would write a file")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not MIN_SIZE <= nbytes <= BENCH_MAX_DISK:
-            raise UsageError(f"disk test bytes must be {MIN_SIZE}..{BENCH_MAX_DISK}")
-        if not self._disk_lock.acquire(blocking=False):
-            raise BusyError("server busy: another disk test is running; try again later")
-        try:
-            try:
-                try:
-                    os.makedirs(self.state.state_dir, mode=0o700, exist_ok=True)
-                except OSError as exc:
-                    raise DestinationError(f"disk test: cannot create {self.state.state_dir}: {exc.strerror or exc}") from exc
-                res = disk_rates(self.state.state_dir, nbytes, alive=lambda: not (self._stopping.is_set() or ch.peer_closed()))
-            except DestinationError as exc:  # the message would show the state directory's path
-                raise DestinationError(hide_root(str(exc), self.root)) from None
-        finally:
-            self._disk_lock.release()
-        ch.send_control(FrameType.RESPONSE, 0, res)
 
     def _rel(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)
