@@ -38,6 +38,7 @@ from tb5sync._os.diskbench import remove_stale
 from tb5sync._os.paths import STATE_DIR, Jail, follow_slash, resolve_in_root
 from tb5sync.daemon.admission import AuthLimiter, Janitor, is_loopback, peer_key
 from tb5sync.daemon.benchops import SOURCE_BLOCK as _SOURCE_BLOCK, Ping as _Ping, disk, ping, sink, source
+from tb5sync.daemon.services import FS_CAPABILITIES, StoreSessions, serve_fs
 from tb5sync.errors import (
     shown,
     ArgumentTypeError,
@@ -73,10 +74,6 @@ import tb5sync.wire.protocol as P
 __all__ = ["Server"]
 
 log = logging.getLogger(__name__)
-
-#: What an fs session's OPEN reply announces beyond ``read_only``: ``pieces``, the server takes
-#: ``put_open``/``put_piece``/``put_close`` (a client sends a file in pieces only to a server that says so).
-FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
 
 _JOIN_TIMEOUT = 30.0
 #: accept() errors that mean "out of descriptors or memory": wait, do not spin.
@@ -126,7 +123,7 @@ def _check_server_arguments(
         raise bad("state_dir", "a str, os.PathLike or None", state_dir)
 
 
-class Server:
+class Server(StoreSessions):
     """Serve ``root`` over TCP (optionally TLS).
 
     Parameters
@@ -687,13 +684,7 @@ class Server:
             self._ls(ch, path)
             return False
         if op == "fs":
-            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota(), puts=self._puts)
-            try:
-                # "pieces": this server takes put_open/put_piece/put_close (older ones lack the key)
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, **FS_CAPABILITIES})
-                serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
-            finally:
-                ops.close()
+            serve_fs(ch, self.root, self.state, self.read_only, self._pages, self._quota(), self._puts)
             return False
         if op == "store":
             self._serve_store(ch)
@@ -722,84 +713,6 @@ class Server:
             self._push(ch, msg, path, options, streams)
             return False
         raise UsageError(f"unknown session op {shown(op)}")
-
-    def _serve_store(self, ch: Channel) -> None:
-        """A store session: :data:`~tb5sync.wire.messages.STORE_METHODS` answered from ``--store``."""
-        from tb5sync.wire.messages import STORE_METHODS
-        from tb5sync.store import Store
-        from tb5sync.store.ops import StoreOps
-
-        if self.store_path is None:
-            raise UsageError("this server has no artifact store (start it with --store DIR)")
-        # read-only without a tier to fill: the store opened read-only for this session only (so
-        # it sees what a local writer added since), never created (a missing one: "no store yet")
-        session_store = self.read_only and self.upstream is None
-        with self._lock:
-            if session_store:
-                store = Store(self.store_dir(create=False), read_only=True)
-            else:
-                if self._store is None:
-                    self._store = Store(self.store_dir(create=True))
-                store = self._store
-            if self.upstream is not None and self._tier is None:
-                from tb5sync.remote.tiers import Tier
-
-                self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
-        try:
-            if self._tier is not None:
-                from tb5sync.remote.tiers import TieredStoreOps
-
-                ops: StoreOps = TieredStoreOps(store, self.read_only, self._tier)
-            else:
-                ops = StoreOps(store, self.read_only)
-            ops.quota = self._quota()
-            try:
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
-                serve(ch, ops, STORE_METHODS)
-            finally:
-                ops.close()
-        finally:
-            if session_store:
-                store.close()
-
-    def store_dir(self, create: bool) -> str:
-        """The ``--store`` directory, checked (and created, mode 0700, when ``create``); for the
-        store sessions and ``serve --http-cache``.
-
-        Below ROOT each component is looked up without following a symlink and must be a
-        directory this user owns (:func:`~tb5sync.tree.state.check_own_dir`); a store elsewhere
-        (resolved when the server started) must be such a directory too.
-
-        Raises
-        ------
-        PathError
-            A component is a symlink, not a directory or someone else's (the message hides ROOT).
-        UsageError
-            Missing and not ``create`` (a read-only server has no store yet).
-        """
-        assert self.store_path is not None
-        if self._store_parts is None:
-            steps = [self.store_path]
-        else:
-            steps = [os.path.join(self.root, *self._store_parts[: i + 1]) for i in range(len(self._store_parts))]
-        try:
-            for i, path in enumerate(steps):
-                # written in: this user's; only read (read-only) or the admin's own --store DIR: any owner
-                owned = create and self._store_parts is not None
-                if check_own_dir(path, owned=owned):
-                    continue
-                if not create:
-                    raise UsageError("this server's artifact store is empty (a read-only server does not create it)")
-                try:
-                    if i == 0 and self._store_parts is None:
-                        os.makedirs(os.path.dirname(path), exist_ok=True)
-                    os.mkdir(path, 0o700)
-                except FileExistsError:
-                    pass
-                check_own_dir(path, owned=owned)  # made meanwhile by someone else: checked again
-        except PathError as exc:
-            raise PathError(hide_root(exc.path, self.root), str(exc).split(": ", 1)[-1]) from None
-        return self.store_path
 
     def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
         sid = secrets.token_hex(16)
