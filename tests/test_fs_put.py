@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from conftest import start_server, tb5fs, tmp_files, wait_for
 import tb5sync._os.io as _io
-import tb5sync.daemon.server as servermod
+import tb5sync.daemon.services as services_mod
 import tb5sync.wire.messages as messages
 from tb5sync.errors import ConnectError, QuotaError, SourceChangedError, Tb5syncError, UsageError
 from tb5sync.fs.file import MIN_PIECE
@@ -297,9 +297,9 @@ def test_the_ranges_a_put_keeps_are_merged() -> None:
 def test_an_older_server_without_pieces_gets_todays_requests(tmp_path: Path, sources: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that predates pieces neither announces them nor takes DATA requests."""
-    monkeypatch.setattr(servermod, "FS_CAPABILITIES", {})
-    monkeypatch.setattr(servermod, "FS_DATA_METHODS", frozenset())
-    monkeypatch.setattr(servermod, "FS_METHODS", messages.FS_METHODS - {"put_open", "put_piece", "put_close"})
+    monkeypatch.setattr(services_mod, "FS_CAPABILITIES", {})
+    monkeypatch.setattr(services_mod, "FS_DATA_METHODS", frozenset())
+    monkeypatch.setattr(services_mod, "FS_METHODS", messages.FS_METHODS - {"put_open", "put_piece", "put_close"})
     live = start_server(str(tmp_path / "root"))
     fs = tb5fs(live, streams=2, engine_threshold=2 * MIN_PIECE)
     try:

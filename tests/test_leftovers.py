@@ -303,10 +303,10 @@ def test_commit_across_file_systems(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_fs_disk_full_during_a_streamed_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """ENOSPC on the server during a large write (``put_piece``; ``wwrite`` on a server without
     pieces) reaches the fsspec caller as ENOSPC, not as the cleanup's 'no open write'/'no open put'."""
-    import tb5sync.daemon.server as server_mod
+    import tb5sync.daemon.services as services_mod
 
     if how == "streamed":
-        monkeypatch.setattr(server_mod, "FS_CAPABILITIES", {})
+        monkeypatch.setattr(services_mod, "FS_CAPABILITIES", {})
     live = start_server(str(tmp_path / "root"))
     calls = [0]
     name = "write_all" if how == "streamed" else "pwrite_all"

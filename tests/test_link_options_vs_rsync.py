@@ -500,9 +500,9 @@ def test_options_round_trip_the_wire() -> None:
 @pytest.mark.parametrize("route", ["push", "pull"])
 def test_old_server_refused_not_ignored(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     """A server that does not list an option in its OPEN reply (one older than it) makes the client fail, naming it."""
-    import tb5sync.daemon.server as srv
+    import tb5sync.daemon.sessions as sessions_mod
 
-    monkeypatch.setattr(srv, "known_options", lambda: list(BASE_OPTIONS))
+    monkeypatch.setattr(sessions_mod, "known_options", lambda: list(BASE_OPTIONS))
     live = start_server(str(tmp_path / "old"))
     try:
         src = str(tmp_path / "src")

@@ -509,9 +509,9 @@ def test_old_server_refuses_instead_of_ignoring(tmp_path: Any, monkeypatch: Any,
                                               route: str) -> None:
     """A server that does not list an option in its OPEN reply (as one from before these options)
     makes the client fail, naming the option, before anything changes."""
-    import tb5sync.daemon.server as srvmod
+    import tb5sync.daemon.sessions as sessions_mod
 
-    monkeypatch.setattr(srvmod, "known_options", lambda: ["delete", "excludes", "checksum", "dry_run", "compress",
+    monkeypatch.setattr(sessions_mod, "known_options", lambda: ["delete", "excludes", "checksum", "dry_run", "compress",
                                                           "streams", "exclude_root", "fsync"])
     live = start_server(str(tmp_path / "root"))
     try:

@@ -21,7 +21,7 @@ import pytest
 from conftest import start_server
 
 import tb5sync
-import tb5sync.daemon.server as server_mod
+import tb5sync.daemon.sessions as sessions_mod
 from tb5sync.remote.client import ls
 from tb5sync.errors import PathError, Tb5syncError
 from tb5sync.wire.urls import parse_url
@@ -59,7 +59,7 @@ def _secret_under(path: str) -> list[str]:
 
 def _swap_after_resolution(monkeypatch: pytest.MonkeyPatch, xdir: str) -> list[int]:
     """Make the server's path computation swap ``x/a`` for the symlink right after it ran (once)."""
-    real = server_mod.resolve_in_root
+    real = sessions_mod.resolve_in_root
     done = [0]
 
     def hooked(root: str, path: str) -> str:
@@ -69,7 +69,7 @@ def _swap_after_resolution(monkeypatch: pytest.MonkeyPatch, xdir: str) -> list[i
             done[0] += 1
         return full
 
-    monkeypatch.setattr(server_mod, "resolve_in_root", hooked)
+    monkeypatch.setattr(sessions_mod, "resolve_in_root", hooked)
     return done
 
 

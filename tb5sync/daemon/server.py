@@ -22,11 +22,9 @@ the peer); the server itself keeps serving.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
-import secrets
 import socket
 import ssl
 import threading
@@ -35,71 +33,61 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tb5sync._os.diskbench import remove_stale
-from tb5sync._os.paths import STATE_DIR, Jail, follow_slash, resolve_in_root
+from tb5sync._os.paths import STATE_DIR
 from tb5sync.daemon.admission import AuthLimiter, Janitor, is_loopback, peer_key
+from tb5sync.daemon.benchops import disk, ping, sink, source
+from tb5sync.daemon.services import StoreSessions, serve_fs
+from tb5sync.daemon.sessions import Session, TransferSessions, ls
 from tb5sync.errors import (
     shown,
     ArgumentTypeError,
     AuthError,
     BusyError,
     ConnectError,
-    DestinationError,
-    PathError,
-    ReadOnlyError,
     RefusedError,
-    RemoteNotFoundError,
-    RemoteProtocolError,
     Tb5syncError,
     UsageError,
 )
-from tb5sync.daemon.fsops import FsOps, Pages, Puts, args_from_wire
+from tb5sync.daemon.fsops import Pages, Puts
 from tb5sync.roles.generator import MAX_ENTRIES, MAX_LISTING_BYTES, ListingLimits
-from tb5sync.wire.messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, DEFAULT_PORT, FS_DATA_METHODS, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages
+from tb5sync.wire.messages import DEFAULT_PORT
 from tb5sync.tree.quota import WriteQuota
-from tb5sync.tree.entry import DIR, FILE, LINK, path_from_wire, path_to_wire
+from tb5sync.tree.entry import path_from_wire
 from tb5sync._os.netif import AllowList, bind_host, peer_address
-from tb5sync.tree.scan import scan
-from tb5sync.tree.options import SyncOptions, known_options
+from tb5sync.tree.options import SyncOptions
 from tb5sync.wire.protocol import FrameType
-from tb5sync.remote.links import RemoteLink
-from tb5sync.roles.receiver import Receiver, dest_base, prepare_dest_dir, scan_in_background
-from tb5sync.roles.sender import Sender
 from tb5sync.tree.state import TreeState, check_own_dir
-from tb5sync.wire.rpc import Requester, serve
-from tb5sync.wire.transport import IO_TIMEOUT, KEEPALIVE, Channel, hide_root, host_port, peer_closed, server_handshake, set_keepalive, tune_socket
+from tb5sync.wire.transport import IO_TIMEOUT, KEEPALIVE, Channel, host_port, server_handshake, set_keepalive, tune_socket
 import tb5sync.wire.protocol as P
+
+# The sessions have modules of their own (sessions, benchops, services); every name this module
+# offered before them stays importable from it. Patch a name where it is used: in the session's module.
+import dataclasses  # noqa: F401
+import secrets  # noqa: F401
+from tb5sync._os.paths import Jail, follow_slash, resolve_in_root  # noqa: F401
+from tb5sync.daemon.benchops import SOURCE_BLOCK as _SOURCE_BLOCK, Ping as _Ping  # noqa: F401
+from tb5sync.daemon.fsops import FsOps, args_from_wire  # noqa: F401
+from tb5sync.daemon.services import FS_CAPABILITIES  # noqa: F401
+from tb5sync.daemon.sessions import JOIN_TIMEOUT as _JOIN_TIMEOUT, Session as _Session  # noqa: F401
+from tb5sync.errors import DestinationError, PathError, ReadOnlyError, RemoteNotFoundError, RemoteProtocolError  # noqa: F401
+from tb5sync.wire.messages import BENCH_MAX_BYTES, BENCH_MAX_DISK, FS_DATA_METHODS, FS_METHODS, PING_METHODS, SENDER_METHODS, result_pages  # noqa: F401
+from tb5sync.tree.entry import DIR, FILE, LINK, path_to_wire  # noqa: F401
+from tb5sync.tree.scan import scan  # noqa: F401
+from tb5sync.tree.options import known_options  # noqa: F401
+from tb5sync.remote.links import RemoteLink  # noqa: F401
+from tb5sync.roles.receiver import Receiver, dest_base, prepare_dest_dir, scan_in_background  # noqa: F401
+from tb5sync.roles.sender import Sender  # noqa: F401
+from tb5sync.wire.rpc import Requester, serve  # noqa: F401
+from tb5sync.wire.transport import hide_root, peer_closed  # noqa: F401
 
 __all__ = ["Server"]
 
 log = logging.getLogger(__name__)
 
-#: What an fs session's OPEN reply announces beyond ``read_only``: ``pieces``, the server takes
-#: ``put_open``/``put_piece``/``put_close`` (a client sends a file in pieces only to a server that says so).
-FS_CAPABILITIES: dict[str, Any] = {"pieces": True}
-
-_JOIN_TIMEOUT = 30.0
-_SOURCE_BLOCK = 4 * 1024 * 1024
 #: accept() errors that mean "out of descriptors or memory": wait, do not spin.
 _ACCEPT_BACKOFF_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _BACKOFF_MIN = 0.05
 _BACKOFF_MAX = 1.0
-
-class _Ping:
-    """Handler for the link test's round trips."""
-
-    def ping(self) -> dict[str, Any]:
-        return {}
-
-
-class _Session:
-    def __init__(self, op: str, streams: int) -> None:
-        self.op = op
-        self.streams = streams
-        self.channels: list[Channel | None] = [None] * streams
-        self.joined = threading.Condition()
-        self.sender: Sender | None = None
-        self.users = 0
-        self.lock = threading.Lock()
 
 
 def _check_server_arguments(
@@ -133,7 +121,7 @@ def _check_server_arguments(
         raise bad("state_dir", "a str, os.PathLike or None", state_dir)
 
 
-class Server:
+class Server(TransferSessions, StoreSessions):
     """Serve ``root`` over TCP (optionally TLS).
 
     Parameters
@@ -321,7 +309,7 @@ class Server:
         self.state = TreeState(root, writable=writable, state_dir=sdir)
         if writable:
             remove_stale(self.state.state_dir)  # disk-test files of a server killed mid-test
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._open_sessions = 0
         self._pages = Pages()
         self._puts = Puts()
@@ -691,32 +679,26 @@ class Server:
         if not isinstance(path, str):
             raise UsageError("path must be a string")
         if op == "ls":
-            self._ls(ch, path)
+            ls(ch, self.root, path)
             return False
         if op == "fs":
-            ops = FsOps(self.root, self.state, self.read_only, self._pages, quota=self._quota(), puts=self._puts)
-            try:
-                # "pieces": this server takes put_open/put_piece/put_close (older ones lack the key)
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only, **FS_CAPABILITIES})
-                serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
-            finally:
-                ops.close()
+            serve_fs(ch, self.root, self.state, self.read_only, self._pages, self._quota(), self._puts)
             return False
         if op == "store":
             self._serve_store(ch)
             return False
         if op == "ping":
-            ch.send_control(FrameType.RESPONSE, 0, {})
-            serve(ch, _Ping(), PING_METHODS)
+            ping(ch)
             return False
         if op == "source":
-            self._source(ch, msg.get("bytes"))
+            source(ch, msg.get("bytes"))
             return False
         if op == "sink":
-            self._sink(ch, msg.get("bytes"))
+            sink(ch, msg.get("bytes"))
             return False
         if op == "disk":
-            self._disk(ch, msg.get("bytes"))
+            disk(ch, msg.get("bytes"), read_only=self.read_only, lock=self._disk_lock, state_dir=self.state.state_dir,
+                 root=self.root, stopping=self._stopping)
             return False
         options = SyncOptions.from_wire(msg.get("options", {}))
         streams = msg.get("streams", 1)
@@ -729,331 +711,3 @@ class Server:
             self._push(ch, msg, path, options, streams)
             return False
         raise UsageError(f"unknown session op {shown(op)}")
-
-    def _serve_store(self, ch: Channel) -> None:
-        """A store session: :data:`~tb5sync.wire.messages.STORE_METHODS` answered from ``--store``."""
-        from tb5sync.wire.messages import STORE_METHODS
-        from tb5sync.store import Store
-        from tb5sync.store.ops import StoreOps
-
-        if self.store_path is None:
-            raise UsageError("this server has no artifact store (start it with --store DIR)")
-        # read-only without a tier to fill: the store opened read-only for this session only (so
-        # it sees what a local writer added since), never created (a missing one: "no store yet")
-        session_store = self.read_only and self.upstream is None
-        with self._lock:
-            if session_store:
-                store = Store(self.store_dir(create=False), read_only=True)
-            else:
-                if self._store is None:
-                    self._store = Store(self.store_dir(create=True))
-                store = self._store
-            if self.upstream is not None and self._tier is None:
-                from tb5sync.remote.tiers import Tier
-
-                self._tier = Tier(self._store, self.upstream, self.peers, self.storage_options, self.token)
-        try:
-            if self._tier is not None:
-                from tb5sync.remote.tiers import TieredStoreOps
-
-                ops: StoreOps = TieredStoreOps(store, self.read_only, self._tier)
-            else:
-                ops = StoreOps(store, self.read_only)
-            ops.quota = self._quota()
-            try:
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
-                serve(ch, ops, STORE_METHODS)
-            finally:
-                ops.close()
-        finally:
-            if session_store:
-                store.close()
-
-    def store_dir(self, create: bool) -> str:
-        """The ``--store`` directory, checked (and created, mode 0700, when ``create``); for the
-        store sessions and ``serve --http-cache``.
-
-        Below ROOT each component is looked up without following a symlink and must be a
-        directory this user owns (:func:`~tb5sync.tree.state.check_own_dir`); a store elsewhere
-        (resolved when the server started) must be such a directory too.
-
-        Raises
-        ------
-        PathError
-            A component is a symlink, not a directory or someone else's (the message hides ROOT).
-        UsageError
-            Missing and not ``create`` (a read-only server has no store yet).
-        """
-        assert self.store_path is not None
-        if self._store_parts is None:
-            steps = [self.store_path]
-        else:
-            steps = [os.path.join(self.root, *self._store_parts[: i + 1]) for i in range(len(self._store_parts))]
-        try:
-            for i, path in enumerate(steps):
-                # written in: this user's; only read (read-only) or the admin's own --store DIR: any owner
-                owned = create and self._store_parts is not None
-                if check_own_dir(path, owned=owned):
-                    continue
-                if not create:
-                    raise UsageError("this server's artifact store is empty (a read-only server does not create it)")
-                try:
-                    if i == 0 and self._store_parts is None:
-                        os.makedirs(os.path.dirname(path), exist_ok=True)
-                    os.mkdir(path, 0o700)
-                except FileExistsError:
-                    pass
-                check_own_dir(path, owned=owned)  # made meanwhile by someone else: checked again
-        except PathError as exc:
-            raise PathError(hide_root(exc.path, self.root), str(exc).split(": ", 1)[-1]) from None
-        return self.store_path
-
-    def _new_session(self, op: str, streams: int) -> tuple[str, _Session]:
-        sid = secrets.token_hex(16)
-        s = _Session(op, streams)
-        with self._lock:
-            self._sessions[sid] = s
-        return sid, s
-
-    def _join(self, ch: Channel, msg: dict[str, Any]) -> bool:
-        sid, idx = msg.get("session"), msg.get("index")
-        with self._lock:
-            s = self._sessions.get(sid) if isinstance(sid, str) else None
-        if s is None or not isinstance(idx, int) or not 1 <= idx < s.streams:
-            raise UsageError("join: unknown session or bad stream index")
-        with s.joined:
-            if s.channels[idx] is not None:
-                raise UsageError("join: stream index already taken")
-            s.channels[idx] = ch
-            s.joined.notify_all()
-        ch.send_control(FrameType.RESPONSE, 0, {})
-        if s.op == "pull":
-            assert s.sender is not None
-            self._serve_sender(ch, s)
-            return False
-        return True  # push: the session's receiver owns this channel now
-
-    def _source(self, ch: Channel, nbytes: object) -> None:
-        """Link test: send ``nbytes`` of zeros in DATA frames (no disk, no hashing), then BYE."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
-            raise UsageError(f"source bytes must be 0..{BENCH_MAX_BYTES}")
-        ch.send_control(FrameType.RESPONSE, 0, {})
-        block = bytes(_SOURCE_BLOCK)
-        while nbytes > 0:
-            n = min(nbytes, _SOURCE_BLOCK)
-            ch.send_data(0, {}, [memoryview(block)[:n]])
-            nbytes -= n
-        ch.send_control(FrameType.BYE, 0, {})
-
-    def _sink(self, ch: Channel, nbytes: object) -> None:
-        """Link test, client to server: read DATA frames carrying ``nbytes`` (their bodies, after
-        the meta map) and drop them (no disk, no hashing); answer ``{"bytes": received}``. A frame other than DATA, or more bytes than
-        announced, is a protocol error."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= BENCH_MAX_BYTES:
-            raise UsageError(f"sink bytes must be 0..{BENCH_MAX_BYTES}")
-        ch.send_control(FrameType.RESPONSE, 0, {})
-        got = 0
-        while got < nbytes:
-            fr = ch.recv_frame()
-            if fr is None:
-                raise ConnectError(f"sink: the client closed after {got} of {nbytes} bytes")
-            header, payload = fr
-            if header.type is not FrameType.DATA:
-                raise RemoteProtocolError(f"sink: expected DATA, got {header.type.name}")
-            got += len(P.decode_data(payload, ch.max_decoded)[1])
-        if got != nbytes:
-            raise RemoteProtocolError(f"sink: {got} bytes sent, {nbytes} announced")
-        ch.send_control(FrameType.RESPONSE, 0, {"bytes": got})
-
-    def _disk(self, ch: Channel, nbytes: object) -> None:
-        """Disk test (``tb5sync bench``): write, read back cold and remove a temporary file of
-        ``nbytes`` in the state directory (:func:`tb5sync._os.diskbench.disk_rates`); answer its figures.
-        Refused on a read-only server; one at a time (``BusyError`` for a second)."""
-        from tb5sync._os.diskbench import MIN_SIZE, disk_rates
-
-        if self.read_only:
-            raise ReadOnlyError("server is read-only; its disk test would write a file")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not MIN_SIZE <= nbytes <= BENCH_MAX_DISK:
-            raise UsageError(f"disk test bytes must be {MIN_SIZE}..{BENCH_MAX_DISK}")
-        if not self._disk_lock.acquire(blocking=False):
-            raise BusyError("server busy: another disk test is running; try again later")
-        try:
-            try:
-                try:
-                    os.makedirs(self.state.state_dir, mode=0o700, exist_ok=True)
-                except OSError as exc:
-                    raise DestinationError(f"disk test: cannot create {self.state.state_dir}: {exc.strerror or exc}") from exc
-                res = disk_rates(self.state.state_dir, nbytes, alive=lambda: not (self._stopping.is_set() or ch.peer_closed()))
-            except DestinationError as exc:  # the message would show the state directory's path
-                raise DestinationError(hide_root(str(exc), self.root)) from None
-        finally:
-            self._disk_lock.release()
-        ch.send_control(FrameType.RESPONSE, 0, res)
-
-    def _rel(self, path: str) -> str:
-        rel = os.path.relpath(path, self.root)
-        return "" if rel == "." else rel
-
-    def _locate(self, path: str, *, follow: bool = False) -> tuple[str, tuple[int, str]]:
-        """Request ``path``'s place under ROOT, opened through ROOT's jail: ``(full, (dir_fd, name))``.
-
-        ``full`` (absolute; only shown and used for state paths) is computed as
-        :func:`resolve_in_root` and :func:`follow_slash` do (``follow``: ``-L``); then the
-        directory holding it is opened from ROOT's descriptor with no symlink on the way
-        (:meth:`tb5sync._os.paths.Jail.locate`), so a parent swapped for a symlink after the
-        computation is refused, never followed. The caller owns ``dir_fd``.
-
-        Raises
-        ------
-        PathError
-            ``path`` is unsafe, leads outside ROOT or into its state, or a directory on the way
-            was swapped for a symlink.
-        RemoteNotFoundError
-            Nothing is there.
-        """
-        base = resolve_in_root(self.root, path)
-        if not os.path.lexists(base):
-            raise RemoteNotFoundError(f"no such file or directory: {path}")
-        base = follow_slash(base, path, self.root, follow=follow)  # "link/": the directory, if it is inside ROOT
-        with Jail(self.root) as jail:
-            try:
-                return base, jail.locate(self._rel(base))
-            except (FileNotFoundError, NotADirectoryError):
-                raise RemoteNotFoundError(f"no such file or directory: {path}") from None
-
-    def _ls(self, ch: Channel, path: str) -> None:
-        base, (dfd, name) = self._locate(path)
-        try:
-            entries = scan(base, recursive=False, at=(dfd, name))
-        finally:
-            os.close(dfd)
-        ch.send_control(FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
-
-    def _pull(self, ch: Channel, path: str, options: SyncOptions, streams: int) -> None:
-        base, at = self._locate(path, follow=options.copy_links)
-        try:
-            sender = Sender(base, options, self.state, self._rel(base), zero_copy=True, root=self.root, at=at)  # replies go out through sockets only
-        except (FileNotFoundError, NotADirectoryError):
-            raise RemoteNotFoundError(f"no such file or directory: {path}") from None
-        sid, s = self._new_session("pull", streams)
-        try:
-            s.sender = sender
-            s.sender.prepare()  # scan while the client joins its other streams
-            s.channels[0] = ch
-            ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "kind": sender.kind, "options": known_options()})
-            self._serve_sender(ch, s)
-        finally:
-            self._end_session(sid, s)
-
-    def _pace_stop(self, ch: Channel) -> str | None:
-        """Why a ``--bwlimit`` wait of ``ch``'s requests should end now (None: it goes on)."""
-        if self._stopping.is_set():
-            return "the server is stopping"
-        if ch.closed or peer_closed(ch.sock):
-            return "the client closed the connection"
-        return None
-
-    def _serve_sender(self, ch: Channel, s: _Session) -> None:
-        assert s.sender is not None
-        with s.lock:
-            s.users += 1
-        try:
-            # --bwlimit waits end when this peer goes, the server stops or the session ends
-            # (Sender.close), and none lasts longer than the idle timeout
-            s.sender.pace_guard(lambda: self._pace_stop(ch), self.idle_timeout)
-            serve(ch, s.sender, SENDER_METHODS)
-        finally:
-            with s.lock:
-                s.users -= 1
-
-    def _end_session(self, sid: str, s: _Session) -> None:
-        with self._lock:
-            self._sessions.pop(sid, None)
-        # wait briefly for joined streams to finish before releasing the sender
-        if s.sender is not None:
-            for _ in range(50):
-                with s.lock:
-                    if s.users == 0:
-                        break
-                threading.Event().wait(0.05)
-            s.sender.close()
-
-    def _makedirs(self, path: str) -> None:
-        """Create the directory ``path`` (absolute, under ROOT) and its missing parents, through
-        the ROOT's jail: no symlink on the way is followed (``--mkpath`` of a push)."""
-        with Jail(self.root) as jail:
-            os.close(jail.open_dir(os.path.relpath(path, self.root), create=True))
-
-    def _push(self, ch: Channel, msg: dict[str, Any], path: str, options: SyncOptions, streams: int) -> None:
-        if self.read_only:
-            raise ReadOnlyError(f"server is read-only; cannot write {shown(path)}")
-        name = msg.get("name")
-        if isinstance(name, bytes):
-            name = path_from_wire(name)
-        src_kind = msg.get("src_kind")
-        if name is not None and (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name):
-            raise PathError(str(name), "bad source name")
-        if src_kind not in (DIR, FILE, LINK):
-            raise UsageError("src_kind must be d, f or l")
-        dst = resolve_in_root(self.root, path)
-        dest = dest_base(dst, bool(msg.get("dst_slash")), name, str(src_kind))
-        if dest != dst:
-            # dest_base looked through a symlink at dst: resolve again and refuse if it leaves ROOT
-            dest = resolve_in_root(self.root, os.path.relpath(dest, self.root))
-        if STATE_DIR in os.path.relpath(dest, self.root).split("/"):
-            # a scan never lists a directory of that name, at any depth: a push into one (or of a
-            # source so named) is refused, as is every listed path naming it (check_peer_path)
-            raise PathError(os.path.relpath(dest, self.root), f"{STATE_DIR} is tb5sync's own state directory name")
-        created = prepare_dest_dir(dst, path, bool(msg.get("dst_slash")), str(src_kind), mkpath=options.mkpath,
-                                   dry_run=options.dry_run, makedirs=self._makedirs)
-        sid, s = self._new_session("push", streams)
-        s.channels[0] = ch
-        # the destination is scanned while the other streams join and the client scans its source
-        # (a session that fails before its receiver runs leaves this daemon scan to finish unread)
-        dst_scan = scan_in_background(dest, options.dest_rules, unlock=not options.dry_run, root=self.root)
-        ch.send_control(FrameType.RESPONSE, 0, {"session": sid, "options": known_options()})
-        requester: Requester | None = None
-        try:
-            with s.joined:
-                ok = s.joined.wait_for(lambda: all(c is not None for c in s.channels), timeout=_JOIN_TIMEOUT)
-            if not ok:
-                raise ConnectError("not all streams of the session joined in time")
-            channels = [c for c in s.channels if c is not None]
-            requester = Requester(channels, peer="client")
-            quota = self._quota()
-            if quota is not None:  # a single-file push (put_file) is named by its path under ROOT, not ""
-                quota.root_name = os.path.relpath(dest, self.root)
-            receiver = Receiver(dest, RemoteLink(requester), options, self.state, self._rel(dest), dst_scan=dst_scan,
-                                link_dest_root=self.root, listing_limits=self.listing_limits, quota=quota)
-            try:
-                stats = dataclasses.replace(receiver.run(), created=created)
-                result: dict[str, Any] = {"stats": stats.as_dict()}
-                if "changes" in stats.extra:  # paths as they travel (bytes when not valid UTF-8)
-                    result["changes"] = {k: [path_to_wire(p) for p in v] for k, v in stats.extra["changes"].items()}
-            except Tb5syncError as exc:
-                log.info("push to %s failed: %s", path, exc)
-                result = {"error": {"kind": type(exc).__name__, "message": hide_root(str(exc), self.root)}}
-            except OSError as exc:
-                log.info("push to %s failed: %s", path, exc)
-                message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
-                result = {"error": {"kind": "DestinationError", "message": message}}
-            try:
-                result, pages = result_pages(result)  # a long result goes ahead in pages
-                for page in pages:
-                    requester.call("finish_part", page, timeout=30)
-                requester.call("finish", result, timeout=30)
-            except (Tb5syncError, OSError, TimeoutError) as exc:
-                log.info("push session %s: could not report the result: %s", sid, exc)
-        finally:
-            with self._lock:
-                self._sessions.pop(sid, None)
-                for c in s.channels:
-                    if c is not None:
-                        self._conns.discard(c)
-            if requester is not None:
-                requester.close(bye=True)
-            else:
-                for c in s.channels:
-                    if c is not None and c is not ch:
-                        c.close()
-
