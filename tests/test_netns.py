@@ -204,7 +204,7 @@ from tb5sync.wire.rpc import open_session
 from tb5sync.wire.transport import dial
 ch = dial(sys.argv[1], int(sys.argv[2]), None, io_timeout=4.0)
 open_session(ch, {"op": "fs"})
-ch.send_control(__import__("tb5sync.wire.protocol").protocol.FrameType.REQUEST, 1, {"m": "digest", "a": {"path": "x"}})
+ch.send_control(__import__("tb5sync.wire.protocol").wire.protocol.FrameType.REQUEST, 1, {"m": "digest", "a": {"path": "x"}})
 print("waiting", flush=True)
 t0 = time.monotonic()
 try:
