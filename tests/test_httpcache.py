@@ -37,6 +37,7 @@ def cache(tmp_path: Any) -> Iterator[HttpCache]:
 
 
 _OPEN: list[http.client.HTTPConnection] = []
+_STOP: list[HttpCache] = []
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +45,8 @@ def _close_connections() -> Iterator[None]:
     yield
     while _OPEN:
         _OPEN.pop().close()
+    while _STOP:
+        _STOP.pop().stop()
 
 
 def conn(c: HttpCache) -> http.client.HTTPConnection:
@@ -223,7 +226,10 @@ def test_malformed_action_result_is_refused(cache: HttpCache) -> None:
     assert req(h, "PUT", akey, b"")[0] == 200  # an empty ActionResult is well-formed
 
 
-def test_instance_prefix_keeps_ac_and_cas_together(cache: HttpCache) -> None:
+def test_instance_prefix_keeps_ac_and_cas_together(tmp_path: Any) -> None:
+    """Bazel instance names are first path segments declared as such (``--bazel-instance``)."""
+    cache = HttpCache(tmp_path / "store", bazel_instances=["inst", "other"]).start()
+    _STOP.append(cache)
     h = conn(cache)
     out = b"object code"
     ar = action_result([out])
@@ -540,9 +546,11 @@ def test_entry_damaged_past_its_first_chunk_is_cut_short_then_dropped(cache: Htt
 
 
 @pytest.mark.parametrize("name", ["notahex", "ABCDEF" + "0" * 58, "0" * 63, "0" * 65])
-def test_cas_and_ac_keys_must_be_sha256_digests(cache: HttpCache, name: str) -> None:
+def test_cas_and_ac_keys_must_be_sha256_digests(tmp_path: Any, name: str) -> None:
     """Bazel's namespaces take only lowercase SHA-256 hex names (bazel-remote answers 400): a
     ``/cas/notahex`` PUT must not be stored as an opaque key that skips the digest check."""
+    cache = HttpCache(tmp_path / "store", bazel_instances=["inst"]).start()
+    _STOP.append(cache)
     h = conn(cache)
     for ns in ("cas", "ac", "inst/cas"):
         assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 400

@@ -3,17 +3,23 @@
 ``tb5sync http-cache STORE --bind HOST:PORT`` (or ``tb5sync serve ROOT --http-cache HOST:PORT``)
 answers, on an aiohttp server:
 
-- ccache's HTTP remote storage (``remote_storage = http://HOST:PORT/PREFIX|layout=...``): ``GET``,
-  ``HEAD``, ``PUT`` and ``DELETE`` of any key path, in its ``subdirs`` (``ab/cdef...``), ``flat``
-  and ``bazel`` (``ac/<64 hex>``) layouts. A miss is 404; "parent directories" need no creating
-  (keys are names, not files).
-- Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT[/PREFIX]``): ``/ac/<sha256>`` and
-  ``/cas/<sha256>``; 200 hit, 404 miss, PUT answered 200. A ``/cas`` PUT whose body's SHA-256 is not
-  its key is refused (400) and stores nothing; a body cut off before its ``Content-Length`` stores
-  nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as one is
-  refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is a miss
-  (bazel-remote's rule). ``--no-ac-validation`` turns both off (what ccache's ``bazel`` layout
-  needs, as with bazel-remote's ``--disable_http_ac_validation``).
+A request is routed by its first path segment only, so no client's keys collide with a route:
+
+- ``/ac/<sha256>`` and ``/cas/<sha256>``: Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT``),
+  and ``/NAME/ac/...``, ``/NAME/cas/...`` for each Bazel instance name declared with
+  ``bazel_instances`` (``--bazel-instance NAME``). 200 hit, 404 miss, PUT answered 200. A name that
+  is not one lowercase SHA-256 hex digest is refused (400). A ``/cas`` PUT whose body's SHA-256 is
+  not its key is refused (400) and stores nothing; a body cut off before its ``Content-Length``
+  stores nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as
+  one is refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is
+  a miss (bazel-remote's rule). ``--no-ac-validation`` turns both off (bazel-remote's
+  ``--disable_http_ac_validation``).
+- ``/metrics`` and ``/status``: GET and HEAD only (405 otherwise); nothing below them.
+- any other first segment: a client's namespace of opaque keys, whatever follows it: ccache's
+  HTTP remote storage (``remote_storage = http://HOST:PORT/PREFIX|layout=...``, in its ``subdirs``
+  (``PREFIX/ab/cdef...``, including ``PREFIX/ac/...``), ``flat`` and ``bazel``
+  (``PREFIX/ac/<64 hex>``) layouts), sccache's WebDAV keys, any URL prefix. ``GET``, ``HEAD``,
+  ``PUT`` and ``DELETE``; a miss is 404; "parent directories" need no creating.
 
 Entries are the store's keyed blobs (:mod:`tb5sync.store.blobs`): chunked, deduplicated, checked
 against their digests on every read, evicted least recently used under the store's quota.
@@ -80,9 +86,52 @@ FLUSH_EVERY = 5.0
 #: clients cannot hold the request slots for ever.
 IDLE_TIMEOUT = 60.0
 
-_BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
-#: A key in Bazel's ``ac``/``cas`` namespaces whose name is not a lowercase SHA-256 hex digest.
-_BAZEL_NS_RE = re.compile(r"^(?:.+/)?(?:ac|cas)/[^/]+$")
+#: The routes a first path segment names; every other first segment is a client's namespace of
+#: opaque keys (ccache's ``PREFIX``, sccache's, a URL prefix), whatever follows it.
+BAZEL_ROUTES = ("ac", "cas")
+RESERVED_ROUTES = ("metrics", "status")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+#: A Bazel instance name declared with ``bazel_instances`` (one path segment).
+_INSTANCE_RE = re.compile(r"^[^/\x00-\x1f\x7f]+$")
+
+
+def route(path: str, instances: frozenset[str] | set[str] = frozenset()) -> tuple[str, str, str | None]:
+    """The route of a request path (without its leading ``/``), decided by its first segment only.
+
+    Returns ``(kind, prefix, digest)``: ``kind`` is ``"ac"`` or ``"cas"`` (Bazel's, ``digest`` its
+    SHA-256 hex, ``prefix`` ``""`` or ``"INSTANCE/"``), ``"metrics"``/``"status"`` (the reserved
+    routes, whole first segment), ``"kv"`` (a client's opaque key, ``digest`` None), or
+    ``"bad"`` (a Bazel route whose rest is not one lowercase SHA-256 hex digest: ``digest`` is the
+    reason). A first segment in ``instances`` (Bazel's ``--remote_cache=http://HOST/INSTANCE``)
+    routes its second segment as Bazel's.
+    """
+    first, _, rest = path.partition("/")
+    prefix = ""
+    if first in instances:
+        prefix = first + "/"
+        first, _, rest = rest.partition("/")
+        if first not in BAZEL_ROUTES:
+            return "bad", prefix, f"below Bazel instance {prefix[:-1]!r} only ac/ and cas/ are served"
+    elif first in RESERVED_ROUTES:
+        return first, "", None
+    if first in BAZEL_ROUTES:
+        if not _SHA256_RE.match(rest):
+            return "bad", prefix, (f"not a lowercase SHA-256 hex digest: {rest[:80]} (/ac/ and /cas/ are Bazel's; "
+                                   "give other clients a URL prefix such as http://HOST/ccache)")
+        return first, prefix, rest
+    return "kv", "", None
+
+
+class _Bazel:
+    """A Bazel route's parts, as the handlers read them (``group("prefix")``, ``group("hash")``)."""
+
+    __slots__ = ("prefix", "hash")
+
+    def __init__(self, prefix: str, digest: str) -> None:
+        self.prefix, self.hash = prefix, digest
+
+    def group(self, name: str) -> str:
+        return self.prefix if name == "prefix" else self.hash
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -171,6 +220,10 @@ class HttpCache:
         Check ``/ac/`` entries as ActionResults (see the module docstring).
     concurrency : int
         Requests served at once (others wait), and the worker threads for store I/O.
+    bazel_instances : sequence of str
+        First path segments that are Bazel instance names (``--remote_cache=http://HOST/NAME``):
+        ``/NAME/ac/<sha256>`` and ``/NAME/cas/<sha256>`` follow Bazel's rules. Any other first
+        segment but ``ac``, ``cas``, ``metrics`` and ``status`` is a client's namespace of opaque keys.
 
     Raises
     ------
@@ -180,7 +233,8 @@ class HttpCache:
 
     def __init__(self, store: Store | str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0, *,
                  read_only: bool = False, allow: Sequence[str] = (), basic: str | None = None,
-                 bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64) -> None:
+                 bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64,
+                 bazel_instances: Sequence[str] = ()) -> None:
         self._own_store = not isinstance(store, Store)
         self.store = Store(store) if not isinstance(store, Store) else store
         self.host, self.port = bind_host(host), port  # an interface name -> its address
@@ -191,6 +245,10 @@ class HttpCache:
         self._basic = ("Basic " + base64.b64encode(basic.encode()).decode()) if basic else None
         self._bearer = f"Bearer {bearer}" if bearer else None
         self.ac_validation = ac_validation
+        for name in bazel_instances:
+            if not _INSTANCE_RE.match(name) or name in (".", "..") or name in BAZEL_ROUTES + RESERVED_ROUTES:
+                raise UsageError(f"--bazel-instance takes one path segment other than ac, cas, metrics, status: {name!r}")
+        self.bazel_instances = frozenset(bazel_instances)
         self.concurrency = max(1, int(concurrency))
         self.idle_timeout = IDLE_TIMEOUT
         self.metrics = _Metrics()
@@ -323,18 +381,19 @@ class HttpCache:
     # ---- requests ----
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.match_info["tail"]
-        if path in ("metrics", "status") and request.method in ("GET", "HEAD"):
-            return await (self._metrics(request) if path == "metrics" else self._status(request))
+        path = path[:-1] if path.endswith("/") and path != "/" else path  # ccache's "directories"
+        kind, prefix, digest = route(path, self.bazel_instances)
+        if kind in RESERVED_ROUTES:
+            if path == kind and request.method in ("GET", "HEAD"):
+                return await (self._metrics(request) if kind == "metrics" else self._status(request))
+            return web.Response(status=405 if path == kind else 404, headers={"Allow": "GET, HEAD"})
+        if kind == "bad":
+            return web.Response(status=400, text=f"{digest}\n")
         try:
-            key = check_blob_key(path.strip("/") if path.endswith("/") else path)
+            key = check_blob_key(path)
         except UsageError as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        m = _BAZEL_RE.match(key)
-        if m is None and _BAZEL_NS_RE.match(key):
-            # Bazel's protocol names ac and cas entries by their SHA-256 (bazel-remote answers 400
-            # to anything else): such a key is not an opaque kv key that skips the digest check.
-            return web.Response(status=400, text=f"not a lowercase SHA-256 hex digest: {key.rsplit('/', 1)[1][:80]}\n")
-        kind = m.group("kind") if m else "kv"
+        m = _Bazel(prefix, digest) if digest is not None else None
         if request.method in ("GET", "HEAD"):
             return await self._get(request, key, kind, m)
         if request.method == "PUT":
@@ -385,7 +444,7 @@ class HttpCache:
                 return False
         return True
 
-    async def _get(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.StreamResponse:
+    async def _get(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.StreamResponse:
         head = request.method == "HEAD"
         if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
             self.metrics.add(f"{kind}.hits")
@@ -450,7 +509,7 @@ class HttpCache:
             await self._run(delete_blob, self.store, key)
         return web.Response(status=404)
 
-    async def _put(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.Response:
+    async def _put(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.Response:
         if self.read_only:
             self.metrics.add(f"{kind}.puts_refused")
             return web.Response(status=403, text="read-only cache\n")

@@ -340,6 +340,9 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--no-ac-validation", action="store_true",
                    help="store /ac/ entries as opaque bytes (ccache's bazel layout), as bazel-remote's --disable_http_ac_validation")
     q.add_argument("--http-concurrency", type=int, default=64, metavar="N", help="requests served at once (default 64)")
+    q.add_argument("--bazel-instance", action="append", default=[], metavar="NAME", dest="bazel_instances",
+                   help="a first path segment that is a Bazel instance name (--remote_cache=http://HOST/NAME): "
+                        "/NAME/ac/ and /NAME/cas/ follow Bazel's rules (repeatable); other first segments are opaque client keys")
 
 
 def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
@@ -351,7 +354,8 @@ def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     basic = _read_token(a.http_basic_file).decode() if a.http_basic_file else None
     bearer = _read_token(a.http_token_file).decode() if a.http_token_file else None
     cache = HttpCache(store, host, port, read_only=a.read_only, allow=a.allow, basic=basic, bearer=bearer,
-                      ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency)
+                      ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency,
+                      bazel_instances=a.bazel_instances)
     cache.start()
     print(f"tb5sync: http cache of {cache.store.path} on {host_port(host, cache.port)}", file=sys.stderr, flush=True)
     return cache
