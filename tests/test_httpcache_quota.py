@@ -223,7 +223,10 @@ def test_push_past_the_quota_is_refused_before_its_chunks_are_all_stored(tmp_pat
         ops = StoreOps(st)
         lease = secrets.token_hex(16)
         blobs = [os.urandom(400_000) for _ in range(4)]
-        with pytest.raises(EntryTooLargeError):
-            for b in blobs:
-                ops.put_chunks(lease, [[chunk_digest(b), b]])
+        try:
+            with pytest.raises(EntryTooLargeError):
+                for b in blobs:
+                    ops.put_chunks(lease, [[chunk_digest(b), b]])
+        finally:
+            ops.close()
         assert st.stats()["chunks"] <= 3

@@ -57,11 +57,12 @@ from typing import Any
 import aiofiles
 from aiohttp import web
 
-from tb5sync.errors import IntegrityError, UsageError
+from tb5sync.errors import EntryTooLargeError, IntegrityError, UsageError
 from tb5sync._os.netif import AllowList, bind_host, peer_address
 from tb5sync.cache.reapi import ActionResultError, parse_action_result, tree_files
 from tb5sync.store import Store
-from tb5sync.store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs, read_blob
+from tb5sync.store.blobs import (add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs,
+                                 read_blob, touch_blobs)
 
 __all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
 
@@ -224,6 +225,11 @@ class HttpCache:
         First path segments that are Bazel instance names (``--remote_cache=http://HOST/NAME``):
         ``/NAME/ac/<sha256>`` and ``/NAME/cas/<sha256>`` follow Bazel's rules. Any other first
         segment but ``ac``, ``cas``, ``metrics`` and ``status`` is a client's namespace of opaque keys.
+    max_entry_size : int, optional
+        Largest entry accepted (bytes of body); None: only the store's quota bounds it. A PUT over
+        it, or over the quota, is refused before anything is stored: 413 when its Content-Length
+        says so up front (the body is not read), 507 Insufficient Storage once a body without one
+        passes it (bazel-remote's answer); nothing is evicted for it.
 
     Raises
     ------
@@ -234,7 +240,7 @@ class HttpCache:
     def __init__(self, store: Store | str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0, *,
                  read_only: bool = False, allow: Sequence[str] = (), basic: str | None = None,
                  bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64,
-                 bazel_instances: Sequence[str] = ()) -> None:
+                 bazel_instances: Sequence[str] = (), max_entry_size: int | None = None) -> None:
         self._own_store = not isinstance(store, Store)
         self.store = Store(store) if not isinstance(store, Store) else store
         self.host, self.port = bind_host(host), port  # an interface name -> its address
@@ -249,6 +255,10 @@ class HttpCache:
             if not _INSTANCE_RE.match(name) or name in (".", "..") or name in BAZEL_ROUTES + RESERVED_ROUTES:
                 raise UsageError(f"--bazel-instance takes one path segment other than ac, cas, metrics, status: {name!r}")
         self.bazel_instances = frozenset(bazel_instances)
+        if max_entry_size is not None and (not isinstance(max_entry_size, int) or max_entry_size < 0):
+            raise UsageError(f"--max-entry-size takes a byte count >= 0, got {max_entry_size!r}")
+        self.max_entry_size = max_entry_size
+        self._recent: set[str] = set()  # keys stored since the last quota run: never evicted by it
         self.concurrency = max(1, int(concurrency))
         self.idle_timeout = IDLE_TIMEOUT
         self.metrics = _Metrics()
@@ -428,6 +438,8 @@ class HttpCache:
         held = await self._run(has_blobs, self.store, keys)
         if len(held) < len(set(keys)):
             return False
+        if not self.read_only:  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
+            await self._run(touch_blobs, self.store, keys)
         for h, _ in trees:
             if h == EMPTY_SHA256:
                 continue
@@ -442,6 +454,8 @@ class HttpCache:
             fkeys = [f"{prefix}cas/{fh}" for fh, _ in files if fh != EMPTY_SHA256]
             if fkeys and len(await self._run(has_blobs, self.store, fkeys)) < len(set(fkeys)):
                 return False
+            if fkeys and not self.read_only:
+                await self._run(touch_blobs, self.store, fkeys)
         return True
 
     async def _get(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.StreamResponse:
@@ -514,6 +528,9 @@ class HttpCache:
             self.metrics.add(f"{kind}.puts_refused")
             return web.Response(status=403, text="read-only cache\n")
         want = request.content_length
+        limit = self.entry_limit()
+        if want is not None and limit is not None and want > limit:
+            return self._too_large(request, kind, 413, want, limit)  # told up front: not a byte read
         sha = hashlib.sha256() if kind == "cas" else None
         mem = bytearray()
         spool: Any = None
@@ -526,6 +543,8 @@ class HttpCache:
                     if not piece:
                         break
                     got += len(piece)
+                    if limit is not None and got > limit:
+                        return self._too_large(request, kind, 507, got, limit)
                     if sha is not None:
                         sha.update(piece)
                     if spool is None and len(mem) + len(piece) <= SPOOL_MEMORY:
@@ -565,13 +584,17 @@ class HttpCache:
                 except ActionResultError as exc:
                     self.metrics.add(f"{kind}.puts_refused")
                     return web.Response(status=400, text=f"not an ActionResult: {exc}\n")
-            if spool is not None:
-                await spool.flush()
-                await spool.close()
-                spool = None
-                await self._run(put_blob, self.store, key, spool_path)
-            else:
-                await self._put_small(key, bytes(mem))
+            try:
+                if spool is not None:
+                    await spool.flush()
+                    await spool.close()
+                    spool = None
+                    await self._run(put_blob, self.store, key, spool_path)
+                else:
+                    await self._put_small(key, bytes(mem))
+            except EntryTooLargeError:
+                return self._too_large(request, kind, 507, got, self.entry_limit() or got)
+            self._recent.add(key)
             self.metrics.add(f"{kind}.puts")
             self.metrics.add(f"{kind}.bytes_received", got)
         finally:
@@ -581,6 +604,19 @@ class HttpCache:
                 os.unlink(spool_path)
         self._maybe_enforce_quota()
         return web.Response(status=200)
+
+    def entry_limit(self) -> int | None:
+        """Largest entry a PUT may store now (bytes): ``max_entry_size`` or the store's quota, the
+        smaller; None for no bound."""
+        bounds = [b for b in (self.max_entry_size, self.store.quota) if b is not None]
+        return min(bounds) if bounds else None
+
+    def _too_large(self, request: web.Request, kind: str, status: int, size: int, limit: int) -> web.Response:
+        self.metrics.add(f"{kind}.puts_too_large")
+        what = "the largest entry allowed" if limit == self.max_entry_size else "the cache's quota"
+        resp = web.Response(status=status, text=f"entry of {size} bytes or more is larger than {what} ({limit} bytes)\n")
+        resp.force_close()  # the rest of its body is not read
+        return resp
 
     async def _put_small(self, key: str, data: bytes) -> None:
         """Store an in-memory body with those that arrive while the previous batch is written (group
@@ -637,9 +673,10 @@ class HttpCache:
                         self._quota_running = False
                         return
                     self._quota_again = False
+                recent, self._recent = self._recent, set()  # the PUTs that asked for this check
                 try:
                     while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
-                        evicted = self.store.enforce_quota()
+                        evicted = self.store.enforce_quota(keep_blobs=recent)
                         self.metrics.add("all.evicted", len(evicted))
                         if not evicted:
                             break  # nothing evictable left (pinned refs); logged by enforce_quota

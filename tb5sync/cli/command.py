@@ -343,10 +343,14 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--bazel-instance", action="append", default=[], metavar="NAME", dest="bazel_instances",
                    help="a first path segment that is a Bazel instance name (--remote_cache=http://HOST/NAME): "
                         "/NAME/ac/ and /NAME/cas/ follow Bazel's rules (repeatable); other first segments are opaque client keys")
+    q.add_argument("--max-entry-size", metavar="SIZE", default=None,
+                   help="largest cache entry accepted (e.g. 512M; default: the store's quota bounds it): a larger PUT is "
+                        "refused before it is stored, 413 when its Content-Length says so, else 507")
 
 
 def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     from tb5sync.cache.httpcache import HttpCache
+    from tb5sync.cli.store import parse_size
 
     from tb5sync.wire.urls import host_port
 
@@ -355,7 +359,8 @@ def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     bearer = _read_token(a.http_token_file).decode() if a.http_token_file else None
     cache = HttpCache(store, host, port, read_only=a.read_only, allow=a.allow, basic=basic, bearer=bearer,
                       ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency,
-                      bazel_instances=a.bazel_instances)
+                      bazel_instances=a.bazel_instances,
+                      max_entry_size=parse_size(a.max_entry_size) if a.max_entry_size is not None else None)
     cache.start()
     print(f"tb5sync: http cache of {cache.store.path} on {host_port(host, cache.port)}", file=sys.stderr, flush=True)
     return cache
