@@ -479,8 +479,7 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
 def test_stalled_upload_is_cut_and_frees_its_slot(tmp_path: Any) -> None:
     import time
 
-    with HttpCache(tmp_path / "store", concurrency=1) as c:
-        c.idle_timeout = 0.5
+    with HttpCache(tmp_path / "store", concurrency=1, client_body_timeout=0.5) as c:
         s = socket.create_connection(("127.0.0.1", c.port), timeout=10)
         try:
             s.sendall(b"PUT /stalled HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)

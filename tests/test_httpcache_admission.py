@@ -194,3 +194,38 @@ def test_honest_get_is_answered_within_a_second_under_silent_and_trickling_clien
         assert status == 200
         times.append(took)
     assert max(times) < 1.0, times
+
+
+@pytest.mark.parametrize("how", ["http-cache", "serve"])
+def test_cli_takes_the_admission_options(tmp_path: Any, how: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import http_cache_port
+
+    opts = ["--client-header-timeout", "0.5", "--keepalive-timeout", "5", "--client-body-timeout", "2",
+            "--client-body-min-rate", "2K", "--http-max-connections-per-address", "8", "--limit-conn", "4",
+            "--max-entry-size", "1M"]
+    if how == "serve":
+        (tmp_path / "root").mkdir()
+        args = ["serve", str(tmp_path / "root"), "--bind", "127.0.0.1:0", "--no-auth", "--http-cache", "127.0.0.1:0"]
+    else:
+        args = ["http-cache", str(tmp_path / "store"), "--bind", "127.0.0.1:0"]
+    p = subprocess.Popen([sys.executable, "-m", "tb5sync.cli", *args, *opts], stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        port = http_cache_port(p.stderr)
+        assert port
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        _SOCKS.append(s)
+        gone, got = closed_within(s, 5)
+        assert gone and got.startswith(b"HTTP/1.1 408")
+        h = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        h.request("PUT", "/ccache/big", body=b"x" * (1024 * 1024 + 1))
+        assert h.getresponse().status == 413
+        h.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=30)[1]
+        assert p.returncode == 0, err

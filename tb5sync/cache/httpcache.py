@@ -56,6 +56,7 @@ from typing import Any
 
 import aiofiles
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from tb5sync.errors import EntryTooLargeError, IntegrityError, UsageError
 from tb5sync._os.netif import AllowList, bind_host, peer_address
@@ -83,9 +84,18 @@ BATCH_COUNT = 256
 BATCH_BYTES = 32 * 1024 * 1024
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
-#: A request body or response that makes no progress for this long is cut (seconds), so idle
-#: clients cannot hold the request slots for ever.
+#: A response write that makes no progress for this long is cut (seconds): a stalled reader.
 IDLE_TIMEOUT = 60.0
+#: Admission defaults, named after nginx's directives where one exists (seconds, bytes, counts).
+CLIENT_HEADER_TIMEOUT = 60.0   # nginx client_header_timeout: the whole request head, from the first byte
+KEEPALIVE_TIMEOUT = 75.0       # nginx keepalive_timeout: an idle connection between requests
+CLIENT_BODY_TIMEOUT = 60.0     # nginx client_body_timeout: the window of the body's minimum rate
+CLIENT_BODY_MIN_RATE = 1024    # bytes per second a body must average over each window
+MAX_CONNECTIONS_PER_ADDRESS = 512  # open connections of one client address (idle ones included)
+LIMIT_CONN = 128               # nginx limit_conn: requests in progress of one client address
+
+_REFUSED_503 = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 #: The routes a first path segment names; every other first segment is a client's namespace of
 #: opaque keys (ccache's ``PREFIX``, sccache's, a URL prefix), whatever follows it.
@@ -133,6 +143,85 @@ class _Bazel:
 
     def group(self, name: str) -> str:
         return self.prefix if name == "prefix" else self.hash
+
+
+class _Conn(RequestHandler):
+    """aiohttp's connection handler with the cache's admission rules: a per-address connection
+    cap (503 and closed at once), a deadline for each request head (``client_header_timeout``,
+    armed at accept and at the first byte of each later head; 408 and closed), nothing while a
+    request is being served (its body has its own rate rule)."""
+
+    def __init__(self, *args: Any, cache: HttpCache, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._tb5 = cache
+        self._tb5_peer = ""
+        self._tb5_timer: asyncio.TimerHandle | None = None
+        self.tb5_busy = 0
+        self._tb5_counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cache = self._tb5
+        self._tb5_peer = peer_address(transport.get_extra_info("peername")) or ""
+        n = cache._conns.get(self._tb5_peer, 0)
+        if cache.max_connections_per_address and n >= cache.max_connections_per_address:
+            cache.metrics.add("all.connections_refused")
+            with contextlib.suppress(Exception):
+                transport.write(_REFUSED_503)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        cache._conns[self._tb5_peer] = n + 1
+        self._tb5_counted = True
+        super().connection_made(transport)
+        self._tb5_arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._tb5_counted:
+            return
+        self._tb5_counted = False
+        self._tb5_disarm()
+        cache = self._tb5
+        n = cache._conns.get(self._tb5_peer, 1) - 1
+        if n > 0:
+            cache._conns[self._tb5_peer] = n
+        else:
+            cache._conns.pop(self._tb5_peer, None)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._tb5_counted:
+            return
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count > before:
+            self._tb5_disarm()  # a whole head arrived
+        elif not self.tb5_busy:
+            self._tb5_arm()  # bytes of a head: its deadline runs from the first one
+
+    def _tb5_arm(self) -> None:
+        if self._tb5_timer is None and not self.tb5_busy and self._tb5.client_header_timeout:
+            self._tb5_timer = self._loop.call_later(self._tb5.client_header_timeout, self._tb5_expire)
+
+    def _tb5_disarm(self) -> None:
+        if self._tb5_timer is not None:
+            self._tb5_timer.cancel()
+            self._tb5_timer = None
+
+    def tb5_enter(self) -> None:
+        """A request of this connection is being served (its head is whole)."""
+        self.tb5_busy += 1
+        self._tb5_disarm()
+
+    def tb5_leave(self) -> None:
+        self.tb5_busy -= 1
+
+    def _tb5_expire(self) -> None:
+        self._tb5_timer = None
+        if self.tb5_busy or self.transport is None:
+            return
+        self._tb5.metrics.add("all.header_timeouts")
+        with contextlib.suppress(Exception):
+            self.transport.write(_TIMEOUT_408)
+        self.force_close()
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -230,6 +319,28 @@ class HttpCache:
         it, or over the quota, is refused before anything is stored: 413 when its Content-Length
         says so up front (the body is not read), 507 Insufficient Storage once a body without one
         passes it (bazel-remote's answer); nothing is evicted for it.
+    client_header_timeout : float
+        Seconds a request head may take, from the connection's accept (first request) or from the
+        first byte of a later one; then 408 and the connection is closed. 0: none.
+    keepalive_timeout : float
+        Seconds an idle connection is kept open between requests (and before its first byte). 0: none.
+    client_body_timeout : float
+        The window (seconds) of the body's minimum rate: a PUT body that, within any such window,
+        delivers less than ``client_body_min_rate * client_body_timeout`` bytes (or the rest of its
+        Content-Length, if less) is cut: 408, the connection closed, nothing stored.
+    client_body_min_rate : int
+        Bytes per second a body must average over each ``client_body_timeout`` window (0: any
+        progress within the window is enough).
+    max_connections_per_address : int
+        Open connections (idle ones included) one client address may hold; a connection past it
+        is answered 503 and closed at once. 0: no cap.
+    limit_conn : int
+        Requests in progress one client address may have (nginx's ``limit_conn``); past it, 503
+        at once. 0: no cap.
+
+    GET, HEAD and DELETE are served in ``concurrency`` slots of their own: uploads in progress
+    (each holding one of the ``concurrency`` body slots) never delay them. Authentication and
+    the address checks come before a slot is taken.
 
     Raises
     ------
@@ -240,7 +351,10 @@ class HttpCache:
     def __init__(self, store: Store | str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0, *,
                  read_only: bool = False, allow: Sequence[str] = (), basic: str | None = None,
                  bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64,
-                 bazel_instances: Sequence[str] = (), max_entry_size: int | None = None) -> None:
+                 bazel_instances: Sequence[str] = (), max_entry_size: int | None = None,
+                 client_header_timeout: float = CLIENT_HEADER_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+                 client_body_timeout: float = CLIENT_BODY_TIMEOUT, client_body_min_rate: int = CLIENT_BODY_MIN_RATE,
+                 max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS, limit_conn: int = LIMIT_CONN) -> None:
         self._own_store = not isinstance(store, Store)
         self.store = Store(store) if not isinstance(store, Store) else store
         self.host, self.port = bind_host(host), port  # an interface name -> its address
@@ -259,6 +373,19 @@ class HttpCache:
             raise UsageError(f"--max-entry-size takes a byte count >= 0, got {max_entry_size!r}")
         self.max_entry_size = max_entry_size
         self._recent: set[str] = set()  # keys stored since the last quota run: never evicted by it
+        for name, v in (("--client-header-timeout", client_header_timeout), ("--keepalive-timeout", keepalive_timeout),
+                        ("--client-body-timeout", client_body_timeout), ("--client-body-min-rate", client_body_min_rate),
+                        ("--max-connections-per-address", max_connections_per_address), ("--limit-conn", limit_conn)):
+            if not isinstance(v, (int, float)) or v < 0:
+                raise UsageError(f"{name} takes a number >= 0, got {v!r}")
+        self.client_header_timeout = float(client_header_timeout)
+        self.keepalive_timeout = float(keepalive_timeout)
+        self.client_body_timeout = float(client_body_timeout) or CLIENT_BODY_TIMEOUT
+        self.client_body_min_rate = int(client_body_min_rate)
+        self.max_connections_per_address = int(max_connections_per_address)
+        self.limit_conn = int(limit_conn)
+        self._conns: dict[str, int] = {}  # open connections per client address (event loop only)
+        self._inflight: dict[str, int] = {}  # requests in progress per client address
         self.concurrency = max(1, int(concurrency))
         self.idle_timeout = IDLE_TIMEOUT
         self.metrics = _Metrics()
@@ -328,15 +455,21 @@ class HttpCache:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_ev = asyncio.Event()
-        self._sem = asyncio.Semaphore(self.concurrency)
+        self._sem = asyncio.Semaphore(self.concurrency)  # body slots: PUT
+        self._rsem = asyncio.Semaphore(self.concurrency)  # GET, HEAD, DELETE: never behind uploads
         app = web.Application(client_max_size=MAX_AC, middlewares=[self._guard])
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.keepalive_timeout or 1e9)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        server = site._server
-        if server is not None and server.sockets:
+        web_server = self._runner.server
+        assert web_server is not None
+
+        def factory() -> _Conn:
+            return _Conn(web_server, loop=self._loop, cache=self, **web_server._kwargs)
+
+        server = await self._loop.create_server(factory, self.host, self.port, reuse_address=True, backlog=1024)
+        if server.sockets:
             self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         flusher = asyncio.create_task(self._flush_loop())
@@ -344,7 +477,10 @@ class HttpCache:
             await self._stop_ev.wait()
         finally:
             flusher.cancel()
+            server.close()
             await self._runner.cleanup()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 5)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -380,11 +516,33 @@ class HttpCache:
             peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
             if not self._allowed(peer):
                 return web.Response(status=403, text=f"client address {peer} is not allowed\n")
-            if not self._authorized(request):
-                return web.Response(status=401, text="authorization required\n",
+            conn = request.protocol if isinstance(request.protocol, _Conn) else None
+            key = peer or ""
+            if self.limit_conn and self._inflight.get(key, 0) >= self.limit_conn:
+                self.metrics.add("all.requests_refused")
+                resp = web.Response(status=503, text=f"more than {self.limit_conn} requests in progress from {peer}\n")
+                resp.force_close()
+                return resp
+            if not self._authorized(request):  # before any slot, before a byte of the body
+                resp = web.Response(status=401, text="authorization required\n",
                                     headers={"WWW-Authenticate": 'Basic realm="tb5sync"'})
-            async with self._sem:
-                return await handler(request)  # type: ignore[no-any-return]
+                if request.can_read_body:
+                    resp.force_close()
+                return resp
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            if conn is not None:
+                conn.tb5_enter()
+            try:
+                async with (self._sem if request.method == "PUT" else self._rsem):
+                    return await handler(request)  # type: ignore[no-any-return]
+            finally:
+                if conn is not None:
+                    conn.tb5_leave()
+                n = self._inflight.get(key, 1) - 1
+                if n > 0:
+                    self._inflight[key] = n
+                else:
+                    self._inflight.pop(key, None)
         finally:
             self.metrics.observe(request.method, time.perf_counter() - t0)
 
@@ -537,9 +695,38 @@ class HttpCache:
         spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-http-{secrets.token_hex(8)}.body")
         got = 0
         try:
+            loop = asyncio.get_running_loop()
+            window = self.client_body_timeout
+            rate_need = max(1, int(self.client_body_min_rate * window))
+            win_start, win_got = loop.time(), 0
             try:
                 while True:
-                    piece = await asyncio.wait_for(request.content.read(READ_PIECE), self.idle_timeout)
+                    left = win_start + window - loop.time()
+                    try:
+                        piece: bytes | None = await asyncio.wait_for(request.content.read(READ_PIECE), max(left, 0.001))
+                    except asyncio.TimeoutError:
+                        piece = None
+                    now = loop.time()
+                    if piece:
+                        win_got += len(piece)
+                    if piece is None or now - win_start >= window:
+                        # one window is over: it must have brought the minimum rate's bytes (or the rest)
+                        need = rate_need if want is None else min(rate_need, max(1, want - (got + len(piece or b"")) + win_got))
+                        if win_got < need:
+                            self.metrics.add(f"{kind}.puts_cut")
+                            self.metrics.add("all.body_too_slow")
+                            log.info("http cache: upload of %s cut: %d bytes in %.1f s, below %d bytes/s",
+                                     key, win_got, window, self.client_body_min_rate)
+                            resp = web.Response(status=408, text=f"request body slower than {self.client_body_min_rate} bytes/s\n")
+                            resp.force_close()
+                            await resp.prepare(request)
+                            await resp.write_eof()
+                            if request.protocol is not None:  # not lingering on the rest: the peer is too slow
+                                request.protocol.force_close()
+                            return resp
+                        win_start, win_got = now, 0
+                    if piece is None:
+                        continue
                     if not piece:
                         break
                     got += len(piece)
