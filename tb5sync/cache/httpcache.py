@@ -28,7 +28,12 @@ Request bodies are read in pieces: up to :data:`SPOOL_MEMORY` in memory, beyond 
 temporary file in the store's ``tmp/`` written with aiofiles, then stored from a worker thread.
 Responses are written a chunk at a time (at most a few chunks of 1 MiB average in memory). All
 file and index work runs in a bounded thread pool, never on the event loop; at most
-``concurrency`` requests are served at once (the rest wait). Keep-alive is aiohttp's (HTTP/1.1).
+``concurrency`` uploads and ``concurrency`` other requests are served at once (the rest wait).
+
+Admission (docs/guide/cache-limits.md): a deadline per request head (``client_header_timeout``),
+an idle keep-alive timeout, a minimum body rate per ``client_body_timeout`` window, per-address
+caps on connections and on requests in progress (``limit_conn``), authentication before any slot.
+An entry over ``max_entry_size`` or the store's quota is refused before it is stored (413 / 507).
 
 Access: ``--allow CIDR`` (403 for other addresses), optional HTTP basic (``user:password``) and/or
 bearer token (401 without one), ``--read-only`` (hits served, PUT and DELETE refused with 403).
