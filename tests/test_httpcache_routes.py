@@ -83,6 +83,23 @@ def test_every_two_character_prefix_of_every_ccache_layout_round_trips(cache: Ht
     assert blob_keys(cache.store) == []
 
 
+@pytest.mark.parametrize("layout", ["subdirs", "flat"])
+def test_every_two_character_prefix_round_trips_without_a_url_prefix(cache: HttpCache, h: Any, layout: str) -> None:
+    """ccache's default ``remote_storage = http://HOST:PORT`` has no URL prefix: a ``subdirs`` key
+    beginning ``ac`` is then ``/ac/<31 characters>``, which no Bazel request can be (Bazel's names are
+    64 hex digits), so it is ccache's key, never refused and never taken for an ActionResult."""
+    wrong = []
+    for first in range(256):
+        path = ccache_path(layout, "", first)
+        body = b"entry " + path.encode()
+        got = [req(h, "HEAD", path)[0], req(h, "PUT", path, body)[0], req(h, "HEAD", path)[0]]
+        status, back = req(h, "GET", path)
+        got += [status, int(back == body), req(h, "DELETE", path)[0], req(h, "GET", path)[0]]
+        if got != [404, 200, 200, 200, 1, 200, 404]:
+            wrong.append((path, got))
+    assert wrong == []
+
+
 def test_every_two_character_prefix_keeps_its_entries_apart(cache: HttpCache, h: Any) -> None:
     """All 3 x 256 keys held at once, each read back as its own value (no route took one, none overwrote another)."""
     paths = [ccache_path(layout, "ccache", first) for layout in ("subdirs", "flat", "bazel") for first in range(256)]
