@@ -546,12 +546,17 @@ def test_entry_damaged_past_its_first_chunk_is_cut_short_then_dropped(cache: Htt
 
 @pytest.mark.parametrize("name", ["notahex", "ABCDEF" + "0" * 58, "0" * 63, "0" * 65])
 def test_cas_and_ac_keys_must_be_sha256_digests(tmp_path: Any, name: str) -> None:
-    """Bazel's namespaces take only lowercase SHA-256 hex names (bazel-remote answers 400): a
-    ``/cas/notahex`` PUT must not be stored as an opaque key that skips the digest check."""
+    """Only a lowercase SHA-256 hex name below ``/ac/`` or ``/cas/`` is Bazel's. Another name there is
+    no Bazel request (ccache's ``subdirs`` layout without a URL prefix makes such paths): it is an
+    opaque key, never read back as a CAS blob (so it skips no digest check Bazel relies on). Below a
+    declared Bazel instance every name must be a digest (400, as bazel-remote)."""
     cache = HttpCache(tmp_path / "store", bazel_instances=["inst"]).start()
     _STOP.append(cache)
     h = conn(cache)
-    for ns in ("cas", "ac", "inst/cas"):
-        assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 400
-        assert req(h, "GET", f"/{ns}/{name}")[0] == 400
+    assert req(h, "PUT", f"/inst/cas/{name}", b"other")[0] == 400
+    assert req(h, "GET", f"/inst/cas/{name}")[0] == 400
     assert blob_keys(cache.store) == []
+    for ns in ("cas", "ac"):
+        assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 200
+        assert req(h, "GET", f"/{ns}/{name}")[:2] == (200, b"other")
+    assert req(h, "GET", f"/cas/{hashlib.sha256(b'other').hexdigest()}")[0] == 404

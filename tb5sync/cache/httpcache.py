@@ -7,8 +7,10 @@ A request is routed by its first path segment only, so no client's keys collide 
 
 - ``/ac/<sha256>`` and ``/cas/<sha256>``: Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT``),
   and ``/NAME/ac/...``, ``/NAME/cas/...`` for each Bazel instance name declared with
-  ``bazel_instances`` (``--bazel-instance NAME``). 200 hit, 404 miss, PUT answered 200. A name that
-  is not one lowercase SHA-256 hex digest is refused (400). A ``/cas`` PUT whose body's SHA-256 is
+  ``bazel_instances`` (``--bazel-instance NAME``). 200 hit, 404 miss, PUT answered 200. Below
+  ``/ac/`` and ``/cas/`` a name that is not one lowercase SHA-256 hex digest is no Bazel request:
+  it is a client's opaque key (ccache's ``subdirs`` layout without a URL prefix puts a key beginning
+  ``ac`` at ``/ac/<31 characters>``); below a declared instance it is refused (400). A ``/cas`` PUT whose body's SHA-256 is
   not its key is refused (400) and stores nothing; a body cut off before its ``Content-Length``
   stores nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as
   one is refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is
@@ -122,10 +124,13 @@ def route(path: str, instances: frozenset[str] | set[str] = frozenset()) -> tupl
     elif first in RESERVED_ROUTES:
         return first, "", None
     if first in BAZEL_ROUTES:
-        if not _SHA256_RE.match(rest):
-            return "bad", prefix, (f"not a lowercase SHA-256 hex digest: {rest[:80]} (/ac/ and /cas/ are Bazel's; "
-                                   "give other clients a URL prefix such as http://HOST/ccache)")
-        return first, prefix, rest
+        if _SHA256_RE.match(rest):
+            return first, prefix, rest
+        if prefix:  # a declared instance's namespace is Bazel's alone
+            return "bad", prefix, f"not a lowercase SHA-256 hex digest: {rest[:80]} (below a Bazel instance)"
+        # No Bazel request has this shape (its names are 64 hex digits): a client's opaque key, such as
+        # ccache's subdirs layout without a URL prefix (a key beginning "ac" is "ac/<31 characters>").
+        # Stored as kv, it is never taken for an ActionResult nor read back as a CAS blob.
     return "kv", "", None
 
 
