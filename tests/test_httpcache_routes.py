@@ -158,3 +158,16 @@ def test_real_ccache_subdirs_key_beginning_ac_is_cached(tmp_path: Any, cache: Ht
     stats = {k: int(v) for k, v in (line.split("\t") for line in text.splitlines())}
     assert stats["remote_storage_hit"] == 1 and stats["remote_storage_miss"] == 0
     assert (src / "again.o").read_bytes() == (src / f"v{found}.o").read_bytes()
+
+
+def test_an_undeclared_bazel_prefix_is_named_in_one_warning(cache: HttpCache, h: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A PUT to ``NAME/ac/<sha256>`` with NAME undeclared is kept as an opaque key, and the log says
+    once how to have it checked as Bazel's (``--bazel-instance NAME``), not silently."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tb5sync.cache.httpcache"):
+        for i in range(3):
+            assert req(h, "PUT", f"/builds/ac/{hashlib.sha256(bytes([i])).hexdigest()}", b"x")[0] == 200
+        assert req(h, "PUT", "/ccache/ab/" + "c" * 31, b"y")[0] == 200
+    lines = [r.getMessage() for r in caplog.records if "--bazel-instance" in r.getMessage()]
+    assert len(lines) == 1 and "--bazel-instance builds" in lines[0]

@@ -291,6 +291,7 @@ class HttpCache:
             if not _INSTANCE_RE.match(name) or name in (".", "..") or name in BAZEL_ROUTES + RESERVED_ROUTES:
                 raise UsageError(f"--bazel-instance takes one path segment other than ac, cas, metrics, status: {name!r}")
         self.bazel_instances = frozenset(bazel_instances)
+        self._warned_instances: set[str] = set()
         if max_entry_size is not None and (not isinstance(max_entry_size, int) or max_entry_size < 0):
             raise UsageError(f"--max-entry-size takes a byte count >= 0, got {max_entry_size!r}")
         self.max_entry_size = max_entry_size
@@ -484,6 +485,8 @@ class HttpCache:
         except UsageError as exc:
             return web.Response(status=400, text=f"{exc}\n")
         m = _Bazel(prefix, digest) if digest is not None else None
+        if kind == "kv" and request.method == "PUT":
+            self._warn_undeclared_instance(path)
         if request.method in ("GET", "HEAD"):
             return await self._get(request, key, kind, m)
         if request.method == "PUT":
@@ -494,6 +497,17 @@ class HttpCache:
             gone = await self._run(delete_blob, self.store, key)
             return web.Response(status=200 if gone else 404)
         return web.Response(status=405, headers={"Allow": "GET, HEAD, PUT, DELETE"})
+
+    def _warn_undeclared_instance(self, path: str) -> None:
+        """Log once per first segment when a PUT to ``NAME/ac/<sha256>`` (Bazel's shape) is kept as an
+        opaque key because ``NAME`` was not declared with ``--bazel-instance``: its ActionResults then
+        go unchecked, which is what ccache's ``bazel`` layout needs and a Bazel URL prefix does not."""
+        first, _, rest = path.partition("/")
+        seg, _, name = rest.partition("/")
+        if seg in BAZEL_ROUTES and _SHA256_RE.match(name) and first not in self._warned_instances:
+            self._warned_instances.add(first)
+            log.warning("http cache: %s/%s/... is kept as opaque keys (no ActionResult check): if %r is a Bazel "
+                        "--remote_cache URL prefix, start the cache with --bazel-instance %s", first, seg, first, first)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.prometheus(), content_type="text/plain", charset="utf-8",
