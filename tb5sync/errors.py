@@ -45,6 +45,7 @@ __all__ = [
     "MissingParentError",
     "MissingDirectoryError",
     "QuotaError",
+    "EntryTooLargeError",
     "SourceError",
     "PartialTransferError",
     "VanishedSourceError",
@@ -320,6 +321,12 @@ class QuotaError(DestinationError):
         self.errno = errno.ENOSPC
 
 
+class EntryTooLargeError(QuotaError):
+    """One entry (a ref put or pushed into a store, a build-cache entry) that can never fit: it
+    needs more bytes than the store's quota or the cache's ``--max-entry-size`` allows. Refused
+    before it is stored (its chunks are collected by the next gc); nothing is evicted for it."""
+
+
 class DestinationExistsError(DestinationError, FileExistsError):
     """The destination exists and replacing it was not asked for (a usage error: ``--force`` replaces it)."""
 
@@ -496,6 +503,7 @@ _BY_NAME: dict[str, type[Tb5syncError]] = {
         RefPinnedError,
         DestinationExistsError,
         QuotaError,
+        EntryTooLargeError,
     )
 }
 

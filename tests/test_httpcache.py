@@ -37,6 +37,7 @@ def cache(tmp_path: Any) -> Iterator[HttpCache]:
 
 
 _OPEN: list[http.client.HTTPConnection] = []
+_STOP: list[HttpCache] = []
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +45,8 @@ def _close_connections() -> Iterator[None]:
     yield
     while _OPEN:
         _OPEN.pop().close()
+    while _STOP:
+        _STOP.pop().stop()
 
 
 def conn(c: HttpCache) -> http.client.HTTPConnection:
@@ -223,7 +226,10 @@ def test_malformed_action_result_is_refused(cache: HttpCache) -> None:
     assert req(h, "PUT", akey, b"")[0] == 200  # an empty ActionResult is well-formed
 
 
-def test_instance_prefix_keeps_ac_and_cas_together(cache: HttpCache) -> None:
+def test_instance_prefix_keeps_ac_and_cas_together(tmp_path: Any) -> None:
+    """Bazel instance names are first path segments declared as such (``--bazel-instance``)."""
+    cache = HttpCache(tmp_path / "store", bazel_instances=["inst", "other"]).start()
+    _STOP.append(cache)
     h = conn(cache)
     out = b"object code"
     ar = action_result([out])
@@ -473,8 +479,7 @@ def test_cli_serves_the_cache_and_stops_on_sigterm(tmp_path: Any, how: str) -> N
 def test_stalled_upload_is_cut_and_frees_its_slot(tmp_path: Any) -> None:
     import time
 
-    with HttpCache(tmp_path / "store", concurrency=1) as c:
-        c.idle_timeout = 0.5
+    with HttpCache(tmp_path / "store", concurrency=1, client_body_timeout=0.5) as c:
         s = socket.create_connection(("127.0.0.1", c.port), timeout=10)
         try:
             s.sendall(b"PUT /stalled HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
@@ -540,11 +545,18 @@ def test_entry_damaged_past_its_first_chunk_is_cut_short_then_dropped(cache: Htt
 
 
 @pytest.mark.parametrize("name", ["notahex", "ABCDEF" + "0" * 58, "0" * 63, "0" * 65])
-def test_cas_and_ac_keys_must_be_sha256_digests(cache: HttpCache, name: str) -> None:
-    """Bazel's namespaces take only lowercase SHA-256 hex names (bazel-remote answers 400): a
-    ``/cas/notahex`` PUT must not be stored as an opaque key that skips the digest check."""
+def test_cas_and_ac_keys_must_be_sha256_digests(tmp_path: Any, name: str) -> None:
+    """Only a lowercase SHA-256 hex name below ``/ac/`` or ``/cas/`` is Bazel's. Another name there is
+    no Bazel request (ccache's ``subdirs`` layout without a URL prefix makes such paths): it is an
+    opaque key, never read back as a CAS blob (so it skips no digest check Bazel relies on). Below a
+    declared Bazel instance every name must be a digest (400, as bazel-remote)."""
+    cache = HttpCache(tmp_path / "store", bazel_instances=["inst"]).start()
+    _STOP.append(cache)
     h = conn(cache)
-    for ns in ("cas", "ac", "inst/cas"):
-        assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 400
-        assert req(h, "GET", f"/{ns}/{name}")[0] == 400
+    assert req(h, "PUT", f"/inst/cas/{name}", b"other")[0] == 400
+    assert req(h, "GET", f"/inst/cas/{name}")[0] == 400
     assert blob_keys(cache.store) == []
+    for ns in ("cas", "ac"):
+        assert req(h, "PUT", f"/{ns}/{name}", b"other")[0] == 200
+        assert req(h, "GET", f"/{ns}/{name}")[:2] == (200, b"other")
+    assert req(h, "GET", f"/cas/{hashlib.sha256(b'other').hexdigest()}")[0] == 404

@@ -3,17 +3,25 @@
 ``tb5sync http-cache STORE --bind HOST:PORT`` (or ``tb5sync serve ROOT --http-cache HOST:PORT``)
 answers, on an aiohttp server:
 
-- ccache's HTTP remote storage (``remote_storage = http://HOST:PORT/PREFIX|layout=...``): ``GET``,
-  ``HEAD``, ``PUT`` and ``DELETE`` of any key path, in its ``subdirs`` (``ab/cdef...``), ``flat``
-  and ``bazel`` (``ac/<64 hex>``) layouts. A miss is 404; "parent directories" need no creating
-  (keys are names, not files).
-- Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT[/PREFIX]``): ``/ac/<sha256>`` and
-  ``/cas/<sha256>``; 200 hit, 404 miss, PUT answered 200. A ``/cas`` PUT whose body's SHA-256 is not
-  its key is refused (400) and stores nothing; a body cut off before its ``Content-Length`` stores
-  nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as one is
-  refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is a miss
-  (bazel-remote's rule). ``--no-ac-validation`` turns both off (what ccache's ``bazel`` layout
-  needs, as with bazel-remote's ``--disable_http_ac_validation``).
+A request is routed by its first path segment only, so no client's keys collide with a route:
+
+- ``/ac/<sha256>`` and ``/cas/<sha256>``: Bazel's HTTP remote cache (``--remote_cache=http://HOST:PORT``),
+  and ``/NAME/ac/...``, ``/NAME/cas/...`` for each Bazel instance name declared with
+  ``bazel_instances`` (``--bazel-instance NAME``). 200 hit, 404 miss, PUT answered 200. Below
+  ``/ac/`` and ``/cas/`` a name that is not one lowercase SHA-256 hex digest is no Bazel request:
+  it is a client's opaque key (ccache's ``subdirs`` layout without a URL prefix puts a key beginning
+  ``ac`` at ``/ac/<31 characters>``); below a declared instance it is refused (400). A ``/cas`` PUT whose body's SHA-256 is
+  not its key is refused (400) and stores nothing; a body cut off before its ``Content-Length``
+  stores nothing. An ``/ac`` entry is an ``ActionResult`` protobuf: a PUT that does not parse as
+  one is refused (400), and a GET whose ActionResult names CAS blobs the cache no longer holds is
+  a miss (bazel-remote's rule). ``--no-ac-validation`` turns both off (bazel-remote's
+  ``--disable_http_ac_validation``).
+- ``/metrics`` and ``/status``: GET and HEAD only (405 otherwise); nothing below them.
+- any other first segment: a client's namespace of opaque keys, whatever follows it: ccache's
+  HTTP remote storage (``remote_storage = http://HOST:PORT/PREFIX|layout=...``, in its ``subdirs``
+  (``PREFIX/ab/cdef...``, including ``PREFIX/ac/...``), ``flat`` and ``bazel``
+  (``PREFIX/ac/<64 hex>``) layouts), sccache's WebDAV keys, any URL prefix. ``GET``, ``HEAD``,
+  ``PUT`` and ``DELETE``; a miss is 404; "parent directories" need no creating.
 
 Entries are the store's keyed blobs (:mod:`tb5sync.store.blobs`): chunked, deduplicated, checked
 against their digests on every read, evicted least recently used under the store's quota.
@@ -22,7 +30,12 @@ Request bodies are read in pieces: up to :data:`SPOOL_MEMORY` in memory, beyond 
 temporary file in the store's ``tmp/`` written with aiofiles, then stored from a worker thread.
 Responses are written a chunk at a time (at most a few chunks of 1 MiB average in memory). All
 file and index work runs in a bounded thread pool, never on the event loop; at most
-``concurrency`` requests are served at once (the rest wait). Keep-alive is aiohttp's (HTTP/1.1).
+``concurrency`` uploads and ``concurrency`` other requests are served at once (the rest wait).
+
+Admission (docs/guide/cache-limits.md): a deadline per request head (``client_header_timeout``),
+an idle keep-alive timeout, a minimum body rate per ``client_body_timeout`` window, per-address
+caps on connections and on requests in progress (``limit_conn``), authentication before any slot.
+An entry over ``max_entry_size`` or the store's quota is refused before it is stored (413 / 507).
 
 Access: ``--allow CIDR`` (403 for other addresses), optional HTTP basic (``user:password``) and/or
 bearer token (401 without one), ``--read-only`` (hits served, PUT and DELETE refused with 403).
@@ -51,11 +64,14 @@ from typing import Any
 import aiofiles
 from aiohttp import web
 
-from tb5sync.errors import IntegrityError, UsageError
+from tb5sync.errors import EntryTooLargeError, IntegrityError, UsageError
 from tb5sync._os.netif import AllowList, bind_host, peer_address
+from tb5sync.cache.admission import (CLIENT_BODY_MIN_RATE, CLIENT_BODY_TIMEOUT, CLIENT_HEADER_TIMEOUT,
+                                     KEEPALIVE_TIMEOUT, LIMIT_CONN, MAX_CONNECTIONS_PER_ADDRESS, Conn as _Conn)
 from tb5sync.cache.reapi import ActionResultError, parse_action_result, tree_files
 from tb5sync.store import Store
-from tb5sync.store.blobs import add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs, read_blob
+from tb5sync.store.blobs import (add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs,
+                                 read_blob, touch_blobs)
 
 __all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
 
@@ -76,13 +92,58 @@ BATCH_COUNT = 256
 BATCH_BYTES = 32 * 1024 * 1024
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
-#: A request body or response that makes no progress for this long is cut (seconds), so idle
-#: clients cannot hold the request slots for ever.
+#: A response write that makes no progress for this long is cut (seconds): a stalled reader.
 IDLE_TIMEOUT = 60.0
 
-_BAZEL_RE = re.compile(r"^(?P<prefix>(?:.+/)?)(?P<kind>ac|cas)/(?P<hash>[0-9a-f]{64})$")
-#: A key in Bazel's ``ac``/``cas`` namespaces whose name is not a lowercase SHA-256 hex digest.
-_BAZEL_NS_RE = re.compile(r"^(?:.+/)?(?:ac|cas)/[^/]+$")
+#: The routes a first path segment names; every other first segment is a client's namespace of
+#: opaque keys (ccache's ``PREFIX``, sccache's, a URL prefix), whatever follows it.
+BAZEL_ROUTES = ("ac", "cas")
+RESERVED_ROUTES = ("metrics", "status")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+#: A Bazel instance name declared with ``bazel_instances`` (one path segment).
+_INSTANCE_RE = re.compile(r"^[^/\x00-\x1f\x7f]+$")
+
+
+def route(path: str, instances: frozenset[str] | set[str] = frozenset()) -> tuple[str, str, str | None]:
+    """The route of a request path (without its leading ``/``), decided by its first segment only.
+
+    Returns ``(kind, prefix, digest)``: ``kind`` is ``"ac"`` or ``"cas"`` (Bazel's, ``digest`` its
+    SHA-256 hex, ``prefix`` ``""`` or ``"INSTANCE/"``), ``"metrics"``/``"status"`` (the reserved
+    routes, whole first segment), ``"kv"`` (a client's opaque key, ``digest`` None), or
+    ``"bad"`` (a Bazel route whose rest is not one lowercase SHA-256 hex digest: ``digest`` is the
+    reason). A first segment in ``instances`` (Bazel's ``--remote_cache=http://HOST/INSTANCE``)
+    routes its second segment as Bazel's.
+    """
+    first, _, rest = path.partition("/")
+    prefix = ""
+    if first in instances:
+        prefix = first + "/"
+        first, _, rest = rest.partition("/")
+        if first not in BAZEL_ROUTES:
+            return "bad", prefix, f"below Bazel instance {prefix[:-1]!r} only ac/ and cas/ are served"
+    elif first in RESERVED_ROUTES:
+        return first, "", None
+    if first in BAZEL_ROUTES:
+        if _SHA256_RE.match(rest):
+            return first, prefix, rest
+        if prefix:  # a declared instance's namespace is Bazel's alone
+            return "bad", prefix, f"not a lowercase SHA-256 hex digest: {rest[:80]} (below a Bazel instance)"
+        # No Bazel request has this shape (its names are 64 hex digits): a client's opaque key, such as
+        # ccache's subdirs layout without a URL prefix (a key beginning "ac" is "ac/<31 characters>").
+        # Stored as kv, it is never taken for an ActionResult nor read back as a CAS blob.
+    return "kv", "", None
+
+
+class _Bazel:
+    """A Bazel route's parts, as the handlers read them (``group("prefix")``, ``group("hash")``)."""
+
+    __slots__ = ("prefix", "hash")
+
+    def __init__(self, prefix: str, digest: str) -> None:
+        self.prefix, self.hash = prefix, digest
+
+    def group(self, name: str) -> str:
+        return self.prefix if name == "prefix" else self.hash
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -171,6 +232,37 @@ class HttpCache:
         Check ``/ac/`` entries as ActionResults (see the module docstring).
     concurrency : int
         Requests served at once (others wait), and the worker threads for store I/O.
+    bazel_instances : sequence of str
+        First path segments that are Bazel instance names (``--remote_cache=http://HOST/NAME``):
+        ``/NAME/ac/<sha256>`` and ``/NAME/cas/<sha256>`` follow Bazel's rules. Any other first
+        segment but ``ac``, ``cas``, ``metrics`` and ``status`` is a client's namespace of opaque keys.
+    max_entry_size : int, optional
+        Largest entry accepted (bytes of body); None: only the store's quota bounds it. A PUT over
+        it, or over the quota, is refused before anything is stored: 413 when its Content-Length
+        says so up front (the body is not read), 507 Insufficient Storage once a body without one
+        passes it (bazel-remote's answer); nothing is evicted for it.
+    client_header_timeout : float
+        Seconds a request head may take, from the connection's accept (first request) or from the
+        first byte of a later one; then 408 and the connection is closed. 0: none.
+    keepalive_timeout : float
+        Seconds an idle connection is kept open between requests (and before its first byte). 0: none.
+    client_body_timeout : float
+        The window (seconds) of the body's minimum rate: a PUT body that, within any such window,
+        delivers less than ``client_body_min_rate * client_body_timeout`` bytes (or the rest of its
+        Content-Length, if less) is cut: 408, the connection closed, nothing stored.
+    client_body_min_rate : int
+        Bytes per second a body must average over each ``client_body_timeout`` window (0: any
+        progress within the window is enough).
+    max_connections_per_address : int
+        Open connections (idle ones included) one client address may hold; a connection past it
+        is answered 503 and closed at once. 0: no cap.
+    limit_conn : int
+        Requests in progress one client address may have (nginx's ``limit_conn``); past it, 503
+        at once. 0: no cap.
+
+    GET, HEAD and DELETE are served in ``concurrency`` slots of their own: uploads in progress
+    (each holding one of the ``concurrency`` body slots) never delay them. Authentication and
+    the address checks come before a slot is taken.
 
     Raises
     ------
@@ -180,7 +272,11 @@ class HttpCache:
 
     def __init__(self, store: Store | str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0, *,
                  read_only: bool = False, allow: Sequence[str] = (), basic: str | None = None,
-                 bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64) -> None:
+                 bearer: str | None = None, ac_validation: bool = True, concurrency: int = 64,
+                 bazel_instances: Sequence[str] = (), max_entry_size: int | None = None,
+                 client_header_timeout: float = CLIENT_HEADER_TIMEOUT, keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+                 client_body_timeout: float = CLIENT_BODY_TIMEOUT, client_body_min_rate: int = CLIENT_BODY_MIN_RATE,
+                 max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS, limit_conn: int = LIMIT_CONN) -> None:
         self._own_store = not isinstance(store, Store)
         self.store = Store(store) if not isinstance(store, Store) else store
         self.host, self.port = bind_host(host), port  # an interface name -> its address
@@ -191,6 +287,28 @@ class HttpCache:
         self._basic = ("Basic " + base64.b64encode(basic.encode()).decode()) if basic else None
         self._bearer = f"Bearer {bearer}" if bearer else None
         self.ac_validation = ac_validation
+        for name in bazel_instances:
+            if not _INSTANCE_RE.match(name) or name in (".", "..") or name in BAZEL_ROUTES + RESERVED_ROUTES:
+                raise UsageError(f"--bazel-instance takes one path segment other than ac, cas, metrics, status: {name!r}")
+        self.bazel_instances = frozenset(bazel_instances)
+        self._warned_instances: set[str] = set()
+        if max_entry_size is not None and (not isinstance(max_entry_size, int) or max_entry_size < 0):
+            raise UsageError(f"--max-entry-size takes a byte count >= 0, got {max_entry_size!r}")
+        self.max_entry_size = max_entry_size
+        self._recent: set[str] = set()  # keys stored since the last quota run: never evicted by it
+        for name, v in (("--client-header-timeout", client_header_timeout), ("--keepalive-timeout", keepalive_timeout),
+                        ("--client-body-timeout", client_body_timeout), ("--client-body-min-rate", client_body_min_rate),
+                        ("--max-connections-per-address", max_connections_per_address), ("--limit-conn", limit_conn)):
+            if not isinstance(v, (int, float)) or v < 0:
+                raise UsageError(f"{name} takes a number >= 0, got {v!r}")
+        self.client_header_timeout = float(client_header_timeout)
+        self.keepalive_timeout = float(keepalive_timeout)
+        self.client_body_timeout = float(client_body_timeout) or CLIENT_BODY_TIMEOUT
+        self.client_body_min_rate = int(client_body_min_rate)
+        self.max_connections_per_address = int(max_connections_per_address)
+        self.limit_conn = int(limit_conn)
+        self._conns: dict[str, int] = {}  # open connections per client address (event loop only)
+        self._inflight: dict[str, int] = {}  # requests in progress per client address
         self.concurrency = max(1, int(concurrency))
         self.idle_timeout = IDLE_TIMEOUT
         self.metrics = _Metrics()
@@ -260,15 +378,21 @@ class HttpCache:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_ev = asyncio.Event()
-        self._sem = asyncio.Semaphore(self.concurrency)
+        self._sem = asyncio.Semaphore(self.concurrency)  # body slots: PUT
+        self._rsem = asyncio.Semaphore(self.concurrency)  # GET, HEAD, DELETE: never behind uploads
         app = web.Application(client_max_size=MAX_AC, middlewares=[self._guard])
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.keepalive_timeout or 1e9)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        server = site._server
-        if server is not None and server.sockets:
+        web_server = self._runner.server
+        assert web_server is not None
+
+        def factory() -> _Conn:
+            return _Conn(web_server, loop=self._loop, cache=self, **web_server._kwargs)
+
+        server = await self._loop.create_server(factory, self.host, self.port, reuse_address=True, backlog=1024)
+        if server.sockets:
             self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         flusher = asyncio.create_task(self._flush_loop())
@@ -276,7 +400,10 @@ class HttpCache:
             await self._stop_ev.wait()
         finally:
             flusher.cancel()
+            server.close()
             await self._runner.cleanup()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 5)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -312,29 +439,54 @@ class HttpCache:
             peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
             if not self._allowed(peer):
                 return web.Response(status=403, text=f"client address {peer} is not allowed\n")
-            if not self._authorized(request):
-                return web.Response(status=401, text="authorization required\n",
+            conn = request.protocol if isinstance(request.protocol, _Conn) else None
+            key = peer or ""
+            if self.limit_conn and self._inflight.get(key, 0) >= self.limit_conn:
+                self.metrics.add("all.requests_refused")
+                resp = web.Response(status=503, text=f"more than {self.limit_conn} requests in progress from {peer}\n")
+                resp.force_close()
+                return resp
+            if not self._authorized(request):  # before any slot, before a byte of the body
+                resp = web.Response(status=401, text="authorization required\n",
                                     headers={"WWW-Authenticate": 'Basic realm="tb5sync"'})
-            async with self._sem:
-                return await handler(request)  # type: ignore[no-any-return]
+                if request.can_read_body:
+                    resp.force_close()
+                return resp
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+            if conn is not None:
+                conn.tb5_enter()
+            try:
+                async with (self._sem if request.method == "PUT" else self._rsem):
+                    return await handler(request)  # type: ignore[no-any-return]
+            finally:
+                if conn is not None:
+                    conn.tb5_leave()
+                n = self._inflight.get(key, 1) - 1
+                if n > 0:
+                    self._inflight[key] = n
+                else:
+                    self._inflight.pop(key, None)
         finally:
             self.metrics.observe(request.method, time.perf_counter() - t0)
 
     # ---- requests ----
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.match_info["tail"]
-        if path in ("metrics", "status") and request.method in ("GET", "HEAD"):
-            return await (self._metrics(request) if path == "metrics" else self._status(request))
+        path = path[:-1] if path.endswith("/") and path != "/" else path  # ccache's "directories"
+        kind, prefix, digest = route(path, self.bazel_instances)
+        if kind in RESERVED_ROUTES:
+            if path == kind and request.method in ("GET", "HEAD"):
+                return await (self._metrics(request) if kind == "metrics" else self._status(request))
+            return web.Response(status=405 if path == kind else 404, headers={"Allow": "GET, HEAD"})
+        if kind == "bad":
+            return web.Response(status=400, text=f"{digest}\n")
         try:
-            key = check_blob_key(path.strip("/") if path.endswith("/") else path)
+            key = check_blob_key(path)
         except UsageError as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        m = _BAZEL_RE.match(key)
-        if m is None and _BAZEL_NS_RE.match(key):
-            # Bazel's protocol names ac and cas entries by their SHA-256 (bazel-remote answers 400
-            # to anything else): such a key is not an opaque kv key that skips the digest check.
-            return web.Response(status=400, text=f"not a lowercase SHA-256 hex digest: {key.rsplit('/', 1)[1][:80]}\n")
-        kind = m.group("kind") if m else "kv"
+        m = _Bazel(prefix, digest) if digest is not None else None
+        if kind == "kv" and request.method == "PUT":
+            self._warn_undeclared_instance(path)
         if request.method in ("GET", "HEAD"):
             return await self._get(request, key, kind, m)
         if request.method == "PUT":
@@ -345,6 +497,17 @@ class HttpCache:
             gone = await self._run(delete_blob, self.store, key)
             return web.Response(status=200 if gone else 404)
         return web.Response(status=405, headers={"Allow": "GET, HEAD, PUT, DELETE"})
+
+    def _warn_undeclared_instance(self, path: str) -> None:
+        """Log once per first segment when a PUT to ``NAME/ac/<sha256>`` (Bazel's shape) is kept as an
+        opaque key because ``NAME`` was not declared with ``--bazel-instance``: its ActionResults then
+        go unchecked, which is what ccache's ``bazel`` layout needs and a Bazel URL prefix does not."""
+        first, _, rest = path.partition("/")
+        seg, _, name = rest.partition("/")
+        if seg in BAZEL_ROUTES and _SHA256_RE.match(name) and first not in self._warned_instances:
+            self._warned_instances.add(first)
+            log.warning("http cache: %s/%s/... is kept as opaque keys (no ActionResult check): if %r is a Bazel "
+                        "--remote_cache URL prefix, start the cache with --bazel-instance %s", first, seg, first, first)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.prometheus(), content_type="text/plain", charset="utf-8",
@@ -369,6 +532,8 @@ class HttpCache:
         held = await self._run(has_blobs, self.store, keys)
         if len(held) < len(set(keys)):
             return False
+        if not self.read_only:  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
+            await self._run(touch_blobs, self.store, keys)
         for h, _ in trees:
             if h == EMPTY_SHA256:
                 continue
@@ -383,9 +548,11 @@ class HttpCache:
             fkeys = [f"{prefix}cas/{fh}" for fh, _ in files if fh != EMPTY_SHA256]
             if fkeys and len(await self._run(has_blobs, self.store, fkeys)) < len(set(fkeys)):
                 return False
+            if fkeys and not self.read_only:
+                await self._run(touch_blobs, self.store, fkeys)
         return True
 
-    async def _get(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.StreamResponse:
+    async def _get(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.StreamResponse:
         head = request.method == "HEAD"
         if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
             self.metrics.add(f"{kind}.hits")
@@ -450,23 +617,57 @@ class HttpCache:
             await self._run(delete_blob, self.store, key)
         return web.Response(status=404)
 
-    async def _put(self, request: web.Request, key: str, kind: str, m: re.Match[str] | None) -> web.Response:
+    async def _put(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.Response:
         if self.read_only:
             self.metrics.add(f"{kind}.puts_refused")
             return web.Response(status=403, text="read-only cache\n")
         want = request.content_length
+        limit = self.entry_limit()
+        if want is not None and limit is not None and want > limit:
+            return self._too_large(request, kind, 413, want, limit)  # told up front: not a byte read
         sha = hashlib.sha256() if kind == "cas" else None
         mem = bytearray()
         spool: Any = None
         spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-http-{secrets.token_hex(8)}.body")
         got = 0
         try:
+            loop = asyncio.get_running_loop()
+            window = self.client_body_timeout
+            rate_need = max(1, int(self.client_body_min_rate * window))
+            win_start, win_got = loop.time(), 0
             try:
                 while True:
-                    piece = await asyncio.wait_for(request.content.read(READ_PIECE), self.idle_timeout)
+                    left = win_start + window - loop.time()
+                    try:
+                        piece: bytes | None = await asyncio.wait_for(request.content.read(READ_PIECE), max(left, 0.001))
+                    except asyncio.TimeoutError:
+                        piece = None
+                    now = loop.time()
+                    if piece:
+                        win_got += len(piece)
+                    if piece is None or now - win_start >= window:
+                        # one window is over: it must have brought the minimum rate's bytes (or the rest)
+                        need = rate_need if want is None else min(rate_need, max(1, want - (got + len(piece or b"")) + win_got))
+                        if win_got < need:
+                            self.metrics.add(f"{kind}.puts_cut")
+                            self.metrics.add("all.body_too_slow")
+                            log.info("http cache: upload of %s cut: %d bytes in %.1f s, below %d bytes/s",
+                                     key, win_got, window, self.client_body_min_rate)
+                            resp = web.Response(status=408, text=f"request body slower than {self.client_body_min_rate} bytes/s\n")
+                            resp.force_close()
+                            await resp.prepare(request)
+                            await resp.write_eof()
+                            if request.protocol is not None:  # not lingering on the rest: the peer is too slow
+                                request.protocol.force_close()
+                            return resp
+                        win_start, win_got = now, 0
+                    if piece is None:
+                        continue
                     if not piece:
                         break
                     got += len(piece)
+                    if limit is not None and got > limit:
+                        return self._too_large(request, kind, 507, got, limit)
                     if sha is not None:
                         sha.update(piece)
                     if spool is None and len(mem) + len(piece) <= SPOOL_MEMORY:
@@ -506,13 +707,17 @@ class HttpCache:
                 except ActionResultError as exc:
                     self.metrics.add(f"{kind}.puts_refused")
                     return web.Response(status=400, text=f"not an ActionResult: {exc}\n")
-            if spool is not None:
-                await spool.flush()
-                await spool.close()
-                spool = None
-                await self._run(put_blob, self.store, key, spool_path)
-            else:
-                await self._put_small(key, bytes(mem))
+            try:
+                if spool is not None:
+                    await spool.flush()
+                    await spool.close()
+                    spool = None
+                    await self._run(put_blob, self.store, key, spool_path)
+                else:
+                    await self._put_small(key, bytes(mem))
+            except EntryTooLargeError:
+                return self._too_large(request, kind, 507, got, self.entry_limit() or got)
+            self._recent.add(key)
             self.metrics.add(f"{kind}.puts")
             self.metrics.add(f"{kind}.bytes_received", got)
         finally:
@@ -522,6 +727,19 @@ class HttpCache:
                 os.unlink(spool_path)
         self._maybe_enforce_quota()
         return web.Response(status=200)
+
+    def entry_limit(self) -> int | None:
+        """Largest entry a PUT may store now (bytes): ``max_entry_size`` or the store's quota, the
+        smaller; None for no bound."""
+        bounds = [b for b in (self.max_entry_size, self.store.quota) if b is not None]
+        return min(bounds) if bounds else None
+
+    def _too_large(self, request: web.Request, kind: str, status: int, size: int, limit: int) -> web.Response:
+        self.metrics.add(f"{kind}.puts_too_large")
+        what = "the largest entry allowed" if limit == self.max_entry_size else "the cache's quota"
+        resp = web.Response(status=status, text=f"entry of {size} bytes or more is larger than {what} ({limit} bytes)\n")
+        resp.force_close()  # the rest of its body is not read
+        return resp
 
     async def _put_small(self, key: str, data: bytes) -> None:
         """Store an in-memory body with those that arrive while the previous batch is written (group
@@ -578,9 +796,10 @@ class HttpCache:
                         self._quota_running = False
                         return
                     self._quota_again = False
+                recent, self._recent = self._recent, set()  # the PUTs that asked for this check
                 try:
                     while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
-                        evicted = self.store.enforce_quota()
+                        evicted = self.store.enforce_quota(keep_blobs=recent)
                         self.metrics.add("all.evicted", len(evicted))
                         if not evicted:
                             break  # nothing evictable left (pinned refs); logged by enforce_quota

@@ -340,10 +340,34 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--no-ac-validation", action="store_true",
                    help="store /ac/ entries as opaque bytes (ccache's bazel layout), as bazel-remote's --disable_http_ac_validation")
     q.add_argument("--http-concurrency", type=int, default=64, metavar="N", help="requests served at once (default 64)")
+    q.add_argument("--bazel-instance", action="append", default=[], metavar="NAME", dest="bazel_instances",
+                   help="a first path segment that is a Bazel instance name (--remote_cache=http://HOST/NAME): "
+                        "/NAME/ac/ and /NAME/cas/ follow Bazel's rules (repeatable); other first segments are opaque client keys")
+    q.add_argument("--client-header-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="(http cache) a request head must arrive within this, from the accept or its first byte; "
+                        "else 408 and closed (nginx's client_header_timeout; default 60; 0: none)")
+    q.add_argument("--keepalive-timeout", type=float, default=75.0, metavar="SECONDS",
+                   help="(http cache) an idle connection is closed after this (nginx's keepalive_timeout; default 75; 0: none)")
+    q.add_argument("--client-body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="(http cache) the window of --client-body-min-rate: an upload that brings less in one window is "
+                        "cut, 408 (nginx's client_body_timeout, as a rate; default 60)")
+    q.add_argument("--client-body-min-rate", default="1K", metavar="BYTES",
+                   help="(http cache) bytes per second an upload must average over each --client-body-timeout window "
+                        "(default 1K; 0: any byte within the window)")
+    q.add_argument("--http-max-connections-per-address", type=int, default=512, metavar="N",
+                   help="(http cache) open connections, idle ones included, of one client address; past it 503 and "
+                        "closed (default 512; 0: no cap)")
+    q.add_argument("--limit-conn", type=int, default=128, metavar="N",
+                   help="(http cache) requests in progress of one client address; past it 503 (nginx's limit_conn; "
+                        "default 128; 0: no cap)")
+    q.add_argument("--max-entry-size", metavar="SIZE", default=None,
+                   help="largest cache entry accepted (e.g. 512M; default: the store's quota bounds it): a larger PUT is "
+                        "refused before it is stored, 413 when its Content-Length says so, else 507")
 
 
 def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     from tb5sync.cache.httpcache import HttpCache
+    from tb5sync.cli.store import parse_size
 
     from tb5sync.wire.urls import host_port
 
@@ -351,7 +375,12 @@ def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
     basic = _read_token(a.http_basic_file).decode() if a.http_basic_file else None
     bearer = _read_token(a.http_token_file).decode() if a.http_token_file else None
     cache = HttpCache(store, host, port, read_only=a.read_only, allow=a.allow, basic=basic, bearer=bearer,
-                      ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency)
+                      ac_validation=not a.no_ac_validation, concurrency=a.http_concurrency,
+                      bazel_instances=a.bazel_instances,
+                      max_entry_size=parse_size(a.max_entry_size) if a.max_entry_size is not None else None,
+                      client_header_timeout=a.client_header_timeout, keepalive_timeout=a.keepalive_timeout,
+                      client_body_timeout=a.client_body_timeout, client_body_min_rate=parse_size(a.client_body_min_rate),
+                      max_connections_per_address=a.http_max_connections_per_address, limit_conn=a.limit_conn)
     cache.start()
     print(f"tb5sync: http cache of {cache.store.path} on {host_port(host, cache.port)}", file=sys.stderr, flush=True)
     return cache

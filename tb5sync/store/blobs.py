@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 
 from tb5sync.errors import UsageError
 from tb5sync.engine.hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
-from tb5sync.store.index import require_indexed
+from tb5sync.store.index import check_entry_fits, require_indexed
 from tb5sync.store.writer import PackWriter, _drop_lease
 
 if TYPE_CHECKING:
     from tb5sync.store.index import StoreCore as Store
 
-__all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delete_blob", "blob_keys", "read_blob",
+__all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delete_blob", "blob_keys", "read_blob", "touch_blobs",
            "add_counters", "counters", "MAX_KEY"]
 
 #: Longest key accepted, in bytes of UTF-8.
@@ -92,11 +92,18 @@ def put_blob(store: Store, key: str, src: str | os.PathLike[str] | bytes) -> Blo
         Bad key.
     SourceChangedError
         The file changed while it was read.
+    EntryTooLargeError
+        The blob needs more stored bytes than ``store.quota`` (its size is checked first, its new
+        chunks as they are written): nothing is stored, nothing is evicted.
     """
 
     check_blob_key(key)
+    quota = getattr(store, "quota", None)
+    size0 = len(src) if isinstance(src, (bytes, bytearray, memoryview)) else os.stat(os.fspath(src)).st_size
+    check_entry_fits(quota, size0, f"blob {key!r}")
     lease = store.lease()
     writer = PackWriter(store, lease)
+    writer.limit = quota
     try:
         if isinstance(src, (bytes, bytearray, memoryview)):
             digest, refs = store.put_bytes(bytes(src), lease, writer)
@@ -131,10 +138,13 @@ def put_blobs(store: Store, items: list[tuple[str, bytes]]) -> list[BlobInfo]:
     ------
     UsageError
         A bad key (nothing is stored then).
+    EntryTooLargeError
+        One item alone is larger than ``store.quota`` (nothing is stored then).
     """
 
-    for key, _ in items:
+    for key, data in items:
         check_blob_key(key)
+        check_entry_fits(getattr(store, "quota", None), len(data), f"blob {key!r}")
     if not items:
         return []
     lease = store.lease()
@@ -171,6 +181,17 @@ def blob(store: Store, key: str, touch: bool = True) -> BlobInfo | None:
         with store._tx() as db:
             db.execute("UPDATE blobs SET last_used=? WHERE key=?", (now, key))
     return info
+
+
+def touch_blobs(store: Store, keys: list[str]) -> None:
+    """Record a use of each of ``keys`` now (the LRU order of quota eviction; within
+    :data:`TOUCH_GRACE` seconds of the last recorded use, nothing is written). 500 per statement."""
+    now = time.time()
+    with store._tx() as db:
+        for k in range(0, len(keys), 500):
+            part = keys[k : k + 500]
+            db.execute(f"UPDATE blobs SET last_used=? WHERE last_used<? AND key IN ({','.join('?' * len(part))})",
+                       (now, now - TOUCH_GRACE, *part))
 
 
 def has_blobs(store: Store, keys: list[str]) -> set[str]:

@@ -38,7 +38,11 @@ from tb5sync.store.writer import LEASE_TTL, PackWriter
 if TYPE_CHECKING:
     from tb5sync.store.index import StoreCore as Store
 
-__all__ = ["gc", "verify", "reindex", "enforce_quota", "gc_lock"]
+__all__ = ["gc", "verify", "reindex", "enforce_quota", "gc_lock", "QUOTA_LOW_WATER"]
+
+#: Over its quota, a store is evicted down to this fraction of it (the low-water mark), so the
+#: entries that follow fit without an eviction each.
+QUOTA_LOW_WATER = 0.9
 
 log = logging.getLogger(__name__)
 
@@ -324,15 +328,25 @@ def _read_pack(store: Store, pack: str) -> bytes:
     return store.packs.get_range(pack, 0, rows[0][0] if rows else 0)
 
 
-def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
-    """Evict unpinned refs and keyed blobs, least recently used first, until the live data fits ``store.quota``.
+def enforce_quota(store: Store, keep: str | None = None, keep_blobs: Iterable[str] = (),
+                  low_water: float = QUOTA_LOW_WATER) -> list[str]:
+    """Once the packs exceed ``store.quota``, evict unpinned refs and keyed blobs, least recently
+    used first, until the live data fits ``low_water`` of the quota (the low-water mark).
 
     The live size of a set of refs and blobs is the bytes of the distinct chunks they reach, framed
     as in a pack (counted incrementally: a chunk stops counting when the last unit reaching it goes).
-    Pinned refs, and ``keep`` (the ref whose put triggered this), are never evicted. Refs and blobs
-    are removed first, then :func:`gc` with ``repack_below=1.0`` deletes and repacks, so a ref or
-    blob left in the store never points at a missing chunk. A quota that pinned refs alone exceed
-    is logged and left exceeded.
+    Pinned refs, ``keep`` (the ref whose put triggered this) and the blobs ``keep_blobs`` (those
+    just written) are never evicted: an entry never evicts itself, and evicts only the least
+    recently used units it needs to. Refs and blobs are removed first, then :func:`gc` with
+    ``repack_below=1.0`` deletes and repacks, so a ref or blob left in the store never points at a
+    missing chunk. A quota that pinned refs (and the kept units) alone exceed is logged and left
+    exceeded; entries that can never fit are refused before they are stored
+    (:func:`tb5sync.store.index.check_entry_fits`).
+
+    Parameters
+    ----------
+    low_water : float
+        Fraction of the quota to evict down to (0 < low_water <= 1).
 
     Returns
     -------
@@ -356,8 +370,9 @@ def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
         except IntegrityError:
             reach = set()
         units.append((info.last_used, "ref", info.name, info.pinned or info.name == keep, reach))
+    kept = set(keep_blobs)
     for key, chunks, last_used in store._q("SELECT key, chunks, last_used FROM blobs"):
-        units.append((last_used, "blob", key, False, _blob_chunks([(chunks,)])))
+        units.append((last_used, "blob", key, key in kept, _blob_chunks([(chunks,)])))
         blob_seen[key] = last_used
     holders: dict[bytes, int] = {}
     for u in units:
@@ -366,8 +381,9 @@ def enforce_quota(store: Store, keep: str | None = None) -> list[str]:
     live = sum(sizes.get(d, 0) for d in holders) + 8
     evicted: list[str] = []
     blobs_out: list[str] = []
+    target = int(quota * min(1.0, max(0.0, low_water)))
     for last_used, kind, name, pinned, reach in sorted(units, key=lambda u: u[0]):
-        if live <= quota:
+        if live <= target:
             break
         if pinned:
             continue

@@ -14,15 +14,34 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tb5sync.errors import IntegrityError
-from tb5sync.store.packs import PackStorage
+from tb5sync.errors import EntryTooLargeError, IntegrityError
+from tb5sync.store.packs import FRAME_HEADER, PackStorage
 
 if TYPE_CHECKING:
     from tb5sync.engine.hashing import ChunkRef
     from tb5sync.store.manifest import Item
     from tb5sync.store.writer import Lease, PackWriter
 
-__all__ = ["PackIndex", "ChunkReader", "StoreCore", "require_indexed"]
+__all__ = ["PackIndex", "ChunkReader", "StoreCore", "require_indexed", "stored_size", "check_entry_fits"]
+
+
+def stored_size(lengths: Iterable[int]) -> int:
+    """Bytes that chunks of these ``lengths`` (each distinct) take in packs: each framed, plus one pack header."""
+    return sum(n + FRAME_HEADER for n in lengths) + 8
+
+
+def check_entry_fits(quota: int | None, need: int, what: str, limit: int | None = None) -> None:
+    """Refuse an entry that can never fit: ``need`` bytes (as :func:`stored_size` counts them, or a
+    body's length) over the store's ``quota`` or over ``limit`` (a cache's ``--max-entry-size``).
+
+    Raises
+    ------
+    EntryTooLargeError
+        ``need`` exceeds ``quota`` or ``limit`` (bytes); naming ``what``, the size and the bound.
+    """
+    for bound, name in ((limit, "the largest entry allowed"), (quota, "the store's quota")):
+        if bound is not None and need > bound:
+            raise EntryTooLargeError(f"{what} needs {need} bytes, more than {name} ({bound} bytes): refused, nothing evicted")
 
 
 class PackIndex(Protocol):

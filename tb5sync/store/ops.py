@@ -102,6 +102,7 @@ class StoreOps:
         if self._lease is None or self._lease.id != lease:
             self._lease = self.store.lease(lease)
             self._writer = PackWriter(self.store, self._lease)
+            self._writer.limit = self.store.quota  # a push that can never fit is refused as it arrives
         return self._lease
 
     @_hiding
@@ -142,7 +143,10 @@ class StoreOps:
 
     @_hiding
     def put_chunks(self, lease: str, chunks: list[list[Any]]) -> dict[str, Any]:
-        """Store ``[[digest, bytes], ...]`` under ``lease``; every chunk is checked first (``IntegrityError``)."""
+        """Store ``[[digest, bytes], ...]`` under ``lease``; every chunk is checked first (``IntegrityError``).
+
+        Chunks new to the store past its quota raise ``EntryTooLargeError`` before they are written
+        (the push can never fit); ``commit`` checks the whole ref again."""
         self._join(lease)
         assert self._writer is not None
         if not isinstance(chunks, list):

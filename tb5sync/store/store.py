@@ -47,7 +47,7 @@ from tb5sync.errors import IntegrityError, RefExistsError, RefNotFoundError, Ref
 from tb5sync.engine.hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buffer, file_digest, hash_pool, refs_to_blob
 from tb5sync.store.manifest import Item, decode_manifest, encode_manifest, walk
 from tb5sync.store.packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
-from tb5sync.store.index import require_indexed
+from tb5sync.store.index import check_entry_fits, require_indexed, stored_size
 from tb5sync.store.writer import LEASE_TTL, Lease, PackWriter, _drop_lease, _pid_alive
 
 __all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "default_store_path", "check_ref_name"]
@@ -538,13 +538,17 @@ class Store:
             ``name`` exists and ``replace`` is False.
         IntegrityError
             Some chunk of the manifest or of its files is not in the store.
+        EntryTooLargeError
+            The distinct chunks the ref reaches, framed as in a pack, exceed the store's quota
+            (:func:`tb5sync.store.gc.check_entry_fits`): the ref is not written, nothing is evicted.
         """
         check_ref_name(name)
         size = sum(it.size for it in items if it.kind == "f")
         files = sum(1 for it in items if it.kind == "f")
-        needed = {d for d, _ in mchunks}
+        needed = {d: n for d, n in mchunks}
         for it in items:
-            needed.update(d for d, _ in it.chunks)
+            needed.update(it.chunks)
+        check_entry_fits(self.quota, stored_size(needed.values()), f"ref {name!r}")
         now = time.time()
         with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
@@ -585,6 +589,10 @@ class Store:
             or ``name`` would nest with another ref (:meth:`nested_ref`).
         SourceChangedError
             A file changed while it was read.
+        EntryTooLargeError
+            The ref needs more stored bytes than the quota (checked as its new chunks are written
+            and, for all it reaches, before the ref is written): no ref is written, nothing is
+            evicted; what was written for it goes at the next gc.
 
         ``exclude`` takes rsync's exclude patterns (:class:`tb5sync.tree.excludes.ExcludeRules`).
         """
@@ -595,6 +603,7 @@ class Store:
             self.check_nesting(name)
         lease = self.lease()
         writer = PackWriter(self, lease)
+        writer.limit = self.quota  # new bytes past the quota: this ref can never fit
         small: list[tuple[Item, bytes]] = []  # small files read, waiting to be chunked and stored together
         small_bytes = 0
         try:
@@ -844,11 +853,12 @@ class Store:
 
         return reindex(self)
 
-    def enforce_quota(self, keep: str | None = None) -> list[str]:
-        """Evict unpinned refs, least recently used first, until the packs fit the quota; see :func:`tb5sync.store.gc.enforce_quota`."""
+    def enforce_quota(self, keep: str | None = None, keep_blobs: Iterable[str] = ()) -> list[str]:
+        """Over the quota, evict unpinned refs and blobs, least recently used first, down to the
+        low-water mark (never ``keep`` nor ``keep_blobs``); see :func:`tb5sync.store.gc.enforce_quota`."""
         from tb5sync.store.gc import enforce_quota
 
-        return enforce_quota(self, keep)
+        return enforce_quota(self, keep, keep_blobs)
 
     def stats(self) -> dict[str, Any]:
         """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts."""

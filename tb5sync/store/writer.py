@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 from tb5sync._os.io import durable_sync
+from tb5sync.store.index import check_entry_fits
 from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
@@ -76,8 +77,14 @@ class PackWriter:
     """Appends chunks to a new pack under a lease; a full pack is put in place and indexed.
 
     ``add`` skips a digest this writer already holds. ``placed`` lists, per finished pack,
-    ``(digest, pack, offset, length)`` of what it wrote.
+    ``(digest, pack, offset, length)`` of what it wrote. ``written`` counts the framed bytes it
+    added (bytes); with ``limit`` set (bytes: a store's quota), a chunk that would take ``written``
+    past it is refused with :class:`tb5sync.errors.EntryTooLargeError` before it is written: what
+    one writer adds is new to the store, so an entry needing more than the quota can never fit.
     """
+
+    #: Most framed bytes one writer may add (bytes), or None.
+    limit: int | None = None
 
     def __init__(self, store: PackIndex, lease: Lease) -> None:
         self.store = store
@@ -90,12 +97,16 @@ class PackWriter:
         self._pos = 0
         self._rows: list[tuple[bytes, str, int, int]] = []
         self._lock = threading.Lock()
+        self.written = 0
 
     def add(self, digest: bytes, data: bytes | memoryview) -> None:
         """Append one chunk (its digest already computed from these very bytes)."""
         with self._lock:
             if digest in self.known:
                 return
+            if self.limit is not None and self.written + FRAME_HEADER + len(data) + len(PACK_MAGIC) > self.limit:
+                check_entry_fits(self.limit, self.written + FRAME_HEADER + len(data) + len(PACK_MAGIC), "an entry")
+            self.written += FRAME_HEADER + len(data)
             if self._f is None:
                 self._id = secrets.token_hex(16)
                 self._tmp = os.path.join(self.store.tmp_dir, f"{os.getpid()}-{self._id}.tmp")
