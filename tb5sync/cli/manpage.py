@@ -110,9 +110,17 @@ def _positional_name(parser: argparse.ArgumentParser, action: argparse.Action) -
         else (action.metavar or action.dest.upper())
 
 
+#: Columns the usage lines are wrapped to.
+USAGE_WIDTH = 72
+
+
 def _usage(parser: argparse.ArgumentParser) -> str:
     """The usage line(s) ``--help`` shows, without ``usage:``, continuation lines indented by 4."""
-    text = parser.format_usage().strip()
+    # a formatter of a fixed width, not parser.format_usage(): that one reads $COLUMNS, and the
+    # committed man pages must not depend on the terminal that ran `make man`
+    f = argparse.HelpFormatter(parser.prog, width=USAGE_WIDTH)
+    f.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    text = f.format_help().strip()
     text = text[len("usage: "):] if text.startswith("usage: ") else text
     first, *rest = text.split("\n")
     return "\n".join([first, *("    " + ln.strip() for ln in rest)])
