@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 CORPUS  ?= .corpus
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check
+.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check docs man
 
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx ext/_write.pyx ext/_read.pyx ext/_bytes.pyx ext/_skim.pyx
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,23 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	TB5SYNC_PUREPYTHON=1 $(BIN)/python -m pytest -q tests/test_chunking.py tests/test_sync_local.py tests/test_nochange.py tests/test_small_reads.py \
 		tests/test_small_writes.py tests/test_receiver_jail.py tests/test_leftovers.py tests/test_readonly_dirs_vs_rsync.py tests/test_protocol.py
+
+## docs: the user guide into site/ with MkDocs (mkdocs build --strict: a broken link, a missing page or an
+## unreadable docstring fails it); the CLI reference in it is generated from the parsers at build time.
+## Installs the `docs` extra of pyproject.toml into .venv first.
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" > $(VENV)/docs-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/docs-requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+## man: the man pages (tb5sync.1, tb5sync-COMMAND.1) into man/ from the argparse parsers (tb5sync/cli/manpage.py);
+## commit them: the wheel installs them under share/man/man1, and tests/test_docs.py checks they are current
+man: $(STAMP)
+	$(BIN)/python -m tb5sync.cli.manpage man man
 
 ## fuzz: the fuzz targets of tests/test_fuzz.py (frame reader, handshakes, every message decoder)
 ## with FUZZ_EXAMPLES inputs each instead of the suite's 100
@@ -87,4 +104,4 @@ bench-short: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --short
 
 clean:
-	rm -rf $(VENV) build ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info
+	rm -rf $(VENV) build site ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info

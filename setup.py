@@ -8,6 +8,7 @@ that are ``bytes``, for tb5:// reads) from ``ext/_bytes.pyx``, and the msgpack s
 Set ``TB5SYNC_REQUIRE_CYTHON=1`` to make a failed extension build fatal (CI does);
 otherwise a failed build falls back to the pure-Python twins.
 """
+import glob
 import os
 import sys
 
@@ -49,4 +50,9 @@ def extensions():
     return cythonize([ext, scan, write, read, byt, skim], compiler_directives={"language_level": "3"})
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
+# The man pages (`make man` writes them into man/ from the argparse parsers; tests/test_docs.py
+# checks that the committed ones match): installed as share/man/man1 under the environment's prefix.
+MAN_PAGES = sorted(glob.glob("man/*.1"))
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt},
+      data_files=[("share/man/man1", MAN_PAGES)] if MAN_PAGES else [])
