@@ -361,7 +361,8 @@ def main() -> int:
         if ngx is not None:
             ngx.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
+    if result["latency"]:
+        print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
     for size, row in result["latency"].items():
         for name, r in row.items():
             p, g = r["PUT"], r["GET"]
