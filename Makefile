@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-stamp
 CORPUS  ?= .corpus
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check docs man
+.PHONY: demo test test-pure bench bench-short corpus clean fuzz soak dist-check docs man protos
 
 $(STAMP): pyproject.toml setup.py ext/_cdc.pyx ext/_gear.pxi ext/_scan.pyx ext/_write.pyx ext/_read.pyx ext/_bytes.pyx ext/_skim.pyx
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,11 @@ docs: $(DOCS_STAMP)
 ## commit them: the wheel installs them under share/man/man1, and tests/test_docs.py checks they are current
 man: $(STAMP)
 	$(BIN)/python -m tb5sync.cli.manpage man man
+
+## protos: regenerate the REAPI stubs tb5sync/cache/_reapi_pb/ from proto/ (grpcio-tools, the test extra);
+## tests/test_grpc_cache.py fails while the committed ones differ from what this writes
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
 
 ## fuzz: the fuzz targets of tests/test_fuzz.py (frame reader, handshakes, every message decoder)
 ## with FUZZ_EXAMPLES inputs each instead of the suite's 100

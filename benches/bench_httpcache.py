@@ -15,6 +15,12 @@ nginx with ``worker_processes 1``, ``dav_methods PUT DELETE``, ``create_full_put
    ``ccache gcc -O2 -c`` one after the other: with no remote (every compile runs), with the
    tb5sync remote and with the nginx remote (each populated by one build, then ``ccache -C``
    wipes the local cache and the rebuild is timed). Remote hits are read from ``ccache --print-stats``.
+4. **Bazel rebuild from cache, HTTP vs gRPC** (when ``bazel`` is installed): one workspace of
+   genrules (gcc compiles and several-MB outputs), built once against tb5sync's HTTP cache and once
+   against its gRPC face (``--grpc``, the same server process; the two workspaces differ by a salt
+   so each uploads its own entries), then ``bazel clean`` + rebuild, alternating HTTP and gRPC
+   ``--rounds`` times: median wall (s) and the server's CPU seconds (``/proc/PID/stat``) per rebuild,
+   and Bazel's "N remote cache hit" count.
 
 Output: a table on stdout and JSON in ``benches/results/bench-httpcache-<timestamp>.json``.
 """
@@ -89,9 +95,27 @@ def wait_port(port: int, timeout: float = 20.0) -> None:
 class Tb5Server:
     def __init__(self, work: str) -> None:
         self.port = free_port()
+        self.grpc_port = free_port()
         self.proc = subprocess.Popen([PY, "-m", "tb5sync.cli", "http-cache", os.path.join(work, "store"),
-                                      "--bind", f"127.0.0.1:{self.port}"], stderr=subprocess.PIPE, text=True)
+                                      "--bind", f"127.0.0.1:{self.port}", *self.grpc_args()],
+                                     stderr=subprocess.DEVNULL, text=True)
         wait_port(self.port)
+        if self.grpc_port:
+            wait_port(self.grpc_port)
+
+    def grpc_args(self) -> list[str]:
+        try:
+            import grpc  # noqa: F401
+        except ImportError:  # the grpc extra is not installed: no gRPC row
+            self.grpc_port = 0
+            return []
+        return ["--grpc", f"127.0.0.1:{self.grpc_port}"]
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) the server process has used."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -233,12 +257,82 @@ def ccache_rebuilds(work: str, srcs: list[tuple[str, list[str]]], remotes: dict[
     return res
 
 
+BAZEL_BUILD = '''
+genrule(name = "lib_o", srcs = ["lib.c", "lib.h"], outs = ["lib.o"], cmd = "gcc -O2 -c $(location lib.c) -o $@ # {salt}")
+genrule(name = "hello", srcs = ["main.c", "lib.h", ":lib_o"], outs = ["hello.bin"],
+        cmd = "gcc -O2 -I$$(dirname $(location lib.h)) $(location main.c) $(location :lib_o) -o $@ # {salt}")
+{blobs}
+genrule(name = "empty", outs = ["empty.txt"], cmd = "touch $@ # {salt}")
+filegroup(name = "all", srcs = [":hello", ":empty"] + [":blob%d" % i for i in range({n})])
+'''
+
+
+def bazel_workspace(work: str, salt: str, blobs: int) -> str:
+    ws = os.path.join(work, f"ws-{salt}")
+    os.makedirs(ws)
+    rules = "\n".join(f'genrule(name = "blob{i}", outs = ["blob{i}.bin"], cmd = "head -c {(i % 4 + 1) * 1500000} /dev/urandom > $@ # {salt}")'
+                      for i in range(blobs))
+    for name, text in (("WORKSPACE", ""), ("BUILD", BAZEL_BUILD.format(salt=salt, blobs=rules, n=blobs)),
+                       ("lib.h", "int add(int a, int b);\n"), ("lib.c", '#include "lib.h"\nint add(int a, int b) { return a + b; }\n'),
+                       ("main.c", '#include <stdio.h>\n#include "lib.h"\nint main(void) { printf("%d\\n", add(2, 3)); return 0; }\n')):
+        with open(os.path.join(ws, name), "w") as f:
+            f.write(text)
+    return ws
+
+
+def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int) -> dict[str, Any]:
+    """Median rebuild wall and server CPU per protocol, alternating (see the module docstring)."""
+    remotes = {"http": f"http://127.0.0.1:{tb5.port}"}
+    if tb5.grpc_port:
+        remotes["grpc"] = f"grpc://127.0.0.1:{tb5.grpc_port}"
+    spaces = {n: (bazel_workspace(work, n, blobs), ["bazel", f"--output_user_root={os.path.join(work, 'bzl-' + n)}"])
+              for n in remotes}
+
+    def build(name: str) -> str:
+        ws, bz = spaces[name]
+        r = subprocess.run(bz + ["build", f"--remote_cache={remotes[name]}", "--noshow_progress", "//:all"],
+                           cwd=ws, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"bazel build over {name} failed: {r.stderr[-2000:]}")
+        return r.stderr
+
+    res: dict[str, Any] = {n: {"wall": [], "server_cpu": [], "hits": []} for n in remotes}
+    try:
+        for name in remotes:
+            c0 = tb5.cpu()
+            t0 = time.perf_counter()
+            build(name)
+            res[name]["first_wall"] = time.perf_counter() - t0
+            res[name]["first_server_cpu"] = tb5.cpu() - c0
+        for _ in range(rounds):
+            for name in remotes:
+                ws, bz = spaces[name]
+                subprocess.run(bz + ["clean"], cwd=ws, check=True, capture_output=True, timeout=120)
+                c0 = tb5.cpu()
+                t0 = time.perf_counter()
+                err = build(name)
+                res[name]["wall"].append(time.perf_counter() - t0)
+                res[name]["server_cpu"].append(tb5.cpu() - c0)
+                m = re.search(r"INFO: (\d+) process.*?(\d+) remote cache hit", err)
+                res[name]["hits"].append(int(m.group(2)) if m else 0)
+                res[name]["processes_line"] = (re.search(r"INFO: \d+ process.*", err) or re.search("$", "")).group(0)
+    finally:
+        for ws, bz in spaces.values():
+            subprocess.run(bz + ["shutdown"], cwd=ws, capture_output=True, timeout=60)
+    for r in res.values():
+        r["median_wall"] = statistics.median(r["wall"]) if r["wall"] else None
+        r["median_server_cpu"] = statistics.median(r["server_cpu"]) if r["server_cpu"] else None
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--short", action="store_true", help="fewer requests and sources")
     ap.add_argument("--units", type=int, default=40, help="generated C units beside ext/*.c (default 40)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating Bazel rebuilds per protocol (default 5)")
+    ap.add_argument("--bazel-only", action="store_true", help="only the Bazel HTTP vs gRPC rows")
     a = ap.parse_args()
-    for tool in ("nginx", "ccache", "gcc"):
+    for tool in (("bazel", "gcc") if a.bazel_only else ("nginx", "ccache", "gcc")):
         if shutil.which(tool) is None:
             print(f"bench_httpcache: needs {tool} (apt-get install nginx-light ccache gcc)", file=sys.stderr)
             return 2
@@ -246,31 +340,45 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="bench-httpcache-")
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "latency": {}}
     tb5 = Tb5Server(work)
-    ngx = NginxServer(work)
+    ngx = NginxServer(work) if not a.bazel_only else None
     try:
+        if shutil.which("bazel") is not None and shutil.which("gcc") is not None:
+            result["bazel"] = bazel_rebuilds(work, tb5, 2 if a.short else a.rounds, 8 if a.short else 24)
+        if a.bazel_only:
+            plan = []
         for size, count in plan:
             for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
+                assert srv is not None
                 result["latency"].setdefault(str(size), {})[name] = latency(srv.port, size, count)
-        for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
+        for name, srv in (("tb5sync", tb5), ("nginx", ngx)) if ngx is not None else ():
             result.setdefault("concurrent_put_4k", {})[name] = concurrent_puts(srv.port, 4096, 200 if a.short else 800, 8)
-        srcs = sources(work, 10 if a.short else a.units)
-        result["ccache"] = ccache_rebuilds(work, srcs, {"none": None, "tb5sync": tb5.port, "nginx": ngx.port})
-        result["ccache_sources"] = len(srcs)
+        if ngx is not None:
+            srcs = sources(work, 10 if a.short else a.units)
+            result["ccache"] = ccache_rebuilds(work, srcs, {"none": None, "tb5sync": tb5.port, "nginx": ngx.port})
+            result["ccache_sources"] = len(srcs)
     finally:
         tb5.stop()
-        ngx.stop()
+        if ngx is not None:
+            ngx.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
+    if result["latency"]:
+        print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
     for size, row in result["latency"].items():
         for name, r in row.items():
             p, g = r["PUT"], r["GET"]
             print(f"{int(size):>9} {name:>8} | {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {p['mib_s']:8.1f} | "
                   f"{g['p50_ms']:8.2f} {g['p99_ms']:8.2f} {g['mib_s']:8.1f}")
-    for name, r in result["concurrent_put_4k"].items():
+    for name, r in result.get("concurrent_put_4k", {}).items():
         print(f"4 KiB PUTs from {r['clients']} connections at once, {name}: {r['requests_s']:.0f} requests/s")
-    print(f"ccache rebuild, empty local cache, {result['ccache_sources']} sources:")
-    for name, r in result["ccache"].items():
-        print(f"  {name:>8}: {r['seconds']:.2f} s (remote hits {r['remote_hits']}, misses {r['misses']})")
+    if "ccache" in result:
+        print(f"ccache rebuild, empty local cache, {result['ccache_sources']} sources:")
+        for name, r in result["ccache"].items():
+            print(f"  {name:>8}: {r['seconds']:.2f} s (remote hits {r['remote_hits']}, misses {r['misses']})")
+    if "bazel" in result:
+        print("Bazel rebuild from the tb5sync cache after bazel clean (median of alternating rounds):")
+        for name, r in result["bazel"].items():
+            print(f"  {name:>5}: wall {r['median_wall']:.2f} s, server CPU {r['median_server_cpu']:.2f} s "
+                  f"(first build {r['first_wall']:.2f} s, server CPU {r['first_server_cpu']:.2f} s); {r['processes_line']}")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"bench-httpcache-{re.sub(r'[^0-9T]', '', result['when'])}.json")
     with open(path, "w") as f:

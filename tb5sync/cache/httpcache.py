@@ -325,6 +325,7 @@ class HttpCache:
         self._quota_running = False
         self._quota_again = False
         self._quota_lock = threading.Lock()
+        self.grpc: Any = None  # its gRPC face (cache/grpccache.GrpcCache) when the command serves one
 
     # ---- life cycle ----
     def start(self) -> HttpCache:

@@ -185,6 +185,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         h.add_argument("--bind", default="127.0.0.1:8080", help="HOST:PORT to listen on (default 127.0.0.1:8080; port 0 picks one); HOST may be an interface name (bridge0:8080)")
         h.add_argument("--allow", action="append", default=[], metavar="CIDR|IFACE", help="client networks allowed, or an interface name for its subnets (repeatable)")
         h.add_argument("--read-only", action="store_true", help="serve hits, refuse PUT and DELETE (403)")
+        h.add_argument("--tls-cert", metavar="PEM", help="serve --grpc over TLS with this certificate chain (Bazel: grpcs://)")
+        h.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
         _http_cache_options(h)
 
     y = sub.add_parser("sync", help="make DST match SRC (rsync -a semantics)", parents=[common], add_help=False)
@@ -360,6 +362,9 @@ def _http_cache_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--limit-conn", type=int, default=128, metavar="N",
                    help="(http cache) requests in progress of one client address; past it 503 (nginx's limit_conn; "
                         "default 128; 0: no cap)")
+    q.add_argument("--grpc", metavar="HOST:PORT", default=None,
+                   help="also serve the Remote Execution API's cache services (Bazel's --remote_cache=grpc://HOST:PORT) "
+                        "over the same store, tokens and limits; TLS with --tls-cert/--tls-key (needs the grpc extra)")
     q.add_argument("--max-entry-size", metavar="SIZE", default=None,
                    help="largest cache entry accepted (e.g. 512M; default: the store's quota bounds it): a larger PUT is "
                         "refused before it is stored, 413 when its Content-Length says so, else 507")
@@ -383,7 +388,26 @@ def _http_cache(a: argparse.Namespace, store: Any, bind: str) -> Any:
                       max_connections_per_address=a.http_max_connections_per_address, limit_conn=a.limit_conn)
     cache.start()
     print(f"tb5sync: http cache of {cache.store.path} on {host_port(host, cache.port)}", file=sys.stderr, flush=True)
+    if a.grpc:
+        from tb5sync.cache.grpccache import GrpcCache
+
+        ghost, gport = _parse_bind(a.grpc)
+        try:
+            face = GrpcCache(cache, ghost, gport, tls_cert=a.tls_cert, tls_key=a.tls_key).start()
+        except BaseException:
+            cache.stop()
+            raise
+        cache.grpc = face  # stopped with it (_stop_cache)
+        print(f"tb5sync: grpc cache of {cache.store.path} on {host_port(ghost, face.port)}{' (TLS)' if face.tls else ''}",
+              file=sys.stderr, flush=True)
     return cache
+
+
+def _stop_cache(cache: Any) -> None:
+    face = getattr(cache, "grpc", None)
+    if face is not None:
+        face.stop()
+    cache.stop()
 
 
 def _cmd_http_cache(a: argparse.Namespace) -> int:
@@ -394,7 +418,7 @@ def _cmd_http_cache(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        cache.stop()
+        _stop_cache(cache)
     return 0
 
 
@@ -433,7 +457,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     finally:
         srv.stop()
         if cache is not None:
-            cache.stop()
+            _stop_cache(cache)
         if cache_store is not None:
             cache_store.close()
     return 0
