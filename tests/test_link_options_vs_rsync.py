@@ -528,3 +528,24 @@ def test_cli_flags(tmp_path: Any) -> None:
     p = cli(["sync", "-H", "-S", "--safe-links", "--link-dest", "../none", src + "/", str(tmp_path / "dst")])
     assert p.returncode == 0, p.stderr
     assert os.path.samefile(str(tmp_path / "dst" / "a"), str(tmp_path / "dst" / "b"))
+
+
+def test_safe_links_judges_dotdot_after_a_name_as_rsync_3_4(oh: OptHarness) -> None:
+    """rsync 3.4+ (CVE-2024-12088): a target with ``..`` after a name is unsafe, since that name
+    may be a link of the same transfer: ``d/via -> sub/parent/../..`` with ``d/sub/parent -> ..``
+    resolves above the top, though its lexical depth never goes below 0 (rsync 3.2.7 keeps it).
+    Also ``d/back -> sub/..`` (same place, ending in ``..``); ``d/ok -> ../f`` stays."""
+    os.makedirs(os.path.join(oh.src, "d", "sub"))
+    write(os.path.join(oh.src, "f"), b"f", 0o644, T0)
+    os.symlink("..", os.path.join(oh.src, "d", "sub", "parent"))
+    os.symlink("sub/parent/../..", os.path.join(oh.src, "d", "via"))
+    os.symlink("sub/..", os.path.join(oh.src, "d", "back"))
+    os.symlink("../f", os.path.join(oh.src, "d", "ok"))
+    freeze_dirs(oh.src, T0)
+    oh.run_opts("src/", "dst", ["--safe-links"], safe_links=True)
+    for r in ("local", "push", "pull"):
+        d = os.path.join(oh.dp[r], "dst", "d")
+        assert not os.path.lexists(os.path.join(d, "via")), r
+        assert not os.path.lexists(os.path.join(d, "back")), r
+        assert os.readlink(os.path.join(d, "ok")) == "../f", r
+        assert os.readlink(os.path.join(d, "sub", "parent")) == "..", r

@@ -1,0 +1,124 @@
+"""A hand-made hostile tb5sync server for the client's own checks (issue 21).
+
+Built from the product's own frames (``tb5sync.wire.protocol``, ``transport``, ``rpc``): it
+listens on 127.0.0.1 port 0, runs the server side of the handshake, answers OPEN and then serves
+requests with a *handler* the test chooses -- by default a real :class:`Sender` over a tree of
+the test's, made with whatever options the server likes (it ignores the client's), with any
+method overridden to send what an honest server never would. Nothing of the client is mocked.
+
+Use as a context manager; leaving it stops the accept loop and closes every connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import tb5sync.wire.protocol as P
+from tb5sync.roles.sender import Sender
+from tb5sync.tree.options import SyncOptions, known_options
+from tb5sync.wire.messages import SENDER_METHODS
+from tb5sync.wire.rpc import serve
+from tb5sync.wire.transport import Channel, server_handshake
+
+#: ``opened(msg) -> (reply, handler)``: what the server answers to an OPEN and who serves the rest
+Opener = Callable[[dict[str, Any]], "tuple[dict[str, Any], Any]"]
+
+
+def lying_sender(base: str, options: SyncOptions = SyncOptions(), **overrides: Callable[..., Any]) -> Opener:
+    """An opener serving ``base`` with a real Sender made with ``options`` (not the client's),
+    its methods replaced by ``overrides`` (``entries=lambda sender, dirs, skip=0: {...}``)."""
+
+    def opened(msg: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        sender = Sender(base, options)
+        sender.prepare()
+        for name, fn in overrides.items():
+            setattr(sender, name, (lambda f: lambda *a, **kw: f(sender, *a, **kw))(fn))
+        return {"kind": sender.kind, "options": known_options()}, sender
+
+    return opened
+
+
+class HostileServer:
+    """A server on 127.0.0.1:``port`` answering pull (and join) OPENs with ``opener``; other ops
+    get ``other(ch, msg)`` when given (it writes what it likes), else an ERROR."""
+
+    def __init__(self, opener: Opener, other: Callable[[Channel, dict[str, Any]], None] | None = None) -> None:
+        self.opener = opener
+        self.other = other
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self._sessions: dict[str, Any] = {}
+        self._chans: list[Channel] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._accept = threading.Thread(target=self._loop, name="hostile-accept", daemon=True)
+
+    def url(self, path: str = "") -> str:
+        return f"tb5://127.0.0.1:{self.port}/{path}"
+
+    def __enter__(self) -> HostileServer:
+        self._accept.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.lsock.shutdown(socket.SHUT_RDWR)
+        self.lsock.close()
+        with self._lock:
+            chans = list(self._chans)
+        for ch in chans:
+            ch.close()
+        self._accept.join(5)
+        for t in self._threads:
+            t.join(5)
+        assert not self._accept.is_alive() and not any(t.is_alive() for t in self._threads), "the hostile server hung"
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.lsock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._conn, args=(conn,), name="hostile-conn", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _conn(self, conn: socket.socket) -> None:
+        ch = Channel(conn, io_timeout=10)
+        with self._lock:
+            self._chans.append(ch)
+        try:
+            server_handshake(ch, None)
+            ch.max_payload = P.MAX_PAYLOAD
+            got = ch.recv_frame()
+            if got is None:
+                return
+            msg = P.decode_control(got[1])
+            if msg.get("op") == "join":
+                handler = self._sessions[msg["session"]]
+                ch.send_control(P.FrameType.RESPONSE, 0, {})
+            elif msg.get("op") == "pull":
+                reply, handler = self.opener(msg)
+                sid = secrets.token_hex(8)
+                self._sessions[sid] = handler
+                ch.send_control(P.FrameType.RESPONSE, 0, {"session": sid, **reply})
+            elif self.other is not None:
+                self.other(ch, msg)
+                return
+            else:
+                ch.send_control(P.FrameType.ERROR, 0, {"kind": "usage", "message": "not here"})
+                return
+            serve(ch, handler, SENDER_METHODS)
+        except Exception:  # the client hung up, or refused what it got: the server's end
+            pass
+        finally:
+            ch.close()

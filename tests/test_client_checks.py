@@ -1,0 +1,73 @@
+"""What the client checks on its own against a hostile server (issue 21, the client's half).
+
+Each hostile server here is :class:`hostile.HostileServer`: a hand-made server built from the
+product's frames on 127.0.0.1 port 0, serving a real tree through a Sender made with the
+options *it* likes, and sending what an honest server never would. The client is not mocked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hostile import HostileServer, lying_sender
+
+import tb5sync
+from tb5sync.tree.options import SyncOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def write(path: str, data: bytes = b"x") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def links_tree(src: str) -> None:
+    """A tree with safe and unsafe links (judged from ``src`` itself, the transfer's top)."""
+    write(os.path.join(src, "f"))
+    write(os.path.join(src, "d", "g"))
+    os.makedirs(os.path.join(src, "d", "sub"))
+    os.symlink("/etc", os.path.join(src, "abs"))
+    os.symlink("../../outside", os.path.join(src, "d", "up"))
+    os.symlink("f", os.path.join(src, "ok"))
+    os.symlink("../f", os.path.join(src, "d", "ok_up"))
+    os.symlink("..", os.path.join(src, "d", "sub", "parent"))  # d: safe
+    os.symlink("sub/parent/../..", os.path.join(src, "d", "via"))  # d/sub/parent/.. is the top; /.. above it
+
+
+def links_in(base: str) -> dict[str, str]:
+    out = {}
+    for d, dirs, names in os.walk(base):
+        for n in dirs + names:
+            p = os.path.join(d, n)
+            if os.path.islink(p):
+                out[os.path.relpath(p, base)] = os.readlink(p)
+    return out
+
+
+# ---- --safe-links: the receiving side judges what arrives ------------------------------------
+
+
+def test_safe_links_on_pull_from_a_server_that_ignores_it(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    links_tree(src)
+    with HostileServer(lying_sender(src, SyncOptions())) as hs:  # the server lists every link
+        tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"), safe_links=True)
+    got = links_in(str(tmp_path / "dst"))
+    assert got == {"ok": "f", "d/ok_up": "../f", "d/sub/parent": ".."}, got
+
+
+def test_safe_links_on_pull_judges_a_link_named_below_the_top(tmp_path: Path) -> None:
+    """Another input of the kind: a hostile server's listing of a source named without a slash
+    (the top is the source's parent): ``src/up2 -> ../..`` leaves it, ``src/in -> ../src/f`` not."""
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "f"))
+    os.symlink("../..", os.path.join(src, "up2"))
+    os.symlink("../src/f", os.path.join(src, "in"))
+    with HostileServer(lying_sender(src, SyncOptions())) as hs:
+        tb5sync.sync(hs.url("src"), str(tmp_path / "dst") + "/", safe_links=True)
+    assert links_in(str(tmp_path / "dst")) == {"src/in": "../src/f"}
