@@ -171,21 +171,37 @@ def set_xattrs(fd: int, want: list[tuple[bytes, bytes]], have: list[tuple[bytes,
 
 
 def unsafe_symlink(target: str, path: str) -> bool:
-    """rsync's unsafe symlink (``unsafe_symlink`` in its ``util.c``): ``target`` is absolute, or
-    leads out of the transferred tree from the link at ``path`` (relative to the transfer's
-    root, which is the source's parent when the source was named without a trailing slash).
+    """rsync's unsafe symlink as rsync 3.4+ judges it (``unsafe_symlink`` in its ``util1.c``):
+    ``target`` is absolute, or leads out of the transferred tree from the link at ``path``
+    (relative to the transfer's top, which is the source's parent when the source was named
+    without a trailing slash). The one rule every route uses: the sender's scan
+    (``--safe-links``, ``--copy-unsafe-links``) and the receiving side on what arrives
+    (:meth:`tb5sync.roles.generator.Generator`), whatever the sender did.
 
-    The depth of the link's directory is counted down by each ``..`` and up by each other name
-    of the target, in order; below 0 at any point is unsafe. An empty target is unsafe.
+    Unsafe:
+
+    - an empty or absolute target;
+    - a ``..`` after any other name of the target (``a/../x``, ``sub/..``): that name may be a
+      link of the same transfer (``d/via -> sub/parent/../..`` with ``sub/parent -> ..`` climbs
+      above the top though its lexical depth never does; CVE-2024-12088). rsync 3.4's code also
+      refuses ``../..`` (any target ending in ``/..``); here leading ``..`` are judged by depth;
+    - a target whose leading ``..`` climb above the top: the depth of the link's directory is
+      counted down by each ``..`` and up by each other name, in order; below 0 is unsafe.
+
+    With ``..`` only in front, each later name descends, and a name that is a link of the same
+    transfer is itself judged by this rule, so a safe link never resolves above the top through
+    other links of the transfer.
     """
     if not target or target.startswith("/"):
         return True
     depth = path.count("/")  # directories above the link, inside the tree
+    named = False
     for part in target.split("/"):
         if part == "..":
             depth -= 1
-            if depth < 0:
+            if named or depth < 0:
                 return True
         elif part not in ("", "."):
+            named = True
             depth += 1
     return False

@@ -359,7 +359,8 @@ class Generator:
         specials = [Entry(p, FILE, 0, -1, 0, "") for p, _ in dst_tree.skipped if p]
         dirty = {e.path.rpartition("/")[0] for e in specials}
         same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg and p not in dirty}
-        need = [p for p, _, _, _ in src_dirs if p not in same]
+        rules = o.rules
+        need = [p for p, _, _, _ in src_dirs if p not in same and not (p and (rules.match(p, True) or rules.excluded_by_parent(p)))]
         fetched = self._fetch_entries(need) if need else {}
         by_parent: dict[str, dict[str, Entry]] = {}
 
@@ -379,6 +380,7 @@ class Generator:
             if d and d.rpartition("/")[0] in same:
                 src.append(own_entry(d))
             src += fetched[d]
+        src = self._admitted(src)
         _check_parents(src, same)
         dst = dst_tree.entries[:1]
         for d, kids in dst_tree.children.items():
@@ -388,6 +390,33 @@ class Generator:
                 dst.append(own_entry(d))
             dst += kids
         return src, dst + specials
+
+    def _admitted(self, src: list[Entry]) -> list[Entry]:
+        """``src`` without what this side's options keep out, whatever the sender did (rsync 3.4+
+        checks on the receiving side): entries the exclude rules match (or below an excluded
+        directory), and with ``--safe-links`` or ``--copy-unsafe-links`` every unsafe symlink
+        (:func:`tb5sync._os.fsmeta.unsafe_symlink`, the rule the sender's scan applies; an unsafe
+        link that arrives was not copied as its referent, so it is left out). The root stays.
+        """
+        from tb5sync._os.fsmeta import unsafe_symlink
+
+        o = self.options
+        rules = o.rules
+        links = o.safe_links or o.copy_unsafe_links
+        if not rules and not links:
+            return src
+        top = o.exclude_root
+        out: list[Entry] = []
+        for e in src:
+            if e.path:
+                if rules and (rules.match(e.path, e.kind == DIR) or rules.excluded_by_parent(e.path)):
+                    log.info("ignoring %s: excluded, but the sender listed it", e.path)
+                    continue
+                if links and e.kind == LINK and unsafe_symlink(e.target, f"{top}/{e.path}" if top else e.path):
+                    log.info("ignoring unsafe symlink %s -> %s", e.path, e.target)
+                    continue
+            out.append(e)
+        return out
 
     def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
         """``--checksum``: for each regular file on both sides with the same size, whether the contents are equal.
