@@ -71,3 +71,56 @@ def test_safe_links_on_pull_judges_a_link_named_below_the_top(tmp_path: Path) ->
     with HostileServer(lying_sender(src, SyncOptions())) as hs:
         tb5sync.sync(hs.url("src"), str(tmp_path / "dst") + "/", safe_links=True)
     assert links_in(str(tmp_path / "dst")) == {"src/in": "../src/f"}
+
+
+# ---- excluded names: what the sender lists anyway is left out ---------------------------------
+
+
+def test_excluded_names_from_a_server_that_ignores_the_excludes(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "keep"))
+    write(os.path.join(src, "x.log"))
+    write(os.path.join(src, "d", "y.log"))
+    write(os.path.join(src, "cache", "blob"))
+    with HostileServer(lying_sender(src, SyncOptions())) as hs:
+        tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"), exclude=["*.log", "cache/"])
+    got = sorted(os.path.relpath(os.path.join(d, n), tmp_path / "dst") for d, ds, ns in os.walk(tmp_path / "dst") for n in ds + ns)
+    assert got == ["d", "keep"], got
+
+
+def test_anchored_exclude_and_delete_from_a_server_that_ignores_it(tmp_path: Path) -> None:
+    """Another input: an anchored pattern naming a directory of a source named without a slash,
+    with --delete: the excluded destination entry is neither replaced nor deleted."""
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "d", "secret"), b"from the server")
+    write(os.path.join(src, "d", "plain"))
+    write(str(tmp_path / "dst" / "src" / "d" / "secret"), b"mine")
+    with HostileServer(lying_sender(src, SyncOptions())) as hs:
+        tb5sync.sync(hs.url("src"), str(tmp_path / "dst") + "/", exclude=["/src/d/secret"], delete=True)
+    assert (tmp_path / "dst" / "src" / "d" / "secret").read_bytes() == b"mine"
+    assert (tmp_path / "dst" / "src" / "d" / "plain").exists()
+
+
+# ---- -X: only the namespaces this side copies ------------------------------------------------
+
+
+def _xattrs_page(sender: Any, dirs: Any, skip: int = 0) -> dict[str, Any]:
+    """The sender's real page, with a trusted.* and a security.* attribute on every entry."""
+    page = type(sender).entries(sender, dirs, skip)
+    page["xa"] = [[i, [[b"trusted.evil", b"1"], [b"security.evil", b"2"], [b"user.ok", b"3"]]] for i in range(len(page["entries"]))]
+    return page
+
+
+@pytest.mark.parametrize("xattrs", [True, False])
+def test_xattr_namespaces_from_a_hostile_server(tmp_path: Path, xattrs: bool) -> None:
+    """With -X only user.* names are set; without -X none, whatever the server sends."""
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "f"))
+    try:
+        os.setxattr(os.path.join(src, "f"), "user.probe", b"1")
+    except OSError:
+        pytest.skip("no user extended attributes here")
+    with HostileServer(lying_sender(src, SyncOptions(xattrs=True), entries=_xattrs_page)) as hs:
+        tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"), xattrs=xattrs)
+    names = sorted(os.listxattr(tmp_path / "dst" / "f"))
+    assert names == (["user.ok"] if xattrs else []), names
