@@ -124,3 +124,72 @@ def test_xattr_namespaces_from_a_hostile_server(tmp_path: Path, xattrs: bool) ->
         tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"), xattrs=xattrs)
     names = sorted(os.listxattr(tmp_path / "dst" / "f"))
     assert names == (["user.ok"] if xattrs else []), names
+
+
+# ---- bounds on what a server sends ---------------------------------------------------------
+
+
+def _endless_pages(sender: Any, dirs: Any, skip: int = 0) -> dict[str, Any]:
+    """``entries`` pages of 500 new files each, ``more: true`` forever."""
+    d = dirs[0]
+    pre = f"{d}/" if d else ""
+    return {"entries": [[f"{pre}f{skip + i:09d}", "file", 0o644, 1, 0, ""] for i in range(500)], "more": True}
+
+
+def _a_tree(src: str) -> None:
+    write(os.path.join(src, "f"))
+    write(os.path.join(src, "d", "g"))
+
+
+def _final_paths(base: Path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), base) for d, ds, ns in os.walk(base) for n in ds + ns) if base.exists() else []
+
+
+@pytest.mark.parametrize("limit", [{"max_entries": 5000}, {"max_listing_bytes": 4 << 20}])
+def test_endless_entries_pages_stop_at_the_clients_bound(tmp_path: Path, limit: dict[str, int]) -> None:
+    """A server answering ``entries`` with ``more: true`` forever: the pull stops at the client's
+    bound (exit 12, one line naming it and the option that raises it), nothing written."""
+    from tb5sync.errors import PeerLimitError
+
+    src = str(tmp_path / "src")
+    _a_tree(src)
+    with HostileServer(lying_sender(src, entries=_endless_pages)) as hs:
+        with pytest.raises(PeerLimitError) as ei:
+            tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"), **limit)
+    assert ei.value.exit_code == 12
+    msg = str(ei.value)
+    assert "\n" not in msg and "127.0.0.1" in msg and ("--max-entries" in msg or "--max-listing-bytes" in msg), msg
+    assert _final_paths(tmp_path / "dst") == []
+
+
+def test_client_listing_bound_defaults_to_the_servers(tmp_path: Path) -> None:
+    """Without options the client holds what a server would hold of a pushing peer."""
+    from tb5sync.errors import PeerLimitError
+    from tb5sync.wire.messages import MAX_ENTRIES
+
+    src = str(tmp_path / "src")
+    _a_tree(src)
+
+    def announce(sender: Any, start: int = 0) -> dict[str, Any]:  # a tree that claims too many directories
+        page = type(sender).tree(sender, start)
+        page["total"] = MAX_ENTRIES + 1
+        return page
+
+    with HostileServer(lying_sender(src, tree=announce)) as hs:
+        with pytest.raises(PeerLimitError, match="--max-entries"):
+            tb5sync.sync(hs.url("src/"), str(tmp_path / "dst"))
+    assert _final_paths(tmp_path / "dst") == []
+
+
+def test_cli_sync_max_entries_option(tmp_path: Path) -> None:
+    """``tb5sync sync --max-entries N``: exit 12 and one error line past it."""
+    import subprocess
+    import sys
+
+    src = str(tmp_path / "src")
+    _a_tree(src)
+    with HostileServer(lying_sender(src, entries=_endless_pages)) as hs:
+        p = subprocess.run([sys.executable, "-m", "tb5sync", "sync", "--max-entries", "2000", hs.url("src/"), str(tmp_path / "dst")],
+                           capture_output=True, text=True, timeout=50)
+    assert p.returncode == 12, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "--max-entries" in p.stderr, p.stderr
