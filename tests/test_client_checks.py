@@ -15,6 +15,7 @@ import pytest
 from hostile import HostileServer, lying_sender
 
 import tb5sync
+from tb5sync.tree.entry import FILE, Entry
 from tb5sync.tree.options import SyncOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,7 +134,7 @@ def _endless_pages(sender: Any, dirs: Any, skip: int = 0) -> dict[str, Any]:
     """``entries`` pages of 500 new files each, ``more: true`` forever."""
     d = dirs[0]
     pre = f"{d}/" if d else ""
-    return {"entries": [[f"{pre}f{skip + i:09d}", "file", 0o644, 1, 0, ""] for i in range(500)], "more": True}
+    return {"entries": [Entry(f"{pre}f{skip + i:09d}", FILE, 0o644, 1, 0, "").to_wire() for i in range(500)], "more": True}
 
 
 def _a_tree(src: str) -> None:
@@ -183,13 +184,11 @@ def test_client_listing_bound_defaults_to_the_servers(tmp_path: Path) -> None:
 
 def test_cli_sync_max_entries_option(tmp_path: Path) -> None:
     """``tb5sync sync --max-entries N``: exit 12 and one error line past it."""
-    import subprocess
-    import sys
+    from test_partial_vs_rsync import cli
 
     src = str(tmp_path / "src")
     _a_tree(src)
     with HostileServer(lying_sender(src, entries=_endless_pages)) as hs:
-        p = subprocess.run([sys.executable, "-m", "tb5sync", "sync", "--max-entries", "2000", hs.url("src/"), str(tmp_path / "dst")],
-                           capture_output=True, text=True, timeout=50)
+        p = cli(["sync", "--max-entries", "2000", hs.url("src/"), str(tmp_path / "dst")])
     assert p.returncode == 12, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "--max-entries" in p.stderr, p.stderr
