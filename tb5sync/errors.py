@@ -26,6 +26,7 @@ __all__ = [
     "LocalProtocolError",
     "RemoteProtocolError",
     "VersionMismatchError",
+    "PeerLimitError",
     "AuthError",
     "RefusedError",
     "ConnectError",
@@ -119,6 +120,13 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer sent bytes that violate the protocol (bad magic, absurd length, bad message)."""
+
+
+class PeerLimitError(RemoteProtocolError):
+    """What a peer sent goes past a bound this side holds it to (a server's listing past the
+    client's ``--max-entries``/``--max-listing-bytes``, a reply too large, a name or a link target
+    too long): exit 12, rsync's protocol error. The message names the bound, the peer and the
+    option that raises it, in one line; nothing partial is left at a final path."""
 
 
 class VersionMismatchError(ProtocolError):

@@ -231,6 +231,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         y.add_argument("--bwlimit", default=None, metavar="RATE",
                        help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
+        from tb5sync.wire.messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
+
+        y.add_argument("--max-entries", type=int, default=None, metavar="N",
+                       help=f"a pull holds at most N entries of the server's listing (directories and entries together); "
+                            f"past it the sync stops with exit 12, nothing written (default {MAX_ENTRIES}, as serve's)")
+        y.add_argument("--max-listing-bytes", type=int, default=None, metavar="BYTES",
+                       help=f"a pull holds at most BYTES of the server's listing ({ENTRY_COST} per entry plus {STRING_COST} per byte "
+                            f"of its path, link target and xattrs); past it exit 12 (default {MAX_LISTING_BYTES}, as serve's)")
         y.add_argument("--mkpath", action="store_true",
                        help="create the destination's missing parent directories (without it a missing parent fails "
                             "the sync, exit 11, as rsync 3)")
@@ -484,6 +492,8 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             bwlimit=a.bwlimit,
             mkpath=a.mkpath,  # the CLI: rsync's rule unless --mkpath (the API's default, None, makes parents)
             ip_version=a.ip_version,
+            max_entries=a.max_entries,
+            max_listing_bytes=a.max_listing_bytes,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
