@@ -192,3 +192,74 @@ def test_cli_sync_max_entries_option(tmp_path: Path) -> None:
         p = cli(["sync", "--max-entries", "2000", hs.url("src/"), str(tmp_path / "dst")])
     assert p.returncode == 12, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "--max-entries" in p.stderr, p.stderr
+
+
+# ---- peer strings on the terminal: control characters escaped as rsync does -----------------
+
+ESC_NAME = "a\x1b[31mred\x07"
+ESC_SHOWN = "a\\#033[31mred\\#007"  # rsync prints ESC as \#033 (its output_quoted / filtered_fwrite)
+
+
+def test_escaped_follows_rsyncs_rules() -> None:
+    from tb5sync._os.terminal import escaped
+
+    assert escaped(ESC_NAME) == ESC_SHOWN
+    assert escaped("tab\tstays") == "tab\tstays"
+    assert escaped("nl\nz") == "nl\\#012z"
+    assert escaped("caf\u00e9") == "caf\u00e9"  # valid UTF-8 printed as is
+    assert escaped("bad\udcffz") == "bad\\#377z"  # a byte that is not UTF-8
+    assert escaped("c1\u009bz") == "c1\\#302\\#233z"  # a C1 control (8-bit CSI): further than rsync
+    assert escaped(escaped(ESC_NAME)) == ESC_SHOWN  # once escaped, escaping again changes nothing
+
+
+def _esc_tree(src: str) -> None:
+    write(os.path.join(src, ESC_NAME))
+    os.symlink("\x1b]0;owned\x07", os.path.join(src, "lnk"))
+
+
+@pytest.mark.parametrize("flag", ["-v", "-i", "-n"])
+def test_sync_lines_escape_a_servers_names(tmp_path: Path, flag: str) -> None:
+    from test_partial_vs_rsync import cli
+
+    src = str(tmp_path / "src")
+    _esc_tree(src)
+    with HostileServer(lying_sender(src)) as hs:
+        p = cli(["sync", flag, hs.url("src/"), str(tmp_path / "dst")])
+    assert p.returncode == 0, p.stderr
+    assert "\x1b" not in p.stdout and "\x07" not in p.stdout, p.stdout
+    assert ESC_SHOWN in p.stdout, p.stdout
+
+
+def test_error_line_escapes_a_servers_message(tmp_path: Path) -> None:
+    """An ERROR frame's message holding ESC sequences: one escaped error line."""
+    from test_partial_vs_rsync import cli
+    from tb5sync.errors import UsageError
+
+    src = str(tmp_path / "src")
+    _a_tree(src)
+
+    def refuse(sender: Any, start: int = 0) -> dict[str, Any]:
+        raise UsageError("no \x1b[2J\x1b]0;pwned\x07 way")
+
+    with HostileServer(lying_sender(src, tree=refuse)) as hs:
+        p = cli(["sync", hs.url("src/"), str(tmp_path / "dst")])
+    assert p.returncode != 0
+    assert "\x1b" not in p.stderr and "\x07" not in p.stderr, p.stderr
+    assert "\\#033[2J" in p.stderr, p.stderr
+
+
+def test_ls_escapes_names_and_link_targets(tmp_path: Path) -> None:
+    from test_partial_vs_rsync import cli
+    from tb5sync.tree.entry import LINK
+
+    def ls_session(ch: Any, msg: dict[str, Any]) -> None:
+        import tb5sync.wire.protocol as P
+
+        entries = [Entry("", "d", 0o755, 0, 0, ""), Entry(ESC_NAME, FILE, 0o644, 1, 0, ""), Entry("l", LINK, 0o777, 3, 0, "\x1b]0;x\x07")]
+        ch.send_control(P.FrameType.RESPONSE, 0, {"entries": [e.to_wire() for e in entries]})
+
+    with HostileServer(lying_sender(str(tmp_path)), other=ls_session) as hs:
+        p = cli(["ls", hs.url("d")])
+    assert p.returncode == 0, p.stderr
+    assert "\x1b" not in p.stdout and "\x07" not in p.stdout, p.stdout
+    assert ESC_SHOWN in p.stdout and "-> \\#033]0;x\\#007" in p.stdout, p.stdout
