@@ -359,13 +359,25 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     kind = kind_of(src_abs)
     dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
-    if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
-        raise UsageError(f"destination {dst} is inside the source {src}")
-    created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), kind, mkpath=options.mkpath, dry_run=options.dry_run)
-    fresh = not os.path.lexists(dest)
-    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
+    # a destination inside its source is rsync's case too: the source is listed (Sender.prepare)
+    # before anything is written, so each run nests the tree one level more, as rsync's does
+    if dest == src_abs:
+        raise UsageError(f"destination {dst} is the source {src}")
     sender = Sender(src_abs, options)
     sender.prepare()
+    if (dest + "/").startswith(src_abs.rstrip("/") + "/"):  # inside the source: listed before it is made (rsync)
+        try:
+            sender.scanned()
+        except BaseException:
+            sender.close()
+            raise
+    try:
+        created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), kind, mkpath=options.mkpath, dry_run=options.dry_run)
+        fresh = not os.path.lexists(dest)
+        state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
+    except BaseException:
+        sender.close()
+        raise
     link = LocalLink(sender)
     try:
         stats = Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()
