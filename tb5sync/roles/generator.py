@@ -64,7 +64,7 @@ class ListingLimits(NamedTuple):
         """The error for a listing past a cap: ``what`` it went past, ``option`` the one raising it."""
         if self.peer is None:
             return UsageError(f"the source's {what} this server holds for one session ({option})")
-        return PeerLimitError(f"the listing from {self.peer} has {what} this client holds (raise it with sync {option})")
+        return PeerLimitError(f"from {self.peer}: the source's {what} this client holds (raise it with sync {option})")
 
 
 class Planned(NamedTuple):
