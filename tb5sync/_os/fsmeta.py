@@ -170,7 +170,7 @@ def set_xattrs(fd: int, want: list[tuple[bytes, bytes]], have: list[tuple[bytes,
     return changed
 
 
-def unsafe_symlink(target: str, path: str) -> bool:
+def unsafe_symlink(target: str, path: str, at: str | None = None) -> bool:
     """rsync's unsafe symlink as rsync 3.4+ judges it (``unsafe_symlink`` in its ``util1.c``):
     ``target`` is absolute, or leads out of the transferred tree from the link at ``path``
     (relative to the transfer's top, which is the source's parent when the source was named
@@ -191,6 +191,15 @@ def unsafe_symlink(target: str, path: str) -> bool:
     With ``..`` only in front, each later name descends, and a name that is a link of the same
     transfer is itself judged by this rule, so a safe link never resolves above the top through
     other links of the transfer.
+
+    Where the source can be seen (the sender's scan and a local sync pass ``at``, the link's path
+    in the file system as the scan reached it, through links it followed), a link is also unsafe
+    when it resolves (``realpath``, following every link on the way) elsewhere than its text
+    leads from where it is listed: below a link copied as its referent (``b_dir -> ../b``),
+    ``b_dir/c_dir -> ../c`` leads to ``b_dir/../c`` in the copy but resolves to ``b``'s sibling
+    ``c`` in the source, so it is unsafe and ``--copy-unsafe-links`` copies it (rsync's bug
+    #470 keeps it, dangling), while ``b_dir/in_b -> file`` resolves where its text leads and
+    stays a link. The receiving side, which sees only the listing, judges by the text alone.
     """
     if not target or target.startswith("/"):
         return True
@@ -204,4 +213,7 @@ def unsafe_symlink(target: str, path: str) -> bool:
         elif part not in ("", "."):
             named = True
             depth += 1
-    return False
+    if at is None:
+        return False
+    # the text only climbs in front, so the lexical join is where it leads in the copy
+    return os.path.realpath(at) != os.path.realpath(os.path.normpath(os.path.join(os.path.dirname(at), target)))

@@ -723,7 +723,7 @@ def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: li
         target = os.readlink(name, dir_fd=dfd)
     except OSError:
         return None  # vanished or replaced while scanning
-    unsafe = unsafe_symlink(target, f"{extras.prefix}/{rel}" if extras.prefix else rel)
+    unsafe = unsafe_symlink(target, f"{extras.prefix}/{rel}" if extras.prefix else rel, full)
     if not (extras.copy_links or (extras.copy_unsafe_links and unsafe)):
         if extras.safe_links and unsafe:
             log.info("ignoring unsafe symlink %s -> %s", full, target)
