@@ -122,3 +122,90 @@ class HostileServer:
             pass
         finally:
             ch.close()
+
+
+# ---- a hostile store server ------------------------------------------------------------------
+
+
+class LyingStore:
+    """Answers a store session's requests (``refs``, ``ref``, ``have``, ``chunks``) with one ref
+    ``name`` whose manifest is the raw bytes ``manifest`` (msgpack the test crafted, cut into
+    chunks of ``cut`` bytes), plus the file chunks ``blobs``; ``mchunks`` overrides the manifest's
+    announced chunk list (a ref claiming a huge manifest)."""
+
+    def __init__(self, name: str, manifest: bytes, blobs: list[bytes] = (), cut: int = 1 << 20,  # type: ignore[assignment]
+                 mchunks: list[tuple[bytes, int]] | None = None) -> None:
+        from tb5sync.engine.hashing import chunk_digest, file_digest, refs_to_blob
+
+        self.data: dict[bytes, bytes] = {}
+        parts = [manifest[i : i + cut] for i in range(0, len(manifest), cut)] or [b""]
+        refs = []
+        for p in parts:
+            d = chunk_digest(p)
+            self.data[d] = p
+            refs.append((d, len(p)))
+        for b in blobs:
+            self.data[chunk_digest(b)] = b
+        if mchunks is not None:
+            refs = mchunks
+        self.asked: list[bytes] = []
+        self.ref_wire = [name, file_digest(d for d, _ in refs), refs_to_blob(refs), 1.0e9, 0, 0, None, False]
+        self.name = name
+
+    def refs(self, prefix: str = "") -> dict[str, Any]:
+        return {"refs": [self.ref_wire] if self.name.startswith(prefix) else []}
+
+    def ref(self, name: str) -> dict[str, Any]:
+        if name != self.name:
+            from tb5sync.errors import RefNotFoundError
+
+            raise RefNotFoundError(f"no ref {name!r}")
+        return {"ref": self.ref_wire}
+
+    def have(self, digests: list[bytes], lease: str | None = None) -> dict[str, Any]:
+        return {"have": [d in self.data for d in digests]}
+
+    def chunks(self, digests: list[bytes]) -> tuple[dict[str, Any], list[Any]]:
+        self.asked += digests
+        parts = [self.data[d] for d in digests]
+        return {"lengths": [len(p) for p in parts]}, parts
+
+
+def store_server(ops: Any) -> HostileServer:
+    """A hostile server whose store sessions are answered by ``ops`` (a :class:`LyingStore`)."""
+    from tb5sync.wire.messages import STORE_METHODS
+
+    def other(ch: Channel, msg: dict[str, Any]) -> None:
+        if msg.get("op") != "store":
+            ch.send_control(P.FrameType.ERROR, 0, {"kind": "usage", "message": "not here"})
+            return
+        ch.send_control(P.FrameType.RESPONSE, 0, {"read_only": True})
+        try:
+            serve(ch, ops, STORE_METHODS)
+        except Exception:
+            pass
+
+    return HostileServer(lambda msg: ({}, None), other=other)
+
+
+def raw_manifest(entries: list[list[Any]]) -> bytes:
+    """Manifest bytes (format v1) holding ``entries`` as given: unsorted, duplicated, unsafe."""
+    import msgpack
+
+    return msgpack.packb({"v": 1, "entries": entries}, use_bin_type=True)
+
+
+def file_entry(path: bytes, data: bytes, mode: int = 0o644) -> list[Any]:
+    """A manifest entry of a one-chunk file holding ``data``."""
+    from tb5sync.engine.hashing import chunk_digest, file_digest, refs_to_blob
+
+    d = chunk_digest(data)
+    return [path, "f", mode, len(data), 1_000_000_000_000_000_000, None, file_digest([d]), refs_to_blob([(d, len(data))])]
+
+
+def dir_entry(path: bytes) -> list[Any]:
+    return [path, "d", 0o755, 0, 1_000_000_000_000_000_000, None, None, b""]
+
+
+def link_entry(path: bytes, target: bytes) -> list[Any]:
+    return [path, "l", 0o777, len(target), 1_000_000_000_000_000_000, target, None, b""]

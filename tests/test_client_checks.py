@@ -263,3 +263,149 @@ def test_ls_escapes_names_and_link_targets(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "\x1b" not in p.stdout and "\x07" not in p.stdout, p.stdout
     assert ESC_SHOWN in p.stdout and "-> \\#033]0;x\\#007" in p.stdout, p.stdout
+
+
+# ---- store pull, fan-out and store get: a ref manifest from a server is checked ----------------
+
+from hostile import LyingStore, dir_entry, file_entry, link_entry, raw_manifest, store_server  # noqa: E402
+
+
+def _pull(route: str, tmp_path: Path, url: str) -> dict[str, Any]:
+    """Pull ref ``r`` from ``url`` into the store ``tmp_path/st`` by ``route``."""
+    from tb5sync.store import Store
+
+    st = Store(str(tmp_path / "st"))
+    try:
+        if route == "pull":
+            from tb5sync.remote.storeclient import pull_ref
+            from tb5sync.wire.urls import parse_url
+
+            remote = parse_url(url)
+            assert remote is not None
+            return pull_ref(st, "r", remote, streams=2)
+        from tb5sync.remote.fanout import pull_fanout
+
+        return pull_fanout(st, "r", [url])
+    finally:
+        st.close()
+
+
+def _refs_in(tmp_path: Path) -> list[str]:
+    from tb5sync.store import Store
+
+    st = Store(str(tmp_path / "st"))
+    try:
+        return [r.name for r in st.refs("")]
+    finally:
+        st.close()
+
+
+_UNSAFE_MANIFESTS = {
+    "link-then-child": [dir_entry(b""), link_entry(b"a", b"/tmp"), file_entry(b"a/x", b"through the link")],
+    "file-then-child": [dir_entry(b""), file_entry(b"a", b"file"), file_entry(b"a/x", b"below a file")],
+    "root-link-child": [link_entry(b"", b"/tmp"), file_entry(b"x", b"below the root link")],
+    "duplicate": [dir_entry(b""), file_entry(b"a", b"one"), link_entry(b"a", b"/etc")],
+    "dotdot": [dir_entry(b""), file_entry(b"../x", b"up")],
+    "absolute": [dir_entry(b""), file_entry(b"/abs", b"abs")],
+    "long-name": [dir_entry(b""), file_entry(b"n" * 256, b"a name past NAME_MAX")],
+    "long-target": [dir_entry(b""), link_entry(b"l", b"t" * 4096)],
+}
+
+
+_BLOBS = [b"through the link", b"file", b"below a file", b"below the root link", b"one", b"up", b"abs", b"a name past NAME_MAX"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route", ["pull", "fanout"])
+@pytest.mark.parametrize("kind", sorted(_UNSAFE_MANIFESTS))
+def test_store_pull_refuses_an_unsafe_manifest(tmp_path: Path, route: str, kind: str) -> None:
+    """A server's ref whose manifest holds an unsafe entry: one-line error, exit 12, no ref."""
+    from tb5sync.errors import RemoteProtocolError
+
+    entries = _UNSAFE_MANIFESTS[kind]
+    with store_server(LyingStore("r", raw_manifest(entries), _BLOBS)) as hs:
+        with pytest.raises(RemoteProtocolError) as ei:
+            _pull(route, tmp_path, f"tb5://127.0.0.1:{hs.port}")
+    assert ei.value.exit_code == 12
+    assert "\n" not in str(ei.value) and "'r'" in str(ei.value), str(ei.value)
+    assert _refs_in(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route", ["pull", "fanout"])
+def test_store_pull_bounds_the_manifests_entries(tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More entries than the client holds (the bound lowered here to 1000): PeerLimitError."""
+    import tb5sync.store.manifest as M
+    from tb5sync.errors import PeerLimitError
+
+    monkeypatch.setattr(M, "PEER_MAX_ENTRIES", 1000)
+    entries = [dir_entry(b"")] + [dir_entry(b"d%06d" % i) for i in range(1001)]
+    with store_server(LyingStore("r", raw_manifest(entries))) as hs:
+        with pytest.raises(PeerLimitError) as ei:
+            _pull(route, tmp_path, f"tb5://127.0.0.1:{hs.port}")
+    assert ei.value.exit_code == 12 and "\n" not in str(ei.value), str(ei.value)
+    assert _refs_in(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route", ["pull", "fanout"])
+def test_store_pull_bounds_the_manifests_bytes_before_fetching(tmp_path: Path, route: str) -> None:
+    """A ref announcing a manifest of 4096 chunks of 1 MiB (past the client's bound): refused
+    before any chunk is asked for."""
+    from tb5sync.errors import PeerLimitError
+
+    ops = LyingStore("r", raw_manifest([dir_entry(b"")]), mchunks=[(bytes([i % 256]) * 31 + bytes([i // 256]), 1 << 20) for i in range(4096)])
+    with store_server(ops) as hs:
+        with pytest.raises(PeerLimitError) as ei:
+            _pull(route, tmp_path, f"tb5://127.0.0.1:{hs.port}")
+    assert ei.value.exit_code == 12 and "\n" not in str(ei.value), str(ei.value)
+    assert ops.asked == []
+    assert _refs_in(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_cli_store_pull_unsafe_manifest_one_line_exit_12(tmp_path: Path) -> None:
+    from test_partial_vs_rsync import cli
+
+    entries = _UNSAFE_MANIFESTS["link-then-child"]
+    with store_server(LyingStore("r", raw_manifest(entries), [b"through the link"])) as hs:
+        p = cli(["store", "pull", "r", f"tb5://127.0.0.1:{hs.port}", "--store", str(tmp_path / "st")])
+    assert p.returncode == 12, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link-then-child", "root-link-child", "file-then-child"])
+def test_store_get_never_writes_through_a_link_of_the_manifest(tmp_path: Path, kind: str) -> None:
+    """A crafted manifest committed into a local store (as a pull before these checks could):
+    ``store get`` writes nothing through the manifest's own links, nothing at the final path."""
+    from tb5sync.errors import Tb5syncError
+    from tb5sync.store import Store
+    from tb5sync.store.manifest import Item
+    from tb5sync.store.store import PackWriter
+    from tb5sync.engine.hashing import blob_to_refs, chunk_digest, file_digest
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    entries = [e if e[5] != b"/tmp" else [*e[:5], os.fsencode(str(outside)), *e[6:]] for e in _UNSAFE_MANIFESTS[kind]]
+    data = raw_manifest(entries)
+    st = Store(str(tmp_path / "st"))
+    try:
+        lease = st.lease()
+        w = PackWriter(st, lease)
+        d = chunk_digest(data)
+        w.add(d, data)
+        for payload in _BLOBS:
+            w.add(chunk_digest(payload), payload)
+        w.flush()
+        items = [Item(e[0], e[1], e[2], e[3], e[4], e[5], e[6], blob_to_refs(e[7])) for e in entries]
+        st.commit_ref(lease, "r", file_digest([d]), [(d, len(data))], items)
+        dest = tmp_path / "out"
+        with pytest.raises(Tb5syncError) as ei:
+            st.get("r", str(dest))
+    finally:
+        st.close()
+    assert "\n" not in str(ei.value)
+    assert not os.path.lexists(dest)
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(tmp_path)) == ["outside", "st"]  # no temporary tree left next to dest
