@@ -27,6 +27,7 @@ __all__ = [
     "RemoteProtocolError",
     "VersionMismatchError",
     "PeerLimitError",
+    "UnsafeManifestError",
     "AuthError",
     "RefusedError",
     "ConnectError",
@@ -127,6 +128,13 @@ class PeerLimitError(RemoteProtocolError):
     client's ``--max-entries``/``--max-listing-bytes``, a reply too large, a name or a link target
     too long): exit 12, rsync's protocol error. The message names the bound, the peer and the
     option that raises it, in one line; nothing partial is left at a final path."""
+
+
+class UnsafeManifestError(RemoteProtocolError):
+    """A ref manifest from a server or a fan-out source is malformed or holds an entry that could
+    leave, or write through, the directory it is materialised into (an absolute path, ``..``, a
+    duplicate, an entry below a file or a symlink): exit 12. The message names the ref, the source
+    and the entry, in one line; no ref is committed."""
 
 
 class VersionMismatchError(ProtocolError):
