@@ -209,3 +209,66 @@ def dir_entry(path: bytes) -> list[Any]:
 
 def link_entry(path: bytes, target: bytes) -> list[Any]:
     return [path, "l", 0o777, len(target), 1_000_000_000_000_000_000, target, None, b""]
+
+
+# ---- a hostile fs server (tb5:// through fsspec) ----------------------------------------------
+
+
+class LyingFs:
+    """A real :class:`~tb5sync.daemon.fsops.FsOps` over ``root`` (read-only) whose ``ls``/``find``
+    replies also list each name of ``extra`` (as given: ``..``, absolute, control characters),
+    every one served (``info``, ``cat``) as the real file ``as_file`` so a client that trusts the
+    listing would write it where the name leads."""
+
+    def __init__(self, root: str, extra: list[str], as_file: str) -> None:
+        from tb5sync.daemon.fsops import FsOps
+        from tb5sync.tree.state import TreeState
+
+        self.ops = FsOps(root, TreeState(root, writable=False), read_only=True)
+        self.extra, self.as_file = extra, as_file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ops, name)
+
+    def _map(self, path: str) -> str:
+        return self.as_file if path in self.extra else path
+
+    def _fake(self, name: str) -> dict[str, Any]:
+        info = dict(self.ops.info(self.as_file)["info"])
+        info["name"] = name
+        return info
+
+    def info(self, path: str) -> dict[str, Any]:
+        return {"info": self._fake(path)} if path in self.extra else self.ops.info(path)
+
+    def cat(self, path: str, start: int | None = None, end: int | None = None, expect: dict[str, Any] | None = None) -> Any:
+        return self.ops.cat(self._map(path), start, end, expect)
+
+    def cat_many(self, items: list[Any]) -> Any:
+        return self.ops.cat_many([[self._map(i[0]), *i[1:]] for i in items])
+
+    def ls(self, path: str) -> dict[str, Any]:
+        got = self.ops.ls(path)
+        return {"entries": got["entries"] + [self._fake(n) for n in self.extra], "more": None}
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False) -> dict[str, Any]:
+        got = self.ops.find(path, maxdepth, withdirs)
+        return {"entries": got["entries"] + [self._fake(n) for n in self.extra], "more": None}
+
+
+def fs_server(ops: Any) -> HostileServer:
+    """A hostile server whose fs sessions are answered by ``ops`` (a :class:`LyingFs`)."""
+    from tb5sync.daemon.fsops import args_from_wire
+    from tb5sync.wire.messages import FS_DATA_METHODS, FS_METHODS
+
+    def other(ch: Channel, msg: dict[str, Any]) -> None:
+        if msg.get("op") != "fs":
+            ch.send_control(P.FrameType.ERROR, 0, {"kind": "usage", "message": "not here"})
+            return
+        ch.send_control(P.FrameType.RESPONSE, 0, {"read_only": True, "pieces": True})
+        try:
+            serve(ch, ops, FS_METHODS, args_from_wire, data_methods=FS_DATA_METHODS)
+        except Exception:
+            pass
+
+    return HostileServer(lambda msg: ({}, None), other=other)
