@@ -28,6 +28,7 @@ __all__ = [
     "VersionMismatchError",
     "PeerLimitError",
     "UnsafeManifestError",
+    "UnsafeNameError",
     "AuthError",
     "RefusedError",
     "ConnectError",
@@ -135,6 +136,13 @@ class UnsafeManifestError(RemoteProtocolError):
     leave, or write through, the directory it is materialised into (an absolute path, ``..``, a
     duplicate, an entry below a file or a symlink): exit 12. The message names the ref, the source
     and the entry, in one line; no ref is committed."""
+
+
+class UnsafeNameError(RemoteProtocolError):
+    """A server's ``ls``/``find`` reply (``tb5://`` through fsspec) names an entry that is not a
+    safe path below the one asked for (absolute, ``..``, ``.``, an empty name, NUL, or elsewhere in
+    the tree), which a ``get`` would write outside its destination: exit 12, nothing written. The
+    message names the server, the path asked for and the name, escaped, in one line."""
 
 
 class VersionMismatchError(ProtocolError):
