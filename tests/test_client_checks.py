@@ -409,3 +409,63 @@ def test_store_get_never_writes_through_a_link_of_the_manifest(tmp_path: Path, k
     assert not os.path.lexists(dest)
     assert os.listdir(outside) == []
     assert sorted(os.listdir(tmp_path)) == ["outside", "st"]  # no temporary tree left next to dest
+
+
+# ---- --max-delete on pull: the client plans, so the limit holds whatever the server lists ---------
+
+
+def _all_below(base: Path) -> set[str]:
+    return {os.path.relpath(os.path.join(d, n), base) for d, ds, ns in os.walk(base) for n in ds + ns}
+
+
+def _dst_with_extras(tmp_path: Path) -> Path:
+    """A destination holding the source's ``f`` and ``d/g`` and 10 files the source lacks."""
+    dst = tmp_path / "dst"
+    write(str(dst / "f"))
+    write(str(dst / "d" / "g"))
+    for i in range(5):
+        write(str(dst / f"x{i}"))
+        write(str(dst / "d" / f"y{i}"))
+    return dst
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_max_delete_on_pull_from_a_server_listing_empty_directories(tmp_path: Path, n: int) -> None:
+    """A server whose ``entries`` pages say every directory is empty (its tree still names them):
+    the client deletes at most ``n`` entries and stops with exit 25."""
+    src = str(tmp_path / "src")
+    _a_tree(src)
+    dst = _dst_with_extras(tmp_path)
+    before = _all_below(dst)
+
+    def empty(sender: Any, dirs: Any, skip: int = 0) -> dict[str, Any]:
+        return {"entries": [], "more": False}
+
+    with HostileServer(lying_sender(src, entries=empty)) as hs:
+        with pytest.raises(tb5sync.DeleteLimitError) as ei:
+            tb5sync.sync(hs.url("src/"), str(dst), delete=True, max_delete=n)
+    assert ei.value.exit_code == 25
+    gone = before - _all_below(dst)
+    assert len(gone) == n, sorted(gone)
+    assert ei.value.stats.deletes_skipped > 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [0, 2])
+def test_max_delete_on_pull_counts_what_a_servers_replacement_clears(tmp_path: Path, n: int) -> None:
+    """Another input: the server lists the destination's directory ``d`` (6 files) as a symlink,
+    so the client must clear it to replace it: what it clears is counted against the limit,
+    the directory is not replaced while it is not empty."""
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "f"))
+    os.symlink("f", os.path.join(src, "d"))
+    dst = _dst_with_extras(tmp_path)
+    before = _all_below(dst)
+    with HostileServer(lying_sender(src)) as hs:
+        with pytest.raises(tb5sync.Tb5syncError) as ei:
+            tb5sync.sync(hs.url("src/"), str(dst), delete=True, max_delete=n)
+    assert ei.value.exit_code in (23, 25), ei.value
+    gone = before - _all_below(dst)
+    assert len(gone) <= n, sorted(gone)
+    assert os.path.isdir(dst / "d") and not os.path.islink(dst / "d")
