@@ -629,3 +629,30 @@ def test_copy_unsafe_links_link_through_a_copied_link_at_depth(tmp_path: Any, se
         with open(up, "rb") as fh:
             assert fh.read() == b"in c", r
         assert os.readlink(os.path.join(d, "b_dir", "e", "ok")) == "../file", r
+
+
+@pytest.mark.timeout(120)
+def test_safe_links_drops_a_link_that_resolves_outside_through_another(tmp_path: Any, server: Any) -> None:
+    """``--safe-links`` judged by where a link resolves too: ``x -> l/f`` and ``y -> l`` have safe
+    text but resolve outside the transfer through ``l -> ../outside`` (itself left out): left out on
+    every route (rsync 3.5.0 keeps them, dangling). ``ok -> to_d/g`` through the safe
+    ``to_d -> d`` resolves inside and stays."""
+    oh = OptHarness(tmp_path, server, routes=("local", "push", "pull"))
+    write(os.path.join(oh.src, "d", "g"), b"g", 0o644, T0)
+    write(os.path.join(oh.sp, "outside", "f"), b"outside", 0o644, T0)
+    os.symlink("../outside", os.path.join(oh.src, "l"))
+    os.symlink("l/f", os.path.join(oh.src, "x"))
+    os.symlink("l", os.path.join(oh.src, "y"))
+    os.symlink("d", os.path.join(oh.src, "to_d"))
+    os.symlink("to_d/g", os.path.join(oh.src, "ok"))
+    freeze_dirs(oh.src, T0)
+    oh.run_opts("src/", "dst", ["--safe-links"], safe_links=True)
+    for r in oh.routes:
+        d = os.path.join(oh.dp[r], "dst")
+        assert _dangling_or_outside(d) == [], r
+        assert links_of(d) == {"to_d": "d", "ok": "to_d/g"}, r
+
+
+def links_of(base: str) -> dict[str, str]:
+    return {os.path.relpath(os.path.join(dp, n), base): os.readlink(os.path.join(dp, n))
+            for dp, ds, ns in os.walk(base) for n in ds + ns if os.path.islink(os.path.join(dp, n))}
