@@ -170,7 +170,7 @@ def set_xattrs(fd: int, want: list[tuple[bytes, bytes]], have: list[tuple[bytes,
     return changed
 
 
-def unsafe_symlink(target: str, path: str, at: str | None = None) -> bool:
+def unsafe_symlink(target: str, path: str, at: str | None = None, top: str | None = None) -> bool:
     """rsync's unsafe symlink as rsync 3.4+ judges it (``unsafe_symlink`` in its ``util1.c``):
     ``target`` is absolute, or leads out of the transferred tree from the link at ``path``
     (relative to the transfer's top, which is the source's parent when the source was named
@@ -199,7 +199,11 @@ def unsafe_symlink(target: str, path: str, at: str | None = None) -> bool:
     ``b_dir/c_dir -> ../c`` leads to ``b_dir/../c`` in the copy but resolves to ``b``'s sibling
     ``c`` in the source, so it is unsafe and ``--copy-unsafe-links`` copies it (rsync's bug
     #470 keeps it, dangling), while ``b_dir/in_b -> file`` resolves where its text leads and
-    stays a link. The receiving side, which sees only the listing, judges by the text alone.
+    stays a link. With ``top`` too (the transfer's top in the file system: ``--safe-links``, which
+    leaves unsafe links out rather than copying them), a link that resolves outside ``top`` is
+    unsafe as well: ``x -> l/f`` through ``l -> ../outside`` (itself left out) would otherwise
+    dangle in the copy, or lead wherever an ``l`` already at the destination leads. The receiving
+    side, which sees only the listing, judges by the text alone.
     """
     if not target or target.startswith("/"):
         return True
@@ -216,4 +220,10 @@ def unsafe_symlink(target: str, path: str, at: str | None = None) -> bool:
     if at is None:
         return False
     # the text only climbs in front, so the lexical join is where it leads in the copy
-    return os.path.realpath(at) != os.path.realpath(os.path.normpath(os.path.join(os.path.dirname(at), target)))
+    real = os.path.realpath(at)
+    if real != os.path.realpath(os.path.normpath(os.path.join(os.path.dirname(at), target))):
+        return True
+    if top is None:
+        return False
+    inside = os.path.realpath(top)
+    return real != inside and not real.startswith(inside.rstrip(os.sep) + os.sep)
