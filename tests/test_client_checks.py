@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile import HostileServer, lying_sender
+from hostile import HostileServer, LyingStore, dir_entry, file_entry, link_entry, lying_sender, raw_manifest, store_server
 
 import tb5sync
 from tb5sync.tree.entry import FILE, Entry
@@ -266,9 +266,6 @@ def test_ls_escapes_names_and_link_targets(tmp_path: Path) -> None:
 
 
 # ---- store pull, fan-out and store get: a ref manifest from a server is checked ----------------
-
-from hostile import LyingStore, dir_entry, file_entry, link_entry, raw_manifest, store_server  # noqa: E402
-
 
 def _pull(route: str, tmp_path: Path, url: str) -> dict[str, Any]:
     """Pull ref ``r`` from ``url`` into the store ``tmp_path/st`` by ``route``."""
