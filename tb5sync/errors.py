@@ -26,6 +26,9 @@ __all__ = [
     "LocalProtocolError",
     "RemoteProtocolError",
     "VersionMismatchError",
+    "PeerLimitError",
+    "UnsafeManifestError",
+    "UnsafeNameError",
     "AuthError",
     "RefusedError",
     "ConnectError",
@@ -120,6 +123,27 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer sent bytes that violate the protocol (bad magic, absurd length, bad message)."""
+
+
+class PeerLimitError(RemoteProtocolError):
+    """What a peer sent goes past a bound this side holds it to (a server's listing past the
+    client's ``--max-entries``/``--max-listing-bytes``, a reply too large, a name or a link target
+    too long): exit 12, rsync's protocol error. The message names the bound, the peer and the
+    option that raises it, in one line; nothing partial is left at a final path."""
+
+
+class UnsafeManifestError(RemoteProtocolError):
+    """A ref manifest from a server or a fan-out source is malformed or holds an entry that could
+    leave, or write through, the directory it is materialised into (an absolute path, ``..``, a
+    duplicate, an entry below a file or a symlink): exit 12. The message names the ref, the source
+    and the entry, in one line; no ref is committed."""
+
+
+class UnsafeNameError(RemoteProtocolError):
+    """A server's ``ls``/``find`` reply (``tb5://`` through fsspec) names an entry that is not a
+    safe path below the one asked for (absolute, ``..``, ``.``, an empty name, NUL, or elsewhere in
+    the tree), which a ``get`` would write outside its destination: exit 12, nothing written. The
+    message names the server, the path asked for and the name, escaped, in one line."""
 
 
 class VersionMismatchError(ProtocolError):

@@ -248,3 +248,74 @@ def test_into_a_file_object(remote: Any, tmp_path: Path) -> None:
     with open(tmp_path / "obj.bin", "wb") as f:
         fs.get_file("big.bin", f)
     assert (tmp_path / "obj.bin").read_bytes() == (root / "big.bin").read_bytes()
+
+
+# ---- a hostile server's names in ls/find replies (issue 21) ------------------------------------
+
+
+def _hostile_root(tmp_path: Path) -> str:
+    root = tmp_path / "served"
+    (root / "dir" / "sub").mkdir(parents=True)
+    (root / "dir" / "sub" / "f.txt").write_bytes(b"below")
+    (root / "dir" / "top.txt").write_bytes(b"top")
+    return str(root)
+
+
+def _all_files(base: Path) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), base) for d, ds, ns in os.walk(base) for n in ds + ns)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["dir/../../evil", "dir/sub/../../../evil", "/abs/evil", "other/evil", "dir/a\x00b",
+                                  "dir//evil", "dir/./evil"])
+@pytest.mark.parametrize("how", ["get", "get-slash", "find"])
+def test_get_refuses_a_servers_name_leading_outside(tmp_path: Path, name: str, how: str) -> None:
+    """A name in a hostile server's ls/find replies that is not a safe path below the one asked
+    for: the get stops before anything is written (one line, exit 12), nothing outside the
+    destination, not even the destination."""
+    from hostile import LyingFs, fs_server
+
+    from tb5sync.errors import RemoteProtocolError
+    from tb5sync.fs.filesystem import TB5FileSystem
+
+    root = _hostile_root(tmp_path)
+    work = tmp_path / "work" / "a" / "b"
+    work.mkdir(parents=True)
+    with fs_server(LyingFs(root, [name], "dir/sub/f.txt")) as hs:
+        fs = TB5FileSystem(host="127.0.0.1", port=hs.port, skip_instance_cache=True)
+        try:
+            with pytest.raises(RemoteProtocolError) as ei:
+                if how == "find":
+                    fs.find("dir", withdirs=True)
+                else:
+                    fs.get("dir/" if how == "get-slash" else "dir", str(work / "dst"), recursive=True)
+        finally:
+            fs._holder.close()
+    assert ei.value.exit_code == 12
+    msg = str(ei.value)
+    assert "\n" not in msg and "\x00" not in msg and "127.0.0.1" in msg, msg
+    assert _all_files(tmp_path / "work") == ["a", "a/b"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["dir/\x1b[31mred\x07", "dir/sub/nl\nname", "dir/\u009bcsi"])
+def test_get_of_a_servers_control_character_names_stays_inside(tmp_path: Path, name: str) -> None:
+    """Another input of the kind: names holding control characters are names like any other:
+    written below the destination under that name, nothing outside it."""
+    from hostile import LyingFs, fs_server
+
+    from tb5sync.fs.filesystem import TB5FileSystem
+
+    root = _hostile_root(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    with fs_server(LyingFs(root, [name], "dir/sub/f.txt")) as hs:
+        fs = TB5FileSystem(host="127.0.0.1", port=hs.port, skip_instance_cache=True)
+        try:
+            fs.get("dir", str(work / "dst"), recursive=True)
+        finally:
+            fs._holder.close()
+    got = _all_files(work)
+    assert all(p == "dst" or p.startswith("dst/") for p in got), got
+    assert (work / "dst" / name[len("dir/"):]).read_bytes() == b"below"
+    assert (work / "dst" / "sub" / "f.txt").read_bytes() == b"below"

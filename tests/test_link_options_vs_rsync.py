@@ -528,3 +528,131 @@ def test_cli_flags(tmp_path: Any) -> None:
     p = cli(["sync", "-H", "-S", "--safe-links", "--link-dest", "../none", src + "/", str(tmp_path / "dst")])
     assert p.returncode == 0, p.stderr
     assert os.path.samefile(str(tmp_path / "dst" / "a"), str(tmp_path / "dst" / "b"))
+
+
+def test_safe_links_judges_dotdot_after_a_name_as_rsync_3_4(oh: OptHarness) -> None:
+    """rsync 3.4+ (CVE-2024-12088): a target with ``..`` after a name is unsafe, since that name
+    may be a link of the same transfer: ``d/via -> sub/parent/../..`` with ``d/sub/parent -> ..``
+    resolves above the top, though its lexical depth never goes below 0 (rsync 3.2.7 keeps it).
+    Also ``d/back -> sub/..`` (same place, ending in ``..``); ``d/ok -> ../f`` stays."""
+    os.makedirs(os.path.join(oh.src, "d", "sub"))
+    write(os.path.join(oh.src, "f"), b"f", 0o644, T0)
+    os.symlink("..", os.path.join(oh.src, "d", "sub", "parent"))
+    os.symlink("sub/parent/../..", os.path.join(oh.src, "d", "via"))
+    os.symlink("sub/..", os.path.join(oh.src, "d", "back"))
+    os.symlink("../f", os.path.join(oh.src, "d", "ok"))
+    freeze_dirs(oh.src, T0)
+    oh.run_opts("src/", "dst", ["--safe-links"], safe_links=True)
+    for r in ("local", "push", "pull"):
+        d = os.path.join(oh.dp[r], "dst", "d")
+        assert not os.path.lexists(os.path.join(d, "via")), r
+        assert not os.path.lexists(os.path.join(d, "back")), r
+        assert os.readlink(os.path.join(d, "ok")) == "../f", r
+        assert os.readlink(os.path.join(d, "sub", "parent")) == "..", r
+
+
+# ---- --copy-unsafe-links judged by where a link resolves (rsync's open bug #470) -------------
+
+
+def _nested_unsafe_tree(sp: str, src: str) -> None:
+    """``src/b_dir -> ../b`` (outside the transfer: copied as a directory); inside ``b``,
+    ``c_dir -> ../c`` (lexically safe from ``b_dir/``, but it resolves to ``sp/c``, outside),
+    ``back -> ../src/f`` (resolves inside the transfer, but not where its text leads from
+    ``b_dir/``), ``in_b -> file`` (resolves inside the copied directory, where its text leads)."""
+    write(os.path.join(src, "f"), b"top file", 0o644, T0)
+    write(os.path.join(sp, "b", "file"), b"in b", 0o644, T0)
+    write(os.path.join(sp, "c", "cf"), b"in c", 0o644, T0)
+    os.symlink("../c", os.path.join(sp, "b", "c_dir"))
+    os.symlink("../src/f", os.path.join(sp, "b", "back"))
+    os.symlink("file", os.path.join(sp, "b", "in_b"))
+    os.symlink("../b", os.path.join(src, "b_dir"))
+    os.symlink("b_dir/c_dir", os.path.join(src, "via"))  # safe text; resolves through b_dir, which is copied
+    freeze_dirs(src, T0)
+
+
+def _dangling_or_outside(base: str) -> list[str]:
+    """The symlinks under ``base`` that dangle or resolve outside it."""
+    out = []
+    real = os.path.realpath(base)
+    for d, dirs, names in os.walk(base):
+        for n in dirs + names:
+            p = os.path.join(d, n)
+            if os.path.islink(p):
+                r = os.path.realpath(p)
+                if not os.path.exists(p) or not (r == real or r.startswith(real + os.sep)):
+                    out.append(os.path.relpath(p, base))
+    return sorted(out)
+
+
+@pytest.mark.timeout(120)
+def test_copy_unsafe_links_judges_nested_links_by_where_they_resolve(tmp_path: Any, server: Any) -> None:
+    """Better than rsync (bug #470, rsync 3.5.0 leaves ``b_dir/c_dir`` dangling): a link below a
+    copied unsafe link is copied when it resolves elsewhere than its text leads in the copy, and
+    kept when it leads to the same place; on every route nothing dangles or leads outside."""
+    oh = OptHarness(tmp_path, server, routes=("local", "push", "pull"))
+    _nested_unsafe_tree(oh.sp, oh.src)
+    oh.run_opts("src/", "dst", ["--copy-unsafe-links"], copy_unsafe_links=True)
+    for r in oh.routes:
+        d = os.path.join(oh.dp[r], "dst")
+        assert _dangling_or_outside(d) == [], r
+        assert not os.path.islink(os.path.join(d, "b_dir")), r
+        assert not os.path.islink(os.path.join(d, "b_dir", "c_dir")), r
+        with open(os.path.join(d, "b_dir", "c_dir", "cf"), "rb") as fh:
+            assert fh.read() == b"in c", r
+        assert not os.path.islink(os.path.join(d, "b_dir", "back")), r
+        with open(os.path.join(d, "b_dir", "back"), "rb") as fh:
+            assert fh.read() == b"top file", r
+        assert os.readlink(os.path.join(d, "b_dir", "in_b")) == "file", r
+        assert os.readlink(os.path.join(d, "via")) == "b_dir/c_dir", r
+
+
+@pytest.mark.timeout(120)
+def test_copy_unsafe_links_link_through_a_copied_link_at_depth(tmp_path: Any, server: Any) -> None:
+    """Another input of the kind: two levels below the copied link (``b_dir/e/up -> ../../c/cf``,
+    lexically inside the copy, resolves to ``sp/c/cf``): copied as a file, and a link two levels
+    down that stays in the copied directory (``b_dir/e/ok -> ../file``) kept."""
+    oh = OptHarness(tmp_path, server, routes=("local", "push", "pull"))
+    write(os.path.join(oh.src, "f"), b"top file", 0o644, T0)
+    write(os.path.join(oh.sp, "b", "file"), b"in b", 0o644, T0)
+    write(os.path.join(oh.sp, "c", "cf"), b"in c", 0o644, T0)
+    os.makedirs(os.path.join(oh.sp, "b", "e"))
+    os.symlink("../../c/cf", os.path.join(oh.sp, "b", "e", "up"))
+    os.symlink("../file", os.path.join(oh.sp, "b", "e", "ok"))
+    os.symlink("../b", os.path.join(oh.src, "b_dir"))
+    freeze_dirs(oh.src, T0)
+    oh.run_opts("src/", "dst", ["--copy-unsafe-links"], copy_unsafe_links=True)
+    for r in oh.routes:
+        d = os.path.join(oh.dp[r], "dst")
+        assert _dangling_or_outside(d) == [], r
+        up = os.path.join(d, "b_dir", "e", "up")
+        assert not os.path.islink(up), r
+        with open(up, "rb") as fh:
+            assert fh.read() == b"in c", r
+        assert os.readlink(os.path.join(d, "b_dir", "e", "ok")) == "../file", r
+
+
+@pytest.mark.timeout(120)
+def test_safe_links_drops_a_link_that_resolves_outside_through_another(tmp_path: Any, server: Any) -> None:
+    """``--safe-links`` judged by where a link resolves too: ``x -> l/f`` and ``y -> l`` have safe
+    text but resolve outside the transfer through ``l -> ../outside`` (itself left out): left out on
+    every route (rsync 3.5.0 keeps them, dangling). ``ok -> to_d/g`` through the safe
+    ``to_d -> d`` resolves inside and stays."""
+    oh = OptHarness(tmp_path, server, routes=("local", "push", "pull"))
+    write(os.path.join(oh.src, "d", "g"), b"g", 0o644, T0)
+    write(os.path.join(oh.sp, "outside", "f"), b"outside", 0o644, T0)
+    os.symlink("../outside", os.path.join(oh.src, "l"))
+    os.symlink("l/f", os.path.join(oh.src, "x"))
+    os.symlink("l", os.path.join(oh.src, "y"))
+    os.symlink("d", os.path.join(oh.src, "to_d"))
+    os.symlink("to_d/g", os.path.join(oh.src, "ok"))
+    freeze_dirs(oh.src, T0)
+    oh.run_opts("src/", "dst", ["--safe-links"], safe_links=True)
+    for r in oh.routes:
+        d = os.path.join(oh.dp[r], "dst")
+        assert _dangling_or_outside(d) == [], r
+        assert links_of(d) == {"to_d": "d", "ok": "to_d/g"}, r
+
+
+def links_of(base: str) -> dict[str, str]:
+    return {os.path.relpath(os.path.join(dp, n), base): os.readlink(os.path.join(dp, n))
+            for dp, ds, ns in os.walk(base) for n in ds + ns if os.path.islink(os.path.join(dp, n))}

@@ -170,22 +170,60 @@ def set_xattrs(fd: int, want: list[tuple[bytes, bytes]], have: list[tuple[bytes,
     return changed
 
 
-def unsafe_symlink(target: str, path: str) -> bool:
-    """rsync's unsafe symlink (``unsafe_symlink`` in its ``util.c``): ``target`` is absolute, or
-    leads out of the transferred tree from the link at ``path`` (relative to the transfer's
-    root, which is the source's parent when the source was named without a trailing slash).
+def unsafe_symlink(target: str, path: str, at: str | None = None, top: str | None = None) -> bool:
+    """rsync's unsafe symlink as rsync 3.4+ judges it (``unsafe_symlink`` in its ``util1.c``):
+    ``target`` is absolute, or leads out of the transferred tree from the link at ``path``
+    (relative to the transfer's top, which is the source's parent when the source was named
+    without a trailing slash). The one rule every route uses: the sender's scan
+    (``--safe-links``, ``--copy-unsafe-links``) and the receiving side on what arrives
+    (:meth:`tb5sync.roles.generator.Generator`), whatever the sender did.
 
-    The depth of the link's directory is counted down by each ``..`` and up by each other name
-    of the target, in order; below 0 at any point is unsafe. An empty target is unsafe.
+    Unsafe:
+
+    - an empty or absolute target;
+    - a ``..`` after any other name of the target (``a/../x``, ``sub/..``): that name may be a
+      link of the same transfer (``d/via -> sub/parent/../..`` with ``sub/parent -> ..`` climbs
+      above the top though its lexical depth never does; CVE-2024-12088). rsync 3.4's code also
+      refuses ``../..`` (any target ending in ``/..``); here leading ``..`` are judged by depth;
+    - a target whose leading ``..`` climb above the top: the depth of the link's directory is
+      counted down by each ``..`` and up by each other name, in order; below 0 is unsafe.
+
+    With ``..`` only in front, each later name descends, and a name that is a link of the same
+    transfer is itself judged by this rule, so a safe link never resolves above the top through
+    other links of the transfer.
+
+    Where the source can be seen (the sender's scan and a local sync pass ``at``, the link's path
+    in the file system as the scan reached it, through links it followed), a link is also unsafe
+    when it resolves (``realpath``, following every link on the way) elsewhere than its text
+    leads from where it is listed: below a link copied as its referent (``b_dir -> ../b``),
+    ``b_dir/c_dir -> ../c`` leads to ``b_dir/../c`` in the copy but resolves to ``b``'s sibling
+    ``c`` in the source, so it is unsafe and ``--copy-unsafe-links`` copies it (rsync's bug
+    #470 keeps it, dangling), while ``b_dir/in_b -> file`` resolves where its text leads and
+    stays a link. With ``top`` too (the transfer's top in the file system: ``--safe-links``, which
+    leaves unsafe links out rather than copying them), a link that resolves outside ``top`` is
+    unsafe as well: ``x -> l/f`` through ``l -> ../outside`` (itself left out) would otherwise
+    dangle in the copy, or lead wherever an ``l`` already at the destination leads. The receiving
+    side, which sees only the listing, judges by the text alone.
     """
     if not target or target.startswith("/"):
         return True
     depth = path.count("/")  # directories above the link, inside the tree
+    named = False
     for part in target.split("/"):
         if part == "..":
             depth -= 1
-            if depth < 0:
+            if named or depth < 0:
                 return True
         elif part not in ("", "."):
+            named = True
             depth += 1
-    return False
+    if at is None:
+        return False
+    # the text only climbs in front, so the lexical join is where it leads in the copy
+    real = os.path.realpath(at)
+    if real != os.path.realpath(os.path.normpath(os.path.join(os.path.dirname(at), target))):
+        return True
+    if top is None:
+        return False
+    inside = os.path.realpath(top)
+    return real != inside and not real.startswith(inside.rstrip(os.sep) + os.sep)

@@ -58,6 +58,8 @@ def sync(
     bwlimit: int | float | str | None = None,
     mkpath: bool | None = None,
     ip_version: int | None = None,
+    max_entries: int | None = None,
+    max_listing_bytes: int | None = None,
 ) -> SyncStats:
     """Make ``dst`` match ``src``, with ``rsync -a`` semantics.
 
@@ -145,6 +147,12 @@ def sync(
     ip_version : {4, 6} or None
         Reach the server over IPv4 or IPv6 only (rsync ``-4``/``-6``); a host without an address
         of that family is a :class:`~tb5sync.errors.ConnectError` saying so. None: either.
+    max_entries, max_listing_bytes : int or None
+        A pull's bounds on the server's listing: entries (directories and entries together) and
+        bytes held (704 per entry plus 3 per byte of its path, link target and xattrs), as a
+        server bounds a pushing client's (``serve --max-entries/--max-listing-bytes``); None: the
+        server's defaults (3,000,000 entries, 2 GiB). Past one: :class:`~tb5sync.errors.PeerLimitError`
+        (exit 12), nothing written. Not used by a push or a local sync.
 
     Returns
     -------
@@ -189,6 +197,11 @@ def sync(
     from tb5sync.engine.chunking import warn_if_pure_python
 
     warn_if_pure_python()
+    for name, v in (("max_entries", max_entries), ("max_listing_bytes", max_listing_bytes)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ArgumentTypeError(f"sync(): {name} must be an int or None, not {type(v).__name__} {v!r:.80}")
+        if v is not None and v < 1:
+            raise UsageError(f"sync(): {name} must be 1 or more, not {v}")
     src_s, dst_s = os.fspath(src), os.fspath(dst)
     if not src_s or not dst_s:
         raise UsageError("source and destination must not be empty")
@@ -223,7 +236,8 @@ def sync(
         raise UsageError("both source and destination are remote; one side must be local")
     sdir = None if state_dir is None else os.path.abspath(os.fspath(state_dir))
     if rsrc is not None:
-        stats = pull(rsrc, dst_s, options, token=token, progress=progress, state_dir=sdir, timeout=timeout, tls_ca=tls_ca)
+        stats = pull(rsrc, dst_s, options, token=token, progress=progress, state_dir=sdir, timeout=timeout, tls_ca=tls_ca,
+                     max_entries=max_entries, max_listing_bytes=max_listing_bytes)
     elif rdst is not None:
         stats = push(src_s, rdst, options, token=token, progress=progress, timeout=timeout, tls_ca=tls_ca)
     else:
@@ -345,13 +359,25 @@ def _local(src: str, dst: str, options: SyncOptions, progress: ProgressFn | None
     kind = kind_of(src_abs)
     dst_abs = follow_dest_link(os.path.abspath(dst))  # its state too is the directory's
     dest = dest_base(dst_abs, dst.endswith("/"), source_name(src), kind)
-    if dest == src_abs or dest.startswith(src_abs.rstrip("/") + "/") and kind == DIR:
-        raise UsageError(f"destination {dst} is inside the source {src}")
-    created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), kind, mkpath=options.mkpath, dry_run=options.dry_run)
-    fresh = not os.path.lexists(dest)
-    state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
+    # a destination inside its source is rsync's case too: the source is listed (Sender.prepare)
+    # before anything is written, so each run nests the tree one level more, as rsync's does
+    if dest == src_abs:
+        raise UsageError(f"destination {dst} is the source {src}")
     sender = Sender(src_abs, options)
     sender.prepare()
+    if (dest + "/").startswith(src_abs.rstrip("/") + "/"):  # inside the source: listed before it is made (rsync)
+        try:
+            sender.scanned()
+        except BaseException:
+            sender.close()
+            raise
+    try:
+        created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), kind, mkpath=options.mkpath, dry_run=options.dry_run)
+        fresh = not os.path.lexists(dest)
+        state, prefix = local_state(dest, dst_abs, kind, writable=not options.dry_run, state_dir=state_dir)
+    except BaseException:
+        sender.close()
+        raise
     link = LocalLink(sender)
     try:
         stats = Receiver(dest, link, options, state, prefix, progress, fresh_base=fresh).run()

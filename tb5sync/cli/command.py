@@ -22,9 +22,20 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from tb5sync._os.terminal import say
+
 __all__ = ["main", "run", "build_parser"]
 
 log = logging.getLogger("tb5sync")
+
+
+class _EscapedFormatter(logging.Formatter):
+    """Log lines through :func:`tb5sync._os.terminal.escaped` (they quote names and peers' messages)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # the message; a traceback stays as it is
+        from tb5sync._os.terminal import escaped
+
+        return escaped(super().formatMessage(record))
 
 
 def _read_token(path: str | None, env: bool = True) -> bytes | None:
@@ -233,6 +244,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         y.add_argument("--bwlimit", default=None, metavar="RATE",
                        help="limit the sending side to RATE (KiB/s, or with a suffix: 512b, 100K, 4M, 1.5G; 0: unlimited)")
 
+        from tb5sync.wire.messages import ENTRY_COST, MAX_ENTRIES, MAX_LISTING_BYTES, STRING_COST
+
+        y.add_argument("--max-entries", type=int, default=None, metavar="N",
+                       help=f"a pull holds at most N entries of the server's listing (directories and entries together); "
+                            f"past it the sync stops with exit 12, nothing written (default {MAX_ENTRIES}, as serve's)")
+        y.add_argument("--max-listing-bytes", type=int, default=None, metavar="BYTES",
+                       help=f"a pull holds at most BYTES of the server's listing ({ENTRY_COST} per entry plus {STRING_COST} per byte "
+                            f"of its path, link target and xattrs); past it exit 12 (default {MAX_LISTING_BYTES}, as serve's)")
         y.add_argument("--mkpath", action="store_true",
                        help="create the destination's missing parent directories (without it a missing parent fails "
                             "the sync, exit 11, as rsync 3)")
@@ -490,6 +509,8 @@ def _verbose_names(itemized: Sequence[str]) -> list[str]:
     return out
 
 
+
+
 def _cmd_sync(a: argparse.Namespace) -> int:
     from tb5sync.tree.options import LINK_OPTIONS
     from tb5sync.api.sync import sync
@@ -537,6 +558,8 @@ def _cmd_sync(a: argparse.Namespace) -> int:
             bwlimit=a.bwlimit,
             mkpath=a.mkpath,  # the CLI: rsync's rule unless --mkpath (the API's default, None, makes parents)
             ip_version=a.ip_version,
+            max_entries=a.max_entries,
+            max_listing_bytes=a.max_listing_bytes,
         )
     except PartialTransferError as exc:
         partial, stats = exc, exc.stats
@@ -546,9 +569,9 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     from tb5sync.tree.entry import show_path
 
     for path, what in stats.skipped:  # rsync without -D: 'skipping non-regular file "p"'
-        print(f"tb5sync: skipping non-regular file {show_path(path) or '.'!r} ({what})", file=sys.stderr)
+        say(f"tb5sync: skipping non-regular file {show_path(path) or '.'!r} ({what})", sys.stderr)
     for f in stats.failures:  # one line per entry not synced, as rsync names them
-        print(f"tb5sync: {f.line()}", file=sys.stderr)
+        say(f"tb5sync: {f.line()}", sys.stderr)
     if stats.deletes_skipped:  # rsync's words
         print(f"tb5sync: Deletions stopped due to --max-delete limit ({stats.deletes_skipped} skipped)", file=sys.stderr)
     changes = stats.extra.get("changes") if a.dry_run and not a.itemize_changes else None
@@ -562,18 +585,18 @@ def _cmd_sync(a: argparse.Namespace) -> int:
     else:
         if a.itemize_changes or names or changes is not None:  # rsync -v / -i / -n -v: "created directory DST" first
             for line in stats.created:
-                print(line)
+                say(line)
         for line in (_verbose_names(stats.itemized) if names else stats.itemized):  # -i: rsync's lines, dry run or not
-            print(line)
+            say(line)
         if changes is not None:  # -n: the change list, as rsync -n -v lists it
             if "lines" in changes:
                 for line in changes["lines"]:
-                    print(line)
+                    say(line)
             else:  # an older server's push: the paths only
                 for path in changes.get("delete", []):
-                    print(f"deleting {path}")
+                    say(f"deleting {path}")
                 for path in changes.get("transfer", []):
-                    print(path)
+                    say(path)
     if a.stats and not a.json:
         secs = stats.seconds or 1e-9
         prefix = "would transfer" if a.dry_run else "transferred"
@@ -611,7 +634,7 @@ def _cmd_ls(a: argparse.Namespace) -> int:
         when = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(e.mtime_ns / 1e9))
         name = show_path(e.path or os.path.basename(r.path.rstrip("/")))
         tail = f" -> {show_path(e.target)}" if e.kind == "l" else ""
-        print(f"{_stat.filemode(kind | e.mode)} {e.size:>14,} {when} {name}{tail}")
+        say(f"{_stat.filemode(kind | e.mode)} {e.size:>14,} {when} {name}{tail}")
     return 0
 
 
@@ -754,6 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     level = logging.WARNING - 10 * min(a.verbose, 2)
     logging.basicConfig(level=level, format="tb5sync: %(message)s", stream=sys.stderr)
+    for h in logging.getLogger().handlers:  # log lines quote peers' names and messages: escaped as every line
+        h.setFormatter(_EscapedFormatter("tb5sync: %(message)s"))
     from tb5sync.errors import Tb5syncError
 
     def _cmd_store(a: argparse.Namespace) -> int:
@@ -780,7 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             set_chunk_threads(a.chunk_threads)
         return handlers[a.command](a)
     except Tb5syncError as exc:
-        print(f"tb5sync: error: {exc}", file=sys.stderr)
+        say(f"tb5sync: error: {exc}", sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:  # SIGINT, SIGTERM or SIGHUP: what was being written was removed on the way out
         if a.command in ("serve", "http-cache"):  # a daemon asked to stop (even before it served): status 0
@@ -792,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 141
     except OSError as exc:
-        print(f"tb5sync: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", file=sys.stderr)
+        say(f"tb5sync: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", sys.stderr)
         return 11
     finally:
         for signum, handler in restore.items():

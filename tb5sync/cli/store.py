@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+from tb5sync._os.terminal import say
+
 __all__ = ["add_store_parser", "run_store", "parse_size"]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -328,9 +330,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if a.json:
                 print(json.dumps(res))
             elif unchanged:
-                print(f"{info.name}: same content already; nothing to do")
+                say(f"{info.name}: same content already; nothing to do")
             else:
-                print(f"{info.name}: {_count(info.files, 'file')}, {_fmt(info.size)}, "
+                say(f"{info.name}: {_count(info.files, 'file')}, {_fmt(info.size)}, "
                       f"{_fmt(max(0, res['new_bytes']))} new, {dt:.2f} s ({info.size / max(dt, 1e-9) / 1e9:.2f} GB/s)")
         elif c == "get":
             st.get(a.ref, a.dest, replace=a.force, hardlink=a.hardlink)
@@ -355,7 +357,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 print(json.dumps([{"status": k, "path": p} for k, p in d]))
             else:
                 for k, p in d:
-                    print(f"{k} {p}")
+                    say(f"{k} {p}")
         elif c in ("pin", "unpin"):
             for r in a.refs:
                 st.pin(r, c == "pin")
@@ -366,10 +368,10 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             else:
                 for name, r in rep["refs"].items():
                     state = "ok" if r["ok"] else f"DAMAGED ({r['missing']} missing, {r['damaged']} damaged chunks)"
-                    print(f"{name}: {state}")
+                    say(f"{name}: {state}")
                 for p, why in rep["bad_packs"].items():
-                    print(f"pack {p}: {why}")
-                print(f"checked {rep['chunks']} indexed chunks ({rep['frames']} frames in {rep['packs']} packs, "
+                    say(f"pack {p}: {why}")
+                say(f"checked {rep['chunks']} indexed chunks ({rep['frames']} frames in {rep['packs']} packs, "
                       f"{_fmt(rep['bytes'])}): {'ok' if rep['ok'] else 'DAMAGE FOUND'}")
             if not rep["ok"]:
                 return 13
@@ -380,12 +382,12 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if a.json:
                 print(json.dumps(res))
             else:
-                print(f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
+                say(f"deleted {res['chunks_deleted']} chunks, {res['packs_deleted']} packs, repacked "
                       f"{res['packs_repacked']}, removed {res['orphans']} orphans; freed {_fmt(res['bytes_freed'])}")
                 for b in res.get("blocked_by") or []:
                     since = _when(b["since"]) if b.get("since") else "?"
                     what = f"kept {b['chunks']} chunks no ref reaches" if "chunks" in b else "stopped the sweep"
-                    print(f"writer lease {b['lease']} held by {b.get('owner') or '?'} since {since} (expires "
+                    say(f"writer lease {b['lease']} held by {b.get('owner') or '?'} since {since} (expires "
                           f"{_when(b['expires'])} unless renewed) {what}; run gc again once it is gone",
                           file=sys.stderr)
         elif c == "reindex":
@@ -401,7 +403,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if a.json:
                 print(json.dumps(s))
             else:
-                print(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
+                say(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
                       f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} indexed chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
                       + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
@@ -430,10 +432,10 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if a.json:
                 print(json.dumps(res))
             elif res.get("unchanged"):
-                print(f"{res['ref']}: this store has this ref with the same content already; nothing to do")
+                say(f"{res['ref']}: this store has this ref with the same content already; nothing to do")
             else:
                 per = ", ".join(f"{k} {_fmt(v['bytes'])}" for k, v in res["sources"].items())
-                print(f"{res['ref']}: {res['chunks_fetched']} of {res['chunks']} chunks fetched, "
+                say(f"{res['ref']}: {res['chunks_fetched']} of {res['chunks']} chunks fetched, "
                       f"{_fmt(res['bytes_fetched'])} in {res['seconds']:.2f} s ({per})")
         elif c in ("push", "pull"):
             from tb5sync.remote.storeclient import pull_ref, push_ref
@@ -451,9 +453,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 n = res.get("chunks_sent", res.get("chunks_fetched", 0))
                 if res.get("unchanged"):
                     where = "the server" if c == "push" else "this store"
-                    print(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
+                    say(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
                 else:
-                    print(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                    say(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
                           f"{_fmt(moved)} in {res['seconds']:.2f} s")
     return 0
 
@@ -465,4 +467,4 @@ def _print_refs(refs: list[Any], as_json: bool) -> None:
     for r in refs:
         pin = "P" if r.pinned else "-"
         desc = f"  {r.description}" if r.description else ""
-        print(f"{pin} {r.size:>15,} {_when(r.created)} {r.name}{desc}")
+        say(f"{pin} {r.size:>15,} {_when(r.created)} {r.name}{desc}")

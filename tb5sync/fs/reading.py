@@ -21,8 +21,8 @@ from fsspec.utils import isfilelike
 
 from tb5sync._os.io import portable, preallocate, pwrite_all, unlink_quiet
 from tb5sync._os.paths import temp_name
-from tb5sync.tree.entry import path_from_wire, path_to_wire
-from tb5sync.errors import ConnectError, RemoteProtocolError, error_from_remote
+from tb5sync.tree.entry import check_relpath, path_from_wire, path_to_wire
+from tb5sync.errors import ConnectError, RemoteProtocolError, UnsafeNameError, UsageError, error_from_remote
 from tb5sync.tree.options import SyncOptions
 from tb5sync.wire.rpc import split_parts
 from tb5sync.fs.file import MIN_PIECE, SMALL_READ, as_bytes, check_piece, new_buffer, plan_pieces
@@ -120,6 +120,35 @@ def _info_from_wire(info: Any) -> dict[str, Any]:
     return out
 
 
+def checked_names(entries: list[dict[str, Any]], path: str, where: str) -> list[dict[str, Any]]:
+    """``entries`` of an ``ls``/``find`` reply for ``path``, each name checked: a safe relative
+    path (:func:`~tb5sync.tree.entry.check_relpath`, the rule a pull's listing gets) that is
+    ``path`` itself or below it, so that fsspec's ``get``, which joins each name below the
+    destination, never leads outside it, whatever the server sent (``where``: the server).
+
+    Raises
+    ------
+    UnsafeNameError
+        A name that is not (one line, the name escaped).
+    """
+    from tb5sync._os.terminal import escaped
+
+    below = path + "/" if path else ""
+    for e in entries:
+        name = e.get("name")
+        ok = isinstance(name, str) and (name == path or name.startswith(below))
+        if ok:
+            try:
+                check_relpath(name)
+            except UsageError:
+                ok = False
+        if not ok:
+            shown = escaped(repr(name) if not isinstance(name, str) else name)
+            raise UnsafeNameError(f"from the server at {where}: a listing of {escaped(path) or '/'!r} names "
+                                  f"{shown[:300]!r}, which is not a safe path below it")
+    return entries
+
+
 class ReadingMixin:
     """The reading calls of :class:`~tb5sync.fs.filesystem.TB5FileSystem`, which combines this
     class with :class:`~tb5sync.fs.writing.WritingMixin` before fsspec's ``AsyncFileSystem``
@@ -173,12 +202,20 @@ class ReadingMixin:
         ``detail`` defaults to False, as on fsspec's LocalFileSystem (``_ls``, the
         coroutine, keeps fsspec's async default, True).
         """
-        resp = self._call_sync("ls", {"path": self._strip_protocol(path)})
+        path = self._strip_protocol(path)
+        resp = self._call_sync("ls", {"path": path})
         entries = [_info_from_wire(e) for e in resp["entries"]]
         while resp.get("more"):
             resp = self._call_sync("more", {"cursor": resp["more"]})
             entries.extend(_info_from_wire(e) for e in resp["entries"])
+        checked_names(entries, path, self._where())
         return entries if detail else [e["name"] for e in entries]
+
+    def _where(self) -> str:
+        """The server, as error messages name it (``host:port``)."""
+        from tb5sync.wire.urls import host_port
+
+        return host_port(self.host, self.port)
 
     def _first_reply(self, known: tuple[int, int] | None, got: tuple[dict[str, Any], Any] | None,
                      expect: dict[str, Any] | None) -> tuple[bytes | None, tuple[int, int, Any, int, dict[str, Any]] | None]:
@@ -237,13 +274,14 @@ class ReadingMixin:
         return _info_from_wire(resp["info"])
 
     async def _listing(self, method: str, args: dict[str, Any]) -> list[dict[str, Any]]:
-        """Entries of an ``ls``/``find`` request, fetching every page of a long one."""
+        """Entries of an ``ls``/``find`` request, fetching every page of a long one, their names
+        checked (:func:`checked_names`)."""
         resp = await self._call(method, args)
         entries = [_info_from_wire(e) for e in resp["entries"]]
         while resp.get("more"):
             resp = await self._call("more", {"cursor": resp["more"]})
             entries.extend(_info_from_wire(e) for e in resp["entries"])
-        return entries
+        return checked_names(entries, args["path"], self._where())
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         entries = await self._listing("ls", {"path": self._strip_protocol(path)})

@@ -135,8 +135,15 @@ def pull(
     timeout: float | None = IO_TIMEOUT,
     tls_ca: str | os.PathLike[str] | None = None,
     state_dir: str | None = None,
+    max_entries: int | None = None,
+    max_listing_bytes: int | None = None,
 ) -> SyncStats:
     """Copy ``src`` (on a server) to the local path ``dst``; the local receiver drives.
+
+    The server's listing is bounded here as a server bounds a pushing client's: at most
+    ``max_entries`` entries (directories and entries together) and ``max_listing_bytes`` bytes
+    held (:class:`~tb5sync.roles.generator.ListingLimits`); None: the server's defaults
+    (:data:`~tb5sync.wire.messages.MAX_ENTRIES`, :data:`~tb5sync.wire.messages.MAX_LISTING_BYTES`).
 
     ``keep_state=False`` keeps the destination's scan cache and chunk index in
     memory (an interrupted large file is not resumable); otherwise they live in
@@ -157,9 +164,18 @@ def pull(
         The source does not exist or is outside the server's root.
     DestinationError, IntegrityError, SourceChangedError
         See :meth:`Receiver.run`.
+    PeerLimitError
+        The server's listing goes past ``max_entries`` or ``max_listing_bytes`` (exit 12;
+        nothing was written).
     """
     from tb5sync.remote.links import RemoteLink
+    from tb5sync.roles.generator import ListingLimits
     from tb5sync.roles.receiver import Receiver, dest_base, follow_dest_link, prepare_dest_dir
+
+    d = ListingLimits()
+    limits = ListingLimits(d.entries if max_entries is None else max_entries,
+                           d.nbytes if max_listing_bytes is None else max_listing_bytes,
+                           f"the server at {host_port(src.host, src.port)}")
 
     chans, resp = _open_streams(src, token_of(token, src), {"op": "pull", "path": path_to_wire(src.path), "options": options.to_wire()},
                                 options.streams, timeout=timeout, tls_ca=tls_ca)
@@ -174,7 +190,7 @@ def pull(
         created = prepare_dest_dir(dst_abs, dst, dst.endswith("/"), str(kind), mkpath=options.mkpath, dry_run=options.dry_run)
         fresh = not os.path.lexists(dest)
         state, prefix = local_state(dest, dst_abs, str(kind), writable=keep_state and not options.dry_run, state_dir=state_dir)
-        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh).run()
+        stats = Receiver(dest, RemoteLink(requester), options, state, prefix, progress, fresh_base=fresh, listing_limits=limits).run()
         return _on_server(dataclasses.replace(stats, created=created), "source")
     finally:
         requester.close(bye=True)

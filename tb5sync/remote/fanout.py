@@ -29,7 +29,7 @@ from typing import Any
 from tb5sync.errors import IntegrityError, RefExistsError, RefNotFoundError, Tb5syncError, UsageError
 from tb5sync.engine.hashing import ChunkRef, chunk_digest, file_digest
 from tb5sync.store.store import PackWriter, RefInfo, Store, check_ref_name
-from tb5sync.store.manifest import decode_manifest
+from tb5sync.store.manifest import check_peer_manifest_size, decode_peer_manifest
 from tb5sync.store.objstore import open_store
 
 __all__ = ["pull_fanout", "open_source", "StoreSource", "PeerSource"]
@@ -288,6 +288,9 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
         a no-op success, ``unchanged`` True).
     IntegrityError
         Some chunk could be fetched, checked, from none of the sources (nothing is committed).
+    PeerLimitError, UnsafeManifestError
+        The manifest the source sent is past this side's bounds, or unsafe
+        (:func:`~tb5sync.store.manifest.decode_peer_manifest`): nothing is committed.
     """
     t0 = time.perf_counter()
     if not sources:
@@ -310,9 +313,11 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
     stats: dict[str, dict[str, int]] = {}
     try:
         info = None
+        label = ""
         for s in srcs:
             try:
                 info = s.ref(name)
+                label = s.label
                 break
             except RefNotFoundError:
                 continue
@@ -334,6 +339,8 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
                                  "(--force replaces it)")
         if mine is None:
             store.check_nesting(local_name)
+        where = f"manifest of {name!r} from {label}"
+        check_peer_manifest_size(info.mchunks, where)  # before any of it is fetched
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:
@@ -345,7 +352,7 @@ def pull_fanout(store: Store, name: str, sources: Sequence[str | Store | StoreSo
             mmissing = list(dict.fromkeys(r for r, h in zip(mrefs, have) if not h))
             nbytes = _run(srcs, mmissing, writer, got, batch, stats, warned)
             data = b"".join(got[d] if d in got else store.read_chunk(d) for d, _ in mrefs)
-            items = decode_manifest(data, f"manifest of {name!r}")
+            items = decode_peer_manifest(data, where)
             from tb5sync.remote.storeclient import missing_chunks
 
             total, missing = missing_chunks(lease, mrefs, items)

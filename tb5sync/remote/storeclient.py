@@ -30,7 +30,7 @@ from tb5sync.wire.messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
 from tb5sync.wire.rpc import Requester, open_session, split_parts
 from tb5sync.store import Store, check_ref_name
 from tb5sync.store.store import nesting_error, ref_ancestors
-from tb5sync.store.manifest import Item, decode_manifest
+from tb5sync.store.manifest import Item, check_peer_manifest_size, decode_peer_manifest
 from tb5sync.store.ops import ref_from_wire
 from tb5sync.store.store import PackWriter, RefInfo
 from tb5sync.wire.transport import Channel, connect
@@ -197,6 +197,9 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         same manifest is a no-op success: ``unchanged`` True).
     IntegrityError
         A chunk or the manifest from the server does not match its digest.
+    PeerLimitError, UnsafeManifestError
+        The server's manifest is past this client's bounds, or unsafe
+        (:func:`~tb5sync.store.manifest.decode_peer_manifest`): nothing is committed.
     ConnectError, AuthError
     """
     t0 = time.perf_counter()
@@ -215,6 +218,8 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         if mine is not None and not replace:
             raise RefExistsError(f"ref {local_name!r} already exists in store {store.label} with other content "
                                  "(--force replaces it)")
+        where = f"manifest of {name!r} from the server at {host_port(remote.host, remote.port)}"
+        check_peer_manifest_size(info.mchunks, where)  # before any of it is fetched
         lease = store.lease()
         writer = PackWriter(store, lease)
         try:
@@ -228,7 +233,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
 
             if file_digest(d for d, _ in mrefs) != info.manifest:
                 raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
-            items = decode_manifest(data, f"manifest of {name!r} from {remote.host}")
+            items = decode_peer_manifest(data, where)
             total, missing = missing_chunks(lease, mrefs, items)
             nbytes += _fetch(s, missing, writer)
             writer.flush()

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import tb5sync.engine.chunking as chunking
 from tb5sync.roles.destination import Destination
 from tb5sync.tree.entry import DIR, FILE, LINK, Entry
-from tb5sync.errors import DestinationError, PathError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
+from tb5sync.errors import DestinationError, PathError, PeerLimitError, RemoteProtocolError, SourceChangedError, Tb5syncError, UsageError
 from tb5sync.engine.hashing import chunk_fd, file_digest
 from tb5sync.wire.messages import ENTRY_COST, MAX_ENTRIES, STRING_COST, MAX_LISTING_BYTES, EntriesPage, FileDigests, TreePage  # the caps live with the wire vocabulary; kept importable from here
 from tb5sync.tree.options import SyncOptions, SyncStats
@@ -46,12 +46,25 @@ class ListingLimits(NamedTuple):
         of its path, link target and extended attributes (what the server really holds,
         measured). None: no cap.
 
+    peer : str or None
+        None on a server (the listing is its pushing client's). On a pulling client, the server
+        that sends the listing (``"the server at HOST:PORT"``): the caps are then ``tb5sync
+        sync``'s options of the same names, with the server's defaults.
+
     A listing past either (or whose first page announces more directories than ``entries``)
-    ends the run with :class:`~tb5sync.errors.UsageError` naming the cap.
+    ends the run with :class:`~tb5sync.errors.UsageError` naming the cap (on a client
+    :class:`~tb5sync.errors.PeerLimitError`, exit 12), before anything is written.
     """
 
     entries: int | None = MAX_ENTRIES
     nbytes: int | None = MAX_LISTING_BYTES
+    peer: str | None = None
+
+    def refuse(self, what: str, option: str) -> Tb5syncError:
+        """The error for a listing past a cap: ``what`` it went past, ``option`` the one raising it."""
+        if self.peer is None:
+            return UsageError(f"the source's {what} this server holds for one session ({option})")
+        return PeerLimitError(f"from {self.peer}: the source's {what} this client holds (raise it with sync {option})")
 
 
 class Planned(NamedTuple):
@@ -234,8 +247,7 @@ class Generator:
             page = TreePage.from_wire(self.link.submit("tree", start=len(dirs)).result())
             lim = self.limits
             if lim is not None and lim.entries is not None and page.total > lim.entries:
-                raise UsageError(f"the source has {page.total} directories, more than the {lim.entries} entries "
-                                 f"this server holds for one session (--max-entries)")
+                raise lim.refuse(f"{page.total} directories announced, more than the {lim.entries} entries", "--max-entries")
             self._hold(len(page.dirs), sum(len(d[0]) + len(d[1]) for d in page.dirs))
             if root is None:
                 root = page.root
@@ -262,11 +274,9 @@ class Generator:
         if lim is None:
             return
         if lim.entries is not None and held[0] > lim.entries:
-            raise UsageError(f"the source's listing has more than the {lim.entries} entries this server holds "
-                             f"for one session (--max-entries)")
+            raise lim.refuse(f"listing has more than the {lim.entries} entries", "--max-entries")
         if lim.nbytes is not None and held[1] > lim.nbytes:
-            raise UsageError(f"the source's listing is larger than the {lim.nbytes} bytes this server holds "
-                             f"for one session (--max-listing-bytes)")
+            raise lim.refuse(f"listing is larger than the {lim.nbytes} bytes", "--max-listing-bytes")
 
     def _fetch_entries(self, dirs: list[str]) -> dict[str, list[Entry]]:
         """The source's children of each directory in ``dirs``: directory path -> entries in name order.
@@ -359,7 +369,8 @@ class Generator:
         specials = [Entry(p, FILE, 0, -1, 0, "") for p, _ in dst_tree.skipped if p]
         dirty = {e.path.rpartition("/")[0] for e in specials}
         same = {p for p, dg, _, _ in src_dirs if dst_dg.get(p) == dg and p not in dirty}
-        need = [p for p, _, _, _ in src_dirs if p not in same]
+        rules = o.rules
+        need = [p for p, _, _, _ in src_dirs if p not in same and not (p and (rules.match(p, True) or rules.excluded_by_parent(p)))]
         fetched = self._fetch_entries(need) if need else {}
         by_parent: dict[str, dict[str, Entry]] = {}
 
@@ -379,6 +390,7 @@ class Generator:
             if d and d.rpartition("/")[0] in same:
                 src.append(own_entry(d))
             src += fetched[d]
+        src = self._admitted(src)
         _check_parents(src, same)
         dst = dst_tree.entries[:1]
         for d, kids in dst_tree.children.items():
@@ -388,6 +400,33 @@ class Generator:
                 dst.append(own_entry(d))
             dst += kids
         return src, dst + specials
+
+    def _admitted(self, src: list[Entry]) -> list[Entry]:
+        """``src`` without what this side's options keep out, whatever the sender did (rsync 3.4+
+        checks on the receiving side): entries the exclude rules match (or below an excluded
+        directory), and with ``--safe-links`` or ``--copy-unsafe-links`` every unsafe symlink
+        (:func:`tb5sync._os.fsmeta.unsafe_symlink`, the rule the sender's scan applies; an unsafe
+        link that arrives was not copied as its referent, so it is left out). The root stays.
+        """
+        from tb5sync._os.fsmeta import unsafe_symlink
+
+        o = self.options
+        rules = o.rules
+        links = o.safe_links or o.copy_unsafe_links
+        if not rules and not links:
+            return src
+        top = o.exclude_root
+        out: list[Entry] = []
+        for e in src:
+            if e.path:
+                if rules and (rules.match(e.path, e.kind == DIR) or rules.excluded_by_parent(e.path)):
+                    log.info("ignoring %s: excluded, but the sender listed it", e.path)
+                    continue
+                if links and e.kind == LINK and unsafe_symlink(e.target, f"{top}/{e.path}" if top else e.path):
+                    log.info("ignoring unsafe symlink %s -> %s", e.path, e.target)
+                    continue
+            out.append(e)
+        return out
 
     def _compare_digests(self, src: list[Entry], dst: list[Entry]) -> dict[str, bool]:
         """``--checksum``: for each regular file on both sides with the same size, whether the contents are equal.

@@ -26,18 +26,31 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
 
-from tb5sync.errors import IntegrityError, UsageError
+from tb5sync.errors import IntegrityError, PeerLimitError, UnsafeManifestError, UsageError
 from tb5sync.tree.excludes import NO_RULES, ExcludeRules
 from tb5sync.engine.hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+from tb5sync.wire.messages import (
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_CHUNKS,
+    MAX_MANIFEST_ENTRIES,
+    MAX_MANIFEST_NAME,
+    MAX_MANIFEST_PATH,
+    MAX_MANIFEST_TARGET,
+)
 
-__all__ = ["MANIFEST_VERSION", "Item", "encode_manifest", "decode_manifest", "walk", "check_path"]
+__all__ = ["MANIFEST_VERSION", "Item", "encode_manifest", "decode_manifest", "decode_peer_manifest",
+           "check_peer_manifest_size", "walk", "check_path"]
 
 MANIFEST_VERSION = 1
+
+#: The bounds on a manifest a peer sends (read at each call; :mod:`tb5sync.wire.messages`)
+PEER_MAX_ENTRIES = MAX_MANIFEST_ENTRIES
+PEER_MAX_BYTES = MAX_MANIFEST_BYTES
 
 
 @dataclass
@@ -69,10 +82,10 @@ def check_path(path: bytes) -> bytes:
     if path == b"":
         return path
     if b"\0" in path or path.startswith(b"/"):
-        raise IntegrityError(f"unsafe path in manifest: {path!r}")
+        raise IntegrityError(f"unsafe path in manifest: {_short(path)}")
     for part in path.split(b"/"):
         if part in (b"", b".", b".."):
-            raise IntegrityError(f"unsafe path in manifest: {path!r}")
+            raise IntegrityError(f"unsafe path in manifest: {_short(path)}")
     return path
 
 
@@ -82,20 +95,37 @@ def encode_manifest(items: list[Item]) -> bytes:
     return msgpack.packb({"v": MANIFEST_VERSION, "entries": [it.to_wire() for it in items]}, use_bin_type=True)
 
 
+def _short(v: object) -> str:
+    """``v``'s repr, cut to 200 characters (a peer's path in a one-line message)."""
+    r = repr(v)
+    return r if len(r) <= 200 else r[:200] + "..."
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def decode_manifest(data: bytes, where: str = "manifest") -> list[Item]:
+def decode_manifest(data: bytes, where: str = "manifest", max_entries: int | None = None) -> list[Item]:
     """Parse and check manifest bytes (every field's type, safe paths, chunk lengths adding up).
+    ``max_entries``: no array of the msgpack may be longer (a peer's manifest: the decoding stops
+    there; :func:`decode_peer_manifest`).
 
     Raises
     ------
     IntegrityError
         Not a v1 manifest, or any entry malformed (named by ``where``).
+    PeerLimitError
+        An array longer than ``max_entries``.
     """
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if max_entries is None:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        else:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=max_entries + 1)
+    except ValueError as exc:
+        if max_entries is not None and "max_array_len" in str(exc):
+            raise PeerLimitError(f"{where}: the manifest has more than the {max_entries} entries this client holds") from None
+        raise IntegrityError(f"{where}: not a manifest ({exc})") from exc
     except Exception as exc:  # msgpack raises several unrelated classes
         raise IntegrityError(f"{where}: not a manifest ({exc})") from exc
     if not isinstance(msg, dict) or msg.get("v") != MANIFEST_VERSION or not isinstance(msg.get("entries"), list):
@@ -111,25 +141,85 @@ def decode_manifest(data: bytes, where: str = "manifest") -> list[Item]:
               and (target is None or isinstance(target, bytes)) and (digest is None or isinstance(digest, bytes))
               and isinstance(blob, bytes))
         if not ok:
-            raise IntegrityError(f"{where}: malformed entry {path!r}")
-        check_path(path)
+            raise IntegrityError(f"{where}: malformed entry {_short(path)}")
+        try:
+            check_path(path)
+        except IntegrityError as exc:
+            raise IntegrityError(f"{where}: {exc}") from None
         if prev is not None and path <= prev:
-            raise IntegrityError(f"{where}: entries not sorted at {path!r}")
+            raise IntegrityError(f"{where}: entries not sorted (or one twice) at {_short(path)}")
         prev = path
         try:
             chunks = blob_to_refs(blob)
         except ValueError as exc:
-            raise IntegrityError(f"{where}: {path!r}: {exc}") from exc
+            raise IntegrityError(f"{where}: {_short(path)}: {exc}") from exc
         if kind == "f":
             if (digest is None or len(digest) != 32 or sum(n for _, n in chunks) != size
                     or file_digest(d for d, _ in chunks) != digest):
-                raise IntegrityError(f"{where}: file entry {path!r} has a bad digest or chunk list")
+                raise IntegrityError(f"{where}: file entry {_short(path)} has a bad digest or chunk list")
         elif kind == "l" and target is None:
-            raise IntegrityError(f"{where}: symlink entry {path!r} has no target")
+            raise IntegrityError(f"{where}: symlink entry {_short(path)} has no target")
         out.append(Item(path, kind, mode, size, mtime_ns, target, digest, chunks))
     if not out or out[0].path != b"":
         raise IntegrityError(f"{where}: no root entry")
     return out
+
+
+def check_peer_manifest_size(mchunks: Sequence[ChunkRef], where: str) -> None:
+    """Refuse a peer's ref whose manifest is announced past this side's bounds, before any of it
+    is fetched: more than :data:`~tb5sync.wire.messages.MAX_MANIFEST_CHUNKS` chunks or
+    :data:`PEER_MAX_BYTES` bytes.
+
+    Raises
+    ------
+    PeerLimitError
+        Past a bound (``where`` names the ref and the peer).
+    """
+    if len(mchunks) > MAX_MANIFEST_CHUNKS:
+        raise PeerLimitError(f"{where}: the manifest has more than the {MAX_MANIFEST_CHUNKS} chunks this client holds")
+    total = sum(n for _, n in mchunks)
+    if total > PEER_MAX_BYTES:
+        raise PeerLimitError(f"{where}: the manifest is {total} bytes, more than the {PEER_MAX_BYTES} this client holds")
+
+
+def decode_peer_manifest(data: bytes, where: str) -> list[Item]:
+    """:func:`decode_manifest` for a manifest a server or a fan-out source sent: besides its
+    checks, at most :data:`PEER_MAX_ENTRIES` entries, each path at most
+    :data:`~tb5sync.wire.messages.MAX_MANIFEST_PATH` bytes with names of at most
+    :data:`~tb5sync.wire.messages.MAX_MANIFEST_NAME`, link targets at most
+    :data:`~tb5sync.wire.messages.MAX_MANIFEST_TARGET` bytes, and every entry but the root
+    inside a directory entry of the manifest (never below a file or a symlink, which
+    :func:`~tb5sync.store.materialise.materialise` would write through).
+
+    Raises
+    ------
+    PeerLimitError
+        Past a bound.
+    UnsafeManifestError
+        Malformed, or an unsafe, duplicate or misplaced entry (``where`` names the ref and the peer).
+    """
+    bound = PEER_MAX_ENTRIES
+    try:
+        items = decode_manifest(data, where, max_entries=bound)
+    except IntegrityError as exc:
+        raise UnsafeManifestError(str(exc)) from None
+    if len(items) > bound:
+        raise PeerLimitError(f"{where}: the manifest has more than the {bound} entries this client holds")
+    dirs: set[bytes] = set()
+    for it in items:
+        p = it.path
+        if len(p) > MAX_MANIFEST_PATH or any(len(n) > MAX_MANIFEST_NAME for n in p.split(b"/")):
+            raise PeerLimitError(f"{where}: entry {_short(p)} has a path or a name longer than this client holds "
+                                 f"({MAX_MANIFEST_PATH} bytes, {MAX_MANIFEST_NAME} a name)")
+        if it.target is not None and len(it.target) > MAX_MANIFEST_TARGET:
+            raise PeerLimitError(f"{where}: link {_short(p)} has a target longer than the {MAX_MANIFEST_TARGET} bytes "
+                                 "this client holds")
+        if p and p.rpartition(b"/")[0] not in dirs:
+            raise UnsafeManifestError(f"{where}: entry {_short(p)} is not inside a directory of the snapshot "
+                                      "(below a file or a symlink, or its directory is missing)")
+        if it.kind == "d":
+            dirs.add(p)
+    return items
 
 
 def walk(root: str, rules: ExcludeRules = NO_RULES) -> Iterator[tuple[bytes, os.stat_result, str]]:

@@ -723,7 +723,12 @@ def _follow(name: str, dfd: int, full: str, rel: str, extras: Extras, errors: li
         target = os.readlink(name, dir_fd=dfd)
     except OSError:
         return None  # vanished or replaced while scanning
-    unsafe = unsafe_symlink(target, f"{extras.prefix}/{rel}" if extras.prefix else rel)
+    top = None
+    if extras.safe_links and not extras.copy_links and full.endswith(rel):  # the transfer's top, as the scan reached it
+        top = full[: len(full) - len(rel)].rstrip("/") or "/"
+        if extras.prefix:
+            top = os.path.dirname(top)
+    unsafe = unsafe_symlink(target, f"{extras.prefix}/{rel}" if extras.prefix else rel, full, top)
     if not (extras.copy_links or (extras.copy_unsafe_links and unsafe)):
         if extras.safe_links and unsafe:
             log.info("ignoring unsafe symlink %s -> %s", full, target)

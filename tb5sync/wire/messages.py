@@ -132,6 +132,18 @@ ENTRY_COST: Final = 704
 #: measure with 59-byte names grew ~2.9 bytes per name byte more (a path is held in several forms).
 STRING_COST: Final = 3
 
+#: A client's bounds on a ref manifest a server or a fan-out source sends (``store pull``, fan-out):
+#: entries, as a listing's :data:`MAX_ENTRIES`; the manifest's bytes (msgpack, the sum of its
+#: announced chunks, checked before one is fetched): a quarter of :data:`MAX_LISTING_BYTES`, since
+#: a decoded entry is held in several times its encoded bytes; its chunks; a path's bytes, one name's
+#: (NAME_MAX) and a link target's (PATH_MAX less its NUL, Linux's longest symlink).
+MAX_MANIFEST_ENTRIES: Final = MAX_ENTRIES
+MAX_MANIFEST_BYTES: Final = MAX_LISTING_BYTES // 4
+MAX_MANIFEST_CHUNKS: Final = 65536
+MAX_MANIFEST_PATH: Final = 4095
+MAX_MANIFEST_NAME: Final = 255
+MAX_MANIFEST_TARGET: Final = 4095
+
 #: Requests the fs session (``tb5://`` through fsspec) answers.
 FS_METHODS: Final = frozenset(
     {
