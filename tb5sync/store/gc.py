@@ -110,8 +110,8 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``chunks_deleted`` (whole chunks and, format v2, chunks kept as recipes), ``pieces_deleted``
-        (format v2: frames of pieces those recipes named), ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
+        ``chunks_deleted`` (pack frames: whole chunks and, format v2, pieces), ``pieces_deleted`` (of
+        those, the pieces of deleted recipes), ``recipes_deleted`` (format v2), ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
         ``blocked_by``: the live writer leases that kept chunks no ref reaches, ``{"lease", "owner"
         (host:pid), "since", "expires" (s since the epoch, unless the writer touches it again), "chunks"}``.
 
@@ -233,7 +233,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
             finally:
                 writer.abort()
                 lease.release()
-        return {"chunks_deleted": len(dead) - pieces_deleted + len(dead_recipes), "pieces_deleted": pieces_deleted,
+        return {"chunks_deleted": len(dead), "pieces_deleted": pieces_deleted, "recipes_deleted": len(dead_recipes),
                 "packs_deleted": len(dead_packs), "packs_repacked": repacked,
                 "bytes_freed": freed, "orphans": orphans, "blocked_by": blocked_by}
 

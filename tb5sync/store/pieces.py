@@ -2,7 +2,7 @@
 
 A store chunk is the sync engine's chunk (FastCDC format v1, ~1 MiB, BLAKE3-256 address), so the
 chunk index stays shared with the engine. In a format v2 store a chunk of at least
-:data:`SPLIT_MIN` bytes is kept as a *recipe*: the list of its pieces, cut by FastCDC with
+:data:`SPLIT_MIN` bytes (256 KiB) is kept as a *recipe*: the list of its pieces, cut by FastCDC with
 :data:`PIECE_PARAMS_V1` (4 KiB min, 16 KiB average, 64 KiB max, normalization 2; the sync
 engine's sub-chunk parameters, :data:`tb5sync.engine.refine.SUB_PARAMS`, so a store chunk's
 pieces start where the engine's sub-chunks do) from the chunk's first byte, each piece named by
@@ -32,9 +32,10 @@ __all__ = ["PIECE_PARAMS_V1", "PIECE_PARAMS_BY_VERSION", "SPLIT_MIN", "Piece", "
 PIECE_PARAMS_V1 = ChunkParams(version=1, min_size=4096, avg_size=16384, max_size=65536, normalization=2)
 #: Every piece parameter set that may appear in a store's config, by version.
 PIECE_PARAMS_BY_VERSION: dict[int, ChunkParams] = {1: PIECE_PARAMS_V1}
-#: Chunks shorter than this (bytes) are kept whole, as one frame, even in a v2 store: a small
-#: file's single chunk gains nothing from pieces and would cost an extra index row per read.
-SPLIT_MIN = 64 * 1024
+#: Chunks shorter than this (bytes: the engine's minimum chunk size, 256 KiB) are kept whole, as one
+#: frame, even in a v2 store: only a file's last chunk can be that short, a small file gains little
+#: from pieces, and a whole frame is one index row and one read.
+SPLIT_MIN = 256 * 1024
 
 #: One piece of a chunk: ``(digest, start, end)``: BLAKE3-256 (32 bytes) and byte offsets in the chunk.
 Piece = tuple[bytes, int, int]

@@ -12,7 +12,7 @@ Layout (store format v2, see docs/ARCHITECTURE.md)::
 
 Chunks are the sync engine's chunks (FastCDC format v1, BLAKE3-256 addresses), so a file synced
 earlier and the same file in the store have the same chunks. Format v2 keeps each chunk of at
-least 64 KiB as a *recipe* of ~16 KiB FastCDC pieces (:mod:`tb5sync.store.pieces`): packs hold
+least 256 KiB (every chunk but a file's last) as a *recipe* of ~16 KiB FastCDC pieces (:mod:`tb5sync.store.pieces`): packs hold
 the pieces, the ``recipes`` table maps a chunk digest to its pieces, and a chunk read is rebuilt
 from them and checked against the chunk's digest. A chunk is in the store when it has a frame
 (``chunks`` row: v1 chunks, small v2 chunks, v2 pieces) or a recipe; a v2 store reads both, so
@@ -194,7 +194,8 @@ class Store:
     packs : PackStorage, optional
         Where packs live; default a :class:`LocalPackStorage` in ``path/packs``.
     version : int, optional
-        Format version of a store created here (1 or 2, default :data:`STORE_VERSION`); an existing
+        Format version of a store created here (1 or 2; default ``$TB5SYNC_STORE_FORMAT``, else
+        :data:`STORE_VERSION`); an existing
         store keeps the version in its ``config`` (:meth:`upgrade` moves a v1 store to v2).
     read_only : bool
         Open an existing store for reading only: nothing is created or written (no directory,
@@ -224,6 +225,11 @@ class Store:
                  version: int | None = None) -> None:
         if version is not None and version not in STORE_VERSIONS:
             raise UsageError(f"store format version must be one of {STORE_VERSIONS}, got {version!r}")
+        if version is None and os.environ.get("TB5SYNC_STORE_FORMAT"):
+            env = os.environ["TB5SYNC_STORE_FORMAT"]
+            if env not in ("1", "2"):
+                raise UsageError(f"TB5SYNC_STORE_FORMAT must be 1 or 2, got {env!r}")
+            version = int(env)
         self._new_version = version or STORE_VERSION
         self.path = os.path.abspath(os.fspath(path) if path is not None else default_store_path())
         self.read_only = read_only
@@ -238,7 +244,7 @@ class Store:
         self.config = self._load_config(pack_target)
         self.params: ChunkParams = PARAMS_BY_VERSION[self.config["chunk_params"]]
         self.version: int = self.config["version"]
-        #: Piece parameters of a format v2 store (chunks of >= 64 KiB are kept as recipes), None in v1.
+        #: Piece parameters of a format v2 store (chunks of >= 256 KiB are kept as recipes), None in v1.
         self.piece_params: ChunkParams | None = (piece_params(self.config.get("piece_params"))
                                                  if self.version >= 2 else None)
         self.pack_target = int(pack_target or self.config["pack_target"])
