@@ -18,6 +18,17 @@ of ``--repeat`` runs, tools alternating; page cache not dropped):
    against ``rsync -a`` to an ``rsync --daemon`` on 127.0.0.1 (cold, then version 2 over version 1:
    rsync's delta), and the sync engine's ``tb5sync sync`` push to ``tb5sync serve``.
 
+5. **peers** (``--peers``, or alone with ``--peers-only``): the issue-25 workload: the models tree plus
+   three stdlib packages (json, email, asyncio) as 5 versions, each later version rewriting 8
+   random 80 KB ranges of every model file (~1%, scattered); each tool into its own empty repository,
+   no encryption where the tool allows it: ``tb5sync store`` as format v1 (``TB5SYNC_STORE_FORMAT=1``:
+   the store before pieces) and format v2, ``restic`` (0.14: always encrypted, ``--compression off``
+   where supported), ``borg`` (``-e none``, ``--compression none``), ``casync`` (64 KiB chunks, its
+   default compression). Per tool: put of v1 (s, CPU s, peak RSS), median put of a later version,
+   repository growth per version (% of the repository after v1), restore of v5 (s, CPU s), and
+   ``cp -a`` of v5 on the same disk. A peer whose Debian package is missing is skipped with a line
+   naming it (``apt-get install -y restic borgbackup casync``).
+
 Data: the stdlib tree (site-packages left out) and ``$TB5SYNC_CORPUS/models`` (or ``.corpus/models``,
 ``make corpus``); without the corpus a generated 256 MiB "model" directory stands in.
 Output: a table on stdout and JSON in ``benches/results/bench-store-<timestamp>.json``.
@@ -144,6 +155,141 @@ def rsync_daemon(work: str, root: str) -> tuple[subprocess.Popen[bytes], int]:
     return p, port
 
 
+def timed(cmd: list[str], cwd: str | None = None, env: dict[str, str] | None = None) -> dict[str, float]:
+    """Run ``cmd``; wall s, CPU s (user + system of the child and its children) and peak RSS (MiB) of the child."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    assert p.stderr is not None
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"{cmd[0]} failed ({p.returncode}): {err.decode(errors='replace')[-2000:]}")
+    return {"s": wall, "cpu": ru.ru_utime + ru.ru_stime, "rss": ru.ru_maxrss / 1024}
+
+
+def make_peer_versions(models: str, work: str, n: int) -> list[str]:
+    """The issue-25 workload: models + three stdlib packages as ``n`` versions; each later version
+    rewrites 8 random 80 KB ranges of every model file (files over 1 MB), the rest hard-linked."""
+    base = os.path.join(work, "peers-v1")
+    if not os.path.isdir(base):
+        shutil.copytree(models, os.path.join(base, "models"))
+        lib = sysconfig.get_paths()["stdlib"]
+        for pkg in ("json", "email", "asyncio"):
+            shutil.copytree(os.path.join(lib, pkg), os.path.join(base, "lib", pkg),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    out = [base]
+    rnd = random.Random(25)
+    for k in range(2, n + 1):
+        v = os.path.join(work, f"peers-v{k}")
+        if not os.path.isdir(v):
+            prev = out[-1]
+            for d, _, fs in os.walk(prev):
+                for f in fs:
+                    src = os.path.join(d, f)
+                    dst = os.path.join(v, os.path.relpath(src, prev))
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    size = os.path.getsize(src)
+                    if os.path.relpath(src, prev).startswith("models") and size > 1_000_000:
+                        shutil.copy2(src, dst)
+                        with open(dst, "r+b") as fh:
+                            for _ in range(8):
+                                fh.seek(rnd.randrange(0, size - 80_000))
+                                fh.write(rnd.randbytes(80_000))
+                    else:
+                        os.link(src, dst)
+        out.append(v)
+    return out
+
+
+def peers(work: str, models: str, n: int) -> dict[str, Any]:
+    """Section 5: every tool over the same versions, each into its own empty repository."""
+    versions = make_peer_versions(models, work, n)
+    size1 = tree_size(versions[0])[1]
+    pw = {"RESTIC_PASSWORD": "bench", "RESTIC_CACHE_DIR": os.path.join(work, "restic-cache"),
+          "BORG_UNKNOWN_UNENCRYPTED_REPO_ACCESS_IS_OK": "yes", "BORG_BASE_DIR": os.path.join(work, "borg-base"),
+          "BORG_RELOCATED_REPO_ACCESS_IS_OK": "yes"}
+
+    def tb5(fmt: str) -> dict[str, Any]:
+        env = {"TB5SYNC_STORE_FORMAT": fmt}
+        return {"env": env,
+                "init": None,
+                "put": lambda r, k, v: ([*TB5, "store", "--store", r, "put", f"m/v{k}", v], None),
+                "get": lambda r, k, o: ([*TB5, "store", "--store", r, "get", f"m/v{k}", o], None)}
+
+    tools: dict[str, Any] = {"tb5sync store (format v1: before)": tb5("1"), "tb5sync store (format v2: after)": tb5("2")}
+    if shutil.which("restic"):
+        ver = subprocess.run(["restic", "version"], capture_output=True, text=True).stdout
+        m = re.search(r"restic (\d+)\.(\d+)", ver)
+        comp = ["--compression", "off"] if m and (int(m.group(1)), int(m.group(2))) >= (0, 14) else []
+        tools[f"restic {m.group(1)}.{m.group(2) if m else '?'}"] = {
+            "env": pw, "init": lambda r: ["restic", "-r", r, "init", *(["--repository-version", "2"] if comp else [])],
+            "put": lambda r, k, v: (["restic", "-r", r, "backup", "--host", "bench", *comp, "."], v),
+            "get": lambda r, k, o: (["restic", "-r", r, "restore", "latest", "--target", o], None)}
+    else:
+        print("peers: restic not installed (apt-get install -y restic): skipped")
+    if shutil.which("borg"):
+        tools["borg (no compression)"] = {
+            "env": pw, "init": lambda r: ["borg", "init", "-e", "none", r],
+            "put": lambda r, k, v: (["borg", "create", "--compression", "none", f"{r}::v{k}", "."], v),
+            "get": lambda r, k, o: (["borg", "extract", f"{r}::v{k}"], o)}
+    else:
+        print("peers: borg not installed (apt-get install -y borgbackup): skipped")
+    if shutil.which("casync"):
+        tools["casync (64 KiB chunks)"] = {
+            "env": {}, "init": None,
+            "put": lambda r, k, v: (["casync", "make", f"--store={r}/default.castr", f"{r}/v{k}.caidx", v], None),
+            "get": lambda r, k, o: (["casync", "extract", f"--store={r}/default.castr", f"{r}/v{k}.caidx", o], None)}
+    else:
+        print("peers: casync not installed (apt-get install -y casync): skipped")
+    out: dict[str, Any] = {"v1 bytes": size1, "versions": n, "tools": {}}
+    for name, t in tools.items():
+        repo = fresh(os.path.join(work, "peer-repo"))
+        if t["init"] is not None:
+            timed(t["init"](repo), env=t["env"])
+        else:
+            os.makedirs(repo)
+        sizes, puts = [], []
+        for k, v in enumerate(versions, 1):
+            cmd, cwd = t["put"](repo, k, v)
+            puts.append(timed(cmd, cwd=cwd, env=t["env"]))
+            sizes.append(du(repo))
+        dest = fresh(os.path.join(work, "peer-out"))
+        cmd, cwd = t["get"](repo, n, dest)
+        if cwd is not None:
+            os.makedirs(cwd)
+        got = timed(cmd, cwd=cwd, env=t["env"])
+        later = puts[1:]
+        out["tools"][name] = {
+            "put v1 s": puts[0]["s"], "put v1 cpu s": puts[0]["cpu"], "put v1 peak rss MiB": puts[0]["rss"],
+            "put later s": med([p["s"] for p in later]), "put later cpu s": med([p["cpu"] for p in later]),
+            "put later peak rss MiB": max((p["rss"] for p in later), default=0),
+            "repo after v1 bytes": sizes[0],
+            "growth per version %": 100 * (sizes[-1] - sizes[0]) / max(1, n - 1) / sizes[0],
+            "restore s": got["s"], "restore cpu s": got["cpu"]}
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.rmtree(dest, ignore_errors=True)
+    dest = fresh(os.path.join(work, "peer-out"))
+    cp = timed(["cp", "-a", versions[-1], dest])
+    shutil.rmtree(dest, ignore_errors=True)
+    out["cp -a of v5 s"] = cp["s"]
+    return out
+
+
+def print_peers(p: dict[str, Any]) -> None:
+    print(f"\npeers: {p['versions']} versions, v1 = {p['v1 bytes'] / 1e6:.0f} MB; each later version rewrites 8 random "
+          "80 KB ranges of every model file")
+    print(f"  {'tool':<36} {'put v1 s':>8} {'(cpu)':>6} {'RSS MiB':>7} {'put later s':>11} {'(cpu)':>6} "
+          f"{'growth/version %':>16} {'restore s':>9} {'(cpu)':>6}")
+    for name, r in p["tools"].items():
+        print(f"  {name:<36} {r['put v1 s']:>8.2f} {r['put v1 cpu s']:>6.2f} {r['put v1 peak rss MiB']:>7.0f} "
+              f"{r['put later s']:>11.2f} {r['put later cpu s']:>6.2f} {r['growth per version %']:>16.2f} "
+              f"{r['restore s']:>9.2f} {r['restore cpu s']:>6.2f}")
+    print(f"  cp -a of v5: {p['cp -a of v5 s']:.2f} s")
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -154,6 +300,8 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=5)
     ap.add_argument("--workdir", default="/tmp/tb5sync-bench-store")
     ap.add_argument("--json-out")
+    ap.add_argument("--peers", action="store_true", help="also run section 5 (restic, borg, casync)")
+    ap.add_argument("--peers-only", action="store_true", help="run only section 5")
     a = ap.parse_args()
     work = a.workdir
     os.makedirs(work, exist_ok=True)
@@ -165,6 +313,14 @@ def main() -> int:
             os.makedirs(models)
             with open(os.path.join(models, "weights.bin"), "wb") as f:
                 f.write(random.Random(1).randbytes(256 * 1024 * 1024))
+    if a.peers_only:
+        p = peers(work, models, a.versions)
+        print_peers(p)
+        out = a.json_out or os.path.join(HERE, "results", f"bench-store-peers-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with open(out, "w") as f:
+            json.dump({"peers": p}, f, indent=1)
+        print(f"\nJSON: {out}")
+        return 0
     stdlib_src = sysconfig.get_paths()["stdlib"]
     stdlib = os.path.join(work, "stdlib")  # a copy without site-packages, so every tool sees the same tree
     if not os.path.isdir(stdlib):
@@ -286,6 +442,9 @@ def main() -> int:
     for k, r in res["nodes"].items():
         mb = f"{r['bytes moved'] / 1e6:>9.1f}" if r["bytes moved"] is not None else f"{'':>9}"
         print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}")
+    if a.peers:
+        res["peers"] = peers(work, models, a.versions)
+        print_peers(res["peers"])
     out = a.json_out or os.path.join(HERE, "results", f"bench-store-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

@@ -205,7 +205,8 @@ def test_dedup_one_percent_change(tmp_path: Any) -> None:
 def test_tampered_pack_byte_is_found_and_refused(tmp_path: Any) -> None:
     write(str(tmp_path / "s" / "f"), os.urandom(2 * MiB))
     write(str(tmp_path / "t" / "g"), os.urandom(1000))
-    with Store(tmp_path / "st", pack_target=MiB) as st:
+    # format v1: the chunk is one frame (format v2's pieces: tests/test_store_pieces.py)
+    with Store(tmp_path / "st", pack_target=MiB, version=1) as st:
         st.put("t/damaged", str(tmp_path / "s"))
         st.put("t/fine", str(tmp_path / "t"))
         it = st.item("t/damaged", "f")

@@ -102,6 +102,7 @@ def add_store_parser(sub: Any, common: argparse.ArgumentParser, *, full: bool = 
                    help="object store only: spare packs indexed less than this long ago (default 3600)")
     cmd("stats", "logical and stored bytes, dedup ratio, packs", True)
     cmd("reindex", "rebuild the chunk index from the packs (after a lost or damaged index)", True)
+    cmd("upgrade", "move a format v1 store to format v2 (new chunks kept as 16 KiB pieces; old ones stay readable)", True)
     q = cmd("quota", "show or set the size quota (LRU eviction of unpinned refs)")
     q.add_argument("size", nargs="?", help="e.g. 200G, or none")
     for name, what in (("push", "send REF to a server's store"), ("pull", "fetch REF from a server's store")):
@@ -395,6 +396,11 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             print(json.dumps(res) if a.json else
                   f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
                   f"missing packs dropped, {res['damaged']} damaged frames")
+        elif c == "upgrade":
+            res = st.upgrade()
+            print(json.dumps(res) if a.json else
+                  f"store format {res['from']} -> {res['to']}" if res["from"] != res["to"] else
+                  f"store format {res['to']} already")
         elif c == "stats":
             from tb5sync.store.blobs import counters
 
@@ -406,6 +412,8 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                 say(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
                       f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} indexed chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
+                      + (f"\nformat: {s['format']}" + (f" ({s['recipes']} chunks kept as recipes of pieces)"
+                                                       if s.get("recipes") else ""))
                       + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
                       + (f"\nkeyed blobs: {s['blobs']} ({_fmt(s['blob_bytes'])})" if s["blobs"] else "")
                       + "".join(f"\nhttp cache {n}: {v:g}" for n, v in s["http_cache"].items()))

@@ -3,12 +3,15 @@
 gc (one at a time per store: ``flock`` on ``STORE/gc.lock``; writers never wait for it):
 
 1. Mark, outside any transaction: every chunk reachable from the refs of the moment
-   (manifest chunks and file chunks).
+   (manifest chunks and file chunks). In a format v2 store a chunk kept as a recipe marks its
+   pieces through the recipe (in the sweep's transaction, from the ``recipes`` rows of that moment).
 2. Sweep (the pack files on disk listed first), in one ``BEGIN IMMEDIATE`` transaction: mark what refs created since step 1 reach and
    every chunk held by a live lease (a writer that found it indexed, or wrote it, records it in the
    same transaction, so a writer either sees the chunk gone and writes it again, or holds it
-   before the sweep looks); delete the index rows of unmarked chunks, and the rows of packs left
-   without any chunk. Only after the commit are those pack files deleted.
+   before the sweep looks); mark the pieces of every marked recipe (a v2 writer holds the pieces
+   it found indexed under its lease, and indexes a recipe in the same transaction as its last new
+   pieces, so a recipe never names a piece that the sweep could miss); delete the index rows of
+   unmarked chunks, recipes and pieces, and the rows of packs left without any frame. Only after the commit are those pack files deleted.
 3. Orphans: pack files on disk that no pack row and no live lease names (a writer killed between
    putting its pack in place and indexing it), and temporary files of processes that are gone.
 4. Repack: packs whose live bytes are below ``repack_below`` of their size (and small packs, when
@@ -73,6 +76,19 @@ def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set
     return got
 
 
+def _expand(rows: Iterable[Any], marked: set[bytes]) -> int:
+    """Add to ``marked`` the pieces of every recipe in ``rows`` (``(digest, pieces blob)``) whose
+    chunk is marked; returns how many recipes were marked. A recipe's pieces are frames, never
+    recipes themselves (:mod:`tb5sync.store.pieces`), so one pass is enough."""
+    n = 0
+    for d, blob in rows:
+        if bytes(d) in marked:
+            b = bytes(blob)
+            marked.update(b[k : k + 32] for k in range(0, len(b), 36))
+            n += 1
+    return n
+
+
 def _blob_chunks(rows: Iterable[Any]) -> set[bytes]:
     """Every chunk digest the keyed blobs of ``rows`` (``(chunks blob,)`` rows) reference."""
     out: set[bytes] = set()
@@ -94,7 +110,8 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``chunks_deleted``, ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
+        ``chunks_deleted`` (pack frames: whole chunks and, format v2, pieces), ``pieces_deleted`` (of
+        those, the pieces of deleted recipes), ``recipes_deleted`` (format v2), ``packs_deleted``, ``packs_repacked``, ``bytes_freed`` (bytes), ``orphans``,
         ``blocked_by``: the live writer leases that kept chunks no ref reaches, ``{"lease", "owner"
         (host:pid), "since", "expires" (s since the epoch, unless the writer touches it again), "chunks"}``.
 
@@ -125,12 +142,14 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
                 # refs made since the mark: read in this thread, which holds the index lock
                 marked |= _reach(store, bytes(manifest), bytes(mchunks), cache, parallel=False)
             marked |= _blob_chunks(db.execute("SELECT chunks FROM blobs"))
+            _expand(db.execute("SELECT digest, pieces FROM recipes"), marked)
             # what only a live writer's lease keeps (reported: who held back what gc would have taken)
             held: dict[str, int] = {}
             for lid, d in db.execute("SELECT lease, digest FROM lease_chunks"):
                 if bytes(d) not in marked:
                     held[lid] = held.get(lid, 0) + 1
             marked.update(bytes(d) for (d,) in db.execute("SELECT digest FROM lease_chunks"))
+            _expand(db.execute("SELECT digest, pieces FROM recipes"), marked)  # recipes a live writer holds
             blocked_by = []
             for lid, host, pid, started, touched in db.execute("SELECT id, host, pid, started, touched FROM leases"):
                 if held.get(lid):
@@ -138,6 +157,15 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
                                        "expires": touched + LEASE_TTL, "chunks": held[lid]})
             dead = [bytes(d) for (d,) in db.execute("SELECT digest FROM chunks") if bytes(d) not in marked]
             db.executemany("DELETE FROM chunks WHERE digest=?", [(d,) for d in dead])
+            dead_recipes: list[bytes] = []
+            dead_pieces: set[bytes] = set()
+            for d, blob in db.execute("SELECT digest, pieces FROM recipes"):
+                if bytes(d) not in marked:
+                    dead_recipes.append(bytes(d))
+                    bb = bytes(blob)
+                    dead_pieces.update(bb[k : k + 32] for k in range(0, len(bb), 36))
+            db.executemany("DELETE FROM recipes WHERE digest=?", [(d,) for d in dead_recipes])
+            pieces_deleted = sum(1 for d in dead if d in dead_pieces)
             for (pack,) in list(db.execute("SELECT id FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM chunks)")):
                 db.execute("DELETE FROM packs WHERE id=?", (pack,))
                 dead_packs.append(pack)
@@ -181,8 +209,7 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
                         except IntegrityError as exc:
                             log.warning("gc: not moving a damaged chunk: %s", exc)
                             continue
-                        writer.known.discard(bytes(digest))
-                        writer.add(bytes(digest), data)
+                        writer.add_frame(bytes(digest), data)  # a frame as it is (v2: a piece, never re-cut)
                         moved.append((pack, bytes(digest)))
                 writer.flush()
                 where = {d: (p, off) for d, p, off, _ in writer.placed}
@@ -206,7 +233,8 @@ def gc(store: Store, repack_below: float = 0.5) -> dict[str, Any]:
             finally:
                 writer.abort()
                 lease.release()
-        return {"chunks_deleted": len(dead), "packs_deleted": len(dead_packs), "packs_repacked": repacked,
+        return {"chunks_deleted": len(dead), "pieces_deleted": pieces_deleted, "recipes_deleted": len(dead_recipes),
+                "packs_deleted": len(dead_packs), "packs_repacked": repacked,
                 "bytes_freed": freed, "orphans": orphans, "blocked_by": blocked_by}
 
 
@@ -222,7 +250,9 @@ def verify(store: Store) -> dict[str, Any]:
         "frames": pack frames read (more than ``chunks`` when a pack holds a frame gc unindexed or a
         chunk twice), "packs": packs read, "bytes": n read, "damaged_chunks": [hex...],
         "missing_chunks": [hex...], "bad_packs": {pack: reason}, "refs": {name: {"ok", "missing", "damaged"}}}``.
-        A ref is whole when its manifest and every chunk it reaches are present and intact.
+        A ref is whole when its manifest and every chunk it reaches are present and intact (format
+        v2: a chunk kept as a recipe, when every piece it names is; ``damaged_chunks`` then names
+        the damaged pieces, ``missing_chunks`` also pieces a recipe names that are not indexed).
     """
     with gc_lock(store):
         return _verify(store)
@@ -253,6 +283,11 @@ def _verify(store: Store) -> dict[str, Any]:
         except IntegrityError as exc:
             bad_packs[pack] = str(exc)
     missing = {d for d in index if d not in good and d not in damaged}
+    recipes = {bytes(d): bytes(b) for d, b in store._q("SELECT digest, pieces FROM recipes")}
+    for d, b in recipes.items():  # a recipe naming a piece that is not indexed
+        for k in range(0, len(b), 36):
+            if b[k : k + 32] not in index:
+                missing.add(b[k : k + 32])
     refs: dict[str, dict[str, Any]] = {}
     for info in store.refs():
         entry: dict[str, Any] = {"ok": True, "missing": 0, "damaged": 0}
@@ -263,9 +298,11 @@ def _verify(store: Store) -> dict[str, Any]:
             refs[info.name] = entry
             continue
         for d in need:
-            if d in damaged:
+            b = recipes.get(d) if d not in index else None
+            parts = [b[k : k + 32] for k in range(0, len(b), 36)] if b is not None else [d]
+            if any(p in damaged for p in parts):
                 entry["damaged"] += 1
-            elif d not in good:
+            elif not all(p in good for p in parts):
                 entry["missing"] += 1
         entry["ok"] = not (entry["missing"] or entry["damaged"])
         refs[info.name] = entry
@@ -360,6 +397,7 @@ def enforce_quota(store: Store, keep: str | None = None, keep_blobs: Iterable[st
     if stored <= quota:
         return []
     sizes = {bytes(d): n + FRAME_HEADER for d, n in store._q("SELECT digest, length FROM chunks")}
+    recipe_rows = store._q("SELECT digest, pieces FROM recipes")
     cache: dict[bytes, set[bytes]] = {}
     # units: (last_used, kind, name, pinned, chunks reached)
     units: list[tuple[float, str, str, bool, set[bytes]]] = []
@@ -369,10 +407,16 @@ def enforce_quota(store: Store, keep: str | None = None, keep_blobs: Iterable[st
             reach = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), cache)
         except IntegrityError:
             reach = set()
+        if recipe_rows:  # format v2: what a ref reaches is its chunks' pieces too
+            reach = set(reach)
+            _expand(recipe_rows, reach)
         units.append((info.last_used, "ref", info.name, info.pinned or info.name == keep, reach))
     kept = set(keep_blobs)
     for key, chunks, last_used in store._q("SELECT key, chunks, last_used FROM blobs"):
-        units.append((last_used, "blob", key, key in kept, _blob_chunks([(chunks,)])))
+        breach = _blob_chunks([(chunks,)])
+        if recipe_rows:
+            _expand(recipe_rows, breach)
+        units.append((last_used, "blob", key, key in kept, breach))
         blob_seen[key] = last_used
     holders: dict[bytes, int] = {}
     for u in units:

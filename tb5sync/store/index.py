@@ -96,7 +96,8 @@ class StoreCore(PackIndex, ChunkReader, Protocol):
 
 
 def require_indexed(db: sqlite3.Connection, digests: Iterable[bytes], what: str) -> None:
-    """Check, inside a transaction on the index ``db``, that every chunk of ``digests`` is indexed.
+    """Check, inside a transaction on the index ``db``, that every chunk of ``digests`` is indexed
+    (as a pack frame, or as a recipe of pieces in a format v2 store).
 
     Raises
     ------
@@ -104,5 +105,6 @@ def require_indexed(db: sqlite3.Connection, digests: Iterable[bytes], what: str)
         ``"{what}: chunk HEX is not in the store"`` for the first one that is not.
     """
     for d in digests:
-        if db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None:
+        if (db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is None
+                and db.execute("SELECT 1 FROM recipes WHERE digest=?", (d,)).fetchone() is None):
             raise IntegrityError(f"{what}: chunk {d.hex()} is not in the store")

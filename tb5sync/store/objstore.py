@@ -204,6 +204,9 @@ class ObjectStore(ObjectLocks, ConditionalWrites, Store):
                 self._sync_config(cache, pack_target)
             super().__init__(cache, pack_target=pack_target, quota=quota,
                              packs=ObjectPackStorage(fs, f"{self.root}/packs", f"{self.root}/index", url, self.timeout))
+            if self.version != 1:
+                raise UsageError(f"{self.url}: {self.root}/config says store format {self.version}; an object store "
+                                 "is format v1 (whole chunks in packs; pieces and recipes are for local stores)")
         except Tb5syncError as exc:
             _name_store(self, exc)
             raise
@@ -271,9 +274,10 @@ class ObjectStore(ObjectLocks, ConditionalWrites, Store):
         try:
             data = self.fs.cat_file(key)
         except FileNotFoundError:
-            from tb5sync.store.store import PACK_TARGET, STORE_VERSION
+            from tb5sync.store.store import PACK_TARGET
 
-            cfg = {"format": "tb5sync-store", "version": STORE_VERSION, "chunk_params": 1,
+            # format v1 on objects: the index/ objects list pack frames only, no recipes (v2 is local stores only)
+            cfg = {"format": "tb5sync-store", "version": 1, "chunk_params": 1,
                    "pack_target": int(pack_target or PACK_TARGET), "quota": None}
             body = json.dumps(cfg).encode()
             try:
@@ -292,6 +296,16 @@ class ObjectStore(ObjectLocks, ConditionalWrites, Store):
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, local)
+
+    def upgrade(self) -> dict[str, Any]:
+        """Refused: an object store stays format v1 (its ``index/`` objects list frames, not recipes).
+
+        Raises
+        ------
+        UsageError
+            Always.
+        """
+        raise UsageError(f"{self.url}: an object store stays store format v1; upgrade works on local stores")
 
     def sync_index(self) -> dict[str, int]:
         """Copy index objects not yet in the local index, drop rows of packs gone from the store.

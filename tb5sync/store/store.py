@@ -1,16 +1,22 @@
 """The artifact store: immutable snapshots held once, deduplicated by chunk, named by refs.
 
-Layout (store format v1, see docs/ARCHITECTURE.md)::
+Layout (store format v2, see docs/ARCHITECTURE.md)::
 
-    STORE/config           JSON: {"format": "tb5sync-store", "version": 1, "chunk_params": 1,
-                           "pack_target": bytes, "quota": bytes or null}
-    STORE/index.sqlite     WAL; chunks, packs, refs, leases (schema below)
+    STORE/config           JSON: {"format": "tb5sync-store", "version": 2, "chunk_params": 1,
+                           "piece_params": 1, "pack_target": bytes, "quota": bytes or null}
+                           (format v1: "version": 1 and no "piece_params")
+    STORE/index.sqlite     WAL; chunks (pack frames), recipes, packs, refs, leases (schema below)
     STORE/packs/XX/<id>    immutable pack files (:mod:`tb5sync.store.packs`)
     STORE/tmp/             packs being written (<pid>-<id>.tmp), removed by gc when their process is gone
     STORE/gc.lock          flock: one gc (or quota eviction) at a time
 
 Chunks are the sync engine's chunks (FastCDC format v1, BLAKE3-256 addresses), so a file synced
-earlier and the same file in the store have the same chunks.
+earlier and the same file in the store have the same chunks. Format v2 keeps each chunk of at
+least 256 KiB (every chunk but a file's last) as a *recipe* of ~16 KiB FastCDC pieces (:mod:`tb5sync.store.pieces`): packs hold
+the pieces, the ``recipes`` table maps a chunk digest to its pieces, and a chunk read is rebuilt
+from them and checked against the chunk's digest. A chunk is in the store when it has a frame
+(``chunks`` row: v1 chunks, small v2 chunks, v2 pieces) or a recipe; a v2 store reads both, so
+a v1 store upgraded by :meth:`Store.upgrade` keeps its old chunks as they are.
 
 Concurrency (threads and processes): every index change is one SQLite ``BEGIN IMMEDIATE``
 transaction. A writer holds a *lease*: a row naming its host and pid; each chunk it will
@@ -48,15 +54,19 @@ from tb5sync.engine.hashing import ChunkRef, blob_to_refs, chunk_digest, cut_buf
 from tb5sync.store.manifest import Item, decode_manifest, encode_manifest, walk
 from tb5sync.store.packs import FRAME_HEADER, LocalPackStorage, PackStorage, parse_frame_header
 from tb5sync.store.index import check_entry_fits, require_indexed, stored_size
+from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe, piece_params, split
 from tb5sync.store.writer import LEASE_TTL, Lease, PackWriter, _drop_lease, _pid_alive
 
-__all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "default_store_path", "check_ref_name"]
+__all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "STORE_VERSIONS", "default_store_path",
+           "check_ref_name"]
 
 
 log = logging.getLogger(__name__)
 
-#: Store format version written to ``STORE/config``.
-STORE_VERSION = 1
+#: Store format version written to ``STORE/config`` of a new store (2: chunks kept as recipes of pieces).
+STORE_VERSION = 2
+#: Store format versions this code reads and writes (1: whole chunks in packs; 2: pieces and recipes).
+STORE_VERSIONS = (1, 2)
 #: Default target size of a pack, bytes.
 PACK_TARGET = 32 * 1024 * 1024
 #: Files up to this size are read whole and stored in batches (one index transaction per batch).
@@ -87,6 +97,7 @@ CREATE TABLE IF NOT EXISTS blobs (
     created REAL NOT NULL, last_used REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS recipes (digest BLOB PRIMARY KEY, length INTEGER NOT NULL, pieces BLOB NOT NULL) WITHOUT ROWID;
 """
 
 _REF_RE = re.compile(r"[A-Za-z0-9._+=@,-]+")
@@ -182,6 +193,10 @@ class Store:
         pinned refs never (see :meth:`enforce_quota`). Overrides the quota in ``config``.
     packs : PackStorage, optional
         Where packs live; default a :class:`LocalPackStorage` in ``path/packs``.
+    version : int, optional
+        Format version of a store created here (1 or 2; default ``$TB5SYNC_STORE_FORMAT``, else
+        :data:`STORE_VERSION`); an existing
+        store keeps the version in its ``config`` (:meth:`upgrade` moves a v1 store to v2).
     read_only : bool
         Open an existing store for reading only: nothing is created or written (no directory,
         config, ``tmp/``, ``packs/``; the index is opened by SQLite read-only, ``mode=ro``, or
@@ -193,20 +208,29 @@ class Store:
     ------
     UsageError
         ``path`` holds a store of an unknown format or chunk parameter version; with
-        ``read_only``, ``path`` holds no store (``"PATH: no store here"``).
+        ``read_only``, ``path`` holds no store (``"PATH: no store here"``); ``version`` not 1 or 2.
 
     Notes
     -----
     Thread-safe (one SQLite connection behind a lock) and safe with other processes using the
     same directory (SQLite transactions, ``flock`` for gc). The layout is documented in
-    docs/ARCHITECTURE.md ("Store format v1").
+    docs/ARCHITECTURE.md ("On-disk formats": store format v2, and v1).
     """
 
     #: Opened with ``read_only`` (subclasses such as the object store are always writable).
     read_only = False
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, pack_target: int | None = None,
-                 quota: int | None = None, packs: PackStorage | None = None, read_only: bool = False) -> None:
+                 quota: int | None = None, packs: PackStorage | None = None, read_only: bool = False,
+                 version: int | None = None) -> None:
+        if version is not None and version not in STORE_VERSIONS:
+            raise UsageError(f"store format version must be one of {STORE_VERSIONS}, got {version!r}")
+        if version is None and os.environ.get("TB5SYNC_STORE_FORMAT"):
+            env = os.environ["TB5SYNC_STORE_FORMAT"]
+            if env not in ("1", "2"):
+                raise UsageError(f"TB5SYNC_STORE_FORMAT must be 1 or 2, got {env!r}")
+            version = int(env)
+        self._new_version = version or STORE_VERSION
         self.path = os.path.abspath(os.fspath(path) if path is not None else default_store_path())
         self.read_only = read_only
         self.tmp_dir = os.path.join(self.path, "tmp")
@@ -219,6 +243,10 @@ class Store:
             os.makedirs(self.tmp_dir, exist_ok=True)
         self.config = self._load_config(pack_target)
         self.params: ChunkParams = PARAMS_BY_VERSION[self.config["chunk_params"]]
+        self.version: int = self.config["version"]
+        #: Piece parameters of a format v2 store (chunks of >= 256 KiB are kept as recipes), None in v1.
+        self.piece_params: ChunkParams | None = (piece_params(self.config.get("piece_params"))
+                                                 if self.version >= 2 else None)
         self.pack_target = int(pack_target or self.config["pack_target"])
         if self.pack_target < 1024 * 1024 and pack_target is None:
             raise UsageError(f"{self.label}/config: pack_target below 1 MiB")
@@ -254,8 +282,10 @@ class Store:
             with open(cfg_path, "rb") as f:
                 cfg = json.loads(f.read())
         except FileNotFoundError:
-            cfg = {"format": "tb5sync-store", "version": STORE_VERSION, "chunk_params": PARAMS_V1.version,
+            cfg = {"format": "tb5sync-store", "version": self._new_version, "chunk_params": PARAMS_V1.version,
                    "pack_target": int(pack_target or PACK_TARGET), "quota": None}
+            if self._new_version >= 2:
+                cfg["piece_params"] = 1
             tmp = os.path.join(self.tmp_dir, f"config.{secrets.token_hex(8)}")
             with open(tmp, "w") as f:
                 json.dump(cfg, f)
@@ -270,23 +300,57 @@ class Store:
                 cfg = json.loads(f.read())
         except (ValueError, OSError) as exc:
             raise UsageError(f"{shown}: unreadable store config: {exc}") from exc
-        if not isinstance(cfg, dict) or cfg.get("format") != "tb5sync-store" or cfg.get("version") != STORE_VERSION:
-            raise UsageError(f"{shown}: not a tb5sync store of format version {STORE_VERSION}")
+        if not isinstance(cfg, dict) or cfg.get("format") != "tb5sync-store" or cfg.get("version") not in STORE_VERSIONS:
+            raise UsageError(f"{shown}: not a tb5sync store of format version "
+                             f"{' or '.join(map(str, STORE_VERSIONS))}")
         if cfg.get("chunk_params") not in PARAMS_BY_VERSION:
             raise UsageError(f"{shown}: unknown chunk parameter version {cfg.get('chunk_params')!r}")
+        if cfg["version"] >= 2:
+            try:
+                piece_params(cfg.get("piece_params"))
+            except UsageError as exc:
+                raise UsageError(f"{shown}: {exc}") from None
         return cfg
 
-    def set_quota(self, quota: int | None) -> None:
-        """Record ``quota`` (bytes, None for none) in ``config`` (atomically replaced) and use it."""
-        if quota is not None and (not isinstance(quota, int) or quota < 0):
-            raise UsageError(f"quota must be a byte count >= 0, got {quota!r}")
-        cfg = dict(self.config, quota=quota)
+    def _write_config(self, cfg: dict[str, Any]) -> None:
+        """Replace ``config`` by ``cfg`` atomically (a temporary file, fsynced, renamed)."""
         tmp = os.path.join(self.tmp_dir, f"config.{secrets.token_hex(8)}")
         with open(tmp, "w") as f:
             json.dump(cfg, f)
             f.flush()
             durable_sync(f.fileno())
         os.replace(tmp, os.path.join(self.path, "config"))
+
+    def upgrade(self) -> dict[str, Any]:
+        """Move a format v1 store to format v2 (``store upgrade``); a v2 store is left as it is.
+
+        Only ``config`` changes: chunks written from now on are kept as recipes of pieces, the
+        chunks already stored stay whole frames (a v2 store reads both); nothing is rewritten.
+        Afterwards a tb5sync that reads only v1 refuses the store (its config says version 2).
+        Holds the gc lock, so no gc runs meanwhile; a writer of another process that opened the
+        store as v1 before goes on writing whole chunks, which v2 reads as well.
+
+        Returns
+        -------
+        dict
+            ``{"from": old version, "to": 2}``.
+        """
+        from tb5sync.store.gc import gc_lock
+
+        old = self.version
+        if old < 2:
+            with gc_lock(self):
+                cfg = dict(self.config, version=2, piece_params=1)
+                self._write_config(cfg)
+            self.config, self.version, self.piece_params = cfg, 2, piece_params(1)
+        return {"from": old, "to": self.version}
+
+    def set_quota(self, quota: int | None) -> None:
+        """Record ``quota`` (bytes, None for none) in ``config`` (atomically replaced) and use it."""
+        if quota is not None and (not isinstance(quota, int) or quota < 0):
+            raise UsageError(f"quota must be a byte count >= 0, got {quota!r}")
+        cfg = dict(self.config, quota=quota)
+        self._write_config(cfg)
         self.config, self.quota = cfg, quota
 
     @contextlib.contextmanager
@@ -335,8 +399,9 @@ class Store:
 
     # ---- reading chunks ----------------------------------------------------------------------
     def has(self, digest: bytes) -> bool:
-        """Whether the index holds chunk ``digest``."""
-        return bool(self._q("SELECT 1 FROM chunks WHERE digest=?", (digest,)))
+        """Whether the index holds chunk ``digest`` (as a pack frame or, format v2, a recipe)."""
+        return bool(self._q("SELECT 1 FROM chunks WHERE digest=?", (digest,))
+                    or self._q("SELECT 1 FROM recipes WHERE digest=?", (digest,)))
 
     def read_chunk(self, digest: bytes) -> bytes:
         """The bytes of chunk ``digest``, checked against it.
@@ -344,11 +409,16 @@ class Store:
         Raises
         ------
         IntegrityError
-            The chunk is missing, or its frame or bytes do not match (a damaged pack).
+            The chunk is missing, or its frame or bytes do not match (a damaged pack); for a chunk
+            kept as a recipe (format v2): a piece is missing, or the bytes rebuilt from the pieces
+            do not hash to ``digest`` (the message names the damaged piece).
         """
         for attempt in range(3):
             rows = self._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (digest,))
             if not rows:
+                recipe = self._q("SELECT length, pieces FROM recipes WHERE digest=?", (digest,))
+                if recipe:
+                    return self._read_recipe(digest, int(recipe[0][0]), bytes(recipe[0][1]))
                 raise IntegrityError(f"chunk {digest.hex()} is missing from the store")
             pack, offset, length = rows[0]
             try:
@@ -364,8 +434,60 @@ class Store:
             return data
         raise AssertionError("unreachable")
 
+    def _read_recipe(self, digest: bytes, length: int, blob: bytes) -> bytes:
+        """Chunk ``digest`` (``length`` bytes) rebuilt from the pieces its recipe ``blob`` names,
+        adjacent pieces of one pack read with one ranged read, the result checked against ``digest``.
+
+        Raises
+        ------
+        IntegrityError
+            As :meth:`read_chunk`.
+        """
+        pieces = blob_to_recipe(blob)
+        if sum(n for _, n in pieces) != length:
+            raise IntegrityError(f"chunk {digest.hex()}: its recipe does not add up to its length")
+        for attempt in range(3):
+            where = self.locate(d for d, _ in pieces)
+            out = bytearray()
+            runs: list[tuple[str, int, int, list[tuple[bytes, int]]]] = []  # (pack, start, end, pieces)
+            try:
+                for d, n in pieces:
+                    loc = where.get(d)
+                    if loc is None or loc[2] != n:
+                        raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} is missing from the store")
+                    pack, off, _ = loc
+                    if runs and runs[-1][0] == pack and runs[-1][2] == off - FRAME_HEADER:
+                        runs[-1][3].append((d, n))
+                        runs[-1] = (pack, runs[-1][1], off + n, runs[-1][3])
+                    else:
+                        runs.append((pack, off - FRAME_HEADER, off + n, [(d, n)]))
+                for pack, start, end, ps in runs:
+                    raw = memoryview(self.packs.get_range(pack, start, end - start))
+                    pos = 0
+                    for d, n in ps:
+                        head_digest, head_len = parse_frame_header(raw[pos : pos + FRAME_HEADER])
+                        if head_digest != d or head_len != n:
+                            raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} in pack {pack} is damaged")
+                        out += raw[pos + FRAME_HEADER : pos + FRAME_HEADER + n]
+                        pos += FRAME_HEADER + n
+            except FileNotFoundError:
+                if attempt < 2:
+                    continue  # a piece moved by a concurrent repack: look them up again
+                raise IntegrityError(f"chunk {digest.hex()}: a pack of its pieces is missing") from None
+            if chunk_digest(out) != digest:
+                pos = 0
+                for d, n in pieces:  # name the damaged piece
+                    if chunk_digest(memoryview(out)[pos : pos + n]) != d:
+                        raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} in pack {where[d][0]} "
+                                             f"at {where[d][1]} is damaged")
+                    pos += n
+                raise IntegrityError(f"chunk {digest.hex()}: rebuilt from its pieces, it does not match its digest")
+            return bytes(out)
+        raise AssertionError("unreachable")
+
     def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]:
-        """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones left out), 500 per query."""
+        """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones, and chunks kept as
+        recipes, left out: :meth:`read_at` reads those by :meth:`read_chunk`), 500 per query."""
         ds = list(dict.fromkeys(digests))
         out: dict[bytes, tuple[str, int, int]] = {}
         for k in range(0, len(ds), 500):
@@ -682,10 +804,19 @@ class Store:
         digests = list(hash_pool().map(lambda se: chunk_digest(mv[se[0] : se[1]]), spans))
         fresh = [d for d in digests if d not in writer.known]
         have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
+        todo = []
         for d, (s, e) in zip(digests, spans):
             if not have.get(d, True):
-                writer.add(d, mv[s:e])
+                todo.append((d, s, e))
                 have[d] = True
+        pp = writer.pieces
+        if pp is not None and todo:  # format v2: cut and hash the new chunks' pieces in the pool
+            cuts = hash_pool().map(lambda t: split(mv[t[1] : t[2]], pp) if t[2] - t[1] >= SPLIT_MIN else None, todo)
+            for (d, s, e), pieces in zip(todo, cuts):
+                writer.add(d, mv[s:e], pieces)
+        else:
+            for d, s, e in todo:
+                writer.add(d, mv[s:e])
         return [(d, e - s) for d, (s, e) in zip(digests, spans)]
 
     def _put_file(self, full: str, st: os.stat_result, lease: Lease, writer: PackWriter) -> list[ChunkRef]:
@@ -861,14 +992,19 @@ class Store:
         return enforce_quota(self, keep, keep_blobs)
 
     def stats(self) -> dict[str, Any]:
-        """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts."""
+        """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts.
+
+        ``chunks`` and ``unique_bytes`` count pack frames (format v2: pieces and small chunks),
+        ``recipes`` the chunks kept as recipes of pieces (0 in a v1 store), ``format`` the store format version.
+        """
         with self._lock:
             logical, files = self._db.execute("SELECT COALESCE(SUM(size),0), COALESCE(SUM(files),0) FROM refs").fetchone()
             unique, nchunks = self._db.execute("SELECT COALESCE(SUM(length),0), COUNT(*) FROM chunks").fetchone()
             stored, npacks = self._db.execute("SELECT COALESCE(SUM(size),0), COUNT(*) FROM packs").fetchone()
             nrefs = self._db.execute("SELECT COUNT(*) FROM refs").fetchone()[0]
             nblobs, blob_bytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs").fetchone()
-        return {"refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
+            nrecipes = self._db.execute("SELECT COUNT(*) FROM recipes").fetchone()[0]
+        return {"format": self.version, "recipes": nrecipes, "refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
                 "stored_bytes": stored, "chunks": nchunks, "packs": npacks,
                 "dedup_ratio": round(logical / unique, 3) if unique else 1.0, "quota": self.quota}
 

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 from tb5sync._os.io import durable_sync
+from tb5sync.engine.params import ChunkParams
 from tb5sync.store.index import check_entry_fits
+from tb5sync.store.pieces import SPLIT_MIN, Piece, recipe_to_blob, split
 from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
@@ -49,12 +51,18 @@ class Lease:
         with store._tx() as db:
             db.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?,?)", (self.id, store.host, os.getpid(), now, now))
 
-    def protect(self, digests: Sequence[bytes]) -> list[bool]:
-        """Which of ``digests`` the store holds; those it holds are recorded under this lease (one transaction)."""
+    def protect(self, digests: Sequence[bytes], frames_only: bool = False) -> list[bool]:
+        """Which of ``digests`` the store holds; those it holds are recorded under this lease (one transaction).
+
+        A chunk is held as a pack frame (format v1, and small chunks in v2) or as a recipe of
+        pieces (format v2); ``frames_only`` asks for frames only (the pieces a recipe will name).
+        """
         out = []
         with self.store._tx() as db:
             for d in digests:
                 hit = db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is not None
+                if not hit and not frames_only:
+                    hit = db.execute("SELECT 1 FROM recipes WHERE digest=?", (d,)).fetchone() is not None
                 if hit:
                     db.execute("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", (self.id, d))
                 out.append(hit)
@@ -76,11 +84,17 @@ def _drop_lease(db: sqlite3.Connection, lease: str) -> None:
 class PackWriter:
     """Appends chunks to a new pack under a lease; a full pack is put in place and indexed.
 
-    ``add`` skips a digest this writer already holds. ``placed`` lists, per finished pack,
-    ``(digest, pack, offset, length)`` of what it wrote. ``written`` counts the framed bytes it
-    added (bytes); with ``limit`` set (bytes: a store's quota), a chunk that would take ``written``
-    past it is refused with :class:`tb5sync.errors.EntryTooLargeError` before it is written: what
-    one writer adds is new to the store, so an entry needing more than the quota can never fit.
+    ``add`` skips a digest this writer already holds. In a format v2 store (``store.piece_params``
+    set) a chunk of at least :data:`~tb5sync.store.pieces.SPLIT_MIN` bytes is cut into pieces
+    (:func:`tb5sync.store.pieces.split`): only the pieces the store lacks are framed into the
+    pack, and the chunk's recipe is indexed in the same transaction as the pack that holds the
+    last of its new pieces (pieces it found indexed are held under the lease meanwhile), so a
+    recipe never names a piece that is not indexed. ``placed`` lists, per finished pack,
+    ``(digest, pack, offset, length)`` of the frames it wrote. ``written`` counts the framed bytes
+    it added (bytes); with ``limit`` set (bytes: a store's quota), a frame that would take
+    ``written`` past it is refused with :class:`tb5sync.errors.EntryTooLargeError` before it is
+    written: what one writer adds is new to the store, so an entry needing more than the quota
+    can never fit.
     """
 
     #: Most framed bytes one writer may add (bytes), or None.
@@ -89,20 +103,50 @@ class PackWriter:
     def __init__(self, store: PackIndex, lease: Lease) -> None:
         self.store = store
         self.lease = lease
-        self.known: set[bytes] = set()
+        self.known: set[bytes] = set()  # chunk digests added (v1: also the frames)
+        self._frames: set[bytes] = set()  # frame digests written by this writer
         self.placed: list[tuple[bytes, str, int, int]] = []
+        self.pieces: ChunkParams | None = getattr(store, "piece_params", None)
         self._f: BinaryIO | None = None
         self._tmp = ""
         self._id = ""
         self._pos = 0
         self._rows: list[tuple[bytes, str, int, int]] = []
+        self._recipes: list[tuple[bytes, int, bytes]] = []  # (chunk digest, length, recipe blob) to index
         self._lock = threading.Lock()
         self.written = 0
 
-    def add(self, digest: bytes, data: bytes | memoryview) -> None:
-        """Append one chunk (its digest already computed from these very bytes)."""
+    def add(self, digest: bytes, data: bytes | memoryview, pieces: Sequence[Piece] | None = None) -> None:
+        """Append one chunk (its digest already computed from these very bytes); ``pieces``: its
+        :func:`~tb5sync.store.pieces.split` when the caller cut it already (v2 stores only)."""
+        if digest in self.known:
+            return
+        if self.pieces is None or len(data) < SPLIT_MIN:
+            self.add_frame(digest, data)
+            self.known.add(digest)
+            return
+        if pieces is None:
+            pieces = split(data, self.pieces)
+        if len(pieces) == 1:  # one piece is the chunk itself: a frame, no recipe
+            self.add_frame(digest, data)
+            self.known.add(digest)
+            return
+        fresh = list(dict.fromkeys(p for p, _, _ in pieces if p not in self._frames))
+        had = dict(zip(fresh, self.lease.protect(fresh, frames_only=True))) if fresh else {}
+        mv = memoryview(data)
+        for p, s, e in pieces:
+            if not had.get(p, True):
+                self.add_frame(p, mv[s:e])
+                had[p] = True
         with self._lock:
-            if digest in self.known:
+            self._recipes.append((digest, len(data), recipe_to_blob(pieces)))
+            self.known.add(digest)
+
+    def add_frame(self, digest: bytes, data: bytes | memoryview) -> None:
+        """Append ``data`` as one frame named ``digest`` (a whole chunk, or a piece), unless this
+        writer wrote that frame already."""
+        with self._lock:
+            if digest in self._frames:
                 return
             if self.limit is not None and self.written + FRAME_HEADER + len(data) + len(PACK_MAGIC) > self.limit:
                 check_entry_fits(self.limit, self.written + FRAME_HEADER + len(data) + len(PACK_MAGIC), "an entry")
@@ -117,40 +161,52 @@ class PackWriter:
             self._f.write(data)
             self._rows.append((digest, self._id, self._pos + FRAME_HEADER, len(data)))
             self._pos += FRAME_HEADER + len(data)
-            self.known.add(digest)
+            self._frames.add(digest)
             full = self._pos >= self.store.pack_target
         if full:
             self.flush()
 
     def flush(self) -> None:
-        """Finish the open pack (fsync, put in place, index its chunks under the lease)."""
+        """Finish the open pack (fsync, put in place, index its frames under the lease) and index
+        the recipes waiting for it."""
         with self._lock:
             f, self._f = self._f, None
+            recipes, self._recipes = self._recipes, []
             if f is None:
-                return
-            rows, self._rows = self._rows, []
-            pack, tmp = self._id, self._tmp
-        try:
-            f.flush()
-            durable_sync(f.fileno())
-        finally:
-            f.close()
+                rows: list[tuple[bytes, str, int, int]] = []
+                pack = tmp = ""
+            else:
+                rows, self._rows = self._rows, []
+                pack, tmp = self._id, self._tmp
+        if f is None and not recipes:
+            return
         st = self.store
+        if f is not None:
+            try:
+                f.flush()
+                durable_sync(f.fileno())
+            finally:
+                f.close()
+            with st._tx() as db:
+                db.execute("INSERT OR IGNORE INTO lease_packs VALUES (?,?)", (self.lease.id, pack))
+            size = st.packs.put_file(pack, tmp)
         with st._tx() as db:
-            db.execute("INSERT OR IGNORE INTO lease_packs VALUES (?,?)", (self.lease.id, pack))
-        size = st.packs.put_file(pack, tmp)
-        with st._tx() as db:
-            db.execute("INSERT INTO packs VALUES (?,?,?)", (pack, size, time.time()))
-            db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", rows)
-            db.executemany("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", [(self.lease.id, r[0]) for r in rows])
-            db.execute("DELETE FROM lease_packs WHERE lease=? AND pack=?", (self.lease.id, pack))
+            if f is not None:
+                db.execute("INSERT INTO packs VALUES (?,?,?)", (pack, size, time.time()))
+                db.executemany("INSERT OR IGNORE INTO chunks VALUES (?,?,?,?)", rows)
+                db.executemany("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", [(self.lease.id, r[0]) for r in rows])
+                db.execute("DELETE FROM lease_packs WHERE lease=? AND pack=?", (self.lease.id, pack))
+            if recipes:
+                db.executemany("INSERT OR IGNORE INTO recipes VALUES (?,?,?)", recipes)
+                db.executemany("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", [(self.lease.id, r[0]) for r in recipes])
             db.execute("UPDATE leases SET touched=? WHERE id=?", (time.time(), self.lease.id))
         self.placed += rows
 
     def abort(self) -> None:
-        """Drop an unfinished pack."""
+        """Drop an unfinished pack (and the recipes waiting for it)."""
         with self._lock:
             f, self._f = self._f, None
+            self._recipes = []
         if f is not None:
             f.close()
             with contextlib.suppress(OSError):
