@@ -306,6 +306,8 @@ _UNSAFE_MANIFESTS = {
     "absolute": [dir_entry(b""), file_entry(b"/abs", b"abs")],
     "long-name": [dir_entry(b""), file_entry(b"n" * 256, b"a name past NAME_MAX")],
     "long-target": [dir_entry(b""), link_entry(b"l", b"t" * 4096)],
+    "nul-in-target": [dir_entry(b""), link_entry(b"l", b"ok\x00/etc")],
+    "nul-target-only": [dir_entry(b""), link_entry(b"l", b"\x00")],
 }
 
 
@@ -466,3 +468,36 @@ def test_max_delete_on_pull_counts_what_a_servers_replacement_clears(tmp_path: P
     gone = before - _all_below(dst)
     assert len(gone) <= n, sorted(gone)
     assert os.path.isdir(dst / "d") and not os.path.islink(dst / "d")
+
+
+# ---- a link target no system can hold (NUL) ----------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", ["ok\x00/etc", "\x00", "a" * 10 + "\x00"])
+@pytest.mark.parametrize("safe", [True, False])
+def test_pull_of_a_link_target_with_nul_is_one_line_exit_12_before_any_write(tmp_path: Path, target: str, safe: bool) -> None:
+    """A server lists a link whose target holds a NUL byte (no file system can store one): the pull
+    stops with one protocol line, exit 12, before anything is written at the destination."""
+    import subprocess
+    import sys
+
+    src = str(tmp_path / "src")
+    write(os.path.join(src, "f"), b"data")
+    st = os.stat(os.path.join(src, "f"))
+
+    def tree(sender: Any, start: int = 0) -> dict[str, Any]:
+        return {"root": ["", "d", 0o755, 0, st.st_mtime_ns, ""], "dirs": [["", os.urandom(32), 1, 4]], "total": 1}
+
+    def entries(sender: Any, dirs: Any, skip: int = 0) -> dict[str, Any]:
+        return {"entries": [["f", "f", 0o644, 4, st.st_mtime_ns, ""], ["l", "l", 0o777, 7, st.st_mtime_ns, target]],
+                "more": False}
+
+    dst = tmp_path / "dst"
+    with HostileServer(lying_sender(src, SyncOptions(), tree=tree, entries=entries)) as hs:
+        r = subprocess.run([sys.executable, "-m", "tb5sync.cli", "sync", *(["--safe-links"] if safe else []),
+                            hs.url("src/"), str(dst)], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 12, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and "NUL" in r.stderr
+    assert not dst.exists() or os.listdir(dst) == []
