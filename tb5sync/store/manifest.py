@@ -157,8 +157,9 @@ def decode_manifest(data: bytes, where: str = "manifest", max_entries: int | Non
             if (digest is None or len(digest) != 32 or sum(n for _, n in chunks) != size
                     or file_digest(d for d, _ in chunks) != digest):
                 raise IntegrityError(f"{where}: file entry {_short(path)} has a bad digest or chunk list")
-        elif kind == "l" and target is None:
-            raise IntegrityError(f"{where}: symlink entry {_short(path)} has no target")
+        elif kind == "l" and (target is None or b"\x00" in target):
+            what = "no target" if target is None else "a target holding a NUL byte (no file system stores one)"
+            raise IntegrityError(f"{where}: symlink entry {_short(path)} has {what}")
         out.append(Item(path, kind, mode, size, mtime_ns, target, digest, chunks))
     if not out or out[0].path != b"":
         raise IntegrityError(f"{where}: no root entry")

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from tb5sync.tree.entry import STATE_DIR, Entry, check_relpath, path_from_wire, path_to_wire
+from tb5sync.tree.entry import STATE_DIR, Entry, check_relpath, path_from_wire, path_to_wire, show_path
 from tb5sync.errors import RemoteProtocolError, UsageError, shown
 from tb5sync.wire.protocol import MAX_PAYLOAD
 
@@ -282,6 +282,20 @@ def check_peer_path(path: str, what: str) -> str:
     return path
 
 
+def check_peer_target(entry: Entry, what: str) -> None:
+    """Refuse a peer's symlink entry whose target no file system can hold: one with a NUL byte
+    (``symlink(2)`` takes a C string). Caught here, before the plan, so nothing is written.
+
+    Raises
+    ------
+    RemoteProtocolError
+        Naming ``what`` (the page) and the entry's path.
+    """
+    if entry.kind == "l" and "\x00" in entry.target:
+        raise RemoteProtocolError(f"refused link in the peer's {what}: {show_path(entry.path)} has a target "
+                                  "holding a NUL byte (no file system stores one)")
+
+
 def _bad(what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"malformed {what}")
 
@@ -431,6 +445,7 @@ class TreePage:
         entry = Entry.from_wire(root)
         if entry.path != "":
             raise RemoteProtocolError("the tree's root entry must have the path ''")
+        check_peer_target(entry, "tree")
         dirs = []
         for row in rows:
             if not (isinstance(row, list) and len(row) == 4):
@@ -479,6 +494,7 @@ class EntriesPage:
         entries = [Entry.from_wire(item) for item in items]
         for e in entries:
             check_peer_path(e.path, "entries page")
+            check_peer_target(e, "entries page")
         return cls(entries, more, hl, xa)
 
 
