@@ -560,6 +560,20 @@ def test_threads_share_one_store(tmp_path: Any) -> None:
 # ---- CLI --------------------------------------------------------------------------------------------
 
 
+def test_cli_stats_prints_one_line_per_figure(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``store stats`` is several lines of the store's own text: each printed as a line, not one
+    line with its newlines escaped for the terminal (only peer text is escaped)."""
+    write(str(tmp_path / "s" / "f"), b"hello world")
+    st = str(tmp_path / "st")
+    assert main(["store", "--store", st, "put", "a/1", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    assert main(["store", "--store", st, "stats"]) == 0
+    out = capsys.readouterr().out
+    assert "\\#012" not in out
+    lines = out.splitlines()
+    assert lines[0] == "refs: 1 (1 files)" and any(line.startswith("dedup ratio: ") for line in lines)
+
+
 def test_cli_put_ls_stats_json(tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     write(str(tmp_path / "s" / "f"), b"hello world")
     monkeypatch.setenv("TB5SYNC_STORE", str(tmp_path / "envstore"))
