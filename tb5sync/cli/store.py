@@ -409,7 +409,7 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
             if a.json:
                 print(json.dumps(s))
             else:
-                say(f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
+                report = (f"refs: {s['refs']} ({s['files']} files)\nlogical: {_fmt(s['logical_bytes'])}\n"
                       f"unique: {_fmt(s['unique_bytes'])} in {s['chunks']} indexed chunks\n"
                       f"stored: {_fmt(s['stored_bytes'])} in {s['packs']} packs\ndedup ratio: {s['dedup_ratio']:.2f}"
                       + (f"\nformat: {s['format']}" + (f" ({s['recipes']} chunks kept as recipes of pieces)"
@@ -417,6 +417,8 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                       + (f"\nquota: {_fmt(s['quota'])}" if s["quota"] is not None else "")
                       + (f"\nkeyed blobs: {s['blobs']} ({_fmt(s['blob_bytes'])})" if s["blobs"] else "")
                       + "".join(f"\nhttp cache {n}: {v:g}" for n, v in s["http_cache"].items()))
+                for line in report.split("\n"):  # the store's own lines; say() escapes what each holds
+                    say(line)
         elif c == "quota":
             if a.size is not None:
                 st.set_quota(None if a.size.lower() == "none" else parse_size(a.size))
