@@ -196,6 +196,51 @@ def test_honest_get_is_answered_within_a_second_under_silent_and_trickling_clien
     assert max(times) < 1.0, times
 
 
+@pytest.mark.parametrize("addr", ["127.0.0.1", "127.0.0.4"])
+def test_readers_that_never_read_hold_no_slot(tmp_path: Any, addr: str) -> None:
+    """Clients that send a GET of a large entry and never read the answer (a tiny receive buffer),
+    as many as there are slots and more, from one address: an honest GET, from that address or
+    another, is still answered within 1 s (a slot is held for store work, not while the socket
+    waits for a reader), and a stalled reader is cut once its writes stop for a body window."""
+    c = start(tmp_path, concurrency=4, client_body_timeout=2)
+    h = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)
+    h.request("PUT", "/k/big", body=b"\x01" * (8 << 20))
+    r = h.getresponse()
+    assert r.status == 200
+    r.read()
+    h.request("PUT", "/k/small", body=b"small")
+    r = h.getresponse()
+    assert r.status == 200
+    r.read()
+    h.close()
+    stalled = []
+    for _ in range(12):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.bind(("127.0.0.1", 0))
+        s.connect(("127.0.0.1", c.port))
+        s.sendall(b"GET /k/big HTTP/1.1\r\nHost: x\r\n\r\n")
+        _SOCKS.append(s)
+        stalled.append(s)
+    time.sleep(1.0)
+    times = []
+    for _ in range(3):
+        status, took = get_from(c, "/k/small", addr)
+        assert status == 200
+        times.append(took)
+    assert max(times) < 1.0, times
+    assert all(closed_within(s, 6.0)[0] for s in stalled[:2])  # cut: their writes stopped for 2 s
+
+
+def get_from(c: HttpCache, path: str, source: str) -> tuple[int, float]:
+    s = socket.create_connection(("127.0.0.1", c.port), timeout=10, source_address=(source, 0))
+    _SOCKS.append(s)
+    t0 = time.monotonic()
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    line = s.recv(64).split(b"\r\n")[0]
+    return int(line.split()[1]), time.monotonic() - t0
+
+
 @pytest.mark.parametrize("how", ["http-cache", "serve"])
 def test_cli_takes_the_admission_options(tmp_path: Any, how: str) -> None:
     import signal
