@@ -94,6 +94,9 @@ BATCH_BYTES = 32 * 1024 * 1024
 FLUSH_EVERY = 5.0
 #: A response write that makes no progress for this long is cut (seconds): a stalled reader.
 IDLE_TIMEOUT = 60.0
+#: A response is written in slices of this many bytes, each to be taken by its reader within
+#: ``client_body_timeout`` seconds.
+SEND_SLICE = 256 * 1024
 
 #: The routes a first path segment names; every other first segment is a client's namespace of
 #: opaque keys (ccache's ``PREFIX``, sccache's, a URL prefix), whatever follows it.
@@ -422,6 +425,25 @@ class HttpCache:
         assert self._loop is not None
         return await self._loop.run_in_executor(self._pool, fn, *args)
 
+    async def _store(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the worker pool under a read slot (at most ``concurrency`` at once)."""
+        async with self._rsem:
+            return await self._run(fn, *args)
+
+    async def _send(self, resp: web.StreamResponse, data: bytes) -> None:
+        """Write ``data`` to a response in slices of :data:`SEND_SLICE` bytes. A slice the reader
+        does not take within ``client_body_timeout`` seconds cuts the connection (nginx's
+        ``send_timeout``): a stalled reader holds one piece of memory for one window, and no slot.
+
+        Raises
+        ------
+        TimeoutError
+            The reader took nothing for a window (aiohttp then closes the connection).
+        """
+        view = memoryview(data)
+        for off in range(0, len(view), SEND_SLICE):
+            await asyncio.wait_for(resp.write(view[off:off + SEND_SLICE]), self.client_body_timeout)
+
     # ---- access ----
     def _allowed(self, ip: str | None) -> bool:
         return not self.allow or (ip or "") in self.allow
@@ -457,8 +479,12 @@ class HttpCache:
             if conn is not None:
                 conn.tb5_enter()
             try:
-                async with (self._sem if request.method == "PUT" else self._rsem):
-                    return await handler(request)  # type: ignore[no-any-return]
+                if request.method == "PUT":
+                    async with self._sem:  # a body slot, for the whole upload
+                        return await handler(request)  # type: ignore[no-any-return]
+                # GET/HEAD/DELETE take a read slot for each piece of store work only (_store), never
+                # while a response waits for its reader: a client that never reads holds no slot.
+                return await handler(request)  # type: ignore[no-any-return]
             finally:
                 if conn is not None:
                     conn.tb5_leave()
@@ -495,7 +521,7 @@ class HttpCache:
         if request.method == "DELETE":
             if self.read_only:
                 return web.Response(status=403, text="read-only cache\n")
-            gone = await self._run(delete_blob, self.store, key)
+            gone = await self._store(delete_blob, self.store, key)
             return web.Response(status=200 if gone else 404)
         return web.Response(status=405, headers={"Allow": "GET, HEAD, PUT, DELETE"})
 
@@ -558,7 +584,7 @@ class HttpCache:
         if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
             self.metrics.add(f"{kind}.hits")
             return web.Response(body=b"" if not head else None, content_type="application/octet-stream")
-        info = await self._run(blob, self.store, key, not self.read_only)
+        info = await self._store(blob, self.store, key, not self.read_only)
         if info is None:
             self.metrics.add(f"{kind}.misses")
             return web.Response(status=404)
@@ -569,7 +595,7 @@ class HttpCache:
                 self.metrics.add(f"{kind}.misses")
                 return web.Response(status=404)
             try:
-                first = b"".join(await self._run(list, chunks))
+                first = b"".join(await self._store(list, chunks))
             except IntegrityError as exc:
                 return await self._damaged(key, kind, exc)
             assert m is not None
@@ -586,17 +612,17 @@ class HttpCache:
             return resp
         if first is None and info.size:
             try:
-                first = await self._run(next, chunks, b"")
+                first = await self._store(next, chunks, b"")
             except IntegrityError as exc:
                 return await self._damaged(key, kind, exc)
         await resp.prepare(request)
         sent = 0
         if first:
-            await asyncio.wait_for(resp.write(first), self.idle_timeout)
+            await self._send(resp, first)
             sent += len(first)
         while sent < info.size:
             try:
-                piece = await self._run(next, chunks, b"")
+                piece = await self._store(next, chunks, b"")
             except IntegrityError as exc:
                 # The status line is sent: a body cut short of its Content-Length is how HTTP says
                 # "failed" now. The entry is dropped so that the next GET is a clean miss.
@@ -604,7 +630,7 @@ class HttpCache:
                 raise
             if not piece:
                 break
-            await asyncio.wait_for(resp.write(piece), self.idle_timeout)  # a stalled reader is cut
+            await self._send(resp, piece)  # a stalled reader is cut
             sent += len(piece)
         await resp.write_eof()
         self.metrics.add(f"{kind}.bytes_sent", sent)
