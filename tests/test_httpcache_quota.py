@@ -230,3 +230,27 @@ def test_push_past_the_quota_is_refused_before_its_chunks_are_all_stored(tmp_pat
         finally:
             ops.close()
         assert st.stats()["chunks"] <= 3
+
+
+def test_a_late_eviction_never_takes_an_entry_newer_than_the_one_that_triggered_it(tmp_path: Any) -> None:
+    """Eviction runs after the PUT that triggered it is answered, so later PUTs may land first.
+    Whenever it runs, it evicts least recently used first and nothing written (or used) at or after
+    the entry that triggered it: an acknowledged newer entry is never dropped while an older one
+    stays. Here the eviction of ``big`` runs only after ``new`` is stored."""
+    from tb5sync.store.blobs import blob, put_blob
+    from tb5sync.store.gc import enforce_quota
+
+    MiB = 1 << 20
+    with Store(str(tmp_path / "st"), quota=4 * MiB) as st:
+        for k in ("s0", "s1", "s2"):
+            put_blob(st, f"k/{k}", os.urandom(MiB))
+            time.sleep(0.02)
+        put_blob(st, "k/big", os.urandom(4 * MiB - 100_000))
+        time.sleep(0.02)
+        put_blob(st, "k/new", os.urandom(MiB))
+        enforce_quota(st, keep_blobs=["k/big"])  # big's eviction, late
+        assert blob(st, "k/new", False) is not None  # acknowledged after big: never its victim
+        assert all(blob(st, f"k/{k}", False) is None for k in ("s0", "s1", "s2"))
+        enforce_quota(st, keep_blobs=["k/new"])  # new's own: the least recently used goes
+        assert blob(st, "k/new", False) is not None and blob(st, "k/big", False) is None
+        assert st.stats()["stored_bytes"] <= 4 * MiB
