@@ -373,8 +373,10 @@ def enforce_quota(store: Store, keep: str | None = None, keep_blobs: Iterable[st
     The live size of a set of refs and blobs is the bytes of the distinct chunks they reach, framed
     as in a pack (counted incrementally: a chunk stops counting when the last unit reaching it goes).
     Pinned refs, ``keep`` (the ref whose put triggered this) and the blobs ``keep_blobs`` (those
-    just written) are never evicted: an entry never evicts itself, and evicts only the least
-    recently used units it needs to. Refs and blobs are removed first, then :func:`gc` with
+    just written) are never evicted, nor any unit used at or after the earliest of them (a run
+    that starts late never takes an entry acknowledged after its trigger; that entry's own run
+    does what is needed): an entry never evicts itself, and evicts only the least recently used
+    units it needs to. Refs and blobs are removed first, then :func:`gc` with
     ``repack_below=1.0`` deletes and repacks, so a ref or blob left in the store never points at a
     missing chunk. A quota that pinned refs (and the kept units) alone exceed is logged and left
     exceeded; entries that can never fit are refused before they are stored
@@ -426,8 +428,12 @@ def enforce_quota(store: Store, keep: str | None = None, keep_blobs: Iterable[st
     evicted: list[str] = []
     blobs_out: list[str] = []
     target = int(quota * min(1.0, max(0.0, low_water)))
+    # What triggered this run is kept, and so is everything used at or after it: an eviction that
+    # runs late (after later writes were acknowledged) never takes an entry newer than its trigger.
+    triggers = [u[0] for u in units if (u[1] == "ref" and u[2] == keep) or (u[1] == "blob" and u[2] in kept)]
+    newer_than = min(triggers) if triggers else None
     for last_used, kind, name, pinned, reach in sorted(units, key=lambda u: u[0]):
-        if live <= target:
+        if live <= target or (newer_than is not None and last_used >= newer_than):
             break
         if pinned:
             continue
