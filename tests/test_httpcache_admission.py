@@ -280,3 +280,20 @@ def test_cli_takes_the_admission_options(tmp_path: Any, how: str) -> None:
         p.send_signal(signal.SIGTERM)
         err = p.communicate(timeout=30)[1]
         assert p.returncode == 0, err
+
+
+@pytest.mark.parametrize("headers", [b"", b"Authorization: Bearer wrong\r\n"])
+def test_expect_100_continue_is_not_answered_before_authentication(tmp_path: Any, headers: bytes) -> None:
+    """A PUT with ``Expect: 100-continue`` and no (or a wrong) token is told 401 at once: the server
+    never invites the body of a request it will refuse; with the token it is invited."""
+    c = start(tmp_path, bearer="tok")
+    s = raw(c, data=b"PUT /ccache/x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n" + headers + b"\r\n")
+    s.settimeout(5)
+    first = s.recv(200)
+    assert first.startswith(b"HTTP/1.1 401"), first
+    ok = raw(c, data=b"PUT /ccache/x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n"
+                     b"Authorization: Bearer tok\r\n\r\n")
+    ok.settimeout(5)
+    assert ok.recv(200).startswith(b"HTTP/1.1 100 Continue")
+    ok.sendall(b"hello")
+    assert b"200" in ok.recv(200).split(b"\r\n")[0]
