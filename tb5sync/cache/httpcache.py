@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiofiles
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from tb5sync.errors import EntryTooLargeError, IntegrityError, UsageError
 from tb5sync._os.netif import AllowList, bind_host, peer_address
@@ -385,7 +385,7 @@ class HttpCache:
         self._sem = asyncio.Semaphore(self.concurrency)  # body slots: PUT
         self._rsem = asyncio.Semaphore(self.concurrency)  # GET, HEAD, DELETE: never behind uploads
         app = web.Application(client_max_size=MAX_AC, middlewares=[self._guard])
-        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch, expect_handler=self._expect)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                      keepalive_timeout=self.keepalive_timeout or 1e9)
         await self._runner.setup()
@@ -424,6 +424,22 @@ class HttpCache:
     async def _run(self, fn: Any, *args: Any) -> Any:
         assert self._loop is not None
         return await self._loop.run_in_executor(self._pool, fn, *args)
+
+    async def _expect(self, request: web.Request) -> None:
+        """``Expect: 100-continue``: invite the body only of a request that may send one (its address
+        allowed, authenticated, a size under the entry limit); the others get their refusal from the
+        middleware without being asked for a byte of body (RFC 9110, 10.1.1)."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {expect}")
+        peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+        want, limit = request.content_length, self.entry_limit()
+        if (not self._allowed(peer) or not self._authorized(request)
+                or (want is not None and limit is not None and want > limit)):
+            return
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
 
     async def _store(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` in the worker pool under a read slot (at most ``concurrency`` at once)."""
