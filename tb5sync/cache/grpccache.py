@@ -51,7 +51,7 @@ import aiofiles
 from tb5sync.errors import EntryTooLargeError, IntegrityError, Tb5syncError, UsageError
 from tb5sync.cache.httpcache import EMPTY_SHA256, MAX_AC, SPOOL_MEMORY, HttpCache
 from tb5sync.cache.reapi import ActionResultError, parse_action_result
-from tb5sync.store.blobs import blob, delete_blob, has_blobs, put_blob, read_blob, touch_blobs
+from tb5sync.store.blobs import delete_blob, has_blobs, put_blob
 
 __all__ = ["GrpcCache", "RpcRefused", "MAX_BATCH", "READ_CHUNK", "parse_resource_name"]
 
@@ -325,16 +325,15 @@ class GrpcCache:
         prefix = self._prefix(request.instance_name)
         h, _ = _check_digest(request.action_digest.hash, request.action_digest.size_bytes)
         key = f"{prefix}ac/{h}"
-        info = await c._run(blob, self.store, key, not c.read_only)
-        if info is None or info.size > MAX_AC:
-            m.add("ac.misses")
-            raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}")
         try:
-            data = b"".join(await c._run(lambda: list(read_blob(self.store, info))))
+            info, _, data, valid = await c._run(c._fetch, key, "ac" if c.ac_validation else "whole", prefix)
         except IntegrityError as exc:
             await self._damaged(key, "ac", exc)
             raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}") from None
-        if c.ac_validation and not await c._ac_valid(prefix, data):
+        if info is None or info.size > MAX_AC:
+            m.add("ac.misses")
+            raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}")
+        if not valid:
             m.add("ac.misses")
             m.add("ac.ac_incomplete")
             raise RpcRefused("NOT_FOUND", f"the ActionResult for {h} names outputs the cache no longer holds")
@@ -380,8 +379,7 @@ class GrpcCache:
             if h != EMPTY_SHA256:
                 want.setdefault(f"{prefix}cas/{h}", d)
         held = await c._run(has_blobs, self.store, list(want)) if want else set()
-        if held and not c.read_only:
-            await c._run(touch_blobs, self.store, sorted(held))
+        c._touch(sorted(held))  # written with the next batch of touches
         missing = [d for k, d in want.items() if k not in held]
         m.add("cas.found", len(want) - len(missing))
         m.add("cas.missing", len(missing))
@@ -441,15 +439,16 @@ class GrpcCache:
                 h, size = _check_digest(d.hash, d.size_bytes)
                 if h != EMPTY_SHA256:
                     key = f"{prefix}cas/{h}"
-                    info = await c._run(blob, self.store, key, not c.read_only)
-                    if info is None:
-                        m.add("cas.misses")
-                        raise RpcRefused("NOT_FOUND", f"no blob {h}")
                     try:
-                        data = b"".join(await c._run(lambda: list(read_blob(self.store, info))))
+                        info, _, data, _ = await c._run(c._fetch, key, "whole")
                     except IntegrityError as exc:
                         await self._damaged(key, "cas", exc)
                         raise RpcRefused("NOT_FOUND", f"no blob {h}") from None
+                    if info is None:
+                        m.add("cas.misses")
+                        raise RpcRefused("NOT_FOUND", f"no blob {h}")
+                    if len(data) != info.size:  # larger than MAX_AC: never a batch's
+                        raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes; use ByteStream")
                 m.add("cas.hits")
                 m.add("cas.bytes_sent", len(data))
                 status = self._status("OK")
@@ -488,18 +487,21 @@ class GrpcCache:
                     m.add("cas.hits")
                     return
                 key = f"{prefix}cas/{h}"
-                info = await c._run(blob, self.store, key, not c.read_only)
+                try:
+                    info, chunks, first, _ = await c._run(c._fetch, key, "first")
+                except IntegrityError as exc:
+                    await self._damaged(key, "cas", exc)
+                    raise RpcRefused("NOT_FOUND", f"blob {h} is damaged") from None
                 if info is None:
                     m.add("cas.misses")
                     raise RpcRefused("NOT_FOUND", f"no blob {h}")
                 if info.size != size:
                     raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes, not {size}")
-                chunks = read_blob(self.store, info)
                 pos = sent = 0
                 hit = False
                 while pos < end:
                     try:
-                        piece = await c._run(next, chunks, b"")
+                        piece, first = (first, b"") if first else (await c._run(next, chunks, b""), b"")
                     except IntegrityError as exc:
                         await self._damaged(key, "cas", exc)
                         raise RpcRefused("DATA_LOSS" if sent else "NOT_FOUND", f"blob {h} is damaged") from None

@@ -70,8 +70,8 @@ from tb5sync.cache.admission import (CLIENT_BODY_MIN_RATE, CLIENT_BODY_TIMEOUT, 
                                      KEEPALIVE_TIMEOUT, LIMIT_CONN, MAX_CONNECTIONS_PER_ADDRESS, Conn as _Conn)
 from tb5sync.cache.reapi import ActionResultError, parse_action_result, tree_files
 from tb5sync.store import Store
-from tb5sync.store.blobs import (add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs,
-                                 read_blob, touch_blobs)
+from tb5sync.store.blobs import (BlobInfo, add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob,
+                                 put_blobs, read_blob, touch_blobs)
 
 __all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
 
@@ -92,6 +92,8 @@ BATCH_COUNT = 256
 BATCH_BYTES = 32 * 1024 * 1024
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
+#: Seconds between two writes of the recorded uses (LRU order) of the entries read.
+TOUCH_EVERY = 1.0
 #: A response write that makes no progress for this long is cut (seconds): a stalled reader.
 IDLE_TIMEOUT = 60.0
 
@@ -325,6 +327,8 @@ class HttpCache:
         self._quota_running = False
         self._quota_again = False
         self._quota_lock = threading.Lock()
+        self._touched: set[str] = set()  # keys read since the last _flush_touches
+        self._touch_lock = threading.Lock()
         self.grpc: Any = None  # its gRPC face (cache/grpccache.GrpcCache) when the command serves one
 
     # ---- life cycle ----
@@ -358,6 +362,8 @@ class HttpCache:
             self._thread.join(30)
         self._pool.shutdown(wait=True)
         if not self.store.read_only:
+            with contextlib.suppress(Exception):
+                self._flush_touches()
             with contextlib.suppress(Exception):
                 add_counters(self.store, self.metrics.take())
         if self._own_store:
@@ -407,10 +413,17 @@ class HttpCache:
                 await asyncio.wait_for(server.wait_closed(), 5)
 
     async def _flush_loop(self) -> None:
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(FLUSH_EVERY)
-            if self.store.read_only:
+            await asyncio.sleep(TOUCH_EVERY)
+            if self._touched:
+                try:
+                    await self._run(self._flush_touches)
+                except Exception as exc:  # best effort: the LRU order only
+                    log.warning("http cache: uses not recorded: %s", exc)
+            if self.store.read_only or time.monotonic() - last < FLUSH_EVERY:
                 continue  # counted in memory only
+            last = time.monotonic()
             deltas = self.metrics.take()
             if deltas:
                 try:
@@ -523,6 +536,11 @@ class HttpCache:
 
     async def _ac_valid(self, prefix: str, data: bytes) -> bool:
         """Whether every CAS blob an ActionResult references is held (trees: the tree and its files)."""
+        return bool(await self._run(self._ac_valid_sync, prefix, data))
+
+    def _ac_valid_sync(self, prefix: str, data: bytes) -> bool:
+        """:meth:`_ac_valid` in a worker thread (one hop for the whole check); its uses are recorded
+        with the next batch of touches."""
         try:
             blobs, trees = parse_action_result(data)
         except ActionResultError:
@@ -530,53 +548,84 @@ class HttpCache:
         keys = [f"{prefix}cas/{h}" for h, n in blobs + trees if h != EMPTY_SHA256]
         if not keys:
             return True
-        held = await self._run(has_blobs, self.store, keys)
+        held = has_blobs(self.store, keys)
         if len(held) < len(set(keys)):
             return False
-        if not self.read_only:  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
-            await self._run(touch_blobs, self.store, keys)
+        self._touch(keys)  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
         for h, _ in trees:
             if h == EMPTY_SHA256:
                 continue
-            info = await self._run(blob, self.store, f"{prefix}cas/{h}", False)
+            info = blob(self.store, f"{prefix}cas/{h}", False)
             if info is None or info.size > MAX_AC:
                 return False
             try:
-                raw = b"".join(await self._run(lambda i=info: list(read_blob(self.store, i))))
-                files = tree_files(raw)
+                files = tree_files(b"".join(read_blob(self.store, info)))
             except (IntegrityError, ActionResultError):
                 return False
             fkeys = [f"{prefix}cas/{fh}" for fh, _ in files if fh != EMPTY_SHA256]
-            if fkeys and len(await self._run(has_blobs, self.store, fkeys)) < len(set(fkeys)):
+            if fkeys and len(has_blobs(self.store, fkeys)) < len(set(fkeys)):
                 return False
-            if fkeys and not self.read_only:
-                await self._run(touch_blobs, self.store, fkeys)
+            self._touch(fkeys)
         return True
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Record a use of ``keys``: written in one transaction by the next :meth:`_flush_touches`
+        (within :data:`TOUCH_EVERY` seconds, and before any quota run)."""
+        if not self.read_only:
+            with self._touch_lock:
+                self._touched.update(keys)
+
+    def _flush_touches(self) -> None:
+        with self._touch_lock:
+            keys, self._touched = self._touched, set()
+        if keys:
+            touch_blobs(self.store, sorted(keys))
+
+    def _fetch(self, key: str, mode: str, prefix: str = "") -> tuple[BlobInfo | None, Any, bytes, bool]:
+        """One hop of a read, in a worker thread: the row of ``key`` (its use recorded), and with
+        ``mode`` ``"row"`` nothing more, ``"first"`` the chunk iterator and its first chunk, ``"whole"`` the whole body
+        (at most :data:`MAX_AC` bytes, else ``(info, None, b"", False)``), ``"ac"`` the whole body
+        and whether its ActionResult is complete (:meth:`_ac_valid`). ``(None, None, b"", False)``: a miss.
+
+        Raises
+        ------
+        IntegrityError
+            A chunk read is damaged.
+        """
+        info = blob(self.store, key, False)
+        if info is None:
+            return None, None, b"", False
+        self._touch((key,))
+        if mode == "row":
+            return info, None, b"", True
+        chunks = read_blob(self.store, info)
+        if mode == "first":
+            return info, chunks, next(chunks, b""), True
+        if info.size > MAX_AC:
+            return info, None, b"", False
+        data = b"".join(chunks)
+        return info, None, data, (self._ac_valid_sync(prefix, data) if mode == "ac" else True)
 
     async def _get(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.StreamResponse:
         head = request.method == "HEAD"
         if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
             self.metrics.add(f"{kind}.hits")
             return web.Response(body=b"" if not head else None, content_type="application/octet-stream")
-        info = await self._run(blob, self.store, key, not self.read_only)
+        ac = kind == "ac" and self.ac_validation
+        try:
+            info, chunks, first, valid = await self._run(self._fetch, key, "ac" if ac else "row" if head else "first",
+                                                         m.group("prefix") if m is not None else "")
+        except IntegrityError as exc:
+            return await self._damaged(key, kind, exc)
         if info is None:
             self.metrics.add(f"{kind}.misses")
             return web.Response(status=404)
-        first: bytes | None = None
-        chunks = read_blob(self.store, info)
-        if kind == "ac" and self.ac_validation:
-            if info.size > MAX_AC:
-                self.metrics.add(f"{kind}.misses")
-                return web.Response(status=404)
-            try:
-                first = b"".join(await self._run(list, chunks))
-            except IntegrityError as exc:
-                return await self._damaged(key, kind, exc)
-            assert m is not None
-            if not await self._ac_valid(m.group("prefix"), first):
-                self.metrics.add(f"{kind}.misses")
+        if ac and (info.size > MAX_AC or not valid):
+            self.metrics.add(f"{kind}.misses")
+            if info.size <= MAX_AC:
                 self.metrics.add(f"{kind}.ac_incomplete")
-                return web.Response(status=404)
+            return web.Response(status=404)
+        if chunks is None:
             chunks = iter(())
         self.metrics.add(f"{kind}.hits")
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
@@ -584,11 +633,6 @@ class HttpCache:
         if head:
             await resp.prepare(request)
             return resp
-        if first is None and info.size:
-            try:
-                first = await self._run(next, chunks, b"")
-            except IntegrityError as exc:
-                return await self._damaged(key, kind, exc)
         await resp.prepare(request)
         sent = 0
         if first:
@@ -799,6 +843,8 @@ class HttpCache:
                     self._quota_again = False
                 recent, self._recent = self._recent, set()  # the PUTs that asked for this check
                 try:
+                    self._flush_touches()  # the hits so far count in the LRU order
+
                     while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
                         evicted = self.store.enforce_quota(keep_blobs=recent)
                         self.metrics.add("all.evicted", len(evicted))
