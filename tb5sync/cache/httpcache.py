@@ -90,6 +90,11 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: Most in-memory PUTs, and bytes, written together as one batch (one pack, one transaction).
 BATCH_COUNT = 256
 BATCH_BYTES = 32 * 1024 * 1024
+#: Longest a batch waits for more small entries before it is written (seconds), while uploads
+#: overlap (one arrived while another was arriving, waiting or being written) now or within
+#: :data:`OVERLAP_MEMORY` seconds. A client alone, one entry at a time, never waits.
+BATCH_LINGER = 0.010
+OVERLAP_MEMORY = 0.5
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
 #: Seconds between two writes of the recorded uses (LRU order) of the entries read.
@@ -324,6 +329,12 @@ class HttpCache:
         self._error: BaseException | None = None
         self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
         self._drain_task: asyncio.Task[None] | None = None
+        self._pending_bytes = 0
+        self._arriving = 0  # small uploads whose bodies are still arriving (event loop only)
+        self._writing = False  # a batch is being written
+        self._first_pending = 0.0  # loop time the oldest waiting entry arrived
+        self._overlap_until = 0.0  # loop time until which batches linger (uploads overlapped lately)
+        self._batch_wake: asyncio.Event | None = None
         self._quota_running = False
         self._quota_again = False
         self._quota_lock = threading.Lock()
@@ -673,6 +684,7 @@ class HttpCache:
         sha = hashlib.sha256() if kind == "cas" else None
         mem = bytearray()
         spool: Any = None
+        arriving = self._arrive(want is None or want <= SPOOL_MEMORY)  # may join the next batch
         spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-http-{secrets.token_hex(8)}.body")
         got = 0
         try:
@@ -719,6 +731,7 @@ class HttpCache:
                         mem += piece
                         continue
                     if spool is None:
+                        arriving = self._leave(arriving)  # stored alone, not in a batch
                         spool = await aiofiles.open(spool_path, "xb")
                         await spool.write(bytes(mem))
                         mem = bytearray()
@@ -759,6 +772,7 @@ class HttpCache:
                     spool = None
                     await self._run(put_blob, self.store, key, spool_path)
                 else:
+                    arriving = self._leave(arriving)
                     await self._put_small(key, bytes(mem))
             except EntryTooLargeError:
                 return self._too_large(request, kind, 507, got, self.entry_limit() or got)
@@ -766,6 +780,7 @@ class HttpCache:
             self.metrics.add(f"{kind}.puts")
             self.metrics.add(f"{kind}.bytes_received", got)
         finally:
+            self._leave(arriving)
             if spool is not None:
                 await spool.close()
             with contextlib.suppress(FileNotFoundError):
@@ -786,9 +801,30 @@ class HttpCache:
         resp.force_close()  # the rest of its body is not read
         return resp
 
+    def _arrive(self, small: bool) -> bool:
+        """Count an upload whose body is still arriving and may join the next batch (``small``);
+        returns whether it was counted (pass it to :meth:`_leave`)."""
+        if small:
+            self._arriving += 1
+        return small
+
+    def _leave(self, counted: bool) -> bool:
+        """Uncount an upload counted by :meth:`_arrive` (its body is in, or it is stored alone, or
+        it failed) and wake a batch that waits for it; returns False (no longer counted)."""
+        if counted:
+            self._arriving -= 1
+            if self._batch_wake is not None:
+                self._batch_wake.set()
+        return False
+
     async def _put_small(self, key: str, data: bytes) -> None:
-        """Store an in-memory body with those that arrive while the previous batch is written (group
-        commit: one pack, one ``fsync`` pair, one index transaction per batch); returns once it is stored.
+        """Store an in-memory body in the open batch (one pack, one ``fsync`` pair, one index
+        transaction per batch); returns once it is stored and indexed.
+
+        A batch is written :data:`BATCH_LINGER` seconds after its first entry while uploads overlap
+        (see there), at once when they do not, or once it holds :data:`BATCH_COUNT` entries or
+        :data:`BATCH_BYTES` bytes; the next batch fills while one is written. A client that uploads
+        one entry at a time is never kept waiting.
 
         Raises
         ------
@@ -797,19 +833,43 @@ class HttpCache:
         """
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
+        now = self._loop.time()
+        if self._pending or self._arriving or self._writing:  # uploads overlap: batches may wait for more
+            self._overlap_until = now + OVERLAP_MEMORY
+        if not self._pending:
+            self._first_pending = now
         self._pending.append((key, data, fut))
+        self._pending_bytes += len(data)
+        if self._batch_wake is not None:
+            self._batch_wake.set()
         if self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())
         await fut
 
     async def _drain(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        if self._batch_wake is None:
+            self._batch_wake = asyncio.Event()
+        wake = self._batch_wake
         try:
             while self._pending:
+                # Linger (from the first entry waiting) while uploads overlap now or did lately: the
+                # entries of several clients then share one pack. A lone client never waits.
+                deadline = self._first_pending + BATCH_LINGER
+                while (len(self._pending) < BATCH_COUNT and self._pending_bytes < BATCH_BYTES and loop.time() < deadline
+                       and (self._arriving > 0 or loop.time() < self._overlap_until)):
+                    wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), max(deadline - loop.time(), 0.0))
                 batch: list[tuple[str, bytes, asyncio.Future[None]]] = []
                 size = 0
                 while self._pending and len(batch) < BATCH_COUNT and size < BATCH_BYTES:
                     batch.append(self._pending.pop(0))
                     size += len(batch[-1][1])
+                self._pending_bytes -= size
+                self._first_pending = loop.time()
+                self._writing = True
                 try:
                     await self._run(put_blobs, self.store, [(k, d) for k, d, _ in batch])
                 except Exception as exc:
@@ -820,6 +880,8 @@ class HttpCache:
                     for _, _, f in batch:
                         if not f.done():
                             f.set_result(None)
+                finally:
+                    self._writing = False
         finally:
             self._drain_task = None
 
