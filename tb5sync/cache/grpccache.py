@@ -324,7 +324,7 @@ class GrpcCache:
         h, _ = _check_digest(request.action_digest.hash, request.action_digest.size_bytes)
         key = f"{prefix}ac/{h}"
         try:
-            info, _, data, valid = await c._run(c._fetch, key, "ac" if c.ac_validation else "whole", prefix)
+            info, _, data, valid = await c.fetch(key, "ac" if c.ac_validation else "whole", prefix)
         except IntegrityError as exc:
             await self._damaged(key, "ac", exc)
             raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}") from None
@@ -438,7 +438,7 @@ class GrpcCache:
                 if h != EMPTY_SHA256:
                     key = f"{prefix}cas/{h}"
                     try:
-                        info, _, data, _ = await c._run(c._fetch, key, "whole")
+                        info, _, data, _ = await c.fetch(key, "whole")
                     except IntegrityError as exc:
                         await self._damaged(key, "cas", exc)
                         raise RpcRefused("NOT_FOUND", f"no blob {h}") from None
@@ -486,7 +486,7 @@ class GrpcCache:
                     return
                 key = f"{prefix}cas/{h}"
                 try:
-                    info, chunks, first, _ = await c._run(c._fetch, key, "first")
+                    info, chunks, first, _ = await c.fetch(key, "first")
                 except IntegrityError as exc:
                     await self._damaged(key, "cas", exc)
                     raise RpcRefused("NOT_FOUND", f"blob {h} is damaged") from None
