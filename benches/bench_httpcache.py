@@ -113,9 +113,7 @@ class Tb5Server:
 
     def cpu(self) -> float:
         """CPU seconds (user + system) the server process has used."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc_cpu(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -134,9 +132,56 @@ class NginxServer:
         self.proc = subprocess.Popen(["nginx", "-p", p, "-c", conf], stderr=subprocess.PIPE, text=True)
         wait_port(self.port)
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of nginx's master and its worker(s)."""
+        return sum(proc_cpu(pid) for pid in [self.proc.pid, *children(self.proc.pid)])
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGQUIT)
         self.proc.wait(30)
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+class Spy:
+    """``py-spy record --gil --format raw`` of the tb5sync server during one phase (``--py-spy DIR``)."""
+
+    def __init__(self, out_dir: str | None, pid: int) -> None:
+        self.out_dir, self.pid, self.proc = out_dir, pid, None
+
+    def start(self, name: str) -> None:
+        if not self.out_dir:
+            return
+        spy = shutil.which("py-spy", path=os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", ""))
+        if spy is None:
+            raise RuntimeError("--py-spy needs py-spy (pip install py-spy)")
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.proc = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--format", "raw", "--gil", "-r", "250",
+                                      "-o", os.path.join(self.out_dir, f"{name}.txt")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(60)
+            self.proc = None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -267,11 +312,15 @@ filegroup(name = "all", srcs = [":hello", ":empty"] + [":blob%d" % i for i in ra
 '''
 
 
-def bazel_workspace(work: str, salt: str, blobs: int) -> str:
+def bazel_workspace(work: str, salt: str, blobs: int, small: int = 0) -> str:
     ws = os.path.join(work, f"ws-{salt}")
     os.makedirs(ws)
     rules = "\n".join(f'genrule(name = "blob{i}", outs = ["blob{i}.bin"], cmd = "head -c {(i % 4 + 1) * 1500000} /dev/urandom > $@ # {salt}")'
                       for i in range(blobs))
+    # small outputs (1-16 KiB), the bulk of a real build's entries: named blob{blobs + i} so ":all" lists them
+    rules += "\n" + "\n".join(f'genrule(name = "blob{blobs + i}", outs = ["small{i}.o"], cmd = "head -c {(i % 16 + 1) * 1024} /dev/urandom > $@ # {salt}")'
+                               for i in range(small))
+    blobs += small
     for name, text in (("WORKSPACE", ""), ("BUILD", BAZEL_BUILD.format(salt=salt, blobs=rules, n=blobs)),
                        ("lib.h", "int add(int a, int b);\n"), ("lib.c", '#include "lib.h"\nint add(int a, int b) { return a + b; }\n'),
                        ("main.c", '#include <stdio.h>\n#include "lib.h"\nint main(void) { printf("%d\\n", add(2, 3)); return 0; }\n')):
@@ -280,17 +329,26 @@ def bazel_workspace(work: str, salt: str, blobs: int) -> str:
     return ws
 
 
-def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int) -> dict[str, Any]:
-    """Median rebuild wall and server CPU per protocol, alternating (see the module docstring)."""
-    remotes = {"http": f"http://127.0.0.1:{tb5.port}"}
+def count_packs(work: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(os.path.join(work, "store", "packs")))
+
+
+def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int, small: int = 0,
+                   ngx: NginxServer | None = None, spy_dir: str | None = None) -> dict[str, Any]:
+    """Median rebuild wall and server CPU per remote (tb5sync HTTP, tb5sync gRPC, nginx WebDAV), alternating
+    (see the module docstring); the first build's server CPU is the upload phase's."""
+    remotes: dict[str, tuple[str, Any]] = {"http": (f"http://127.0.0.1:{tb5.port}", tb5)}
     if tb5.grpc_port:
-        remotes["grpc"] = f"grpc://127.0.0.1:{tb5.grpc_port}"
-    spaces = {n: (bazel_workspace(work, n, blobs), ["bazel", f"--output_user_root={os.path.join(work, 'bzl-' + n)}"])
+        remotes["grpc"] = (f"grpc://127.0.0.1:{tb5.grpc_port}", tb5)
+    if ngx is not None:
+        remotes["nginx"] = (f"http://127.0.0.1:{ngx.port}", ngx)
+    spaces = {n: (bazel_workspace(work, n, blobs, small), ["bazel", f"--output_user_root={os.path.join(work, 'bzl-' + n)}"])
               for n in remotes}
+    spy = Spy(spy_dir, tb5.proc.pid)
 
     def build(name: str) -> str:
         ws, bz = spaces[name]
-        r = subprocess.run(bz + ["build", f"--remote_cache={remotes[name]}", "--noshow_progress", "//:all"],
+        r = subprocess.run(bz + ["build", f"--remote_cache={remotes[name][0]}", "--noshow_progress", "//:all"],
                            cwd=ws, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"bazel build over {name} failed: {r.stderr[-2000:]}")
@@ -299,24 +357,35 @@ def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int) -> dict[s
     res: dict[str, Any] = {n: {"wall": [], "server_cpu": [], "hits": []} for n in remotes}
     try:
         for name in remotes:
-            c0 = tb5.cpu()
+            srv = remotes[name][1]
+            if name != "nginx":
+                spy.start(f"upload-{name}")
+            c0, p0 = srv.cpu(), count_packs(work)
             t0 = time.perf_counter()
             build(name)
             res[name]["first_wall"] = time.perf_counter() - t0
-            res[name]["first_server_cpu"] = tb5.cpu() - c0
-        for _ in range(rounds):
+            res[name]["first_server_cpu"] = srv.cpu() - c0
+            if name != "nginx":
+                res[name]["packs_made"] = count_packs(work) - p0
+            spy.stop()
+        for k in range(rounds):
             for name in remotes:
+                srv = remotes[name][1]
                 ws, bz = spaces[name]
                 subprocess.run(bz + ["clean"], cwd=ws, check=True, capture_output=True, timeout=120)
-                c0 = tb5.cpu()
+                if k == 0 and name != "nginx":
+                    spy.start(f"rebuild-{name}")
+                c0 = srv.cpu()
                 t0 = time.perf_counter()
                 err = build(name)
                 res[name]["wall"].append(time.perf_counter() - t0)
-                res[name]["server_cpu"].append(tb5.cpu() - c0)
+                res[name]["server_cpu"].append(srv.cpu() - c0)
+                spy.stop()
                 m = re.search(r"INFO: (\d+) process.*?(\d+) remote cache hit", err)
                 res[name]["hits"].append(int(m.group(2)) if m else 0)
                 res[name]["processes_line"] = (re.search(r"INFO: \d+ process.*", err) or re.search("$", "")).group(0)
     finally:
+        spy.stop()
         for ws, bz in spaces.values():
             subprocess.run(bz + ["shutdown"], cwd=ws, capture_output=True, timeout=60)
     for r in res.values():
@@ -330,9 +399,13 @@ def main() -> int:
     ap.add_argument("--short", action="store_true", help="fewer requests and sources")
     ap.add_argument("--units", type=int, default=40, help="generated C units beside ext/*.c (default 40)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating Bazel rebuilds per protocol (default 5)")
-    ap.add_argument("--bazel-only", action="store_true", help="only the Bazel HTTP vs gRPC rows")
+    ap.add_argument("--bazel-only", action="store_true", help="only the Bazel rows (tb5sync HTTP, gRPC, nginx)")
+    ap.add_argument("--blobs", type=int, default=24, help="Bazel genrules with 1.5-6 MB outputs (default 24)")
+    ap.add_argument("--small", type=int, default=160, help="Bazel genrules with 1-16 KiB outputs (default 160)")
+    ap.add_argument("--py-spy", metavar="DIR", help="py-spy raw profiles (--gil) of the server per Bazel phase into DIR "
+                    "(first rebuild round only; the CPU figures of a profiled run are inflated)")
     a = ap.parse_args()
-    for tool in (("bazel", "gcc") if a.bazel_only else ("nginx", "ccache", "gcc")):
+    for tool in (("bazel", "gcc", "nginx") if a.bazel_only else ("nginx", "ccache", "gcc")):
         if shutil.which(tool) is None:
             print(f"bench_httpcache: needs {tool} (apt-get install nginx-light ccache gcc)", file=sys.stderr)
             return 2
@@ -340,26 +413,26 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="bench-httpcache-")
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "latency": {}}
     tb5 = Tb5Server(work)
-    ngx = NginxServer(work) if not a.bazel_only else None
+    ngx = NginxServer(work)
     try:
         if shutil.which("bazel") is not None and shutil.which("gcc") is not None:
-            result["bazel"] = bazel_rebuilds(work, tb5, 2 if a.short else a.rounds, 8 if a.short else 24)
+            result["bazel"] = bazel_rebuilds(work, tb5, 2 if a.short else a.rounds, 8 if a.short else a.blobs,
+                                             40 if a.short else a.small, ngx, a.py_spy)
         if a.bazel_only:
             plan = []
         for size, count in plan:
             for name, srv in (("tb5sync", tb5), ("nginx", ngx)):
                 assert srv is not None
                 result["latency"].setdefault(str(size), {})[name] = latency(srv.port, size, count)
-        for name, srv in (("tb5sync", tb5), ("nginx", ngx)) if ngx is not None else ():
+        for name, srv in (("tb5sync", tb5), ("nginx", ngx)) if not a.bazel_only else ():
             result.setdefault("concurrent_put_4k", {})[name] = concurrent_puts(srv.port, 4096, 200 if a.short else 800, 8)
-        if ngx is not None:
+        if not a.bazel_only:
             srcs = sources(work, 10 if a.short else a.units)
             result["ccache"] = ccache_rebuilds(work, srcs, {"none": None, "tb5sync": tb5.port, "nginx": ngx.port})
             result["ccache_sources"] = len(srcs)
     finally:
         tb5.stop()
-        if ngx is not None:
-            ngx.stop()
+        ngx.stop()
         shutil.rmtree(work, ignore_errors=True)
     if result["latency"]:
         print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
@@ -375,10 +448,11 @@ def main() -> int:
         for name, r in result["ccache"].items():
             print(f"  {name:>8}: {r['seconds']:.2f} s (remote hits {r['remote_hits']}, misses {r['misses']})")
     if "bazel" in result:
-        print("Bazel rebuild from the tb5sync cache after bazel clean (median of alternating rounds):")
+        print("Bazel rebuild from cache after bazel clean (median of alternating rounds; server CPU: the cache's process):")
         for name, r in result["bazel"].items():
             print(f"  {name:>5}: wall {r['median_wall']:.2f} s, server CPU {r['median_server_cpu']:.2f} s "
-                  f"(first build {r['first_wall']:.2f} s, server CPU {r['first_server_cpu']:.2f} s); {r['processes_line']}")
+                  f"(first build {r['first_wall']:.2f} s, server CPU {r['first_server_cpu']:.2f} s"
+                  f"{', packs ' + str(r['packs_made']) if 'packs_made' in r else ''}); {r['processes_line']}")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"bench-httpcache-{re.sub(r'[^0-9T]', '', result['when'])}.json")
     with open(path, "w") as f:

@@ -448,3 +448,26 @@ def test_bazel_grpc_rebuild_is_all_remote_hits_and_identical(tmp_path: Any) -> N
         subprocess.run(bazel + ["shutdown"], cwd=ws, capture_output=True, timeout=60)
         face.stop()
         cache.stop()
+
+
+@pytest.mark.timeout(60)
+def test_bytestream_write_of_a_stored_blob_returns_at_once(serve: Callable[..., Served]) -> None:
+    """A second Write of a large blob already stored is answered with its full size at once (the
+    REAPI's early return) without reading the rest of the stream; the blob reads back intact, and a
+    Write of other bytes under the same digest is still never stored."""
+    s = serve()
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    h, n = sha(data), len(data)
+    assert s.bs.Write(writes(f"uploads/a/blobs/{h}/{n}", data, 16 * 1024)).committed_size == n
+    sent = [0]
+
+    def counted() -> Iterator[Any]:
+        for w in writes(f"uploads/b/blobs/{h}/{n}", data, 16 * 1024):
+            sent[0] += 1
+            yield w
+
+    assert s.bs.Write(counted()).committed_size == n
+    assert sent[0] < n // (16 * 1024)  # not every message was taken
+    assert s.cache.metrics.counts.get("cas.puts_skipped") == 1
+    got = b"".join(x.data for x in s.bs.Read(bs.ReadRequest(resource_name=f"blobs/{h}/{n}")))
+    assert got == data

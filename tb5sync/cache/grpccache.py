@@ -46,12 +46,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import aiofiles
-
 from tb5sync.errors import EntryTooLargeError, IntegrityError, Tb5syncError, UsageError
 from tb5sync.cache.httpcache import EMPTY_SHA256, MAX_AC, SPOOL_MEMORY, HttpCache
 from tb5sync.cache.reapi import ActionResultError, parse_action_result
-from tb5sync.store.blobs import blob, delete_blob, has_blobs, put_blob, read_blob, touch_blobs
+from tb5sync.store.blobs import delete_blob, has_blobs, put_blob
 
 __all__ = ["GrpcCache", "RpcRefused", "MAX_BATCH", "READ_CHUNK", "parse_resource_name"]
 
@@ -138,7 +136,7 @@ class _Upload:
     sha: Any = field(default_factory=hashlib.sha256)
     committed: int = 0
     mem: bytearray = field(default_factory=bytearray)
-    spool: Any = None  # aiofiles handle once past SPOOL_MEMORY
+    spool: Any = None  # the spool file (a blob larger than SPOOL_MEMORY), written by _spool_out
     spool_path: str = ""
     touched: float = field(default_factory=time.monotonic)
 
@@ -325,16 +323,15 @@ class GrpcCache:
         prefix = self._prefix(request.instance_name)
         h, _ = _check_digest(request.action_digest.hash, request.action_digest.size_bytes)
         key = f"{prefix}ac/{h}"
-        info = await c._run(blob, self.store, key, not c.read_only)
-        if info is None or info.size > MAX_AC:
-            m.add("ac.misses")
-            raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}")
         try:
-            data = b"".join(await c._run(lambda: list(read_blob(self.store, info))))
+            info, _, data, valid = await c.fetch(key, "ac" if c.ac_validation else "whole", prefix)
         except IntegrityError as exc:
             await self._damaged(key, "ac", exc)
             raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}") from None
-        if c.ac_validation and not await c._ac_valid(prefix, data):
+        if info is None or info.size > MAX_AC:
+            m.add("ac.misses")
+            raise RpcRefused("NOT_FOUND", f"no ActionResult for {h}")
+        if not valid:
             m.add("ac.misses")
             m.add("ac.ac_incomplete")
             raise RpcRefused("NOT_FOUND", f"the ActionResult for {h} names outputs the cache no longer holds")
@@ -380,8 +377,7 @@ class GrpcCache:
             if h != EMPTY_SHA256:
                 want.setdefault(f"{prefix}cas/{h}", d)
         held = await c._run(has_blobs, self.store, list(want)) if want else set()
-        if held and not c.read_only:
-            await c._run(touch_blobs, self.store, sorted(held))
+        c._touch(sorted(held))  # written with the next batch of touches
         missing = [d for k, d in want.items() if k not in held]
         m.add("cas.found", len(want) - len(missing))
         m.add("cas.missing", len(missing))
@@ -441,15 +437,16 @@ class GrpcCache:
                 h, size = _check_digest(d.hash, d.size_bytes)
                 if h != EMPTY_SHA256:
                     key = f"{prefix}cas/{h}"
-                    info = await c._run(blob, self.store, key, not c.read_only)
-                    if info is None:
-                        m.add("cas.misses")
-                        raise RpcRefused("NOT_FOUND", f"no blob {h}")
                     try:
-                        data = b"".join(await c._run(lambda: list(read_blob(self.store, info))))
+                        info, _, data, _ = await c.fetch(key, "whole")
                     except IntegrityError as exc:
                         await self._damaged(key, "cas", exc)
                         raise RpcRefused("NOT_FOUND", f"no blob {h}") from None
+                    if info is None:
+                        m.add("cas.misses")
+                        raise RpcRefused("NOT_FOUND", f"no blob {h}")
+                    if len(data) != info.size:  # larger than MAX_AC: never a batch's
+                        raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes; use ByteStream")
                 m.add("cas.hits")
                 m.add("cas.bytes_sent", len(data))
                 status = self._status("OK")
@@ -488,18 +485,21 @@ class GrpcCache:
                     m.add("cas.hits")
                     return
                 key = f"{prefix}cas/{h}"
-                info = await c._run(blob, self.store, key, not c.read_only)
+                try:
+                    info, chunks, first, _ = await c.fetch(key, "first")
+                except IntegrityError as exc:
+                    await self._damaged(key, "cas", exc)
+                    raise RpcRefused("NOT_FOUND", f"blob {h} is damaged") from None
                 if info is None:
                     m.add("cas.misses")
                     raise RpcRefused("NOT_FOUND", f"no blob {h}")
                 if info.size != size:
                     raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes, not {size}")
-                chunks = read_blob(self.store, info)
                 pos = sent = 0
                 hit = False
                 while pos < end:
                     try:
-                        piece = await c._run(next, chunks, b"")
+                        piece, first = (first, b"") if first else (await c._run(next, chunks, b""), b"")
                     except IntegrityError as exc:
                         await self._damaged(key, "cas", exc)
                         raise RpcRefused("DATA_LOSS" if sent else "NOT_FOUND", f"blob {h} is damaged") from None
@@ -543,6 +543,7 @@ class GrpcCache:
         up: _Upload | None = None
         name = first = ""
         finished = False
+        arriving = False
         try:
             async for req in request_iterator:
                 if up is None:
@@ -554,6 +555,14 @@ class GrpcCache:
                     name = f"{instance}/uploads/{uid}/blobs/{h}/{size}"
                     up = self._partial.pop(name, None) or _Upload(key=f"{prefix}cas/{h}", hash=h, size=size)
                     first = req.resource_name
+                    if size > SPOOL_MEMORY and up.committed == 0 and await c._run(has_blobs, self.store, [up.key]):
+                        # already stored: answered at once with the full size (the REAPI's early
+                        # return), the rest of the stream is not read
+                        c._touch([up.key])
+                        m.add("cas.puts_skipped")
+                        self._done[name] = size
+                        return self._bs.WriteResponse(committed_size=size)
+                    arriving = c._arrive(size <= SPOOL_MEMORY)  # may join the next batch
                 elif req.resource_name and req.resource_name != first:
                     raise RpcRefused("INVALID_ARGUMENT", "resource_name changed within one write")
                 if req.write_offset != up.committed:
@@ -563,7 +572,6 @@ class GrpcCache:
                     m.add("cas.puts_refused")
                     raise RpcRefused("INVALID_ARGUMENT", f"more than the {up.size} bytes of the digest")
                 if data:
-                    up.sha.update(data)
                     await self._keep(up, data)
                     up.committed += len(data)
                 up.touched = time.monotonic()
@@ -576,17 +584,19 @@ class GrpcCache:
                 self._keep_partial(name, up)
                 up = None
                 return self._bs.WriteResponse(committed_size=self._partial[name].committed)
+            arriving = c._leave(arriving)
             if up.committed != up.size:
                 m.add("cas.puts_refused")
                 raise RpcRefused("INVALID_ARGUMENT", f"{up.committed} bytes written, the digest says {up.size}")
+            if up.size > SPOOL_MEMORY:
+                await c._run(self._spool_out, up, True)
+            else:
+                up.sha.update(up.mem)
             if up.sha.hexdigest() != up.hash:
                 m.add("cas.puts_refused")
                 raise RpcRefused("INVALID_ARGUMENT", f"the bytes hash to {up.sha.hexdigest()}, not {up.hash}")
             if up.hash != EMPTY_SHA256:
-                if up.spool is not None:
-                    await up.spool.flush()
-                    await up.spool.close()
-                    up.spool = None
+                if up.spool_path:
                     try:
                         await c._run(put_blob, self.store, up.key, up.spool_path)
                     except EntryTooLargeError:
@@ -607,6 +617,7 @@ class GrpcCache:
                 up = None
             raise
         finally:
+            c._leave(arriving)
             if up is not None:
                 await self._drop(up)
 
@@ -627,16 +638,27 @@ class GrpcCache:
 
     # ---- storing ----
     async def _keep(self, up: _Upload, data: bytes) -> None:
-        """Append a write's bytes: in memory up to :data:`SPOOL_MEMORY`, then in a file in the store's ``tmp/``."""
-        if up.spool is None and len(up.mem) + len(data) <= SPOOL_MEMORY:
-            up.mem += data
-            return
-        if up.spool is None:
+        """Append a write's bytes: in memory for a blob of at most :data:`SPOOL_MEMORY` bytes (hashed
+        when it is complete); a larger one is gathered to :data:`SPOOL_MEMORY` in memory, then
+        hashed and written to a file in the store's ``tmp/`` in one step of a worker thread (so a
+        stream of 16 KiB messages costs one hop per MiB, and no hashing on the event loop)."""
+        up.mem += data
+        if up.size > SPOOL_MEMORY and len(up.mem) >= SPOOL_MEMORY:
+            await self.cache._run(self._spool_out, up, False)
+
+    def _spool_out(self, up: _Upload, close: bool) -> None:
+        """In a worker: hash and write what ``up`` holds in memory to its spool file (made on first
+        use); ``close`` closes the file after."""
+        if up.spool is None and up.mem:
             up.spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-grpc-{secrets.token_hex(8)}.body")
-            up.spool = await aiofiles.open(up.spool_path, "xb")
-            await up.spool.write(bytes(up.mem))
+            up.spool = open(up.spool_path, "xb")  # noqa: SIM115 - closed here or by _drop
+        if up.mem:
+            up.sha.update(up.mem)
+            up.spool.write(up.mem)
             up.mem = bytearray()
-        await up.spool.write(data)
+        if close and up.spool is not None:
+            up.spool.close()
+            up.spool = None
 
     def _keep_partial(self, name: str, up: _Upload) -> None:
         self._partial[name] = up
@@ -655,7 +677,7 @@ class GrpcCache:
     async def _drop(self, up: _Upload) -> None:
         if up.spool is not None:
             with contextlib.suppress(Exception):
-                await up.spool.close()
+                up.spool.close()
             up.spool = None
         if up.spool_path:
             with contextlib.suppress(FileNotFoundError):

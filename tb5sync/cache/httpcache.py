@@ -70,8 +70,8 @@ from tb5sync.cache.admission import (CLIENT_BODY_MIN_RATE, CLIENT_BODY_TIMEOUT, 
                                      KEEPALIVE_TIMEOUT, LIMIT_CONN, MAX_CONNECTIONS_PER_ADDRESS, Conn as _Conn)
 from tb5sync.cache.reapi import ActionResultError, parse_action_result, tree_files
 from tb5sync.store import Store
-from tb5sync.store.blobs import (add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob, put_blobs,
-                                 read_blob, touch_blobs)
+from tb5sync.store.blobs import (BlobInfo, add_counters, blob, check_blob_key, delete_blob, has_blobs, put_blob,
+                                 put_blobs, read_blob, touch_blobs)
 
 __all__ = ["HttpCache", "parse_action_result", "ActionResultError", "SPOOL_MEMORY", "EMPTY_SHA256"]
 
@@ -90,8 +90,19 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: Most in-memory PUTs, and bytes, written together as one batch (one pack, one transaction).
 BATCH_COUNT = 256
 BATCH_BYTES = 32 * 1024 * 1024
+#: Longest a batch waits for more small entries before it is written (seconds), while uploads
+#: overlap (one arrived while another was arriving, waiting or being written) now or within
+#: :data:`OVERLAP_MEMORY` seconds. A client alone, one entry at a time, never waits.
+BATCH_LINGER = 0.010
+OVERLAP_MEMORY = 0.5
 #: Seconds between two flushes of the counters to the store.
 FLUSH_EVERY = 5.0
+#: Largest entry (bytes, one chunk) read on the event loop itself, without a hop to a worker thread.
+INLINE_MAX = 256 * 1024
+#: What ``HttpCache._fetch(inline=True)`` answers for an entry to be read in a worker.
+_LATER = object()
+#: Seconds between two writes of the recorded uses (LRU order) of the entries read.
+TOUCH_EVERY = 1.0
 #: A response write that makes no progress for this long is cut (seconds): a stalled reader.
 IDLE_TIMEOUT = 60.0
 #: A response is written in slices of this many bytes, each to be taken by its reader within
@@ -325,9 +336,17 @@ class HttpCache:
         self._error: BaseException | None = None
         self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
         self._drain_task: asyncio.Task[None] | None = None
+        self._pending_bytes = 0
+        self._arriving = 0  # small uploads whose bodies are still arriving (event loop only)
+        self._writing = False  # a batch is being written
+        self._first_pending = 0.0  # loop time the oldest waiting entry arrived
+        self._overlap_until = 0.0  # loop time until which batches linger (uploads overlapped lately)
+        self._batch_wake: asyncio.Event | None = None
         self._quota_running = False
         self._quota_again = False
         self._quota_lock = threading.Lock()
+        self._touched: set[str] = set()  # keys read since the last _flush_touches
+        self._touch_lock = threading.Lock()
         self.grpc: Any = None  # its gRPC face (cache/grpccache.GrpcCache) when the command serves one
 
     # ---- life cycle ----
@@ -361,6 +380,8 @@ class HttpCache:
             self._thread.join(30)
         self._pool.shutdown(wait=True)
         if not self.store.read_only:
+            with contextlib.suppress(Exception):
+                self._flush_touches()
             with contextlib.suppress(Exception):
                 add_counters(self.store, self.metrics.take())
         if self._own_store:
@@ -410,10 +431,17 @@ class HttpCache:
                 await asyncio.wait_for(server.wait_closed(), 5)
 
     async def _flush_loop(self) -> None:
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(FLUSH_EVERY)
-            if self.store.read_only:
+            await asyncio.sleep(TOUCH_EVERY)
+            if self._touched:
+                try:
+                    await self._run(self._flush_touches)
+                except Exception as exc:  # best effort: the LRU order only
+                    log.warning("http cache: uses not recorded: %s", exc)
+            if self.store.read_only or time.monotonic() - last < FLUSH_EVERY:
                 continue  # counted in memory only
+            last = time.monotonic()
             deltas = self.metrics.take()
             if deltas:
                 try:
@@ -565,6 +593,11 @@ class HttpCache:
 
     async def _ac_valid(self, prefix: str, data: bytes) -> bool:
         """Whether every CAS blob an ActionResult references is held (trees: the tree and its files)."""
+        return bool(await self._run(self._ac_valid_sync, prefix, data))
+
+    def _ac_valid_sync(self, prefix: str, data: bytes) -> bool:
+        """:meth:`_ac_valid` in a worker thread (one hop for the whole check); its uses are recorded
+        with the next batch of touches."""
         try:
             blobs, trees = parse_action_result(data)
         except ActionResultError:
@@ -572,53 +605,111 @@ class HttpCache:
         keys = [f"{prefix}cas/{h}" for h, n in blobs + trees if h != EMPTY_SHA256]
         if not keys:
             return True
-        held = await self._run(has_blobs, self.store, keys)
+        held = has_blobs(self.store, keys)
         if len(held) < len(set(keys)):
             return False
-        if not self.read_only:  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
-            await self._run(touch_blobs, self.store, keys)
+        self._touch(keys)  # a hit is a use of what it names (bazel-remote reads them too): LRU keeps them together
         for h, _ in trees:
             if h == EMPTY_SHA256:
                 continue
-            info = await self._run(blob, self.store, f"{prefix}cas/{h}", False)
+            info = blob(self.store, f"{prefix}cas/{h}", False)
             if info is None or info.size > MAX_AC:
                 return False
             try:
-                raw = b"".join(await self._run(lambda i=info: list(read_blob(self.store, i))))
-                files = tree_files(raw)
+                files = tree_files(b"".join(read_blob(self.store, info)))
             except (IntegrityError, ActionResultError):
                 return False
             fkeys = [f"{prefix}cas/{fh}" for fh, _ in files if fh != EMPTY_SHA256]
-            if fkeys and len(await self._run(has_blobs, self.store, fkeys)) < len(set(fkeys)):
+            if fkeys and len(has_blobs(self.store, fkeys)) < len(set(fkeys)):
                 return False
-            if fkeys and not self.read_only:
-                await self._run(touch_blobs, self.store, fkeys)
+            self._touch(fkeys)
         return True
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Record a use of ``keys``: written in one transaction by the next :meth:`_flush_touches`
+        (within :data:`TOUCH_EVERY` seconds, and before any quota run)."""
+        if not self.read_only:
+            with self._touch_lock:
+                self._touched.update(keys)
+
+    def _flush_touches(self) -> None:
+        with self._touch_lock:
+            keys, self._touched = self._touched, set()
+        if keys:
+            touch_blobs(self.store, sorted(keys))
+
+    async def fetch(self, key: str, mode: str, prefix: str = "") -> tuple[BlobInfo | None, Any, bytes, bool]:
+        """:meth:`_fetch`, on the event loop itself when the store's lock is free and the entry is
+        at most :data:`INLINE_MAX` bytes (an index lookup and one ``pread`` of a chunk verified
+        before: tens of microseconds, less than a hop to a worker thread and back), else in a worker.
+
+        Raises
+        ------
+        IntegrityError
+            A chunk read is damaged.
+        """
+        lock = self.store._lock
+        if lock.acquire(blocking=False):
+            try:
+                got = self._fetch(key, mode, prefix, inline=True)
+            finally:
+                lock.release()
+            if got[0] is None or got[1] is not _LATER:
+                return got
+            return await self._store(self._fetch, key, mode, prefix, got[0])  # type: ignore[no-any-return]
+        return await self._store(self._fetch, key, mode, prefix)  # type: ignore[no-any-return]
+
+    def _fetch(self, key: str, mode: str, prefix: str = "", info: BlobInfo | None = None,
+               inline: bool = False) -> tuple[BlobInfo | None, Any, bytes, bool]:
+        """One hop of a read, in a worker thread: the row of ``key`` (its use recorded), and with
+        ``mode`` ``"row"`` nothing more, ``"first"`` the chunk iterator and its first chunk, ``"whole"`` the whole body
+        (at most :data:`MAX_AC` bytes, else ``(info, None, b"", False)``), ``"ac"`` the whole body
+        and whether its ActionResult is complete (:meth:`_ac_valid`). ``(None, None, b"", False)``: a miss.
+        ``inline``: only an entry of at most :data:`INLINE_MAX` bytes is read, a larger one is
+        ``(info, _LATER, b"", False)`` (pass ``info`` back to go on).
+
+        Raises
+        ------
+        IntegrityError
+            A chunk read is damaged.
+        """
+        if info is None:
+            info = blob(self.store, key, False)
+            if info is None:
+                return None, None, b"", False
+            self._touch((key,))
+        if mode == "row":
+            return info, None, b"", True
+        if inline and (info.size > INLINE_MAX or len(info.chunks) > 1):
+            return info, _LATER, b"", False
+        chunks = read_blob(self.store, info)
+        if mode == "first":
+            return info, chunks, next(chunks, b""), True
+        if info.size > MAX_AC:
+            return info, None, b"", False
+        data = b"".join(chunks)
+        return info, None, data, (self._ac_valid_sync(prefix, data) if mode == "ac" else True)
 
     async def _get(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.StreamResponse:
         head = request.method == "HEAD"
         if kind == "cas" and m is not None and m.group("hash") == EMPTY_SHA256:
             self.metrics.add(f"{kind}.hits")
             return web.Response(body=b"" if not head else None, content_type="application/octet-stream")
-        info = await self._store(blob, self.store, key, not self.read_only)
+        ac = kind == "ac" and self.ac_validation
+        try:
+            info, chunks, first, valid = await self.fetch(key, "ac" if ac else "row" if head else "first",
+                                                          m.group("prefix") if m is not None else "")
+        except IntegrityError as exc:
+            return await self._damaged(key, kind, exc)
         if info is None:
             self.metrics.add(f"{kind}.misses")
             return web.Response(status=404)
-        first: bytes | None = None
-        chunks = read_blob(self.store, info)
-        if kind == "ac" and self.ac_validation:
-            if info.size > MAX_AC:
-                self.metrics.add(f"{kind}.misses")
-                return web.Response(status=404)
-            try:
-                first = b"".join(await self._store(list, chunks))
-            except IntegrityError as exc:
-                return await self._damaged(key, kind, exc)
-            assert m is not None
-            if not await self._ac_valid(m.group("prefix"), first):
-                self.metrics.add(f"{kind}.misses")
+        if ac and (info.size > MAX_AC or not valid):
+            self.metrics.add(f"{kind}.misses")
+            if info.size <= MAX_AC:
                 self.metrics.add(f"{kind}.ac_incomplete")
-                return web.Response(status=404)
+            return web.Response(status=404)
+        if chunks is None:
             chunks = iter(())
         self.metrics.add(f"{kind}.hits")
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
@@ -626,11 +717,6 @@ class HttpCache:
         if head:
             await resp.prepare(request)
             return resp
-        if first is None and info.size:
-            try:
-                first = await self._store(next, chunks, b"")
-            except IntegrityError as exc:
-                return await self._damaged(key, kind, exc)
         await resp.prepare(request)
         sent = 0
         if first:
@@ -671,6 +757,7 @@ class HttpCache:
         sha = hashlib.sha256() if kind == "cas" else None
         mem = bytearray()
         spool: Any = None
+        arriving = self._arrive(want is None or want <= SPOOL_MEMORY)  # may join the next batch
         spool_path = os.path.join(self.store.tmp_dir, f"{os.getpid()}-http-{secrets.token_hex(8)}.body")
         got = 0
         try:
@@ -717,6 +804,7 @@ class HttpCache:
                         mem += piece
                         continue
                     if spool is None:
+                        arriving = self._leave(arriving)  # stored alone, not in a batch
                         spool = await aiofiles.open(spool_path, "xb")
                         await spool.write(bytes(mem))
                         mem = bytearray()
@@ -757,6 +845,7 @@ class HttpCache:
                     spool = None
                     await self._run(put_blob, self.store, key, spool_path)
                 else:
+                    arriving = self._leave(arriving)
                     await self._put_small(key, bytes(mem))
             except EntryTooLargeError:
                 return self._too_large(request, kind, 507, got, self.entry_limit() or got)
@@ -764,6 +853,7 @@ class HttpCache:
             self.metrics.add(f"{kind}.puts")
             self.metrics.add(f"{kind}.bytes_received", got)
         finally:
+            self._leave(arriving)
             if spool is not None:
                 await spool.close()
             with contextlib.suppress(FileNotFoundError):
@@ -784,9 +874,30 @@ class HttpCache:
         resp.force_close()  # the rest of its body is not read
         return resp
 
+    def _arrive(self, small: bool) -> bool:
+        """Count an upload whose body is still arriving and may join the next batch (``small``);
+        returns whether it was counted (pass it to :meth:`_leave`)."""
+        if small:
+            self._arriving += 1
+        return small
+
+    def _leave(self, counted: bool) -> bool:
+        """Uncount an upload counted by :meth:`_arrive` (its body is in, or it is stored alone, or
+        it failed) and wake a batch that waits for it; returns False (no longer counted)."""
+        if counted:
+            self._arriving -= 1
+            if self._batch_wake is not None:
+                self._batch_wake.set()
+        return False
+
     async def _put_small(self, key: str, data: bytes) -> None:
-        """Store an in-memory body with those that arrive while the previous batch is written (group
-        commit: one pack, one ``fsync`` pair, one index transaction per batch); returns once it is stored.
+        """Store an in-memory body in the open batch (one pack, one ``fsync`` pair, one index
+        transaction per batch); returns once it is stored and indexed.
+
+        A batch is written :data:`BATCH_LINGER` seconds after its first entry while uploads overlap
+        (see there), at once when they do not, or once it holds :data:`BATCH_COUNT` entries or
+        :data:`BATCH_BYTES` bytes; the next batch fills while one is written. A client that uploads
+        one entry at a time is never kept waiting.
 
         Raises
         ------
@@ -795,19 +906,43 @@ class HttpCache:
         """
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
+        now = self._loop.time()
+        if self._pending or self._arriving or self._writing:  # uploads overlap: batches may wait for more
+            self._overlap_until = now + OVERLAP_MEMORY
+        if not self._pending:
+            self._first_pending = now
         self._pending.append((key, data, fut))
+        self._pending_bytes += len(data)
+        if self._batch_wake is not None:
+            self._batch_wake.set()
         if self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())
         await fut
 
     async def _drain(self) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        if self._batch_wake is None:
+            self._batch_wake = asyncio.Event()
+        wake = self._batch_wake
         try:
             while self._pending:
+                # Linger (from the first entry waiting) while uploads overlap now or did lately: the
+                # entries of several clients then share one pack. A lone client never waits.
+                deadline = self._first_pending + BATCH_LINGER
+                while (len(self._pending) < BATCH_COUNT and self._pending_bytes < BATCH_BYTES and loop.time() < deadline
+                       and (self._arriving > 0 or loop.time() < self._overlap_until)):
+                    wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), max(deadline - loop.time(), 0.0))
                 batch: list[tuple[str, bytes, asyncio.Future[None]]] = []
                 size = 0
                 while self._pending and len(batch) < BATCH_COUNT and size < BATCH_BYTES:
                     batch.append(self._pending.pop(0))
                     size += len(batch[-1][1])
+                self._pending_bytes -= size
+                self._first_pending = loop.time()
+                self._writing = True
                 try:
                     await self._run(put_blobs, self.store, [(k, d) for k, d, _ in batch])
                 except Exception as exc:
@@ -818,6 +953,8 @@ class HttpCache:
                     for _, _, f in batch:
                         if not f.done():
                             f.set_result(None)
+                finally:
+                    self._writing = False
         finally:
             self._drain_task = None
 
@@ -841,6 +978,8 @@ class HttpCache:
                     self._quota_again = False
                 recent, self._recent = self._recent, set()  # the PUTs that asked for this check
                 try:
+                    self._flush_touches()  # the hits so far count in the LRU order
+
                     while self.store.quota is not None and self.store.stats()["stored_bytes"] > self.store.quota:
                         evicted = self.store.enforce_quota(keep_blobs=recent)
                         self.metrics.add("all.evicted", len(evicted))

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tb5sync.errors import UsageError
-from tb5sync.engine.hashing import ChunkRef, blob_to_refs, file_digest, refs_to_blob
+from tb5sync.errors import IntegrityError, UsageError
+from tb5sync.engine.hashing import ChunkRef, blob_to_refs, chunk_digest, file_digest, hash_pool, refs_to_blob
 from tb5sync.store.index import check_entry_fits, require_indexed
+from tb5sync.store.packs import FRAME_HEADER, LocalPackStorage, parse_frame_header
 from tb5sync.store.writer import PackWriter, _drop_lease
 
 if TYPE_CHECKING:
@@ -40,6 +44,12 @@ __all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delet
 MAX_KEY = 1024
 #: A hit within this many seconds of the recorded last use is not written again (seconds).
 TOUCH_GRACE = 1.0
+#: A chunk verified against its digest is read again without re-hashing for at most this long
+#: (seconds), and only while its pack file keeps the identity it had when it was verified
+#: (see :func:`read_blob`).
+VERIFIED_TTL = 300.0
+#: Packs whose verified chunks are remembered per store (least recently read forgotten first).
+VERIFIED_PACKS = 65536
 
 
 @dataclass(frozen=True)
@@ -215,15 +225,123 @@ def blob_keys(store: Store, prefix: str = "") -> list[str]:
     return [r[0] for r in store._q("SELECT key FROM blobs ORDER BY key") if r[0].startswith(prefix)]
 
 
+class _Verified:
+    """Which chunks of which local packs were verified, per pack: the pack file's identity then
+    ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of the descriptor read, when the marks
+    expire, and the offsets verified. In memory only; a pack whose identity changes loses its marks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.packs: OrderedDict[str, tuple[tuple[int, ...], float, set[int]]] = OrderedDict()
+
+    def ok(self, pack: str, ident: tuple[int, ...], offset: int, now: float) -> bool:
+        with self.lock:
+            got = self.packs.get(pack)
+            if got is None or got[0] != ident or now >= got[1]:
+                return False
+            self.packs.move_to_end(pack)
+            return offset in got[2]
+
+    def mark(self, pack: str, ident: tuple[int, ...], offset: int, now: float) -> None:
+        with self.lock:
+            got = self.packs.get(pack)
+            if got is None or got[0] != ident or now >= got[1]:
+                got = (ident, now + VERIFIED_TTL, set())
+                self.packs[pack] = got
+            got[2].add(offset)
+            self.packs.move_to_end(pack)
+            while len(self.packs) > VERIFIED_PACKS:
+                self.packs.popitem(last=False)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.packs.clear()
+
+
+_VERIFIED: weakref.WeakKeyDictionary[Any, _Verified] = weakref.WeakKeyDictionary()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _verified(store: Store) -> _Verified:
+    with _VERIFIED_LOCK:
+        v = _VERIFIED.get(store)
+        if v is None:
+            v = _VERIFIED[store] = _Verified()
+        return v
+
+
+def _ident(fd: int) -> tuple[int, ...]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _read_one(store: Store, marks: _Verified, digest: bytes, where: tuple[str, int, int] | None) -> bytes:
+    """Chunk ``digest`` from ``where``: hashed unless it was verified in this pack file as it is now."""
+    if where is None:
+        return store.read_chunk(digest)  # raises IntegrityError: missing
+    pack, offset, length = where
+    packs: Any = store.packs
+    try:
+        fd = packs._fd(pack)
+        before = _ident(fd)
+        raw = os.pread(fd, length + FRAME_HEADER, offset - FRAME_HEADER)
+        after = _ident(fd)
+    except OSError:  # gone (a repack moved it): looked up again, always verified
+        with contextlib.suppress(Exception):
+            packs._forget(pack)
+        return store.read_chunk(digest)
+    if len(raw) != length + FRAME_HEADER:
+        raise IntegrityError(f"pack {pack} is truncated: wanted {length + FRAME_HEADER} bytes at {offset - FRAME_HEADER}")
+    head_digest, head_len = parse_frame_header(raw[:FRAME_HEADER])
+    data = raw[FRAME_HEADER:]
+    if head_digest != digest or head_len != length:
+        raise IntegrityError(f"chunk {digest.hex()} in pack {pack} at {offset} is damaged")
+    now = time.monotonic()
+    if before == after and marks.ok(pack, before, offset, now):
+        return data
+    if chunk_digest(data) != digest:
+        raise IntegrityError(f"chunk {digest.hex()} in pack {pack} at {offset} is damaged")
+    if before == after:
+        marks.mark(pack, before, offset, now)
+    return data
+
+
 def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
     """The chunks of ``info`` in order, each checked against its digest (at most two chunks read ahead).
+
+    A chunk of a local pack (a :class:`~tb5sync.store.packs.LocalPackStorage` store) is hashed on
+    its first read by this process; later reads skip the hash while the pack file read keeps the
+    identity it had then (device, inode, size, mtime and ctime, from ``fstat`` of the descriptor
+    read, taken before and after the read) and for at most :data:`VERIFIED_TTL` seconds. Any write
+    to the pack file changes its mtime and ctime, so a byte changed through the filesystem after a
+    verified read is found on the next read; damage that changes no metadata (the medium below the
+    filesystem) is found within :data:`VERIFIED_TTL` seconds of reads. Other stores hash every read.
 
     Raises
     ------
     IntegrityError
         A chunk is missing or damaged.
     """
-    return store.iter_chunks([d for d, _ in info.chunks], ahead=2)
+    digests = [d for d, _ in info.chunks]
+    if type(store.packs) is not LocalPackStorage:  # noqa: E721 - a subclass may read other bytes
+        return store.iter_chunks(digests, ahead=2)
+    return _iter_marked(store, digests)
+
+
+def _iter_marked(store: Store, digests: list[bytes]) -> Iterator[bytes]:
+    marks = _verified(store)
+    where = store.locate(digests)
+    if len(digests) == 1:  # most entries: no read-ahead, no thread hop
+        yield _read_one(store, marks, digests[0], where.get(digests[0]))
+        return
+    pool = hash_pool()
+    futs: list[Any] = []
+    i = 0
+    while i < len(digests) or futs:
+        while i < len(digests) and len(futs) < 2:
+            futs.append(pool.submit(_read_one, store, marks, digests[i], where.get(digests[i])))
+            i += 1
+        yield futs.pop(0).result()
 
 
 def add_counters(store: Store, deltas: Mapping[str, float]) -> None:

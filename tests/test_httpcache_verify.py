@@ -1,0 +1,140 @@
+"""What a hot read of the build cache re-verifies (tb5sync.store.blobs.read_blob, docs/ARCHITECTURE.md).
+
+The guarantee: a chunk is hashed against its digest on its first read by the serving process; a
+later read skips the hash only while the pack file keeps the identity it had then (device, inode,
+size, mtime, ctime) and for at most ``VERIFIED_TTL`` seconds. So a byte flipped on disk after a
+verified read, through the filesystem, is found on the next read and the entry dropped, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tb5sync.cache.httpcache import HttpCache
+from tb5sync.store import blobs as blobs_mod
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def cache(tmp_path: Any) -> Iterator[HttpCache]:
+    with HttpCache(tmp_path / "store") as c:
+        yield c
+
+
+def get(c: HttpCache, path: str) -> tuple[int, bytes]:
+    h = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    try:
+        h.request("GET", path)
+        r = h.getresponse()
+        try:
+            return r.status, r.read()
+        except http.client.IncompleteRead as exc:
+            return -r.status, exc.partial
+    finally:
+        h.close()
+
+
+def put(c: HttpCache, data: bytes) -> str:
+    path = f"/cas/{hashlib.sha256(data).hexdigest()}"
+    h = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    try:
+        h.request("PUT", path, body=data)
+        r = h.getresponse()
+        r.read()
+        assert r.status == 200
+    finally:
+        h.close()
+    return path
+
+
+@pytest.fixture
+def hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the chunks read_blob hashes."""
+    n = [0]
+    real = blobs_mod.chunk_digest
+
+    def counting(data: Any) -> bytes:
+        n[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(blobs_mod, "chunk_digest", counting)
+    return n
+
+
+def flip(c: HttpCache, path: str, chunk: int = 0, keep_mtime: bool = False) -> None:
+    info = blobs_mod.blob(c.store, path.lstrip("/"), False)
+    assert info is not None
+    digest = info.chunks[chunk][0]
+    pack, offset, length = c.store._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (digest,))[0]
+    p = c.store.packs.path(pack)
+    time.sleep(0.03)  # past the filesystem's timestamp tick (a few ms) since the pack last changed
+    st = os.stat(p)
+    with open(p, "r+b") as f:
+        f.seek(offset + length // 2)
+        b = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    if keep_mtime:  # mtime put back: ctime still moves (no one can set it)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_hot_entry_is_hashed_once(cache: HttpCache, hashes: list[int]) -> None:
+    data = os.urandom(5 * 1024 * 1024)  # several chunks
+    path = put(cache, data)
+    assert get(cache, path) == (200, data)
+    first = hashes[0]
+    assert first >= 2
+    for _ in range(3):
+        assert get(cache, path) == (200, data)
+    assert hashes[0] == first  # verified since its pack last changed: not hashed again
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_a_byte_flipped_after_the_first_read_is_found(cache: HttpCache, hashes: list[int], keep_mtime: bool) -> None:
+    small = os.urandom(4096)
+    path = put(cache, small)
+    assert get(cache, path) == (200, small)
+    assert get(cache, path) == (200, small)
+    flip(cache, path, keep_mtime=keep_mtime)
+    assert get(cache, path)[0] == 404  # damaged: a miss, never the flipped byte
+    assert blobs_mod.blob(cache.store, path.lstrip("/"), False) is None  # and dropped
+    assert get(cache, path)[0] == 404
+
+
+def test_a_flip_in_a_later_chunk_of_a_hot_entry_cuts_it_short(cache: HttpCache) -> None:
+    data = os.urandom(5 * 1024 * 1024)
+    path = put(cache, data)
+    assert get(cache, path) == (200, data)
+    flip(cache, path, chunk=-1)
+    status, body = get(cache, path)
+    assert status == -200 and len(body) < len(data)  # the status was sent: cut short of its length
+    assert get(cache, path)[0] == 404
+
+
+def test_marks_expire_after_the_ttl(cache: HttpCache, hashes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    small = os.urandom(4096)
+    path = put(cache, small)
+    monkeypatch.setattr(blobs_mod, "VERIFIED_TTL", 0.0)
+    assert get(cache, path) == (200, small)
+    n = hashes[0]
+    assert get(cache, path) == (200, small)
+    assert hashes[0] == n + 1  # expired at once: hashed again
+
+
+def test_a_reopened_store_verifies_again(tmp_path: Any, hashes: list[int]) -> None:
+    small = os.urandom(4096)
+    with HttpCache(tmp_path / "store") as c:
+        path = put(c, small)
+        assert get(c, path) == (200, small)
+    n = hashes[0]
+    with HttpCache(tmp_path / "store") as c:
+        assert get(c, path) == (200, small)
+    assert hashes[0] == n + 1  # marks live in memory, per opened store
