@@ -224,7 +224,7 @@ def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Pat
 def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Several replies are verified and written at once (one hash-pool task each): when a later reply
+    """Several replies are verified and written at once (each by the thread that received it): when a later reply
     fails, the fetch waits for every task still running before it returns (the caller then closes the
     work file and reuses the buffers), and nothing is committed; with no failure every byte lands."""
     import tb5sync.engine.hashing as hashing
@@ -232,7 +232,6 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     from tb5sync.errors import RemoteProtocolError
 
     hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine
-    monkeypatch.setattr(largefile, "VERIFYING_REPLIES", 4)
     data = random.Random(8).randbytes(40 << 20)  # 5 replies of 8 MiB
     sync, final = _big_file_route(route, tmp_path, server, data)
     real_task, real_decode = largefile._verify_write_reply, largefile.decode_ranges

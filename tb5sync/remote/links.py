@@ -12,8 +12,9 @@ the same code over both.
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from tb5sync.errors import RemoteProtocolError
 from tb5sync.wire.messages import DATA_METHODS, READ_METHODS, args_to_wire
@@ -21,6 +22,8 @@ from tb5sync.wire.rpc import Requester, split_parts
 from tb5sync.roles.sender import Sender
 
 __all__ = ["Link", "LocalLink", "RemoteLink"]
+
+T = TypeVar("T")
 
 
 class Link(Protocol):
@@ -41,6 +44,17 @@ class Link(Protocol):
         """Give back the buffer under a DATA reply's ``parts`` once nothing reads them again."""
         ...
 
+    def submit_then(self, method: str, then: Callable[[dict[str, Any], list[Any]], T], **args: Any) -> Future[T]:
+        """:meth:`submit` a DATA request; ``then(meta, parts)`` runs as soon as its reply is in, on
+        the thread that received it (a stream's reader), and the future settles with its result.
+
+        ``then`` owns ``parts`` (it gives them back, or returns them for the caller to). A future
+        cancelled before ``then`` started never runs it (its reply's buffer is given back); once
+        ``then`` runs, ``cancel()`` returns False and the caller must wait for it. Optional: the
+        receiver falls back to :meth:`submit` for a link without it (:func:`submit_then`).
+        """
+        ...
+
     def close(self) -> None:
         """End the link (an in-process sender is closed with it)."""
         ...
@@ -58,6 +72,11 @@ class LocalLink:
 
     def submit(self, method: str, **args: Any) -> Future[Any]:
         return self._pool.submit(getattr(self.sender, method), **args)
+
+    def submit_then(self, method: str, then: Callable[[dict[str, Any], list[Any]], T], **args: Any) -> Future[T]:
+        """See :meth:`Link.submit_then`: ``then`` runs on the pool thread that called the sender."""
+        call = getattr(self.sender, method)
+        return self._pool.submit(lambda: then(*call(**args)))
 
     def recycle(self, parts: list[Any]) -> None:
         """Nothing to give back: in-process replies own their bytes."""
@@ -97,10 +116,22 @@ class RemoteLink:
         if method not in DATA_METHODS:
             channel = next(self._data_streams) if method in READ_METHODS else 0
             return self.requester.submit(method, args, channel=channel)
+        return self._submit_data(method, args, None)
+
+    def submit_then(self, method: str, then: Callable[[dict[str, Any], list[Any]], T], **args: Any) -> Future[T]:
+        """See :meth:`Link.submit_then`: ``then`` runs on the stream's reader thread (``tb5-rx-N``)
+        right after the reply's last byte came in, so each stream receives, verifies and writes its
+        own replies (no hand-over to another thread, one wake-up of the caller per reply)."""
+        if method not in DATA_METHODS:
+            raise RemoteProtocolError(f"{method} is not answered with DATA")
+        return self._submit_data(method, args_to_wire(args), then)
+
+    def _submit_data(self, method: str, args: dict[str, Any], then: Callable[[dict[str, Any], list[Any]], Any] | None) -> Future[Any]:
         inner = self.requester.submit(method, args, channel=next(self._data_streams))
         outer: Future[Any] = Future()
 
         def done(f: Future[Any]) -> None:
+            parts: list[Any] | None = None
             try:
                 res = f.result()
                 if not isinstance(res, tuple):
@@ -109,9 +140,20 @@ class RemoteLink:
                 wire = meta.get("wire")
                 if not isinstance(wire, list):
                     raise RemoteProtocolError("DATA meta lacks part lengths")
-                outer.set_result((meta, split_parts(body, wire)))
+                parts = split_parts(body, wire)
+                if then is None:
+                    outer.set_result((meta, parts))
+                    return
+                if not outer.set_running_or_notify_cancel():  # the caller gave up on it
+                    self.recycle(parts)
+                    return
+                outer.set_result(then(meta, parts))  # then owns parts from here
             except BaseException as exc:  # delivered to the waiting receiver
-                outer.set_exception(exc)
+                try:
+                    outer.set_exception(exc)
+                except InvalidStateError:  # cancelled meanwhile: nobody waits for it
+                    pass
 
         inner.add_done_callback(done)
         return outer
+

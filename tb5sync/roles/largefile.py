@@ -24,9 +24,9 @@ import queue
 import stat
 import threading
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import tb5sync.engine.chunking as chunking
 import tb5sync.engine.refine as refine
@@ -37,10 +37,10 @@ from tb5sync.roles.destination import Destination
 from tb5sync.tree.entry import Entry
 from tb5sync.errors import IntegrityError, PathError, RemoteProtocolError, SourceChangedError
 from tb5sync.wire.messages import ChunkListPiece, SubChunksReply
-from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, hash_threads, verify_chunks
+from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from tb5sync.tree.options import SyncOptions
 
-__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "VERIFYING_REPLIES"]
+__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "submit_then"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,6 @@ MAX_INFLIGHT = 12
 PIECE_BYTES = 64 * 1024 * 1024
 #: Checked chunk-list pieces kept ready ahead of the one being copied and fetched.
 PIECES_AHEAD = 3
-#: Most fetched replies being verified and written at once per large file, one hash-pool task each
-#: (at most the hashing threads): each holds its receive buffer until done.
-VERIFYING_REPLIES = 4
 #: Reused chunks being read, checked and copied at once per large file (one max-size buffer each).
 COPY_INFLIGHT = 6
 #: A basis from this size (bytes) up is closed on a thread of its own after the commit.
@@ -84,14 +81,45 @@ def _verify_write(data: memoryview | bytes, digest: bytes, fd: int, off: int) ->
 def _verify_write_reply(pieces: list[memoryview | bytes], group: list[tuple[int, int, bytes]], fd: int) -> list[bool]:
     """:func:`_verify_write` of each chunk of one ``read_ranges`` reply, in order; whether each was written.
 
-    ``pieces`` are the reply's chunk bytes, ``group`` their ``(offset, length, digest)``. One
-    hash-pool task per reply: each chunk is hashed and written while its bytes are in this
-    core's cache, and the receiver's thread hands over one task per 8 MiB instead of one per
-    chunk (fewer futures and wake-ups; replies are hashed side by side instead). Raises
-    OSError when a write fails.
+    ``pieces`` are the reply's chunk bytes, ``group`` their ``(offset, length, digest)``. Runs
+    on the thread that received the reply (:func:`submit_then`): each chunk is hashed and
+    written while its bytes are in this core's cache, with no hand-over to another thread (the
+    streams' readers verify their replies side by side). Raises OSError when a write fails.
     """
     return [_verify_write(data, d, fd, off) for data, (off, _n, d) in zip(pieces, group)]
 
+
+T = TypeVar("T")
+#: What a reply's verification hands the run thread: whether each chunk was written (None when
+#: it failed), the reply's parts (their buffer to give back), the error it failed with.
+_Verified = tuple[list[bool] | None, list[Any], BaseException | None]
+
+
+def submit_then(link: Any, method: str, then: Callable[[dict[str, Any], list[Any]], T], **args: Any) -> Future[T]:
+    """``link.submit_then(method, then, **args)`` (see :meth:`tb5sync.remote.links.Link.submit_then`),
+    or, for a link without it, ``then`` chained to ``link.submit``'s future, run by whichever thread
+    settles it; the same cancel rule (a future cancelled before ``then`` started never runs it)."""
+    own = getattr(link, "submit_then", None)
+    if own is not None:
+        fut: Future[T] = own(method, then, **args)
+        return fut
+    outer: Future[T] = Future()
+
+    def done(f: Future[Any]) -> None:
+        try:
+            meta, parts = f.result()
+            if outer.set_running_or_notify_cancel():
+                outer.set_result(then(meta, parts))
+            else:
+                link.recycle(parts)
+        except BaseException as exc:
+            try:
+                outer.set_exception(exc)
+            except InvalidStateError:
+                pass
+
+    link.submit(method, **args).add_done_callback(done)
+    return outer
 
 class _CopyBuffers:
     """Scratch buffers of ``size`` bytes (the largest chunk) for :func:`check_copy`, made on first use.
@@ -539,19 +567,26 @@ class LargeFileJob:
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
         misses = 0  # groups in a row refined without one sub-chunk found in the basis
-        hashers = hash_pool()
-        # Fetched replies being verified and written, one hash-pool task each, oldest first; up to
-        # one per hashing thread (so replies are hashed side by side), at most VERIFYING_REPLIES.
-        writes: deque[tuple[list[tuple[int, int, bytes]], list[Any], Future[list[bool]]]] = deque()
-        depth = max(1, min(hash_threads(), VERIFYING_REPLIES))
 
-        def settle() -> None:
-            """Wait for the oldest reply's task, give its buffer back, re-fetch what failed, count it."""
-            g, parts, task = writes.popleft()
-            try:
-                written = task.result()
-            finally:
-                self.link.recycle(parts)  # the task is done with the reply's buffer either way
+        def on_reply(g: list[tuple[int, int, bytes]]) -> Callable[[dict[str, Any], list[Any]], _Verified]:
+            lengths = [n for _, n, _ in g]
+
+            def then(meta: dict[str, Any], parts: list[Any]) -> _Verified:
+                # On the thread that received the reply (a stream's reader): each chunk hashed and,
+                # only if it matches, written right away, while its bytes are in this core's cache.
+                try:
+                    return _verify_write_reply(decode_ranges(meta, parts, lengths), g, fd), parts, None
+                except BaseException as exc:  # handed to the run thread with the buffer to give back
+                    return None, parts, exc
+
+            return then
+
+        def settle(g: list[tuple[int, int, bytes]], written: list[bool] | None, parts: list[Any], exc: BaseException | None) -> None:
+            """Give a verified reply's buffer back, re-fetch what failed, count it."""
+            self.link.recycle(parts)
+            if exc is not None:
+                raise exc
+            assert written is not None
             if not all(written):
                 # Asked once more: a source changed after the sender's check (its bytes go
                 # out with sendfile) now fails that check; a second mismatch is corruption.
@@ -561,10 +596,10 @@ class LargeFileJob:
                 for (off, _n, _d), data in zip(g, pieces):
                     pwrite_all(fd, data, off)
                 self.link.recycle(again)
-            for _off, n, _d in g:
-                self.destination.stats["chunks_sent"] += 1
-                self.verified += n
-                self.destination.tick(n)
+            total = sum(n for _off, n, _d in g)
+            self.destination.stats["chunks_sent"] += len(g)
+            self.verified += total
+            self.destination.tick(total)
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
@@ -572,7 +607,8 @@ class LargeFileJob:
                 subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
                 inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner), True))
             else:
-                inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns), False))
+                fut = submit_then(self.link, "read_ranges", on_reply(g), path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)
+                inflight.append((g, fut, False))
 
         try:
             it = iter(groups)
@@ -591,31 +627,21 @@ class LargeFileJob:
                     # few groups in a row without a single matched sub-chunk, fetch the rest whole.
                     misses = 0 if matched else misses + 1
                     continue
-                meta, parts = fut.result()
-                try:
-                    pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
-                except BaseException:
-                    self.link.recycle(parts)
-                    raise
-                # Each chunk is hashed and, only if it matches, written by the same task right
-                # away, while its bytes are still in that core's cache (one pass over memory
-                # instead of a hashing pass over the whole reply and then a writing pass).
-                writes.append((g, parts, hashers.submit(_verify_write_reply, pieces, g, fd)))
-                while len(writes) >= depth:
-                    settle()
-            while writes:
-                settle()
+                # verified and written by the stream's reader (a future that raises wrote nothing)
+                written, parts, exc = fut.result()
+                settle(g, written, parts, exc)
         finally:
-            # No task may still write into fd (the caller closes it) or read a reply's buffer
-            # once this returns: wait for those left by an error, then give their buffers back.
-            for _g, parts, task in writes:
-                task.cancel()
+            # No reader may still write into fd (the caller closes it) once this returns: cancel
+            # the replies not yet being verified, wait for those that are, give their buffers back.
+            for _g, fut, refined in inflight:
+                if refined or fut.cancel():
+                    continue
                 try:
-                    task.result()
+                    _w, parts, _e = fut.result()
                 except BaseException:
-                    pass
+                    continue
                 self.link.recycle(parts)
-            writes.clear()
+            inflight.clear()
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
 
