@@ -425,6 +425,7 @@ class LargeFileJob:
         nbytes = 0
         flushes: list[Future[None]] = []
         settled = flushed = 0  # chunks before ``settled`` are copied or counted missing
+        indexed: set[bytes] = set()  # digests of the current piece that the tree's chunk index has
 
         def submit(off: int, n: int, d: bytes) -> None:
             if off + n <= partial_size:
@@ -456,8 +457,8 @@ class LargeFileJob:
                 basis.found(off, n, place)
                 if self.refiner is not None:
                     self.refiner[1].record(off, place)
-            if not ok:
-                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs)
+            if not ok and (basis is not None or d in indexed):
+                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs, d in indexed)
             if ok:
                 self.verified += n
                 dest.stats["chunks_reused"] += 1
@@ -473,6 +474,10 @@ class LargeFileJob:
         try:
             for start, refs in self._pieces(first):
                 all_refs += refs
+                # the chunk index asked once per piece: only chunks it has are looked up one by one
+                # (kept for the whole file: chunks of the previous piece may still be pending)
+                if dest.state is not None:
+                    indexed |= dest.state.known_chunks([d for d, _n in refs])
                 off = start
                 for d, n in refs:
                     while len(pending) >= COPY_INFLIGHT:
@@ -498,8 +503,12 @@ class LargeFileJob:
             for lfd in opened.values():
                 os.close(lfd)
 
-    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], bufs: _CopyBuffers) -> bool:
+    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], bufs: _CopyBuffers,
+                        in_index: bool = True) -> bool:
         """Try the other places of chunk ``d`` (basis re-alignment, then the tree's chunk index); True if copied.
+
+        ``in_index``: False when the chunk index is known to have no place of ``d`` (asked once per
+        piece, :meth:`~tb5sync.tree.state.TreeState.known_chunks`): only the basis is tried.
 
         ``off``, ``n``: the chunk's offset and length (bytes); ``tried``: basis offsets already
         tried; ``opened``: files of the tree opened for this job (state path -> fd, closed by the
@@ -516,7 +525,7 @@ class LargeFileJob:
                     if self.refiner is not None:
                         self.refiner[1].record(off, place)
                     return True
-        if state is None:
+        if state is None or not in_index:
             return False
         me = self.destination.spath(self.rel)
         tried_paths: set[str] = set()
