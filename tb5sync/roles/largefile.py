@@ -19,6 +19,7 @@ open, rename and unlink goes through the destination's jail (no symlink followed
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import stat
@@ -32,6 +33,7 @@ import tb5sync.engine.chunking as chunking
 import tb5sync.engine.refine as refine
 from tb5sync.engine.basis import BasisFinder, check_copy, start_writeback
 from tb5sync._os.io import close_later, pwrite_all
+from tb5sync.wire.parts import InFile
 from tb5sync.wire.replies import decode_ranges
 from tb5sync.roles.destination import Destination
 from tb5sync.tree.entry import Entry
@@ -89,19 +91,42 @@ def _verify_write_reply(pieces: list[memoryview | bytes], group: list[tuple[int,
     return [_verify_write(data, d, fd, off) for data, (off, _n, d) in zip(pieces, group)]
 
 
+def _verify_in_file(fd: int, group: list[tuple[int, int, bytes]]) -> list[bool]:
+    """Whether each chunk ``(offset, length, digest)`` of ``group`` (consecutive in the file or not)
+    now in work file ``fd`` has its BLAKE3 digest: hashed where the reply's bytes were received, in
+    the page cache (one read-only mapping of the group's span; read faults map the cached pages).
+    """
+    start = min(off for off, _n, _d in group)
+    end = max(off + n for off, n, _d in group)
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    if end == base:
+        return [chunk_digest(b"") == d for _o, _n, d in group]
+    m = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
+    try:
+        mv = memoryview(m)
+        try:
+            return [chunk_digest(mv[off - base : off - base + n]) == d for off, n, d in group]
+        finally:
+            mv.release()
+    finally:
+        m.close()
+
+
 T = TypeVar("T")
 #: What a reply's verification hands the run thread: whether each chunk was written (None when
 #: it failed), the reply's parts (their buffer to give back), the error it failed with.
 _Verified = tuple[list[bool] | None, list[Any], BaseException | None]
 
 
-def submit_then(link: Any, method: str, then: Callable[[dict[str, Any], list[Any]], T], **args: Any) -> Future[T]:
-    """``link.submit_then(method, then, **args)`` (see :meth:`tb5sync.remote.links.Link.submit_then`),
-    or, for a link without it, ``then`` chained to ``link.submit``'s future, run by whichever thread
-    settles it; the same cancel rule (a future cancelled before ``then`` started never runs it)."""
+def submit_then(link: Any, method: str, then: Callable[[dict[str, Any], Any], T], *,
+                into_file: tuple[int, list[int], list[int]] | None = None, **args: Any) -> Future[T]:
+    """``link.submit_then(method, then, into_file=..., **args)`` (see
+    :meth:`tb5sync.remote.links.Link.submit_then`), or, for a link without it, ``then`` chained to
+    ``link.submit``'s future (``into_file`` unused), run by whichever thread settles it; the same
+    cancel rule (a future cancelled before ``then`` started never runs it)."""
     own = getattr(link, "submit_then", None)
     if own is not None:
-        fut: Future[T] = own(method, then, **args)
+        fut: Future[T] = own(method, then, into_file=into_file, **args)
         return fut
     outer: Future[T] = Future()
 
@@ -580,9 +605,17 @@ class LargeFileJob:
         def on_reply(g: list[tuple[int, int, bytes]]) -> Callable[[dict[str, Any], list[Any]], _Verified]:
             lengths = [n for _, n, _ in g]
 
-            def then(meta: dict[str, Any], parts: list[Any]) -> _Verified:
+            def then(meta: dict[str, Any], parts: list[Any] | InFile) -> _Verified:
                 # On the thread that received the reply (a stream's reader): each chunk hashed and,
-                # only if it matches, written right away, while its bytes are in this core's cache.
+                # only if it matches, written right away, while its bytes are in this core's cache;
+                # or, received straight into the work file's page cache, hashed there.
+                if isinstance(parts, InFile):
+                    try:
+                        if parts.error is not None:
+                            raise parts.error
+                        return _verify_in_file(fd, g), [], None
+                    except BaseException as exc:
+                        return None, [], exc
                 try:
                     return _verify_write_reply(decode_ranges(meta, parts, lengths), g, fd), parts, None
                 except BaseException as exc:  # handed to the run thread with the buffer to give back
@@ -616,7 +649,8 @@ class LargeFileJob:
                 subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
                 inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner), True))
             else:
-                fut = submit_then(self.link, "read_ranges", on_reply(g), path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)
+                fut = submit_then(self.link, "read_ranges", on_reply(g), into_file=(fd, [off for off, _n, _d in g], [n for _o, n, _d in g]),
+                                  path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)
                 inflight.append((g, fut, False))
 
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import tb5sync.wire.protocol as P
 from tb5sync._os.buffers import BufferPool
-from tb5sync._os.io import portable, read_into
+from tb5sync._os.io import HAVE_SPLICE, portable, pwrite_all, read_into, splice_to_file
 from tb5sync.wire.parts import FileRange, SharedFd, close_parts
 from tb5sync.errors import (
     ConnectError,
@@ -55,6 +55,10 @@ _TLS_SEND_BLOCK = 1 << 20
 #: and its header arrive in one ``recv``; a read of at least this many bytes goes straight into
 #: its destination instead.
 READ_AHEAD = 32 * 1024
+#: Bytes of a channel's splice pipe (``F_SETPIPE_SZ``; Linux's default limit for it, 1 MiB):
+#: what one ``splice`` moves from the socket before the pipe is emptied into the file.
+SPLICE_PIPE = 1024 * 1024
+_F_SETPIPE_SZ = 1031
 #: ``struct timeval`` as ``SO_RCVTIMEO``/``SO_SNDTIMEO`` take it (``time_t`` and ``suseconds_t`` in
 #: two longs: Linux; on 64-bit macOS the 4-byte ``tv_usec`` sits first in its padded 8, little-endian)
 _TIMEVAL = struct.Struct("@ll")
@@ -261,6 +265,11 @@ class Channel:
         self._no_sendfile = not hasattr(os, "sendfile") or portable()
         #: the reused block of file parts sent by read + send (under the send lock)
         self._copy_buf: memoryview | None = None
+        #: :meth:`recv_body_to_file`'s pipe (made on first use) and buffer (its portable twin's)
+        self._pipe: tuple[int, int] | None = None
+        self._pipe_lock = threading.Lock()
+        self._splicing = False
+        self._rxbuf: bytearray | None = None
         self.idle_timeout = idle_timeout
         if io_timeout == "keep":
             self.io_timeout: float | None = sock.gettimeout()
@@ -612,6 +621,120 @@ class Channel:
         if len(view) and not self._recv_exact(view):
             raise RemoteProtocolError("connection closed inside a frame")
 
+    @property
+    def can_splice(self) -> bool:
+        """Whether :meth:`recv_body_to_file` moves bytes with ``splice`` here: Linux, plain TCP, a
+        blocking socket (the kernel's timeouts, or none), not ``$TB5SYNC_SPLICE_PORTABLE=1`` or
+        ``$TB5SYNC_PORTABLE=1`` (then it receives into a buffer and ``pwrite``s it: the portable twin)."""
+        return (HAVE_SPLICE and not self.tls and not self.closed and not portable("TB5SYNC_SPLICE_PORTABLE")
+                and self.sock.gettimeout() is None)
+
+    def _splice_pipe(self) -> tuple[int, int]:
+        if self._pipe is None:
+            r, w = os.pipe2(os.O_CLOEXEC) if hasattr(os, "pipe2") else os.pipe()
+            try:
+                import fcntl
+                fcntl.fcntl(w, _F_SETPIPE_SZ, SPLICE_PIPE)
+            except OSError:
+                pass  # the default 64 KiB: more calls, the same bytes
+            self._pipe = (r, w)
+        return self._pipe
+
+    def _drop_pipe(self, closing: bool = False) -> None:
+        """Close the splice pipe. ``closing`` (from :meth:`close`, any thread): only when no splice
+        is using it; otherwise the receiving thread closes it when its splice returns."""
+        with self._pipe_lock:
+            if closing and self._splicing:
+                return
+            pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            for fd in pipe:
+                os.close(fd)
+
+    def recv_body_to_file(self, fd: int, spans: list[tuple[int, int]]) -> OSError | None:
+        """Receive the next bytes of a DATA body announced by :meth:`recv_data_meta` straight into the
+        file ``fd``: ``spans`` ``(offset, length)`` in order, their lengths summing to what is taken.
+
+        With :attr:`can_splice`, each span goes socket -> pipe -> the file's page cache with
+        ``splice`` (``tb5sync._os.io.splice_to_file``, GIL released): no copy into user space;
+        otherwise it is received into a buffer and written (``pwrite``). The bytes are not checked
+        here: the caller hashes them in the file. A failed write of the file does not end the
+        frame: the rest of the body is received and dropped (the stream goes on) and the error is
+        returned; None when every byte was written.
+
+        Raises
+        ------
+        RemoteProtocolError, LinkTimeoutError, OSError
+            The connection closed, stalled or broke inside the frame (the channel is then unusable).
+        """
+        err: OSError | None = None
+        for off, n in spans:
+            k = min(n, self._rend - self._rpos)
+            if k:  # read ahead with the meta: written from the buffer
+                assert self._rview is not None
+                if err is None:
+                    try:
+                        pwrite_all(fd, self._rview[self._rpos : self._rpos + k], off)
+                    except OSError as exc:
+                        err = exc
+                self._rpos += k
+                self.bytes_received += k
+                off, n = off + k, n - k
+            if not n:
+                continue
+            if err is None and self.can_splice:
+                with self._pipe_lock:
+                    if self.closed:
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    pr, pw = self._splice_pipe()
+                    self._splicing = True
+                try:
+                    taken, written, code, side = splice_to_file(self.sock.fileno(), pr, pw, fd, off, n, SPLICE_PIPE)
+                finally:
+                    with self._pipe_lock:
+                        self._splicing = False
+                    if self.closed:
+                        self._drop_pipe()
+                self.bytes_received += taken
+                if side == 0 or side == 2:
+                    self._drop_pipe()  # it may hold bytes of this frame
+                    if side == 2:
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    exc0 = BlockingIOError(code, os.strerror(code)) if code in (errno.EAGAIN, errno.EWOULDBLOCK) else OSError(code, os.strerror(code))
+                    raise _timeout_error(exc0, "receiving a frame", self.io_timeout) from None
+                if side == 1:
+                    err = OSError(code, os.strerror(code))
+                    self._drop_pipe()  # what the file refused stays in it: a fresh pipe next time
+                    off, n = off + taken, n - taken  # the rest of this span is dropped below
+                else:
+                    continue
+            if err is None:  # the portable twin: a buffer, then pwrite
+                view = memoryview(self._scratch(min(n, SPLICE_PIPE)))
+                while n:
+                    k = min(n, len(view))
+                    if not self._recv_exact(view[:k]):
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    if err is None:
+                        try:
+                            pwrite_all(fd, view[:k], off)
+                        except OSError as exc:
+                            err = exc
+                    off, n = off + k, n - k
+            else:
+                view = memoryview(self._scratch(min(n, SPLICE_PIPE)))
+                while n:
+                    k = min(n, len(view))
+                    if not self._recv_exact(view[:k]):
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    n -= k
+        return err
+
+    def _scratch(self, n: int) -> bytearray:
+        """This channel's reused buffer of at least ``n`` bytes (the portable twin's, the dropped bytes')."""
+        if self._rxbuf is None or len(self._rxbuf) < n:
+            self._rxbuf = bytearray(max(n, 1))
+        return self._rxbuf
+
     def peer_closed(self) -> bool:
         """True when the peer has closed the stream or sent something unasked (checked without
         blocking): the channel then cannot carry a new request safely."""
@@ -648,6 +771,7 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+        self._drop_pipe(closing=True)
 
 
 def client_handshake(ch: Channel, token: bytes | None) -> None:
