@@ -417,3 +417,49 @@ def test_splice_to_file_twins_agree(tmp_path: Path) -> None:
             cy_outs = outs
         else:
             assert outs[:2] == cy_outs[:2] and outs[2][1:] == cy_outs[2][1:]
+
+
+def test_consecutive_file_ranges_go_out_as_one_span_with_the_same_bytes(tmp_path: Path) -> None:
+    """A reply's FileRanges that continue one another in one file are sent by one sendfile loop
+    (``transport._joined_ranges``); the bytes on the wire are those of the parts one by one, a
+    file that shrank meanwhile padded with zeros to the announced end in both cases."""
+    import tb5sync.wire.transport as transport
+
+    data = random.Random(12).randbytes(3 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    shared = SharedFd(fd)
+    spans = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 100), (3 << 20, 0), (5, 40000)]
+    parts: list[object] = [b"head", *(FileRange(shared, o, n) for o, n in spans[:3]), b"mid", FileRange(shared, *spans[4])]
+    joined = transport._joined_ranges(parts)
+    assert [type(p).__name__ for p in joined] == ["bytes", "_Span", "bytes", "FileRange"]
+    assert len(joined[1]) == (2 << 20) + 100
+    want = b"head" + data[: (2 << 20) + 100] + b"mid" + data[5:40005]
+    for shrink in (False, True):
+        a, b = socket.socketpair()
+        got = bytearray()
+        t = threading.Thread(target=lambda: got.extend(joined_recv(b, len(want))))
+        t.start()
+        if shrink:
+            os.truncate(path, (1 << 20) + 10)
+        Channel(a).send_encoded(list(parts))
+        t.join()
+        a.close()
+        b.close()
+        if shrink:
+            assert bytes(got[: 4 + (1 << 20) + 10]) == want[: 4 + (1 << 20) + 10]
+            assert bytes(got[4 + (1 << 20) + 10 : 4 + (2 << 20) + 100]) == bytes((1 << 20) + 90)
+        else:
+            assert bytes(got) == want
+    close_parts(parts)
+
+
+def joined_recv(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        k = sock.recv(n - len(out))
+        if not k:
+            break
+        out += k
+    return bytes(out)

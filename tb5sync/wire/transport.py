@@ -66,6 +66,37 @@ _TIMEVAL = struct.Struct("@ll")
 _NO_SENDFILE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None)) if e is not None)
 
 
+class _Span:
+    """Consecutive :class:`FileRange` parts of one file joined: sent with one ``sendfile`` loop."""
+
+    __slots__ = ("fd", "offset", "length", "pad", "sendfile")
+
+    def __init__(self, first: FileRange) -> None:
+        self.fd, self.offset, self.length, self.pad, self.sendfile = first.fd, first.offset, first.length, first.pad, first.sendfile
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _joined_ranges(parts: list[Any]) -> list[Any]:
+    """``parts`` with each run of :class:`FileRange` s that continue one another in the same file
+    (same flags) joined into one :class:`_Span` (a reply of a cold file's chunks: one ``sendfile``
+    per reply instead of one per chunk). The bytes sent are the same; a file that ends early is
+    padded the same way (zeros to the end of what was announced)."""
+    out: list[Any] = []
+    for p in parts:
+        if isinstance(p, FileRange) and out and isinstance(out[-1], (FileRange, _Span)):
+            last = out[-1]
+            if (last.fd is p.fd and last.offset + last.length == p.offset and last.pad == p.pad
+                    and last.sendfile == p.sendfile and (p.length > READ_AHEAD or last.length > READ_AHEAD)):
+                if isinstance(last, FileRange):
+                    last = out[-1] = _Span(last)
+                last.length += p.length
+                continue
+        out.append(p)
+    return out
+
+
 def host_port(host: str, port: int | str) -> str:
     """``host:port`` as messages print it: an IPv6 address in brackets (``[::1]:7000``,
     ``[fe80::1%bridge0]:8873``; RFC 3986's authority form), other hosts as they are."""
@@ -318,10 +349,10 @@ class Channel:
         with self._send_lock:
             try:
                 views: list[memoryview] = []
-                for p in parts:
-                    if isinstance(p, FileRange) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
+                for p in _joined_ranges(parts):
+                    if isinstance(p, (FileRange, _Span)) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
                         views.append(self._read_small(p))  # read now: one sendmsg for the frame
-                    elif isinstance(p, FileRange):
+                    elif isinstance(p, (FileRange, _Span)):
                         if views:
                             self._send_views(views, socket.MSG_MORE)
                             views = []
@@ -353,7 +384,7 @@ class Channel:
                     views[0] = views[0][sent:]
                     sent = 0
 
-    def _read_small(self, part: FileRange) -> memoryview:
+    def _read_small(self, part: FileRange | _Span) -> memoryview:
         """The bytes of a small file part (at most :data:`READ_AHEAD`), read into a new buffer so
         the frame goes out in one ``sendmsg``. A file that ends early fails as :meth:`_send_file`
         fails (``part.pad``: zeros; else ``OSError`` ``EIO``), before any of the frame is sent."""
@@ -369,7 +400,7 @@ class Channel:
             got += k
         return view
 
-    def _send_file(self, part: FileRange) -> None:
+    def _send_file(self, part: FileRange | _Span) -> None:
         """Send ``part`` with sendfile (read and send over TLS); if the file shrank meanwhile, pad
         the frame with zeros.
 
@@ -668,7 +699,14 @@ class Channel:
             The connection closed, stalled or broke inside the frame (the channel is then unusable).
         """
         err: OSError | None = None
-        for off, n in spans:
+        merged: list[tuple[int, int]] = []
+        for off, n in spans:  # consecutive ranges (a cold file's chunks) in one splice call
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            elif n:
+                merged.append((off, n))
+        splice = self.can_splice
+        for off, n in merged:
             k = min(n, self._rend - self._rpos)
             if k:  # read ahead with the meta: written from the buffer
                 assert self._rview is not None
@@ -682,7 +720,7 @@ class Channel:
                 off, n = off + k, n - k
             if not n:
                 continue
-            if err is None and self.can_splice:
+            if err is None and splice:
                 with self._pipe_lock:
                     if self.closed:
                         raise RemoteProtocolError("connection closed inside a frame")
