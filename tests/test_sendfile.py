@@ -238,6 +238,7 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
 
     hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine
     monkeypatch.setenv("TB5SYNC_SPLICE_PORTABLE", "1")  # replies in buffers: decode_ranges sees each
+    monkeypatch.setattr(largefile, "RANGE_BYTES", 8 << 20)
     data = random.Random(8).randbytes(40 << 20)  # 5 replies of 8 MiB
     sync, final = _big_file_route(route, tmp_path, server, data)
     real_task, real_decode = largefile._verify_write_reply, largefile.decode_ranges

@@ -42,7 +42,7 @@ from tb5sync.wire.messages import ChunkListPiece, SubChunksReply
 from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from tb5sync.tree.options import SyncOptions
 
-__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "submit_then"]
+__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "RANGE_BYTES", "submit_then"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 8 * 1024 * 1024
 #: Most requests in flight (each up to BATCH_BYTES): bounds memory whatever the stream count.
 MAX_INFLIGHT = 12
+#: Bytes of a large file's missing chunks asked for per ``read_ranges`` request (or one chunk): each
+#: reply costs the same Python on both sides (a request, a reply, a wake-up of the run thread,
+#: a mapping to hash it in) whatever its size, so fewer, larger ones cost less per GB.
+RANGE_BYTES = 16 * 1024 * 1024
+#: Most bytes of a large file's ``read_ranges`` in flight (the window, at most 2 per stream).
+RANGE_INFLIGHT_BYTES = 96 * 1024 * 1024
 #: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
 PIECE_BYTES = 64 * 1024 * 1024
 #: Checked chunk-list pieces kept ready ahead of the one being copied and fetched.
@@ -433,7 +439,7 @@ class LargeFileJob:
         bytes with its digest. Each place is checked with :func:`check_copy` (one read, one
         hash, one write of the same buffer) in the hash pool, :data:`COPY_INFLIGHT` chunks at a
         time, in order of the chunk list; a chunk whose first place misses gets its other places
-        tried here before it is counted missing. Each group is at most :data:`BATCH_BYTES` (or
+        tried here before it is counted missing. Each group is at most :data:`RANGE_BYTES` (or
         one chunk) of chunks to ask for in one request. :attr:`all_refs` receives every chunk
         of the file, in order.
         """
@@ -490,7 +496,7 @@ class LargeFileJob:
                 dest.tick(n)
                 return None
             out = None
-            if cur and nbytes + n > BATCH_BYTES:
+            if cur and nbytes + n > RANGE_BYTES:
                 out, cur, nbytes = cur, [], 0
             cur.append((off, n, d))
             nbytes += n
@@ -590,7 +596,7 @@ class LargeFileJob:
         ``fd``, ``rel``, ``size`` and ``mtime_ns`` are the job's work file, path and source
         size and mtime (passed in: this step and its helpers below take the file as arguments).
         """
-        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT, RANGE_INFLIGHT_BYTES // RANGE_BYTES))
         inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]] = deque()
 
         refiner = self.refiner
