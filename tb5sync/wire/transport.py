@@ -298,6 +298,8 @@ class Channel:
         self._copy_buf: memoryview | None = None
         #: :meth:`recv_body_to_file`'s pipe (made on first use) and buffer (its portable twin's)
         self._pipe: tuple[int, int] | None = None
+        #: splice may be used (the environment is read once, when the channel is made)
+        self._splice_ok = HAVE_SPLICE and not self.tls and not portable("TB5SYNC_SPLICE_PORTABLE")
         self._pipe_lock = threading.Lock()
         self._splicing = False
         self._rxbuf: bytearray | None = None
@@ -656,9 +658,9 @@ class Channel:
     def can_splice(self) -> bool:
         """Whether :meth:`recv_body_to_file` moves bytes with ``splice`` here: Linux, plain TCP, a
         blocking socket (the kernel's timeouts, or none), not ``$TB5SYNC_SPLICE_PORTABLE=1`` or
-        ``$TB5SYNC_PORTABLE=1`` (then it receives into a buffer and ``pwrite``s it: the portable twin)."""
-        return (HAVE_SPLICE and not self.tls and not self.closed and not portable("TB5SYNC_SPLICE_PORTABLE")
-                and self.sock.gettimeout() is None)
+        ``$TB5SYNC_PORTABLE=1`` when the channel was made (then it receives into a buffer and
+        ``pwrite``s it: the portable twin)."""
+        return self._splice_ok and not self.closed and self.sock.gettimeout() is None
 
     def _splice_pipe(self) -> tuple[int, int]:
         if self._pipe is None:
