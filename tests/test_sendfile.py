@@ -293,6 +293,14 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
         hashing.set_hash_threads(0)
 
 
+def _splices() -> bool:
+    """Whether a plain-TCP channel splices here (Linux, and ``TB5SYNC_PORTABLE`` not set)."""
+    import tb5sync.wire.transport as transport
+    from tb5sync._os.io import portable
+
+    return transport.HAVE_SPLICE and not portable()
+
+
 def test_a_chunk_damaged_in_the_work_file_is_caught_asked_again_and_mended(
     tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,8 +311,8 @@ def test_a_chunk_damaged_in_the_work_file_is_caught_asked_again_and_mended(
     import tb5sync.wire.transport as transport
     from tb5sync.errors import IntegrityError
 
-    if not transport.HAVE_SPLICE:
-        pytest.skip("no splice on this system")
+    if not _splices():
+        pytest.skip("no splice here (or TB5SYNC_PORTABLE=1)")
     data = random.Random(9).randbytes(9 << 20)
     sync, final = _big_file_route("push", tmp_path, server, data)
     real_verify, real_decode = largefile._verify_in_file, largefile.decode_ranges
@@ -360,7 +368,7 @@ def test_a_push_receives_into_the_work_file_with_splice_or_its_portable_twin(
     sync, final = _big_file_route("push", tmp_path, server, data)
     tb5sync.sync(*sync)
     assert final.read_bytes() == data
-    if portable == "1" or not transport.HAVE_SPLICE:  # verified in a buffer, then written
+    if portable == "1" or not _splices():  # verified in a buffer, then written
         assert calls == {"splice": 0, "to_file": 0}
     else:
         assert calls["to_file"] >= 2 and calls["splice"] >= 2
@@ -464,3 +472,26 @@ def joined_recv(sock: socket.socket, n: int) -> bytes:
             break
         out += k
     return bytes(out)
+
+
+def test_a_pull_splices_into_the_work_file_too(tmp_path: Path, server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same data plane on the client's side: a pull's ranges are spliced into the client's work file."""
+    import tb5sync.wire.transport as transport
+
+    if not _splices():
+        pytest.skip("no splice here (or TB5SYNC_PORTABLE=1)")
+    calls = [0]
+    real = transport.splice_to_file
+
+    def spy(*args: int) -> tuple[int, int, int, int]:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(transport, "splice_to_file", spy)
+    data = random.Random(13).randbytes(40 << 20)
+    src = Path(server.root) / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(data)
+    tb5sync.sync(server.url("src/"), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "big.bin").read_bytes() == data
+    assert calls[0] >= 2
