@@ -666,6 +666,16 @@ class LargeFileJob:
                 if len(inflight) >= window:
                     break
             while inflight:
+                head = inflight[0][1]
+                if not inflight[0][2] and not head.done():
+                    # Wait for a later reply first: those before it are then (nearly always) in
+                    # too, so the run thread wakes once per few replies, not once per reply.
+                    later = inflight[min(len(inflight), max(1, window // 2)) - 1]
+                    if not later[2]:
+                        try:
+                            later[1].exception()
+                        except BaseException:
+                            pass
                 g, fut, refined = inflight.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
