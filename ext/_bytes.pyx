@@ -34,3 +34,68 @@ def empty_bytes(Py_ssize_t n):
         return b, memoryview(b)
     b = PyBytes_FromStringAndSize(NULL, n)
     return b, PyMemoryView_FromMemory(PyBytes_AS_STRING(b), n, PyBUF_WRITE)
+
+
+cdef extern from *:
+    """
+    #ifdef __linux__
+    #ifndef _GNU_SOURCE
+    #define _GNU_SOURCE
+    #endif
+    #include <fcntl.h>
+    #include <errno.h>
+    #include <unistd.h>
+    #define TB5_HAVE_SPLICE 1
+    /* Move n bytes from socket `sock` into file `fd` at `off` through the pipe (pr, pw), at most
+       `chunk` bytes at a time: the socket's pages go into the pipe (no copy on loopback or a
+       scatter-gather NIC), the pipe's into the file's page cache (the one copy). */
+    static void tb5_splice_to_file(int sock, int pr, int pw, int fd, long long off, long long n, long long chunk,
+                                   long long *taken, long long *written, int *err, int *side) {
+        long long t = 0, w = 0;
+        *err = 0; *side = -1;
+        while (w < n) {
+            if (t == w) {
+                long long want = n - t < chunk ? n - t : chunk;
+                ssize_t k = splice(sock, NULL, pw, NULL, (size_t)want, SPLICE_F_MOVE | SPLICE_F_MORE);
+                if (k < 0) { if (errno == EINTR) continue; *err = errno; *side = 0; break; }
+                if (k == 0) { *side = 2; break; }
+                t += k;
+            }
+            loff_t o = (loff_t)(off + w);
+            ssize_t m = splice(pr, NULL, fd, &o, (size_t)(t - w), SPLICE_F_MOVE);
+            if (m < 0) { if (errno == EINTR) continue; *err = errno; *side = 1; break; }
+            if (m == 0) { *err = EIO; *side = 1; break; }
+            w += m;
+        }
+        *taken = t; *written = w;
+    }
+    #else
+    #define TB5_HAVE_SPLICE 0
+    static void tb5_splice_to_file(int sock, int pr, int pw, int fd, long long off, long long n, long long chunk,
+                                   long long *taken, long long *written, int *err, int *side) {
+        *taken = 0; *written = 0; *err = 38; *side = 0;  /* ENOSYS */
+    }
+    #endif
+    """
+    int TB5_HAVE_SPLICE
+    void tb5_splice_to_file(int sock, int pr, int pw, int fd, long long off, long long n, long long chunk,
+                            long long *taken, long long *written, int *err, int *side) nogil
+
+#: Whether this build has :func:`splice_to_file` (Linux).
+HAVE_SPLICE = bool(TB5_HAVE_SPLICE)
+
+
+def splice_to_file(int sock, int pr, int pw, int fd, long long off, long long n, long long chunk):
+    """Move ``n`` bytes from socket ``sock`` to file ``fd`` at byte ``off`` through the pipe ``(pr, pw)``,
+    ``chunk`` bytes (the pipe's size) at a time, with the GIL released; see ``tb5sync._os.io.splice_to_file``.
+
+    Returns ``(taken, written, errno, side)``: bytes taken from the socket, bytes written to the
+    file (the pipe holds the difference), and where it stopped early: ``side`` -1 (done), 0 (the
+    socket failed with ``errno``; ``EAGAIN``: its receive timeout passed), 1 (the file failed
+    with ``errno``), 2 (the socket reached its end).
+    """
+    cdef long long taken = 0, written = 0
+    cdef int err = 0, side = -1
+    with nogil:
+        tb5_splice_to_file(sock, pr, pw, fd, off, n, chunk, &taken, &written, &err, &side)
+    return taken, written, err, side

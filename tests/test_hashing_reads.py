@@ -363,3 +363,22 @@ def test_pull_of_a_file_being_truncated_is_source_changed_or_whole(tmp_path: Pat
         finally:
             live.server.stop()
     assert sum(outcomes.values()) > 0
+
+
+def test_known_chunks_answers_as_find_chunk_does_in_one_query_per_batch(tmp_path: Path) -> None:
+    """``TreeState.known_chunks`` (asked once per chunk-list piece by a large-file job) is the set of
+    digests ``find_chunk`` finds a place for, across its 500-digest batches and with duplicates."""
+    from tb5sync.tree.state import TreeState
+
+    state = TreeState(str(tmp_path))
+    try:
+        have = [bytes([i % 256, i // 256]) * 16 for i in range(700)]
+        state.record("a", 700, 1, 1, [(d, 1) for d in have[:400]])
+        state.record("b", 300, 1, 2, [(d, 1) for d in have[400:]])
+        asked = have[::3] + [b"\xff" * 32, b"\xfe" * 32] + have[:5]
+        got = state.known_chunks(asked)
+        assert got == {d for d in asked if state.find_chunk(d)}
+        assert got == set(have[::3]) | set(have[:5])
+        assert state.known_chunks([]) == set()
+    finally:
+        state.close()

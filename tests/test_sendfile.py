@@ -3,6 +3,7 @@ changes after the sender's check (caught by the receiver's digest check and a re
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -191,9 +192,13 @@ def _sync_fails_on_the_big_file(sync: tuple[str, str], error: type[Exception], s
 @pytest.mark.parametrize("route", ["local", "push"])
 def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """One chunk arrives damaged on every request: the others are written (each verified first), that
-    one never is, the file is not committed, and the failure names it."""
+    one never is, the file is not committed, and the failure names it. (A push receives into
+    buffers here, the portable twin: with splice the bytes land in the work file before they are
+    hashed, see the test below.)"""
     import tb5sync.roles.largefile as largefile
     from tb5sync.errors import IntegrityError
+
+    monkeypatch.setenv("TB5SYNC_SPLICE_PORTABLE", "1")
 
     data = random.Random(6).randbytes(9 << 20)
     sync, final = _big_file_route(route, tmp_path, server, data)
@@ -224,7 +229,7 @@ def test_a_chunk_corrupted_every_time_is_never_written(route: str, tmp_path: Pat
 def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     route: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Several replies are verified and written at once (one hash-pool task each): when a later reply
+    """Several replies are verified and written at once (each by the thread that received it): when a later reply
     fails, the fetch waits for every task still running before it returns (the caller then closes the
     work file and reuses the buffers), and nothing is committed; with no failure every byte lands."""
     import tb5sync.engine.hashing as hashing
@@ -232,7 +237,8 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
     from tb5sync.errors import RemoteProtocolError
 
     hashing.set_hash_threads(4)  # several replies at once even on a 2-core machine
-    monkeypatch.setattr(largefile, "VERIFYING_REPLIES", 4)
+    monkeypatch.setenv("TB5SYNC_SPLICE_PORTABLE", "1")  # replies in buffers: decode_ranges sees each
+    monkeypatch.setattr(largefile, "RANGE_BYTES", 8 << 20)
     data = random.Random(8).randbytes(40 << 20)  # 5 replies of 8 MiB
     sync, final = _big_file_route(route, tmp_path, server, data)
     real_task, real_decode = largefile._verify_write_reply, largefile.decode_ranges
@@ -285,3 +291,207 @@ def test_replies_verified_side_by_side_are_all_done_before_the_work_file_closes(
         assert most[0] >= 2  # replies were verified side by side
     finally:
         hashing.set_hash_threads(0)
+
+
+def _splices() -> bool:
+    """Whether a plain-TCP channel splices here (Linux, and ``TB5SYNC_PORTABLE`` not set)."""
+    import tb5sync.wire.transport as transport
+    from tb5sync._os.io import portable
+
+    return transport.HAVE_SPLICE and not portable()
+
+
+def test_a_chunk_damaged_in_the_work_file_is_caught_asked_again_and_mended(
+    tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Received straight into the work file (splice): one chunk per reply damaged there fails its
+    BLAKE3 check in the page cache, is asked for once more (into a buffer, checked, written) and
+    the committed file is the source's; with the re-asked bytes damaged too, nothing is committed."""
+    import tb5sync.roles.largefile as largefile
+    import tb5sync.wire.transport as transport
+    from tb5sync.errors import IntegrityError
+
+    if not _splices():
+        pytest.skip("no splice here (or TB5SYNC_PORTABLE=1)")
+    data = random.Random(9).randbytes(9 << 20)
+    sync, final = _big_file_route("push", tmp_path, server, data)
+    real_verify, real_decode = largefile._verify_in_file, largefile.decode_ranges
+    checked: list[int] = []
+
+    def damaged(fd: int, group: list[tuple[int, int, bytes]]) -> list[bool]:
+        off, n, _d = group[-1]
+        byte = os.pread(fd, 1, off + n // 2)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), off + n // 2)
+        checked.append(len(group))
+        return real_verify(fd, group)
+
+    monkeypatch.setattr(largefile, "_verify_in_file", damaged)
+    stats = tb5sync.sync(*sync)
+    assert checked and final.read_bytes() == data
+    assert stats.wire_bytes > len(data) + min(checked) * (256 << 10)  # the damaged chunks travelled twice
+
+    def damaging(meta: dict[str, object], parts: list[object], lengths: list[int]) -> list[object]:
+        pieces = [bytearray(p) for p in real_decode(meta, parts, lengths)]  # type: ignore[arg-type]
+        pieces[-1][len(pieces[-1]) // 2] ^= 0xFF
+        return pieces
+
+    monkeypatch.setattr(largefile, "decode_ranges", damaging)
+    final.unlink()
+    _sync_fails_on_the_big_file(sync, IntegrityError, "big.bin")
+    assert not final.exists()
+
+
+@pytest.mark.parametrize("portable", ["0", "1"])
+def test_a_push_receives_into_the_work_file_with_splice_or_its_portable_twin(
+    portable: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push's ranges go socket -> pipe -> the work file (``splice``), then are hashed there; with
+    ``TB5SYNC_SPLICE_PORTABLE=1`` (the portable twin) into a buffer, hashed, then written: the
+    same bytes land either way."""
+    import tb5sync.wire.transport as transport
+
+    monkeypatch.setenv("TB5SYNC_SPLICE_PORTABLE", portable)
+    calls = {"splice": 0, "to_file": 0}
+    real_splice, real_to_file = transport.splice_to_file, transport.Channel.recv_body_to_file
+
+    def spy_splice(*args: int) -> tuple[int, int, int, int]:
+        calls["splice"] += 1
+        return real_splice(*args)
+
+    def spy_to_file(self: transport.Channel, fd: int, spans: list[tuple[int, int]]) -> object:
+        calls["to_file"] += 1
+        return real_to_file(self, fd, spans)
+
+    monkeypatch.setattr(transport, "splice_to_file", spy_splice)
+    monkeypatch.setattr(transport.Channel, "recv_body_to_file", spy_to_file)
+    data = random.Random(10).randbytes(21 << 20) + bytes(3 << 20)  # the zeros travel lz4: into a buffer
+    sync, final = _big_file_route("push", tmp_path, server, data)
+    tb5sync.sync(*sync)
+    assert final.read_bytes() == data
+    if portable == "1" or not _splices():  # verified in a buffer, then written
+        assert calls == {"splice": 0, "to_file": 0}
+    else:
+        assert calls["to_file"] >= 2 and calls["splice"] >= 2
+
+
+@pytest.mark.skipif(not hasattr(os, "splice"), reason="no splice on this system")
+def test_splice_to_file_twins_agree(tmp_path: Path) -> None:
+    """``tb5sync._bytes.splice_to_file`` and its pure-Python twin give the same results: a whole
+    range, the socket's end part-way, and a file that refuses the write."""
+    import socket
+
+    import tb5sync._os.io as io
+
+    try:
+        from tb5sync._bytes import splice_to_file as cy
+    except ImportError:
+        pytest.skip("tb5sync._bytes not built")
+    payload = random.Random(11).randbytes(3 << 20)
+    for fn in (cy, io.splice_to_file_py):
+        outs = []
+        for case in ("whole", "eof", "refused"):
+            a, b = socket.socketpair()
+            r, w = os.pipe()
+            path = tmp_path / f"{case}-{getattr(fn, '__name__', 'x')}.bin"
+            path.write_bytes(b"")
+            fd = os.open(path, os.O_RDONLY if case == "refused" else os.O_RDWR)
+            try:
+                sent = payload if case != "eof" else payload[: 1 << 20]
+                def send(data: bytes = sent, a: socket.socket = a) -> None:
+                    try:
+                        a.sendall(data)
+                        a.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass  # the refused case stops reading part-way
+
+                t = threading.Thread(target=send)
+                t.start()
+                got = fn(b.fileno(), r, w, fd, 4096, len(payload), 256 * 1024)
+                b.shutdown(socket.SHUT_RDWR)
+                t.join()
+                outs.append(got)
+                if case == "whole":
+                    assert got == (len(payload), len(payload), 0, -1)
+                    assert os.pread(fd, len(payload) + 10, 4096) == payload
+                elif case == "eof":
+                    assert got == (1 << 20, 1 << 20, 0, 2)
+                else:
+                    assert got[3] == 1 and got[2] == errno.EBADF and got[1] == 0
+            finally:
+                for x in (r, w, fd):
+                    os.close(x)
+                a.close()
+                b.close()
+        if fn is cy:
+            cy_outs = outs
+        else:
+            assert outs[:2] == cy_outs[:2] and outs[2][1:] == cy_outs[2][1:]
+
+
+def test_consecutive_file_ranges_go_out_as_one_span_with_the_same_bytes(tmp_path: Path) -> None:
+    """A reply's FileRanges that continue one another in one file are sent by one sendfile loop
+    (``transport._joined_ranges``); the bytes on the wire are those of the parts one by one, a
+    file that shrank meanwhile padded with zeros to the announced end in both cases."""
+    import tb5sync.wire.transport as transport
+
+    data = random.Random(12).randbytes(3 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    shared = SharedFd(fd)
+    spans = [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 100), (3 << 20, 0), (5, 40000)]
+    parts: list[object] = [b"head", *(FileRange(shared, o, n) for o, n in spans[:3]), b"mid", FileRange(shared, *spans[4])]
+    joined = transport._joined_ranges(parts)
+    assert [type(p).__name__ for p in joined] == ["bytes", "_Span", "bytes", "FileRange"]
+    assert len(joined[1]) == (2 << 20) + 100
+    want = b"head" + data[: (2 << 20) + 100] + b"mid" + data[5:40005]
+    for shrink in (False, True):
+        a, b = socket.socketpair()
+        got = bytearray()
+        t = threading.Thread(target=lambda: got.extend(joined_recv(b, len(want))))
+        t.start()
+        if shrink:
+            os.truncate(path, (1 << 20) + 10)
+        Channel(a).send_encoded(list(parts))
+        t.join()
+        a.close()
+        b.close()
+        if shrink:
+            assert bytes(got[: 4 + (1 << 20) + 10]) == want[: 4 + (1 << 20) + 10]
+            assert bytes(got[4 + (1 << 20) + 10 : 4 + (2 << 20) + 100]) == bytes((1 << 20) + 90)
+        else:
+            assert bytes(got) == want
+    close_parts(parts)
+
+
+def joined_recv(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        k = sock.recv(n - len(out))
+        if not k:
+            break
+        out += k
+    return bytes(out)
+
+
+def test_a_pull_splices_into_the_work_file_too(tmp_path: Path, server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same data plane on the client's side: a pull's ranges are spliced into the client's work file."""
+    import tb5sync.wire.transport as transport
+
+    if not _splices():
+        pytest.skip("no splice here (or TB5SYNC_PORTABLE=1)")
+    calls = [0]
+    real = transport.splice_to_file
+
+    def spy(*args: int) -> tuple[int, int, int, int]:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(transport, "splice_to_file", spy)
+    data = random.Random(13).randbytes(40 << 20)
+    src = Path(server.root) / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(data)
+    tb5sync.sync(server.url("src/"), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "big.bin").read_bytes() == data
+    assert calls[0] >= 2

@@ -18,10 +18,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range",
+__all__ = ["splice_to_file", "splice_to_file_py", "HAVE_SPLICE", "durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range",
            "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
@@ -303,3 +304,52 @@ class RateLimit:
             self._sleep(wait)
             return wait
         return 0.0
+
+
+# ---- splice: a socket's bytes into a file's page cache -------------------------------------
+try:  # the Cython loop (GIL released for the whole range), unless TB5SYNC_PUREPYTHON=1
+    from tb5sync._bytes import HAVE_SPLICE as _CY_SPLICE, splice_to_file as _cy_splice_to_file
+except ImportError:
+    _CY_SPLICE, _cy_splice_to_file = False, None
+
+
+def splice_to_file_py(sock: int, pr: int, pw: int, fd: int, off: int, n: int, chunk: int) -> tuple[int, int, int, int]:
+    """The pure-Python twin of ``tb5sync._bytes.splice_to_file`` (``os.splice``; same results).
+
+    Moves ``n`` bytes from socket ``sock`` to file ``fd`` at ``off`` through the pipe ``(pr, pw)``,
+    ``chunk`` bytes at a time. Returns ``(taken, written, errno, side)``: bytes taken from the
+    socket, bytes written (the pipe holds the rest), and where it stopped early: ``side`` -1
+    (done), 0 (the socket failed with ``errno``), 1 (the file did), 2 (the socket's end).
+    """
+    taken = written = 0
+    flags = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_MORE", 4)
+    while written < n:
+        if taken == written:
+            try:
+                k = os.splice(sock, pw, min(n - taken, chunk), flags=flags)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                return taken, written, exc.errno or errno.EIO, 0
+            if k == 0:
+                return taken, written, 0, 2
+            taken += k
+        try:
+            m = os.splice(pr, fd, taken - written, offset_dst=off + written, flags=getattr(os, "SPLICE_F_MOVE", 1))
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            return taken, written, exc.errno or errno.EIO, 1
+        if m == 0:
+            return taken, written, errno.EIO, 1
+        written += m
+    return taken, written, 0, -1
+
+
+#: Whether :func:`splice_to_file` can run here (Linux); ``$TB5SYNC_SPLICE_PORTABLE=1`` (or
+#: ``$TB5SYNC_PORTABLE=1``) makes the transport receive into buffers instead (its portable twin).
+HAVE_SPLICE = hasattr(os, "splice") and sys.platform.startswith("linux")
+splice_to_file: Callable[[int, int, int, int, int, int, int], tuple[int, int, int, int]] = (
+    _cy_splice_to_file if _CY_SPLICE and _cy_splice_to_file is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1"
+    else splice_to_file_py
+)

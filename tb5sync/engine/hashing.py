@@ -465,7 +465,7 @@ def iter_chunk_fd(
     """
     window = default_window(params) if window is None else max(int(window), params.max_size)
     pool = hash_pool()
-    pending: list[tuple[list[int], list[Future[bytes]], mmap.mmap | None]] = []
+    pending: list[tuple[list[int], list[Future[list[bytes]]], mmap.mmap | None]] = []
     pos = start
     limit = size if stop is None else min(size, stop)
     try:
@@ -482,14 +482,13 @@ def iter_chunk_fd(
                 mv = memoryview(buf)[: end - pos]
                 read_exact(fd, mv, pos, where)
             cuts = cut_buffer(mv, params, end == size)
-            lengths = []
-            futs = []
-            prev = 0
-            for c in cuts:
-                piece = mv[prev:c]
-                futs.append(pool.submit(chunk_digest, piece) if c - prev >= _POOL_MIN else _done(chunk_digest(piece)))
-                lengths.append(c - prev)
-                prev = c
+            spans = list(zip([0, *cuts[:-1]], cuts))
+            lengths = [c - b for b, c in spans]
+            prev = cuts[-1] if cuts else 0
+            # One task per group of consecutive chunks (as many groups as hashing threads), not
+            # one per chunk: a window's chunks cost a few futures and wake-ups, not ~16.
+            futs = [pool.submit(_hash_spans, mv, grp) if grp[-1][1] - grp[0][0] >= _POOL_MIN else _done(_hash_spans(mv, grp))
+                    for grp in _split_spans(spans, hash_threads())]
             del mv
             if pending:
                 yield _collect(*pending.pop())
@@ -511,16 +510,37 @@ def iter_chunk_fd(
                 _buffers.put(buf)
 
 
-def _done(value: bytes) -> Future[bytes]:
-    fut: Future[bytes] = Future()
+def _done(value: list[bytes]) -> Future[list[bytes]]:
+    fut: Future[list[bytes]] = Future()
     fut.set_result(value)
     return fut
 
 
-def _collect(lengths: list[int], futs: list[Future[bytes]], buf: mmap.mmap | None) -> list[ChunkRef]:
+def _hash_spans(mv: memoryview, spans: Sequence[tuple[int, int]]) -> list[bytes]:
+    """:func:`chunk_digest` of ``mv[start:end]`` for each ``(start, end)`` of ``spans``, in order."""
+    return [chunk_digest(mv[b:e]) for b, e in spans]
+
+
+def _split_spans(spans: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """``spans`` (consecutive ``(start, end)``) in at most ``parts`` runs of consecutive spans of
+    about equal bytes (none empty; no run when ``spans`` is empty)."""
+    if not spans:
+        return []
+    parts = max(1, min(parts, len(spans)))
+    total = spans[-1][1] - spans[0][0]
+    out: list[list[tuple[int, int]]] = [[]]
+    for se in spans:
+        if out[-1] and len(out) < parts and se[0] - spans[0][0] >= total * len(out) / parts:
+            out.append([])
+        out[-1].append(se)
+    return out
+
+
+def _collect(lengths: list[int], futs: list[Future[list[bytes]]], buf: mmap.mmap | None) -> list[ChunkRef]:
     """The window's chunks once hashed; its buffer goes back to the pool."""
     try:
-        return [(f.result(), n) for f, n in zip(futs, lengths)]
+        digests = [d for f in futs for d in f.result()]
+        return list(zip(digests, lengths))
     finally:
         if buf is not None:
             for f in futs:  # on an error, wait for the others before the buffer is reused

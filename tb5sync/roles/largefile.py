@@ -19,28 +19,30 @@ open, rename and unlink goes through the destination's jail (no symlink followed
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import stat
 import threading
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import tb5sync.engine.chunking as chunking
 import tb5sync.engine.refine as refine
 from tb5sync.engine.basis import BasisFinder, check_copy, start_writeback
 from tb5sync._os.io import close_later, pwrite_all
+from tb5sync.wire.parts import InFile
 from tb5sync.wire.replies import decode_ranges
 from tb5sync.roles.destination import Destination
 from tb5sync.tree.entry import Entry
 from tb5sync.errors import IntegrityError, PathError, RemoteProtocolError, SourceChangedError
 from tb5sync.wire.messages import ChunkListPiece, SubChunksReply
-from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, hash_threads, verify_chunks
+from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from tb5sync.tree.options import SyncOptions
 
-__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "VERIFYING_REPLIES"]
+__all__ = ["LargeFileJob", "BATCH_BYTES", "MAX_INFLIGHT", "PIECE_BYTES", "RANGE_BYTES", "submit_then"]
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +50,16 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 8 * 1024 * 1024
 #: Most requests in flight (each up to BATCH_BYTES): bounds memory whatever the stream count.
 MAX_INFLIGHT = 12
+#: Bytes of a large file's missing chunks asked for per ``read_ranges`` request (or one chunk): each
+#: reply costs the same Python on both sides (a request, a reply, a wake-up of the run thread,
+#: a mapping to hash it in) whatever its size, so fewer, larger ones cost less per GB.
+RANGE_BYTES = 16 * 1024 * 1024
+#: Most bytes of a large file's ``read_ranges`` in flight (the window, at most 2 per stream).
+RANGE_INFLIGHT_BYTES = 96 * 1024 * 1024
 #: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
 PIECE_BYTES = 64 * 1024 * 1024
 #: Checked chunk-list pieces kept ready ahead of the one being copied and fetched.
 PIECES_AHEAD = 3
-#: Most fetched replies being verified and written at once per large file, one hash-pool task each
-#: (at most the hashing threads): each holds its receive buffer until done.
-VERIFYING_REPLIES = 4
 #: Reused chunks being read, checked and copied at once per large file (one max-size buffer each).
 COPY_INFLIGHT = 6
 #: A basis from this size (bytes) up is closed on a thread of its own after the commit.
@@ -84,14 +89,68 @@ def _verify_write(data: memoryview | bytes, digest: bytes, fd: int, off: int) ->
 def _verify_write_reply(pieces: list[memoryview | bytes], group: list[tuple[int, int, bytes]], fd: int) -> list[bool]:
     """:func:`_verify_write` of each chunk of one ``read_ranges`` reply, in order; whether each was written.
 
-    ``pieces`` are the reply's chunk bytes, ``group`` their ``(offset, length, digest)``. One
-    hash-pool task per reply: each chunk is hashed and written while its bytes are in this
-    core's cache, and the receiver's thread hands over one task per 8 MiB instead of one per
-    chunk (fewer futures and wake-ups; replies are hashed side by side instead). Raises
-    OSError when a write fails.
+    ``pieces`` are the reply's chunk bytes, ``group`` their ``(offset, length, digest)``. Runs
+    on the thread that received the reply (:func:`submit_then`): each chunk is hashed and
+    written while its bytes are in this core's cache, with no hand-over to another thread (the
+    streams' readers verify their replies side by side). Raises OSError when a write fails.
     """
     return [_verify_write(data, d, fd, off) for data, (off, _n, d) in zip(pieces, group)]
 
+
+def _verify_in_file(fd: int, group: list[tuple[int, int, bytes]]) -> list[bool]:
+    """Whether each chunk ``(offset, length, digest)`` of ``group`` (consecutive in the file or not)
+    now in work file ``fd`` has its BLAKE3 digest: hashed where the reply's bytes were received, in
+    the page cache (one read-only mapping of the group's span; read faults map the cached pages).
+    """
+    start = min(off for off, _n, _d in group)
+    end = max(off + n for off, n, _d in group)
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    if end == base:
+        return [chunk_digest(b"") == d for _o, _n, d in group]
+    m = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
+    try:
+        mv = memoryview(m)
+        try:
+            return [chunk_digest(mv[off - base : off - base + n]) == d for off, n, d in group]
+        finally:
+            mv.release()
+    finally:
+        m.close()
+
+
+T = TypeVar("T")
+#: What a reply's verification hands the run thread: whether each chunk was written (None when
+#: it failed), the reply's parts (their buffer to give back), the error it failed with.
+_Verified = tuple[list[bool] | None, list[Any], BaseException | None]
+
+
+def submit_then(link: Any, method: str, then: Callable[[dict[str, Any], Any], T], *,
+                into_file: tuple[int, list[int], list[int]] | None = None, **args: Any) -> Future[T]:
+    """``link.submit_then(method, then, into_file=..., **args)`` (see
+    :meth:`tb5sync.remote.links.Link.submit_then`), or, for a link without it, ``then`` chained to
+    ``link.submit``'s future (``into_file`` unused), run by whichever thread settles it; the same
+    cancel rule (a future cancelled before ``then`` started never runs it)."""
+    own = getattr(link, "submit_then", None)
+    if own is not None:
+        fut: Future[T] = own(method, then, into_file=into_file, **args)
+        return fut
+    outer: Future[T] = Future()
+
+    def done(f: Future[Any]) -> None:
+        try:
+            meta, parts = f.result()
+            if outer.set_running_or_notify_cancel():
+                outer.set_result(then(meta, parts))
+            else:
+                link.recycle(parts)
+        except BaseException as exc:
+            try:
+                outer.set_exception(exc)
+            except InvalidStateError:
+                pass
+
+    link.submit(method, **args).add_done_callback(done)
+    return outer
 
 class _CopyBuffers:
     """Scratch buffers of ``size`` bytes (the largest chunk) for :func:`check_copy`, made on first use.
@@ -380,7 +439,7 @@ class LargeFileJob:
         bytes with its digest. Each place is checked with :func:`check_copy` (one read, one
         hash, one write of the same buffer) in the hash pool, :data:`COPY_INFLIGHT` chunks at a
         time, in order of the chunk list; a chunk whose first place misses gets its other places
-        tried here before it is counted missing. Each group is at most :data:`BATCH_BYTES` (or
+        tried here before it is counted missing. Each group is at most :data:`RANGE_BYTES` (or
         one chunk) of chunks to ask for in one request. :attr:`all_refs` receives every chunk
         of the file, in order.
         """
@@ -397,6 +456,7 @@ class LargeFileJob:
         nbytes = 0
         flushes: list[Future[None]] = []
         settled = flushed = 0  # chunks before ``settled`` are copied or counted missing
+        indexed: set[bytes] = set()  # digests of the current piece that the tree's chunk index has
 
         def submit(off: int, n: int, d: bytes) -> None:
             if off + n <= partial_size:
@@ -428,15 +488,15 @@ class LargeFileJob:
                 basis.found(off, n, place)
                 if self.refiner is not None:
                     self.refiner[1].record(off, place)
-            if not ok:
-                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs)
+            if not ok and (basis is not None or d in indexed):
+                ok = self._copy_elsewhere(off, n, d, {place}, opened, bufs, d in indexed)
             if ok:
                 self.verified += n
                 dest.stats["chunks_reused"] += 1
                 dest.tick(n)
                 return None
             out = None
-            if cur and nbytes + n > BATCH_BYTES:
+            if cur and nbytes + n > RANGE_BYTES:
                 out, cur, nbytes = cur, [], 0
             cur.append((off, n, d))
             nbytes += n
@@ -445,6 +505,10 @@ class LargeFileJob:
         try:
             for start, refs in self._pieces(first):
                 all_refs += refs
+                # the chunk index asked once per piece: only chunks it has are looked up one by one
+                # (kept for the whole file: chunks of the previous piece may still be pending)
+                if dest.state is not None:
+                    indexed |= dest.state.known_chunks([d for d, _n in refs])
                 off = start
                 for d, n in refs:
                     while len(pending) >= COPY_INFLIGHT:
@@ -470,8 +534,12 @@ class LargeFileJob:
             for lfd in opened.values():
                 os.close(lfd)
 
-    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], bufs: _CopyBuffers) -> bool:
+    def _copy_elsewhere(self, off: int, n: int, d: bytes, tried: set[int], opened: dict[str, int], bufs: _CopyBuffers,
+                        in_index: bool = True) -> bool:
         """Try the other places of chunk ``d`` (basis re-alignment, then the tree's chunk index); True if copied.
+
+        ``in_index``: False when the chunk index is known to have no place of ``d`` (asked once per
+        piece, :meth:`~tb5sync.tree.state.TreeState.known_chunks`): only the basis is tried.
 
         ``off``, ``n``: the chunk's offset and length (bytes); ``tried``: basis offsets already
         tried; ``opened``: files of the tree opened for this job (state path -> fd, closed by the
@@ -488,7 +556,7 @@ class LargeFileJob:
                     if self.refiner is not None:
                         self.refiner[1].record(off, place)
                     return True
-        if state is None:
+        if state is None or not in_index:
             return False
         me = self.destination.spath(self.rel)
         tried_paths: set[str] = set()
@@ -528,7 +596,7 @@ class LargeFileJob:
         ``fd``, ``rel``, ``size`` and ``mtime_ns`` are the job's work file, path and source
         size and mtime (passed in: this step and its helpers below take the file as arguments).
         """
-        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT))
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT, RANGE_INFLIGHT_BYTES // RANGE_BYTES))
         inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]] = deque()
 
         refiner = self.refiner
@@ -539,19 +607,34 @@ class LargeFileJob:
         planner = ThreadPoolExecutor(1, thread_name_prefix="tb5-refine") if refiner is not None else None
 
         misses = 0  # groups in a row refined without one sub-chunk found in the basis
-        hashers = hash_pool()
-        # Fetched replies being verified and written, one hash-pool task each, oldest first; up to
-        # one per hashing thread (so replies are hashed side by side), at most VERIFYING_REPLIES.
-        writes: deque[tuple[list[tuple[int, int, bytes]], list[Any], Future[list[bool]]]] = deque()
-        depth = max(1, min(hash_threads(), VERIFYING_REPLIES))
 
-        def settle() -> None:
-            """Wait for the oldest reply's task, give its buffer back, re-fetch what failed, count it."""
-            g, parts, task = writes.popleft()
-            try:
-                written = task.result()
-            finally:
-                self.link.recycle(parts)  # the task is done with the reply's buffer either way
+        def on_reply(g: list[tuple[int, int, bytes]]) -> Callable[[dict[str, Any], list[Any]], _Verified]:
+            lengths = [n for _, n, _ in g]
+
+            def then(meta: dict[str, Any], parts: list[Any] | InFile) -> _Verified:
+                # On the thread that received the reply (a stream's reader): each chunk hashed and,
+                # only if it matches, written right away, while its bytes are in this core's cache;
+                # or, received straight into the work file's page cache, hashed there.
+                if isinstance(parts, InFile):
+                    try:
+                        if parts.error is not None:
+                            raise parts.error
+                        return _verify_in_file(fd, g), [], None
+                    except BaseException as exc:
+                        return None, [], exc
+                try:
+                    return _verify_write_reply(decode_ranges(meta, parts, lengths), g, fd), parts, None
+                except BaseException as exc:  # handed to the run thread with the buffer to give back
+                    return None, parts, exc
+
+            return then
+
+        def settle(g: list[tuple[int, int, bytes]], written: list[bool] | None, parts: list[Any], exc: BaseException | None) -> None:
+            """Give a verified reply's buffer back, re-fetch what failed, count it."""
+            self.link.recycle(parts)
+            if exc is not None:
+                raise exc
+            assert written is not None
             if not all(written):
                 # Asked once more: a source changed after the sender's check (its bytes go
                 # out with sendfile) now fails that check; a second mismatch is corruption.
@@ -561,10 +644,10 @@ class LargeFileJob:
                 for (off, _n, _d), data in zip(g, pieces):
                     pwrite_all(fd, data, off)
                 self.link.recycle(again)
-            for _off, n, _d in g:
-                self.destination.stats["chunks_sent"] += 1
-                self.verified += n
-                self.destination.tick(n)
+            total = sum(n for _off, n, _d in g)
+            self.destination.stats["chunks_sent"] += len(g)
+            self.verified += total
+            self.destination.tick(total)
 
         def submit(g: list[tuple[int, int, bytes]]) -> None:
             ranges = [[off, n] for off, n, _ in g]
@@ -572,7 +655,9 @@ class LargeFileJob:
                 subs = self.link.submit("sub_chunks", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns, params=sub_params)
                 inflight.append((g, planner.submit(self._assemble_refined, rel, g, subs, size, mtime_ns, *refiner), True))
             else:
-                inflight.append((g, self.link.submit("read_ranges", path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns), False))
+                fut = submit_then(self.link, "read_ranges", on_reply(g), into_file=(fd, [off for off, _n, _d in g], [n for _o, n, _d in g]),
+                                  path=rel, ranges=ranges, size=size, mtime_ns=mtime_ns)
+                inflight.append((g, fut, False))
 
         try:
             it = iter(groups)
@@ -581,6 +666,16 @@ class LargeFileJob:
                 if len(inflight) >= window:
                     break
             while inflight:
+                head = inflight[0][1]
+                if not inflight[0][2] and not head.done():
+                    # Wait for a later reply first: those before it are then (nearly always) in
+                    # too, so the run thread wakes once per few replies, not once per reply.
+                    later = inflight[min(len(inflight), max(1, window // 2)) - 1]
+                    if not later[2]:
+                        try:
+                            later[1].exception()
+                        except BaseException:
+                            pass
                 g, fut, refined = inflight.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
@@ -591,31 +686,21 @@ class LargeFileJob:
                     # few groups in a row without a single matched sub-chunk, fetch the rest whole.
                     misses = 0 if matched else misses + 1
                     continue
-                meta, parts = fut.result()
-                try:
-                    pieces = decode_ranges(meta, parts, [n for _, n, _ in g])
-                except BaseException:
-                    self.link.recycle(parts)
-                    raise
-                # Each chunk is hashed and, only if it matches, written by the same task right
-                # away, while its bytes are still in that core's cache (one pass over memory
-                # instead of a hashing pass over the whole reply and then a writing pass).
-                writes.append((g, parts, hashers.submit(_verify_write_reply, pieces, g, fd)))
-                while len(writes) >= depth:
-                    settle()
-            while writes:
-                settle()
+                # verified and written by the stream's reader (a future that raises wrote nothing)
+                written, parts, exc = fut.result()
+                settle(g, written, parts, exc)
         finally:
-            # No task may still write into fd (the caller closes it) or read a reply's buffer
-            # once this returns: wait for those left by an error, then give their buffers back.
-            for _g, parts, task in writes:
-                task.cancel()
+            # No reader may still write into fd (the caller closes it) once this returns: cancel
+            # the replies not yet being verified, wait for those that are, give their buffers back.
+            for _g, fut, refined in inflight:
+                if refined or fut.cancel():
+                    continue
                 try:
-                    task.result()
+                    _w, parts, _e = fut.result()
                 except BaseException:
-                    pass
+                    continue
                 self.link.recycle(parts)
-            writes.clear()
+            inflight.clear()
             if planner is not None:
                 planner.shutdown(wait=True, cancel_futures=True)
 

@@ -376,6 +376,21 @@ class TreeState:
                 self._db.execute("DELETE FROM files WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
                 self._db.execute("DELETE FROM chunks WHERE path=? OR path LIKE ? ESCAPE '\\'", (p, like))
 
+    def known_chunks(self, digests: Sequence[bytes]) -> set[bytes]:
+        """Those of ``digests`` that have at least one place in the chunk index (one query per 500).
+
+        A receiver asks this once per chunk-list piece and calls :meth:`find_chunk` only for the
+        digests it returns (a cold file: no query per chunk). Like the index, the answer can be stale.
+        """
+        out: set[bytes] = set()
+        todo = list(dict.fromkeys(digests))
+        for i in range(0, len(todo), 500):
+            batch = todo[i : i + 500]
+            sql = f"SELECT DISTINCT digest FROM chunks WHERE digest IN ({','.join('?' * len(batch))})"
+            with self._lock:
+                out.update(bytes(r[0]) for r in self._db.execute(sql, batch).fetchall())
+        return out
+
     def find_chunk(self, digest: bytes, exclude: Collection[str] = (), limit: int = 4) -> list[tuple[str, int, int]]:
         """Up to ``limit`` places ``(path, offset, length)`` where a chunk with ``digest`` was seen.
 

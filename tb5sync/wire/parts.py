@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["FileRange", "SharedFd", "close_parts"]
+__all__ = ["FileRange", "InFile", "SharedFd", "close_parts"]
 
 
 class FileRange:
@@ -81,3 +81,19 @@ def close_parts(parts: list[Any]) -> None:
     for p in parts:
         if isinstance(p, FileRange):
             p.close()
+
+
+class InFile:
+    """The parts of a DATA reply received straight into a file instead of a buffer (see
+    :meth:`tb5sync.remote.links.Link.submit_then`): part ``i`` is at byte ``offsets[i]`` of ``fd``,
+    ``lengths[i]`` long, not yet checked. ``error``: the ``OSError`` writing them met (the
+    stream went on), else None. ``len()`` is the number of parts.
+    """
+
+    __slots__ = ("fd", "offsets", "lengths", "error")
+
+    def __init__(self, fd: int, offsets: list[int], lengths: list[int], error: OSError | None) -> None:
+        self.fd, self.offsets, self.lengths, self.error = fd, offsets, lengths, error
+
+    def __len__(self) -> int:
+        return len(self.offsets)

@@ -135,6 +135,8 @@ class Requester:
         self._pending: list[dict[int, Future[Any]]] = [{} for _ in channels]
         #: per channel, request id -> (buffer a DATA reply's body goes into, the buffer's owner)
         self._into: list[dict[int, tuple[memoryview, Any]]] = [{} for _ in channels]
+        #: per channel, request id -> what takes a DATA reply's body off the channel (see submit)
+        self._sinks: list[dict[int, Callable[[Channel, dict[str, Any], int], Any]]] = [{} for _ in channels]
         self._rr = itertools.cycle(range(len(channels)))
         self._dead: list[BaseException | None] = [None] * len(channels)
         self._threads = []
@@ -149,7 +151,8 @@ class Requester:
         return sum(c.bytes_sent + c.bytes_received for c in self.channels)
 
     def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None,
-               into: memoryview | None = None, owner: Any = None) -> Future[Any]:
+               into: memoryview | None = None, owner: Any = None,
+               sink: Callable[[Channel, dict[str, Any], int], Any] | None = None) -> Future[Any]:
         """Send a request and return its future. ``channel=None`` picks streams round-robin.
 
         With ``into`` (a writable byte view), a DATA reply's raw body is received straight into it
@@ -157,6 +160,11 @@ class Requester:
         ``len(body)`` bytes of ``into`` (a body longer than ``into`` gets a buffer of its own).
         ``owner`` (the object behind ``into``) is kept alive until the reply has been read, even
         when the future is cancelled; nothing else may read ``into`` before the future is done.
+
+        With ``sink``, a DATA reply is handed to ``sink(channel, meta, body_length)`` on the reader
+        thread once its meta is in: it must take exactly ``body_length`` bytes from the channel
+        (``recv_body_into``, ``recv_body_to_file``) and return the future's result; it raises only
+        for a broken stream (``ProtocolError``, ``OSError``), which fails the stream.
 
         Raises
         ------
@@ -175,12 +183,15 @@ class Requester:
             self._pending[idx][rid] = fut
             if into is not None:
                 self._into[idx][rid] = (into, owner)
+            if sink is not None:
+                self._sinks[idx][rid] = sink
         try:
             self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
         except OSError as exc:
             with self._lock:
                 self._pending[idx].pop(rid, None)
                 self._into[idx].pop(rid, None)
+                self._sinks[idx].pop(rid, None)
             raise closed_mid_transfer(self.peer, exc) from exc
         return fut
 
@@ -218,6 +229,7 @@ class Requester:
         ch = self.channels[idx]
         pending = self._pending[idx]
         intos = self._into[idx]
+        sinks = self._sinks[idx]
         err: BaseException = closed_mid_transfer(self.peer)
         try:
             while True:
@@ -228,6 +240,18 @@ class Requester:
                 # the frame must fail its future too (below, with the others)
                 with self._lock:
                     into = intos.get(header.rid)
+                    sink = sinks.get(header.rid)
+                if sink is not None and header.type is P.FrameType.DATA:
+                    raw_meta, nbody = ch.recv_data_meta(header)
+                    meta = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
+                    result = sink(ch, meta, nbody)
+                    with self._lock:
+                        fut = pending.pop(header.rid, None)
+                        sinks.pop(header.rid, None)
+                    if fut is not None:
+                        _resolve(fut, result)
+                    del sink, result, fut
+                    continue
                 if into is not None and header.type is P.FrameType.DATA:
                     raw_meta, body = ch.recv_data_into(header, into[0])
                     meta = P.decode_control(raw_meta, P.DATA_META_PER_CONTAINER, ch.max_decoded)
@@ -244,6 +268,7 @@ class Requester:
                 with self._lock:
                     fut = pending.pop(header.rid, None)
                     intos.pop(header.rid, None)
+                    sinks.pop(header.rid, None)
                 if header.type is P.FrameType.BYE:
                     break
                 if fut is None and header.type is not P.FrameType.ERROR:
@@ -266,6 +291,7 @@ class Requester:
             left = list(pending.values())
             pending.clear()
             intos.clear()
+            sinks.clear()
         for fut in left:
             _resolve(fut, exc=err)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import tb5sync.wire.protocol as P
 from tb5sync._os.buffers import BufferPool
-from tb5sync._os.io import portable, read_into
+from tb5sync._os.io import HAVE_SPLICE, portable, pwrite_all, read_into, splice_to_file
 from tb5sync.wire.parts import FileRange, SharedFd, close_parts
 from tb5sync.errors import (
     ConnectError,
@@ -55,11 +55,46 @@ _TLS_SEND_BLOCK = 1 << 20
 #: and its header arrive in one ``recv``; a read of at least this many bytes goes straight into
 #: its destination instead.
 READ_AHEAD = 32 * 1024
+#: Bytes of a channel's splice pipe (``F_SETPIPE_SZ``; Linux's default limit for it, 1 MiB):
+#: what one ``splice`` moves from the socket before the pipe is emptied into the file.
+SPLICE_PIPE = 1024 * 1024
+_F_SETPIPE_SZ = 1031
 #: ``struct timeval`` as ``SO_RCVTIMEO``/``SO_SNDTIMEO`` take it (``time_t`` and ``suseconds_t`` in
 #: two longs: Linux; on 64-bit macOS the 4-byte ``tv_usec`` sits first in its padded 8, little-endian)
 _TIMEVAL = struct.Struct("@ll")
 #: sendfile errors after which a channel sends its file parts by pread + send instead
 _NO_SENDFILE = frozenset(e for e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None)) if e is not None)
+
+
+class _Span:
+    """Consecutive :class:`FileRange` parts of one file joined: sent with one ``sendfile`` loop."""
+
+    __slots__ = ("fd", "offset", "length", "pad", "sendfile")
+
+    def __init__(self, first: FileRange) -> None:
+        self.fd, self.offset, self.length, self.pad, self.sendfile = first.fd, first.offset, first.length, first.pad, first.sendfile
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _joined_ranges(parts: list[Any]) -> list[Any]:
+    """``parts`` with each run of :class:`FileRange` s that continue one another in the same file
+    (same flags) joined into one :class:`_Span` (a reply of a cold file's chunks: one ``sendfile``
+    per reply instead of one per chunk). The bytes sent are the same; a file that ends early is
+    padded the same way (zeros to the end of what was announced)."""
+    out: list[Any] = []
+    for p in parts:
+        if isinstance(p, FileRange) and out and isinstance(out[-1], (FileRange, _Span)):
+            last = out[-1]
+            if (last.fd is p.fd and last.offset + last.length == p.offset and last.pad == p.pad
+                    and last.sendfile == p.sendfile and (p.length > READ_AHEAD or last.length > READ_AHEAD)):
+                if isinstance(last, FileRange):
+                    last = out[-1] = _Span(last)
+                last.length += p.length
+                continue
+        out.append(p)
+    return out
 
 
 def host_port(host: str, port: int | str) -> str:
@@ -261,6 +296,13 @@ class Channel:
         self._no_sendfile = not hasattr(os, "sendfile") or portable()
         #: the reused block of file parts sent by read + send (under the send lock)
         self._copy_buf: memoryview | None = None
+        #: :meth:`recv_body_to_file`'s pipe (made on first use) and buffer (its portable twin's)
+        self._pipe: tuple[int, int] | None = None
+        #: splice may be used (the environment is read once, when the channel is made)
+        self._splice_ok = HAVE_SPLICE and not self.tls and not portable("TB5SYNC_SPLICE_PORTABLE")
+        self._pipe_lock = threading.Lock()
+        self._splicing = False
+        self._rxbuf: bytearray | None = None
         self.idle_timeout = idle_timeout
         if io_timeout == "keep":
             self.io_timeout: float | None = sock.gettimeout()
@@ -309,10 +351,10 @@ class Channel:
         with self._send_lock:
             try:
                 views: list[memoryview] = []
-                for p in parts:
-                    if isinstance(p, FileRange) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
+                for p in _joined_ranges(parts):
+                    if isinstance(p, (FileRange, _Span)) and p.length <= READ_AHEAD and not (p.sendfile and not self._no_sendfile and not self.tls):
                         views.append(self._read_small(p))  # read now: one sendmsg for the frame
-                    elif isinstance(p, FileRange):
+                    elif isinstance(p, (FileRange, _Span)):
                         if views:
                             self._send_views(views, socket.MSG_MORE)
                             views = []
@@ -344,7 +386,7 @@ class Channel:
                     views[0] = views[0][sent:]
                     sent = 0
 
-    def _read_small(self, part: FileRange) -> memoryview:
+    def _read_small(self, part: FileRange | _Span) -> memoryview:
         """The bytes of a small file part (at most :data:`READ_AHEAD`), read into a new buffer so
         the frame goes out in one ``sendmsg``. A file that ends early fails as :meth:`_send_file`
         fails (``part.pad``: zeros; else ``OSError`` ``EIO``), before any of the frame is sent."""
@@ -360,7 +402,7 @@ class Channel:
             got += k
         return view
 
-    def _send_file(self, part: FileRange) -> None:
+    def _send_file(self, part: FileRange | _Span) -> None:
         """Send ``part`` with sendfile (read and send over TLS); if the file shrank meanwhile, pad
         the frame with zeros.
 
@@ -612,6 +654,127 @@ class Channel:
         if len(view) and not self._recv_exact(view):
             raise RemoteProtocolError("connection closed inside a frame")
 
+    @property
+    def can_splice(self) -> bool:
+        """Whether :meth:`recv_body_to_file` moves bytes with ``splice`` here: Linux, plain TCP, a
+        blocking socket (the kernel's timeouts, or none), not ``$TB5SYNC_SPLICE_PORTABLE=1`` or
+        ``$TB5SYNC_PORTABLE=1`` when the channel was made (then it receives into a buffer and
+        ``pwrite``s it: the portable twin)."""
+        return self._splice_ok and not self.closed and self.sock.gettimeout() is None
+
+    def _splice_pipe(self) -> tuple[int, int]:
+        if self._pipe is None:
+            r, w = os.pipe2(os.O_CLOEXEC) if hasattr(os, "pipe2") else os.pipe()
+            try:
+                import fcntl
+                fcntl.fcntl(w, _F_SETPIPE_SZ, SPLICE_PIPE)
+            except OSError:
+                pass  # the default 64 KiB: more calls, the same bytes
+            self._pipe = (r, w)
+        return self._pipe
+
+    def _drop_pipe(self, closing: bool = False) -> None:
+        """Close the splice pipe. ``closing`` (from :meth:`close`, any thread): only when no splice
+        is using it; otherwise the receiving thread closes it when its splice returns."""
+        with self._pipe_lock:
+            if closing and self._splicing:
+                return
+            pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            for fd in pipe:
+                os.close(fd)
+
+    def recv_body_to_file(self, fd: int, spans: list[tuple[int, int]]) -> OSError | None:
+        """Receive the next bytes of a DATA body announced by :meth:`recv_data_meta` straight into the
+        file ``fd``: ``spans`` ``(offset, length)`` in order, their lengths summing to what is taken.
+
+        With :attr:`can_splice`, each span goes socket -> pipe -> the file's page cache with
+        ``splice`` (``tb5sync._os.io.splice_to_file``, GIL released): no copy into user space;
+        otherwise it is received into a buffer and written (``pwrite``). The bytes are not checked
+        here: the caller hashes them in the file. A failed write of the file does not end the
+        frame: the rest of the body is received and dropped (the stream goes on) and the error is
+        returned; None when every byte was written.
+
+        Raises
+        ------
+        RemoteProtocolError, LinkTimeoutError, OSError
+            The connection closed, stalled or broke inside the frame (the channel is then unusable).
+        """
+        err: OSError | None = None
+        merged: list[tuple[int, int]] = []
+        for off, n in spans:  # consecutive ranges (a cold file's chunks) in one splice call
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            elif n:
+                merged.append((off, n))
+        splice = self.can_splice
+        for off, n in merged:
+            k = min(n, self._rend - self._rpos)
+            if k:  # read ahead with the meta: written from the buffer
+                assert self._rview is not None
+                if err is None:
+                    try:
+                        pwrite_all(fd, self._rview[self._rpos : self._rpos + k], off)
+                    except OSError as exc:
+                        err = exc
+                self._rpos += k
+                self.bytes_received += k
+                off, n = off + k, n - k
+            if not n:
+                continue
+            if err is None and splice:
+                with self._pipe_lock:
+                    if self.closed:
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    pr, pw = self._splice_pipe()
+                    self._splicing = True
+                try:
+                    taken, written, code, side = splice_to_file(self.sock.fileno(), pr, pw, fd, off, n, SPLICE_PIPE)
+                finally:
+                    with self._pipe_lock:
+                        self._splicing = False
+                    if self.closed:
+                        self._drop_pipe()
+                self.bytes_received += taken
+                if side == 0 or side == 2:
+                    self._drop_pipe()  # it may hold bytes of this frame
+                    if side == 2:
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    exc0 = BlockingIOError(code, os.strerror(code)) if code in (errno.EAGAIN, errno.EWOULDBLOCK) else OSError(code, os.strerror(code))
+                    raise _timeout_error(exc0, "receiving a frame", self.io_timeout) from None
+                if side == 1:
+                    err = OSError(code, os.strerror(code))
+                    self._drop_pipe()  # what the file refused stays in it: a fresh pipe next time
+                    off, n = off + taken, n - taken  # the rest of this span is dropped below
+                else:
+                    continue
+            if err is None:  # the portable twin: a buffer, then pwrite
+                view = memoryview(self._scratch(min(n, SPLICE_PIPE)))
+                while n:
+                    k = min(n, len(view))
+                    if not self._recv_exact(view[:k]):
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    if err is None:
+                        try:
+                            pwrite_all(fd, view[:k], off)
+                        except OSError as exc:
+                            err = exc
+                    off, n = off + k, n - k
+            else:
+                view = memoryview(self._scratch(min(n, SPLICE_PIPE)))
+                while n:
+                    k = min(n, len(view))
+                    if not self._recv_exact(view[:k]):
+                        raise RemoteProtocolError("connection closed inside a frame")
+                    n -= k
+        return err
+
+    def _scratch(self, n: int) -> bytearray:
+        """This channel's reused buffer of at least ``n`` bytes (the portable twin's, the dropped bytes')."""
+        if self._rxbuf is None or len(self._rxbuf) < n:
+            self._rxbuf = bytearray(max(n, 1))
+        return self._rxbuf
+
     def peer_closed(self) -> bool:
         """True when the peer has closed the stream or sent something unasked (checked without
         blocking): the channel then cannot carry a new request safely."""
@@ -648,6 +811,7 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+        self._drop_pipe(closing=True)
 
 
 def client_handshake(ch: Channel, token: bytes | None) -> None:
