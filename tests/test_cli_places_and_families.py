@@ -34,7 +34,7 @@ def _cli(*args: str, cwd: Any = None) -> subprocess.CompletedProcess[str]:
 
 #: Each store subcommand with the positionals it needs.
 _SUBCOMMANDS = {"put": ["r", "src"], "get": ["r", "dest"], "cat": ["r"], "ls": [], "rm": ["r"], "diff": ["a", "b"],
-                "pin": ["r"], "unpin": ["r"], "verify": [], "gc": [], "stats": [], "reindex": [], "quota": [],
+                "pin": ["r"], "unpin": ["r"], "verify": [], "gc": [], "stats": [], "reindex": [], "upgrade": [], "quota": [],
                 "push": ["r", "tb5://h"], "pull": ["r", "tb5://h"]}
 
 
