@@ -409,13 +409,10 @@ def bazel_processes(stderr: str) -> tuple[int, int, int]:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("bazel") is None or shutil.which("gcc") is None, reason="needs bazel (bazel-bootstrap) and gcc")
 def test_bazel_grpc_rebuild_is_all_remote_hits_and_identical(tmp_path: Any) -> None:
+    from test_httpcache import bazel_workspace
+
     ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "WORKSPACE").write_text("")
-    (ws / "BUILD").write_text(BAZEL_BUILD)
-    (ws / "lib.h").write_text("int add(int a, int b);\n")
-    (ws / "lib.c").write_text('#include "lib.h"\nint add(int a, int b) { return a + b; }\n')
-    (ws / "main.c").write_text('#include <stdio.h>\n#include "lib.h"\nint main(void) { printf("%d\\n", add(2, 3)); return 0; }\n')
+    bazel_workspace(ws, BAZEL_BUILD)
     bazel = ["bazel", f"--output_user_root={tmp_path / 'root'}", "--batch"]
     cache = HttpCache(tmp_path / "store", bearer=TOKEN).start()
     face = GrpcCache(cache, "127.0.0.1", 0).start()

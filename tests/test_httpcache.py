@@ -407,15 +407,21 @@ genrule(name = "hello", srcs = ["main.c", "lib.h", ":lib_o"], outs = ["hello.bin
 '''
 
 
-@pytest.mark.skipif(shutil.which("bazel") is None or shutil.which("gcc") is None, reason="needs bazel (bazel-bootstrap) and gcc")
-def test_bazel_build_gets_remote_hits_after_clean(tmp_path: Any) -> None:
-    ws = tmp_path / "ws"
+def bazel_workspace(ws: Any, build: str) -> None:
+    """A Bazel workspace in the directory ``ws`` (a Path, created): ``build`` as its BUILD file, and
+    the C sources its genrules compile (lib.h, lib.c, main.c)."""
     ws.mkdir()
     (ws / "WORKSPACE").write_text("")
-    (ws / "BUILD").write_text(BAZEL_BUILD)
+    (ws / "BUILD").write_text(build)
     (ws / "lib.h").write_text("int add(int a, int b);\n")
     (ws / "lib.c").write_text('#include "lib.h"\nint add(int a, int b) { return a + b; }\n')
     (ws / "main.c").write_text('#include <stdio.h>\n#include "lib.h"\nint main(void) { printf("%d\\n", add(2, 3)); return 0; }\n')
+
+
+@pytest.mark.skipif(shutil.which("bazel") is None or shutil.which("gcc") is None, reason="needs bazel (bazel-bootstrap) and gcc")
+def test_bazel_build_gets_remote_hits_after_clean(tmp_path: Any) -> None:
+    ws = tmp_path / "ws"
+    bazel_workspace(ws, BAZEL_BUILD)
     bazel = ["bazel", f"--output_user_root={tmp_path / 'root'}", "--batch"]
     with HttpCache(tmp_path / "store") as c:  # ActionResults checked (the default)
         flags = [f"--remote_cache=http://127.0.0.1:{c.port}", "--noshow_progress"]

@@ -136,22 +136,10 @@ def test_one_entry_evicts_only_the_least_recently_used_it_needs(tmp_path: Any) -
 
 
 def action_result(files: list[bytes]) -> bytes:
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            b = n & 0x7F
-            n >>= 7
-            out.append(b | (0x80 if n else 0))
-            if not n:
-                return bytes(out)
+    """An ActionResult naming ``files`` as its outputs (test_httpcache's encoder)."""
+    from test_httpcache import action_result as encode
 
-    def ld(field: int, payload: bytes) -> bytes:
-        return varint(field << 3 | 2) + varint(len(payload)) + payload
-
-    out = b""
-    for k, f in enumerate(files):
-        out += ld(2, ld(1, f"out/{k}".encode()) + ld(2, ld(1, sha(f).encode()) + varint(2 << 3) + varint(len(f))))
-    return out + varint(4 << 3) + varint(0)
+    return encode(files)
 
 
 def test_working_set_larger_than_the_quota_keeps_the_entries_that_fit_and_hits(tmp_path: Any) -> None:

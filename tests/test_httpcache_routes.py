@@ -67,19 +67,25 @@ def req(h: http.client.HTTPConnection, method: str, path: str, body: bytes | Non
     return r.status, r.read()
 
 
-@pytest.mark.parametrize("layout", ["subdirs", "flat", "bazel"])
-def test_every_two_character_prefix_of_every_ccache_layout_round_trips(cache: HttpCache, h: Any, layout: str) -> None:
-    """HEAD (miss), PUT, HEAD, GET, DELETE of a key for each of the 256 first bytes, as ccache sends them."""
+def round_trips(h: http.client.HTTPConnection, layout: str, prefix: str) -> list[tuple[str, list[int]]]:
+    """HEAD (miss), PUT, HEAD, GET, DELETE, GET of a key for each of the 256 first bytes, as ccache
+    sends them; the paths whose answers were not 404 200 200 200 (same body) 200 404."""
     wrong = []
     for first in range(256):
-        path = ccache_path(layout, "ccache", first)
+        path = ccache_path(layout, prefix, first)
         body = b"entry " + path.encode()
         got = [req(h, "HEAD", path)[0], req(h, "PUT", path, body)[0], req(h, "HEAD", path)[0]]
         status, back = req(h, "GET", path)
         got += [status, int(back == body), req(h, "DELETE", path)[0], req(h, "GET", path)[0]]
         if got != [404, 200, 200, 200, 1, 200, 404]:
             wrong.append((path, got))
-    assert wrong == []
+    return wrong
+
+
+@pytest.mark.parametrize("layout", ["subdirs", "flat", "bazel"])
+def test_every_two_character_prefix_of_every_ccache_layout_round_trips(cache: HttpCache, h: Any, layout: str) -> None:
+    """HEAD (miss), PUT, HEAD, GET, DELETE of a key for each of the 256 first bytes, as ccache sends them."""
+    assert round_trips(h, layout, "ccache") == []
     assert blob_keys(cache.store) == []
 
 
@@ -88,16 +94,7 @@ def test_every_two_character_prefix_round_trips_without_a_url_prefix(cache: Http
     """ccache's default ``remote_storage = http://HOST:PORT`` has no URL prefix: a ``subdirs`` key
     beginning ``ac`` is then ``/ac/<31 characters>``, which no Bazel request can be (Bazel's names are
     64 hex digits), so it is ccache's key, never refused and never taken for an ActionResult."""
-    wrong = []
-    for first in range(256):
-        path = ccache_path(layout, "", first)
-        body = b"entry " + path.encode()
-        got = [req(h, "HEAD", path)[0], req(h, "PUT", path, body)[0], req(h, "HEAD", path)[0]]
-        status, back = req(h, "GET", path)
-        got += [status, int(back == body), req(h, "DELETE", path)[0], req(h, "GET", path)[0]]
-        if got != [404, 200, 200, 200, 1, 200, 404]:
-            wrong.append((path, got))
-    assert wrong == []
+    assert round_trips(h, layout, "") == []
 
 
 def test_every_two_character_prefix_keeps_its_entries_apart(cache: HttpCache, h: Any) -> None:
