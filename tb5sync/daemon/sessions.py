@@ -251,6 +251,12 @@ class TransferSessions:
                 log.info("push to %s failed: %s", path, exc)
                 message = hide_root(f"{exc.strerror or exc}: {exc.filename or path}", self.root)
                 result = {"error": {"kind": "DestinationError", "message": message}}
+            if "error" in result and self._stopping.is_set():
+                # The server is stopping (SIGTERM): its own closing of the session's streams is what
+                # failed the run. The client is told nothing but the close, as of a server that went
+                # away ("server closed the connection mid-transfer", exit 12), never "client closed".
+                log.info("push session %s: not reported, the server is stopping", sid)
+                return
             try:
                 result, pages = result_pages(result)  # a long result goes ahead in pages
                 for page in pages:
