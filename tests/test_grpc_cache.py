@@ -468,3 +468,22 @@ def test_bytestream_write_of_a_stored_blob_returns_at_once(serve: Callable[..., 
     assert s.cache.metrics.counts.get("cas.puts_skipped") == 1
     got = b"".join(x.data for x in s.bs.Read(bs.ReadRequest(resource_name=f"blobs/{h}/{n}")))
     assert got == data
+
+
+def test_reads_hold_a_slot_for_store_work_only(serve: Callable[..., Served]) -> None:
+    """With one read slot, a batch read of a blob read in a worker is answered (a read takes its
+    slot for each piece of store work, never around a call that takes another), and so is it while
+    a ByteStream Read of a large blob waits unread by its client."""
+    s = serve(concurrency=1)
+    small, big = os.urandom(1 << 20), os.urandom(8 << 20)  # above the size read on the event loop
+    upload(s, [small])
+    w = bs_grpc.ByteStreamStub(s.channel).Write(writes(f"uploads/{'0' * 8}/blobs/{sha(big)}/{len(big)}", big, 1 << 20))
+    assert w.committed_size == len(big)
+    r = s.cas.BatchReadBlobs(re_pb.BatchReadBlobsRequest(digests=[dg(small)]), timeout=20)
+    assert r.responses[0].status.code == 0 and r.responses[0].data == small
+    unread = bs_grpc.ByteStreamStub(s.channel).Read(bs.ReadRequest(resource_name=f"blobs/{sha(big)}/{len(big)}"), timeout=30)
+    first = next(unread)  # started, then left unread: its stream waits on flow control
+    assert first.data
+    r = s.cas.BatchReadBlobs(re_pb.BatchReadBlobsRequest(digests=[dg(small)]), timeout=20)
+    assert r.responses[0].data == small
+    unread.cancel()

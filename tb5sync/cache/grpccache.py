@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import logging
 import os
 import re
 import secrets
@@ -49,11 +48,10 @@ from typing import Any, AsyncIterator
 from tb5sync.errors import EntryTooLargeError, IntegrityError, Tb5syncError, UsageError
 from tb5sync.cache.httpcache import EMPTY_SHA256, MAX_AC, SPOOL_MEMORY, HttpCache
 from tb5sync.cache.reapi import ActionResultError, parse_action_result
-from tb5sync.store.blobs import delete_blob, has_blobs, put_blob
+from tb5sync.store.blobs import has_blobs, put_blob
 
 __all__ = ["GrpcCache", "RpcRefused", "MAX_BATCH", "READ_CHUNK", "parse_resource_name"]
 
-log = logging.getLogger(__name__)
 
 #: Largest total of blob bytes in one BatchUpdateBlobs / BatchReadBlobs (bytes), advertised in the
 #: capabilities; larger blobs go through ByteStream.
@@ -290,7 +288,9 @@ class GrpcCache:
         m.add("grpc.requests")
         try:
             self._admit(context, write)
-            async with (self.cache._sem if write else self.cache._rsem):
+            if not write:  # a read's store work takes a read slot itself (HttpCache.fetch, _store)
+                return await fn(*args)
+            async with self.cache._sem:  # a body slot for the whole write, as an HTTP PUT
                 return await fn(*args)
         except RpcRefused as exc:
             m.add(f"grpc.{exc.code.lower()}")
@@ -376,7 +376,7 @@ class GrpcCache:
             h, _ = _check_digest(d.hash, d.size_bytes)
             if h != EMPTY_SHA256:
                 want.setdefault(f"{prefix}cas/{h}", d)
-        held = await c._run(has_blobs, self.store, list(want)) if want else set()
+        held = await c._store(has_blobs, self.store, list(want)) if want else set()
         c._touch(sorted(held))  # written with the next batch of touches
         missing = [d for k, d in want.items() if k not in held]
         m.add("cas.found", len(want) - len(missing))
@@ -425,7 +425,7 @@ class GrpcCache:
         return await self._call("BatchReadBlobs", False, context, self._batch_read, request)
 
     async def _batch_read(self, request: Any) -> Any:
-        c, m = self.cache, self.cache.metrics
+        m = self.cache.metrics
         prefix = self._prefix(request.instance_name)
         total = sum(max(0, d.size_bytes) for d in request.digests)
         if total > MAX_BATCH:
@@ -436,15 +436,7 @@ class GrpcCache:
             try:
                 h, size = _check_digest(d.hash, d.size_bytes)
                 if h != EMPTY_SHA256:
-                    key = f"{prefix}cas/{h}"
-                    try:
-                        info, _, data, _ = await c.fetch(key, "whole")
-                    except IntegrityError as exc:
-                        await self._damaged(key, "cas", exc)
-                        raise RpcRefused("NOT_FOUND", f"no blob {h}") from None
-                    if info is None:
-                        m.add("cas.misses")
-                        raise RpcRefused("NOT_FOUND", f"no blob {h}")
+                    info, _, data = await self._fetch_cas(prefix, h, "whole", f"no blob {h}")
                     if len(data) != info.size:  # larger than MAX_AC: never a batch's
                         raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes; use ByteStream")
                 m.add("cas.hits")
@@ -472,54 +464,48 @@ class GrpcCache:
         m.add("grpc.requests")
         try:
             self._admit(context, False)
-            async with c._rsem:
-                instance, h, size, _ = parse_resource_name(request.resource_name, upload=False)
-                prefix = self._prefix(instance)
-                off, limit = request.read_offset, request.read_limit
-                if off < 0 or off > size:
-                    raise RpcRefused("OUT_OF_RANGE", f"read_offset {off} outside 0..{size}")
-                if limit < 0:
-                    raise RpcRefused("INVALID_ARGUMENT", f"negative read_limit {limit}")
-                end = size if limit == 0 else min(size, off + limit)
-                if h == EMPTY_SHA256:
-                    m.add("cas.hits")
-                    return
-                key = f"{prefix}cas/{h}"
+            # a read slot for each piece of store work (fetch, next chunk), never held while a
+            # message waits for its reader: a client that stops reading holds no slot
+            instance, h, size, _ = parse_resource_name(request.resource_name, upload=False)
+            prefix = self._prefix(instance)
+            off, limit = request.read_offset, request.read_limit
+            if off < 0 or off > size:
+                raise RpcRefused("OUT_OF_RANGE", f"read_offset {off} outside 0..{size}")
+            if limit < 0:
+                raise RpcRefused("INVALID_ARGUMENT", f"negative read_limit {limit}")
+            end = size if limit == 0 else min(size, off + limit)
+            if h == EMPTY_SHA256:
+                m.add("cas.hits")
+                return
+            key = f"{prefix}cas/{h}"
+            info, chunks, first = await self._fetch_cas(prefix, h, "first", f"blob {h} is damaged")
+            if info.size != size:
+                raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes, not {size}")
+            pos = sent = 0
+            hit = False
+            while pos < end:
                 try:
-                    info, chunks, first, _ = await c.fetch(key, "first")
+                    piece, first = (first, b"") if first else (await c._store(next, chunks, b""), b"")
                 except IntegrityError as exc:
                     await self._damaged(key, "cas", exc)
-                    raise RpcRefused("NOT_FOUND", f"blob {h} is damaged") from None
-                if info is None:
-                    m.add("cas.misses")
-                    raise RpcRefused("NOT_FOUND", f"no blob {h}")
-                if info.size != size:
-                    raise RpcRefused("INVALID_ARGUMENT", f"blob {h} has {info.size} bytes, not {size}")
-                pos = sent = 0
-                hit = False
-                while pos < end:
-                    try:
-                        piece, first = (first, b"") if first else (await c._run(next, chunks, b""), b"")
-                    except IntegrityError as exc:
-                        await self._damaged(key, "cas", exc)
-                        raise RpcRefused("DATA_LOSS" if sent else "NOT_FOUND", f"blob {h} is damaged") from None
-                    if not piece:
-                        break
-                    if not hit:
-                        m.add("cas.hits")
-                        hit = True
-                    lo, hi = max(off - pos, 0), min(len(piece), end - pos)
-                    pos += len(piece)
-                    if lo >= hi:
-                        continue
-                    view = memoryview(piece)[lo:hi]
-                    for i in range(0, len(view), READ_CHUNK):
-                        part = bytes(view[i:i + READ_CHUNK])
-                        yield self._bs.ReadResponse(data=part)
-                        sent += len(part)
+                    raise RpcRefused("DATA_LOSS" if sent else "NOT_FOUND", f"blob {h} is damaged") from None
+                if not piece:
+                    break
                 if not hit:
                     m.add("cas.hits")
-                m.add("cas.bytes_sent", sent)
+                    hit = True
+                lo, hi = max(off - pos, 0), min(len(piece), end - pos)
+                pos += len(piece)
+                if lo >= hi:
+                    continue
+                view = memoryview(piece)[lo:hi]
+                for i in range(0, len(view), READ_CHUNK):
+                    part = bytes(view[i:i + READ_CHUNK])
+                    yield self._bs.ReadResponse(data=part)
+                    sent += len(part)
+            if not hit:
+                m.add("cas.hits")
+            m.add("cas.bytes_sent", sent)
         except RpcRefused as exc:
             m.add(f"grpc.{exc.code.lower()}")
             await context.abort(self._grpc.StatusCode[exc.code], exc.message)
@@ -631,7 +617,7 @@ class GrpcCache:
         name = f"{instance}/uploads/{uid}/blobs/{h}/{size}"
         if name in self._partial:
             return self._bs.QueryWriteStatusResponse(committed_size=self._partial[name].committed, complete=False)
-        if name in self._done or h == EMPTY_SHA256 or await self.cache._run(
+        if name in self._done or h == EMPTY_SHA256 or await self.cache._store(
                 has_blobs, self.store, [f"{prefix}cas/{h}"]):
             return self._bs.QueryWriteStatusResponse(committed_size=size, complete=True)
         raise RpcRefused("NOT_FOUND", f"no write of {request.resource_name[:200]!r}")
@@ -711,10 +697,26 @@ class GrpcCache:
         what = "the largest entry allowed" if limit == self.cache.max_entry_size else "the cache's quota"
         raise RpcRefused("RESOURCE_EXHAUSTED", f"entry of {size} bytes is larger than {what} ({limit} bytes)")
 
+    async def _fetch_cas(self, prefix: str, h: str, mode: str, damaged: str) -> tuple[Any, Any, bytes]:
+        """The CAS blob ``h`` (SHA-256 hex) under ``prefix``, read as :meth:`HttpCache.fetch` reads it in
+        ``mode``: ``(info, chunks, data)``. A miss is ``NOT_FOUND`` (counted); a damaged chunk drops
+        the entry and is ``NOT_FOUND`` with the message ``damaged``.
+
+        Raises
+        ------
+        RpcRefused
+            ``NOT_FOUND``, as above.
+        """
+        key = f"{prefix}cas/{h}"
+        try:
+            info, chunks, data, _ = await self.cache.fetch(key, mode)
+        except IntegrityError as exc:
+            await self._damaged(key, "cas", exc)
+            raise RpcRefused("NOT_FOUND", damaged) from None
+        if info is None:
+            self.cache.metrics.add("cas.misses")
+            raise RpcRefused("NOT_FOUND", f"no blob {h}")
+        return info, chunks, data
+
     async def _damaged(self, key: str, kind: str, exc: Exception) -> None:
-        log.warning("grpc cache: dropping damaged entry %s: %s", key, exc)
-        m = self.cache.metrics
-        m.add(f"{kind}.misses")
-        m.add(f"{kind}.damaged")
-        if not self.cache.read_only:
-            await self.cache._run(delete_blob, self.store, key)
+        await self.cache.drop_damaged(key, kind, exc, "grpc")

@@ -148,6 +148,11 @@ def route(path: str, instances: frozenset[str] | set[str] = frozenset()) -> tupl
     return "kv", "", None
 
 
+def _peer(request: web.Request) -> str | None:
+    """The client's address as ``--allow`` and the per-address caps count it (an IPv6 zone kept)."""
+    return peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+
+
 class _Bazel:
     """A Bazel route's parts, as the handlers read them (``group("prefix")``, ``group("hash")``)."""
 
@@ -460,7 +465,7 @@ class HttpCache:
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
             raise web.HTTPExpectationFailed(text=f"unknown Expect: {expect}")
-        peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+        peer = _peer(request)
         want, limit = request.content_length, self.entry_limit()
         if (not self._allowed(peer) or not self._authorized(request)
                 or (want is not None and limit is not None and want > limit)):
@@ -503,7 +508,7 @@ class HttpCache:
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            peer = peer_address(request.transport.get_extra_info("peername")) if request.transport else request.remote
+            peer = _peer(request)
             if not self._allowed(peer):
                 return web.Response(status=403, text=f"client address {peer} is not allowed\n")
             conn = request.protocol if isinstance(request.protocol, _Conn) else None
@@ -739,12 +744,18 @@ class HttpCache:
         return resp
 
     async def _damaged(self, key: str, kind: str, exc: Exception) -> web.Response:
-        log.warning("http cache: dropping damaged entry %s: %s", key, exc)
+        await self.drop_damaged(key, kind, exc, "http")
+        return web.Response(status=404)
+
+    async def drop_damaged(self, key: str, kind: str, exc: Exception, face: str) -> None:
+        """Entry ``key`` held a damaged or missing chunk (``exc``): logged, counted as a miss and as
+        damaged under ``kind``, and deleted (not on a read-only cache), so the next read is a clean
+        miss. ``face`` ("http", "grpc") names the front end in the log line."""
+        log.warning("%s cache: dropping damaged entry %s: %s", face, key, exc)
         self.metrics.add(f"{kind}.misses")
         self.metrics.add(f"{kind}.damaged")
         if not self.read_only:
-            await self._run(delete_blob, self.store, key)
-        return web.Response(status=404)
+            await self._store(delete_blob, self.store, key)
 
     async def _put(self, request: web.Request, key: str, kind: str, m: _Bazel | None) -> web.Response:
         if self.read_only:
