@@ -186,20 +186,14 @@ def _md_command(cmd: Command, level: int) -> list[str]:
     if cmd.help:
         lines += [_md_text(cmd.help[0].upper() + cmd.help[1:]) + ("" if cmd.help.endswith(".") else "."), ""]
     lines += ["```text", _usage(p), "```", ""]
-    pos = visible_positionals(p)
-    if pos:
-        lines.append('<dl class="tb5-args">')
-        for a in pos:
-            lines.append(f"<dt><code>{_md_text(_positional_name(p, a))}</code></dt>"
-                         f"<dd>{_md_text(_help(p, a)) or '&nbsp;'}</dd>")
-        lines += ["</dl>", ""]
-    opts = visible_options(p)
-    if opts:
-        lines.append('<dl class="tb5-options">')
-        for a in opts:
-            lines.append(f"<dt><code>{_md_text(_invocation(p, a))}</code></dt>"
-                         f"<dd>{_md_text(_help(p, a)) or '&nbsp;'}</dd>")
-        lines += ["</dl>", ""]
+    for cls, actions, name in (("tb5-args", visible_positionals(p), _positional_name),
+                               ("tb5-options", visible_options(p), _invocation)):
+        if actions:
+            lines.append(f'<dl class="{cls}">')
+            for a in actions:
+                lines.append(f"<dt><code>{_md_text(name(p, a))}</code></dt>"
+                             f"<dd>{_md_text(_help(p, a)) or '&nbsp;'}</dd>")
+            lines += ["</dl>", ""]
     if cmd.subcommands:
         lines += ["Subcommands: " + ", ".join(f"[`{s.path[-1]}`](#{'-'.join(s.path)})" for s in cmd.subcommands) + ".", ""]
     for sub in cmd.subcommands:
