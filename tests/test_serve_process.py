@@ -75,7 +75,10 @@ def test_sigterm_with_clients_connected(tmp_path: Path) -> None:
 
     def push(i: int) -> None:
         try:
-            results[i] = sync(str(sources[i]) + "/", f"tb5://127.0.0.1:{port}/dst{i}/", streams=2)
+            # each push held to 16 MiB/s (~4.5 s for its 72 MiB), so the signal below lands in the
+            # middle of every push however fast the machine is
+            results[i] = sync(str(sources[i]) + "/", f"tb5://127.0.0.1:{port}/dst{i}/", streams=2,
+                              bwlimit=16 * 1024 * 1024)
         except Tb5syncError as exc:
             results[i] = exc
 
