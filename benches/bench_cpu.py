@@ -124,7 +124,7 @@ def e2e(args, src: str) -> dict:
                 bs.clear_state(src)
                 with tool.serve(root) as srv:
                     run = tool.sync(src + "/", tool.remote(srv, "dst"))
-                run.cpu_server = srv.cpu
+                run.cpu_server, run.rss_server = srv.cpu, srv.maxrss
                 bad = verifier.verify(src, os.path.join(root, "dst"), f"{tool.name}-{i}")
                 if bad:
                     raise SystemExit(f"{tool.name} run {i}: destination differs from the source: {bad}")
@@ -142,7 +142,9 @@ def e2e(args, src: str) -> dict:
         s = statistics.median(r.cpu_server for r in rs) / size * GB
         t = statistics.median(r.cpu for r in rs) / size * GB
         w = statistics.median(r.wall for r in rs)
-        out[name] = {"client": c, "server": s, "total": t, "wall": w, "runs": len(rs)}
+        out[name] = {"client": c, "server": s, "total": t, "wall": w, "runs": len(rs),
+                     "rss_client_max": max((r.rss_client or 0 for r in rs), default=0) or None,
+                     "rss_server_max": max((r.rss_server or 0 for r in rs), default=0) or None}
     # interpreter start-up and imports of the client, included in its CPU above
     t0 = bs.run_measured(cmd + ["--help"], 60, env=env)
     out["tb5sync"]["startup_cpu_s"] = t0.cpu
@@ -151,10 +153,11 @@ def e2e(args, src: str) -> dict:
 
 def print_e2e(res: dict, what: str) -> None:
     print(f"\nCold push of {what} on 127.0.0.1 (median CPU s/GB, GB = 1e9 bytes)\n")
-    print(f"{'tool':10} {'client':>8} {'server':>8} {'total':>8} {'wall s':>8}")
+    print(f"{'tool':10} {'client':>8} {'server':>8} {'total':>8} {'wall s':>8} {'peak RSS MiB client/server':>27}")
     for name in ("tb5sync", "rsync"):
         r = res[name]
-        print(f"{name:10} {r['client']:8.2f} {r['server']:8.2f} {r['total']:8.2f} {r['wall']:8.2f}")
+        rss = "/".join(f"{(r.get(k) or 0) / MiB:.0f}" for k in ("rss_client_max", "rss_server_max"))
+        print(f"{name:10} {r['client']:8.2f} {r['server']:8.2f} {r['total']:8.2f} {r['wall']:8.2f} {rss:>27}")
     ratio = res["tb5sync"]["total"] / res["rsync"]["total"]
     print(f"tb5sync / rsync CPU: {ratio:.2f}x  (tb5sync client start-up, `tb5sync --help`: "
           f"{res['tb5sync']['startup_cpu_s']:.2f} CPU s, included)")

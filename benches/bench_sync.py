@@ -20,7 +20,9 @@ Workloads (``--short`` shrinks the sizes so the whole run takes ~3 minutes):
 2. ``tree_cold``: 20,000 files of 1-64 KiB (2,000 short) in ~200 directories, part random, part
    text-like (compressible), destination empty.
 3. ``tree_nochange``: the same tree synced again right after, nothing changed.
-4. ``big_delta``: the big file after 64 scattered overwrites totalling 1% of it plus one 4 KiB
+4. ``tree_pull``: the same tree pulled from the server into an empty destination (the mirror of
+   ``tree_cold``: a push should be no slower than this).
+5. ``big_delta``: the big file after 64 scattered overwrites totalling 1% of it plus one 4 KiB
    insertion in the middle; the previous version is at the destination (a plain copy with its
    mtime, so neither tool has state about it).
 
@@ -36,7 +38,9 @@ Wall time is the whole client command as a user sees it (process start included)
 user+sys of the client (``os.wait4`` on it) plus the server process (its ``/proc`` counters when
 the client starts, its ``os.wait4`` rusage after SIGTERM, which includes reaped children such as
 rsync's per-connection forks). Wire bytes: tb5sync's own ``wire_bytes``; for rsync the sum of
-"Total bytes sent" and "Total bytes received" from ``--stats``.
+"Total bytes sent" and "Total bytes received" from ``--stats``. Peak RSS per side: ``ru_maxrss`` of
+the client's ``wait4`` and of the server's when it is stopped (the largest of the process and the
+children it reaped: rsync's per-connection forks), reported as the largest over the runs.
 
 After each run the destination is checked (file set, sizes, mtimes, BLAKE3 of a sample of files,
 the whole big file); a failure is printed loudly, marked ``!`` in the table, and makes the exit
@@ -115,6 +119,7 @@ WORKLOADS = {
     "big_pull": ("big file, cold pull", "GB/s"),
     "tree_cold": ("small-file tree, cold push", "files/s"),
     "tree_nochange": ("small-file tree, no-change re-run", "s"),
+    "tree_pull": ("small-file tree, cold pull", "files/s"),
     "big_delta": ("big file, 1% edits + 4 KiB insert, delta push", "s"),
 }
 
@@ -247,6 +252,77 @@ class RandomStream:
 LIVE: set["Proc"] = set()  # servers to stop in `finally`, whatever happens
 
 
+def maxrss_bytes(ru) -> int | None:
+    """``ru_maxrss`` of a ``resource.struct_rusage`` in bytes, on macOS only (there it is bytes and
+    the best there is). On Linux a child forked from this harness carries the harness's own
+    high-water mark across ``exec`` into ``ru_maxrss``, so :class:`RssWatch` reads ``VmHWM``
+    instead and this returns None."""
+    return ru.ru_maxrss if sys.platform == "darwin" else None
+
+
+def _vm_hwm(pid: int) -> int | None:
+    """``VmHWM`` (peak resident set) of a live process in bytes, from ``/proc/PID/status``."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class RssWatch:
+    """Peak RSS of process groups while a client runs (Linux: ``VmHWM`` from ``/proc``).
+
+    ``watch(pgid)`` adds a group (each client and server here leads its own session); a thread
+    reads the leaders' ``VmHWM`` every 20 ms and every member's (rsync's per-connection forks)
+    every 100 ms. ``peak(pgid)`` is the largest single process seen, in bytes, or None where
+    there is no ``/proc``. The high-water mark is kept by the kernel, so a reading late in a
+    process's life still sees its earlier peak; only a child that lives < 100 ms can be missed.
+    """
+
+    def __init__(self) -> None:
+        self._peaks: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pgid: int) -> None:
+        with self._lock:
+            self._peaks.setdefault(pgid, 0)
+        if self._thread is None and os.path.isdir("/proc/self"):
+            self._thread = threading.Thread(target=self._run, name="rss-watch", daemon=True)
+            self._thread.start()
+
+    def sample(self, members: bool = True) -> None:
+        with self._lock:
+            groups = list(self._peaks)
+        for g in groups:
+            pids = group_members(g) if members else [g]
+            for pid in pids:
+                v = _vm_hwm(pid)
+                if v:
+                    with self._lock:
+                        if g in self._peaks and v > self._peaks[g]:
+                            self._peaks[g] = v
+
+    def peak(self, pgid: int, forget: bool = True) -> int | None:
+        self.sample()
+        with self._lock:
+            v = self._peaks.pop(pgid, None) if forget else self._peaks.get(pgid)
+        return v or None
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.wait(0.02):
+            n += 1
+            self.sample(members=n % 5 == 0)
+
+
+RSS = RssWatch()
+
+
 class Proc:
     """A background process (a server) whose CPU time we can account for exactly."""
 
@@ -257,10 +333,12 @@ class Proc:
         self._out = open(os.path.join(log_dir, f"{name}.out"), "wb")
         self._err = open(self.err_path, "wb")
         self.status: int | None = None
+        self.maxrss: int | None = None
         self.cpu_total = 0.0
         self.cpu_base = 0.0
         self.p = subprocess.Popen(cmd, stdout=self._out, stderr=self._err,
                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        RSS.watch(self.p.pid)
         LIVE.add(self)
 
     def _reap(self, flags: int) -> bool:
@@ -276,6 +354,7 @@ class Proc:
         self.status = status
         self.p.returncode = os.waitstatus_to_exitcode(status)
         self.cpu_total = ru.ru_utime + ru.ru_stime
+        self.maxrss = self.maxrss or RSS.peak(self.p.pid) or maxrss_bytes(ru)
         return True
 
     def running(self) -> bool:
@@ -319,6 +398,7 @@ class Proc:
         """SIGTERM, reap, and return the CPU seconds used since mark()."""
         if self.running():
             used = self.cpu_now()
+            self.maxrss = RSS.peak(self.p.pid)
             try:
                 os.kill(self.p.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -358,6 +438,7 @@ class CmdResult:
     out: str
     err: str
     timed_out: bool = False
+    maxrss: int | None = None  # bytes
 
 
 def run_measured(cmd: list[str], timeout: float, env=None) -> CmdResult:
@@ -375,6 +456,7 @@ def run_measured(cmd: list[str], timeout: float, env=None) -> CmdResult:
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env,
                              start_new_session=True)
+        RSS.watch(p.pid)
         timer = threading.Timer(timeout, on_timeout)
         timer.start()
         try:
@@ -391,7 +473,7 @@ def run_measured(cmd: list[str], timeout: float, env=None) -> CmdResult:
         fe.seek(0)
         return CmdResult(rc, wall, ru.ru_utime + ru.ru_stime,
                          fo.read().decode(errors="replace"), fe.read().decode(errors="replace"),
-                         fired.is_set())
+                         fired.is_set(), RSS.peak(p.pid) or maxrss_bytes(ru))
 
 
 def check(res: CmdResult, what: str, timeout: float) -> None:
@@ -582,6 +664,8 @@ class Run:
     cpu_client: float | None = None
     cpu_server: float | None = None
     wire_bytes: int | None = None
+    rss_client: int | None = None  # peak RSS, bytes
+    rss_server: int | None = None
     stats: dict = field(default_factory=dict)
     verify: str | None = None  # None = fine (or not checked: see `verified`)
     verified: bool = False
@@ -597,6 +681,7 @@ class Server:
     def __init__(self, proc: Proc, port: int):
         self.proc, self.port = proc, port
         self.cpu: float | None = None
+        self.maxrss: int | None = None  # bytes, once stopped
 
     def __enter__(self):
         self.proc.mark()
@@ -604,6 +689,7 @@ class Server:
 
     def __exit__(self, *exc):
         self.cpu = self.proc.stop()
+        self.maxrss = self.proc.maxrss
 
 
 class Tb5sync:
@@ -664,7 +750,7 @@ class Tb5sync:
             except ValueError:
                 raise ToolError(f"tb5sync sync --json printed no JSON object: {one_line(res.out)!r}")
         return Run(ok=True, wall=res.wall, cpu_client=res.cpu, wire_bytes=stats.get("wire_bytes"),
-                   stats=stats)
+                   rss_client=res.maxrss, stats=stats)
 
 
 class Rsync:
@@ -729,7 +815,7 @@ class Rsync:
         check(res, "rsync", self.timeout)
         stats = self.parse_stats(res.out)
         return Run(ok=True, wall=res.wall, cpu_client=res.cpu, wire_bytes=stats.get("wire_bytes"),
-                   stats=stats)
+                   rss_client=res.maxrss, stats=stats)
 
 
 def find_tb5sync(override: str | None) -> tuple[list[str], dict]:
@@ -787,7 +873,7 @@ class Bench:
             clear_state(self.big_dir)
             with tool.serve(d) as srv:
                 run = tool.sync(self.big_dir + "/", tool.remote(srv, "dst"))
-            run.cpu_server = srv.cpu
+            run.cpu_server, run.rss_server = srv.cpu, srv.maxrss
             return {"big_push": self.checked(run, self.big_dir, os.path.join(d, "dst"), f"big_push-{i}")}
         finally:
             shutil.rmtree(d, ignore_errors=True)
@@ -799,7 +885,7 @@ class Bench:
             clear_state(self.big_dir)
             with tool.serve(self.data) as srv:  # the server's ROOT is the data directory
                 run = tool.sync(tool.remote(srv, "big/"), os.path.join(d, "dst"))
-            run.cpu_server = srv.cpu
+            run.cpu_server, run.rss_server = srv.cpu, srv.maxrss
             return {"big_pull": self.checked(run, self.big_dir, os.path.join(d, "dst"), f"big_pull-{i}")}
         finally:
             shutil.rmtree(d, ignore_errors=True)
@@ -820,12 +906,30 @@ class Bench:
                     again = tool.sync(self.tree_dir + "/", tool.remote(srv, "dst"))
                 except ToolError as e:
                     again = Run(ok=False, error=str(e))
+            cold.rss_server = srv.maxrss  # the peak of the server over both runs
             if again.ok:
-                again.cpu_server = srv.cpu
+                again.cpu_server, again.rss_server = srv.cpu, srv.maxrss
                 out["tree_nochange"] = self.checked(again, self.tree_dir, dst, f"tree_nochange-{i}")
             else:
                 out["tree_nochange"] = again
             return out
+        finally:
+            if self.args.delete_between:
+                shutil.rmtree(d, ignore_errors=True)
+            else:  # see run_all
+                self.deferred.append(d)
+
+    def tree_pull(self, tool, i: int) -> dict:
+        """Cold pull of the tree from a server whose root holds it, into an empty destination."""
+        d = self.fresh(f"{tool.name}-tree_pull-{i}")
+        dst = os.path.join(d, "dst")
+        try:
+            clear_state(self.data)
+            clear_state(self.tree_dir)
+            with tool.serve(self.data) as srv:
+                run = tool.sync(tool.remote(srv, "tree/"), dst)
+            run.cpu_server, run.rss_server = srv.cpu, srv.maxrss
+            return {"tree_pull": self.checked(run, self.tree_dir, dst, f"tree_pull-{i}")}
         finally:
             if self.args.delete_between:
                 shutil.rmtree(d, ignore_errors=True)
@@ -841,14 +945,15 @@ class Bench:
             clear_state(self.big_v2_dir)
             with tool.serve(d) as srv:
                 run = tool.sync(self.big_v2_dir + "/", tool.remote(srv, "dst"))
-            run.cpu_server = srv.cpu
+            run.cpu_server, run.rss_server = srv.cpu, srv.maxrss
             return {"big_delta": self.checked(run, self.big_v2_dir, dst, f"big_delta-{i}")}
         finally:
             shutil.rmtree(d, ignore_errors=True)
 
     def run_all(self, selected: list[str]) -> None:
         plan = [(self.big_push, ["big_push"]), (self.big_pull, ["big_pull"]),
-                (self.tree, ["tree_cold", "tree_nochange"]), (self.big_delta, ["big_delta"])]
+                (self.tree, ["tree_cold", "tree_nochange"]), (self.tree_pull, ["tree_pull"]),
+                (self.big_delta, ["big_delta"])]
         for fn, keys in plan:
             keys = [k for k in keys if k in selected]
             if not keys:
@@ -1017,6 +1122,8 @@ def summarize(bench: Bench, key: str, runs: list[Run]) -> dict:
         cpu = median(r.cpu for r in ok)
         s.update(wall=wall, gb_per_s=nbytes / wall / GB, files_per_s=nfiles / wall,
                  wire_bytes=median(r.wire_bytes for r in ok),
+                 rss_client_max=max((r.rss_client for r in ok if r.rss_client), default=None),
+                 rss_server_max=max((r.rss_server for r in ok if r.rss_server), default=None),
                  cpu_seconds=cpu, cpu_per_gb=cpu / (nbytes / GB) if cpu is not None else None)
     return s
 
