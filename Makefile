@@ -90,7 +90,8 @@ bench: $(STAMP)
 	mkdir -p $(RUN)
 	$(BIN)/python benches/bench_sync.py --repeat 5 --json-out $(RUN)/sync.json
 	$(BIN)/python benches/bench_sync.py --short --repeat 5 --no-raw --workloads tree_cold --json-out $(RUN)/sync-short.json
-	$(BIN)/python benches/bench_cpu.py --json-out $(RUN)/cpu.json
+	$(BIN)/python benches/bench_cpu.py --size 2G --json-out $(RUN)/cpu.json
+	$(BIN)/python benches/bench_pinned.py --json-out $(RUN)/pinned.json
 	$(BIN)/python benches/bench_chunker.py --delta --json-out $(RUN)/chunker.json
 	$(BIN)/python benches/bench_footprint.py --hash-threads 1,2,4
 	$(BIN)/python benches/bench_fs.py --json-out $(RUN)/fs.json
@@ -98,7 +99,7 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_store.py
 	$(BIN)/python benches/bench_httpcache.py
 	$(BIN)/python benches/targets.py --sync $(RUN)/sync.json --sync-short $(RUN)/sync-short.json --cpu $(RUN)/cpu.json \
-		--chunker $(RUN)/chunker.json --fs $(RUN)/fs.json
+		--pinned $(RUN)/pinned.json --chunker $(RUN)/chunker.json --fs $(RUN)/fs.json
 
 bench-short: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)

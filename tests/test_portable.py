@@ -117,6 +117,23 @@ def test_io_helpers_portable_paths(portable: None, tmp_path: Path) -> None:
     assert (tmp_path / "g").read_bytes() == b"3456789"
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here (macOS)")
+def test_usable_cpus_is_the_affinity_set() -> None:
+    """Pinned to one CPU (as ``taskset -c N`` does), the process may use one, whatever the machine has."""
+    old = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(old)})
+        assert _io.usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, old)
+    assert _io.usable_cpus() == len(old)
+
+
+def test_usable_cpus_portable(portable: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert _io.usable_cpus() == (os.cpu_count() or 1)
+
+
 @pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="no copy_file_range here")
 def test_copy_file_range_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``EXDEV`` (another file system, older kernels) and the like: a read and a write instead."""

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 
 __all__ = ["splice_to_file", "splice_to_file_py", "HAVE_SPLICE", "durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range",
-           "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit"]
+           "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit", "usable_cpus"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
 PORTABLE_ENV = "TB5SYNC_PORTABLE"
@@ -40,6 +40,22 @@ def portable(specific: str | None = None) -> bool:
     ``TB5SYNC_JAIL_PORTABLE``) is set to anything but ``0``: take the portable path."""
     return os.environ.get(PORTABLE_ENV, "0") not in ("", "0") or (
         specific is not None and os.environ.get(specific, "0") not in ("", "0"))
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (>= 1): the size of its affinity set
+    (``sched_getaffinity``, Linux: what ``taskset``, ``numactl`` or a cgroup cpuset leaves it),
+    else, where there is no such call (macOS) or with ``$TB5SYNC_PORTABLE=1``, ``os.cpu_count()``.
+
+    Thread pools are sized from this, so that a process pinned to 2 of 16 cores does not start
+    16 hashing threads that take turns on 2. Python 3.13's ``os.process_cpu_count`` is the same.
+    """
+    if hasattr(os, "sched_getaffinity") and not portable():
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
+    return os.cpu_count() or 1
 
 
 try:

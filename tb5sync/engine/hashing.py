@@ -24,6 +24,7 @@ import xxhash
 
 import tb5sync.engine.chunking as chunking
 from tb5sync._os.io import read_into as _io_read_into
+from tb5sync._os.io import usable_cpus
 from tb5sync.errors import IntegrityError, SourceChangedError, UsageError
 
 __all__ = [
@@ -87,7 +88,7 @@ class _ThreadSetting:
 
     def _count(self) -> int:
         if not self._n:
-            self._n = _env_threads(self.env, self.most) or self.default(os.cpu_count() or 1)
+            self._n = _env_threads(self.env, self.most) or self.default(usable_cpus())
         return self._n
 
     def pool(self) -> ThreadPoolExecutor:
@@ -137,7 +138,7 @@ def hash_pool() -> ThreadPoolExecutor:
     """The process-wide thread pool used for hashing.
 
     Its size is the last :func:`set_hash_threads` value, else ``$TB5SYNC_HASH_THREADS``,
-    else ``os.cpu_count()`` (at least 2).
+    else the CPUs this process may run on (:func:`tb5sync._os.io.usable_cpus`; at least 2).
 
     Raises
     ------

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from tb5sync._os.io import durable_sync, read_into, write_all
+from tb5sync._os.io import durable_sync, read_into, usable_cpus, write_all
 from tb5sync._os.sparse import copy_sparse, has_zero_blocks, write_sparse
 from tb5sync._os.paths import STATE_DIR, Jail, is_temp_name, temp_is_claimed, temp_name, temp_tags
 from tb5sync.tree.entry import show_path
@@ -99,7 +99,7 @@ def use_tmpfile() -> bool:
 #: directory (they would contend on its lock). Two (one on a one-CPU machine): a cold push of
 #: 2,000 files was 16-20% faster with two than with one on the 2-core VM, of 20,000 files 0-10%
 #: (benches/README.md, p16s).
-WRITE_THREADS = 2 if (os.cpu_count() or 1) > 1 else 1
+WRITE_THREADS = 2 if usable_cpus() > 1 else 1
 _MIN_SPLIT = 64  # files: smaller batches are written by one thread
 #: Fewest files in one unit of work of a shared batch (whole directories, packed): what a writer
 #: thread takes from the batch at a time (:func:`_write_split`).
