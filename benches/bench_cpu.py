@@ -24,8 +24,10 @@ print the 80 Gbit/s model: cores and processes per side for 10 GB/s):
     Each figure is the median of ``--repeat`` rounds.
 ``gil``
     GIL-held seconds per GB of each process during a push: ``py-spy record --gil --nonblocking``
-    (a sample is kept only when some thread holds the GIL) attached to the server and wrapping
-    the client; also without the stacks of fixed work (imports, first buffer allocations), and
+    (a sample is kept only when some thread holds the GIL; ``--gil-rate`` Hz, default 250, as
+    issue 24's figures were taken: at 1000 Hz py-spy's own CPU on a 2-core machine takes GIL
+    holders off the CPU and the figure doubles) attached to the server and wrapping the client,
+    ``--gil-runs`` pushes (default 3; medians: one 2 GiB push gives only ~50 samples a side); also without the stacks of fixed work (imports, first buffer allocations), and
     the leaf frames that hold it most. Needs ``py-spy`` (the ``bench`` extra) and ptrace rights.
 ``procs``
     The multi-process prototype: the same bytes (two files of half ``--size``) moved by one
@@ -400,6 +402,8 @@ def _raw_samples(path: str) -> tuple[int, dict[str, int], int]:
                 fixed += int(n)
             frames = stack.split(";")
             leaf = next((fr for fr in reversed(frames) if "tb5sync/" in fr), frames[-1])
+            if frames[-1] != leaf:  # the library frame under it says what it does there (submit, notify, ...)
+                leaf = f"{frames[-1].split(' (')[0]} <- {leaf}"
             where[leaf] = where.get(leaf, 0) + int(n)
     return total, where, fixed
 
@@ -412,16 +416,19 @@ def gil(args, path: str) -> dict:
     if spy is None:
         return {"error": "py-spy not installed (pip install py-spy)"}
     size = os.path.getsize(path)
-    rate = 250
+    rate = args.gil_rate
     log_dir = tempfile.mkdtemp(prefix="gil-", dir=args.workdir)
     token_file = os.path.join(log_dir, "token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(os.urandom(24).hex() + "\n")
     cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
     tool = bs.Tb5sync(cmd, env, token_file, args.streams, 600.0, log_dir)
-    out: dict = {"rate_hz": rate}
+    out: dict = {"rate_hz": rate, "runs": args.gil_runs}
+    per_run: dict[str, list[tuple[int, int]]] = {"client": [], "server": []}
+    walls: list[float] = []
+    where_all: dict[str, dict[str, int]] = {"client": {}, "server": {}}
     try:
-        for mode in ("gil",):
+        for mode in [f"gil{i}" for i in range(args.gil_runs)]:
             flags = ["--gil"]
             root = os.path.join(args.workdir, "runs", f"gil-{mode}")
             shutil.rmtree(root, ignore_errors=True)
@@ -441,15 +448,26 @@ def gil(args, path: str) -> dict:
                 spy_srv.send_signal(signal.SIGINT)
                 spy_srv.wait(timeout=30)
             shutil.rmtree(root, ignore_errors=True)
+            walls.append(res.wall)
             for side, raw in (("client", cli_raw), ("server", srv_raw)):
                 total, where, fixed = _raw_samples(raw)
-                d = out.setdefault(side, {})
-                d["gil_s_per_gb"] = total / rate / size * GB
-                d["gil_steady_s_per_gb"] = (total - fixed) / rate / size * GB
-                d["gil_fraction_of_wall"] = total / rate / res.wall
-                d["gil_top"] = sorted(where.items(), key=lambda kv: -kv[1])[:8]
-                d["gil_samples"] = total
-            out["wall_gil_run"] = res.wall
+                per_run[side].append((total, fixed))
+                for k, n in where.items():
+                    where_all[side][k] = where_all[side].get(k, 0) + n
+            print(f"  gil run {mode}: client {per_run['client'][-1][0]} / server {per_run['server'][-1][0]} samples, "
+                  f"wall {res.wall:.2f} s", file=sys.stderr)
+        # medians over the runs; the leaf frames of all runs together
+        for side in ("client", "server"):
+            d = out.setdefault(side, {})
+            totals = [t for t, _f in per_run[side]]
+            steadies = [t - f for t, f in per_run[side]]
+            d["gil_s_per_gb"] = statistics.median(totals) / rate / size * GB
+            d["gil_steady_s_per_gb"] = statistics.median(steadies) / rate / size * GB
+            d["gil_steady_runs_s_per_gb"] = [x / rate / size * GB for x in steadies]
+            d["gil_fraction_of_wall"] = statistics.median(totals) / rate / statistics.median(walls)
+            d["gil_top"] = sorted(where_all[side].items(), key=lambda kv: -kv[1])[:12]
+            d["gil_samples"] = sum(totals)
+        out["wall_gil_run"] = statistics.median(walls)
     finally:
         for proc in list(bs.LIVE):
             proc.stop(timeout=3)
@@ -461,17 +479,19 @@ def print_gil(res: dict) -> None:
     if "error" in res:
         print(f"\nGIL: {res['error']}")
         return
-    print(f"\nGIL-held time per GB (py-spy --gil at {res['rate_hz']} Hz; wall of the sampled push "
-          f"{res['wall_gil_run']:.2f} s)\n")
+    print(f"\nGIL-held time per GB (py-spy --gil at {res['rate_hz']} Hz, median of {res.get('runs', 1)} pushes; "
+          f"median wall of the sampled pushes {res['wall_gil_run']:.2f} s)\n")
     print(f"{'side':8} {'GIL-held s/GB':>14} {'without fixed work':>19} {'share of wall':>14}")
     for side in ("client", "server"):
         d = res[side]
-        print(f"{side:8} {d['gil_s_per_gb']:14.3f} {d['gil_steady_s_per_gb']:19.3f} {d['gil_fraction_of_wall']:14.2f}")
+        runs = ", ".join(f"{x:.3f}" for x in d.get("gil_steady_runs_s_per_gb", []))
+        print(f"{side:8} {d['gil_s_per_gb']:14.3f} {d['gil_steady_s_per_gb']:19.3f} {d['gil_fraction_of_wall']:14.2f}"
+              f"   (steady, each run: {runs})")
     print("  (fixed work: stacks through imports or the first allocation of a pooled buffer)")
     for side in ("client", "server"):
         print(f"  {side}: where the GIL is held (share of GIL samples)")
-        for k, n in res[side]["gil_top"][:6]:
-            print(f"    {n / res[side]['gil_samples'] * 100:5.1f}%  {k[:100]}")
+        for k, n in res[side]["gil_top"][:10]:
+            print(f"    {n / res[side]['gil_samples'] * 100:5.1f}%  {k[:140]}")
 
 
 # --------------------------------------------------------------------------- procs
@@ -585,6 +605,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tb5sync-bench-cpu"))
     p.add_argument("--streams", type=int, help="tb5sync sync --streams N")
     p.add_argument("--tb5sync-cmd", help="command to run tb5sync (default: beside this python)")
+    p.add_argument("--gil-rate", type=int, default=250, help="py-spy samples per second in the gil part (default 250)")
+    p.add_argument("--gil-runs", type=int, default=3, help="sampled pushes in the gil part (median; default 3)")
     p.add_argument("--json-out", help="write the figures as JSON here too")
     return p.parse_args(argv)
 

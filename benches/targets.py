@@ -136,7 +136,7 @@ def rows24(syncs: list[dict], cpu: dict | None) -> list[Row24]:
         t, r = max(peaks["tb5sync"], default=None), max(peaks["rsync"], default=None)
         out.append((f"peak RSS, {side}, largest over the workloads (at: {t[1] if t else '-'})", "<= 256 MiB",
                     _fmt(t[0] if t else None, ".0f", " MiB"), _fmt(r[0] if r else None, ".0f", " MiB"),
-                    t[0] if t else None, lambda v: v <= 256, "bench_sync.py, bench_cpu.py (ru_maxrss)"))
+                    t[0] if t else None, lambda v: v <= 256, "bench_sync.py, bench_cpu.py (VmHWM)"))
     return out
 
 
