@@ -99,3 +99,85 @@ def splice_to_file(int sock, int pr, int pw, int fd, long long off, long long n,
     with nogil:
         tb5_splice_to_file(sock, pr, pw, fd, off, n, chunk, &taken, &written, &err, &side)
     return taken, written, err, side
+
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
+from libc.errno cimport errno
+from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, mmap, munmap
+
+
+cdef class ReadMapping:
+    """A read-only shared mapping of ``length`` bytes of file ``fd`` from ``offset`` (a multiple of
+    ``mmap.ALLOCATIONGRANULARITY``), with ``mmap`` and ``munmap`` run without the GIL.
+
+    The buffer protocol gives its bytes (read-only); :meth:`close` unmaps it. ``mmap.mmap`` holds
+    the GIL in ``munmap``, which for a 32 MiB span of mapped page-cache pages (a verified reply)
+    takes a fraction of a millisecond with a TLB shoot-down on each core: every reply's
+    verification paid it with every other thread waiting. The twin is
+    ``mmap.mmap(fd, length, access=ACCESS_READ, offset=offset)`` (``tb5sync._os.io.map_read``).
+
+    Raises
+    ------
+    ValueError
+        ``length`` is not positive.
+    OSError
+        ``mmap`` failed (errno as the call's).
+    """
+    cdef char *data
+    cdef Py_ssize_t size
+    cdef Py_ssize_t exports
+
+    def __cinit__(self, int fd, Py_ssize_t length, long long offset):
+        cdef void *p
+        self.data = NULL
+        self.size = 0
+        self.exports = 0
+        if length <= 0:
+            raise ValueError("length must be > 0")
+        with nogil:
+            p = mmap(NULL, <size_t>length, PROT_READ, MAP_SHARED, fd, <long>offset)
+        if p == MAP_FAILED:
+            raise OSError(errno, "mmap failed")
+        self.data = <char *>p
+        self.size = length
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if self.data == NULL:
+            raise ValueError("mapping closed")
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("the mapping is read-only")
+        PyBuffer_FillInfo(buffer, self, self.data, self.size, 1, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self.exports -= 1
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def closed(self):
+        return self.data == NULL
+
+    def close(self):
+        """Unmap (GIL released); a second call does nothing.
+
+        Raises
+        ------
+        BufferError
+            A view of the mapping is still held (as ``mmap.mmap.close``).
+        """
+        cdef char *p = self.data
+        cdef size_t n = <size_t>self.size
+        if p == NULL:
+            return
+        if self.exports:
+            raise BufferError("cannot close the mapping: views of it still exist")
+        self.data = NULL
+        with nogil:
+            munmap(p, n)
+
+    def __dealloc__(self):
+        if self.data != NULL:
+            munmap(self.data, <size_t>self.size)
+            self.data = NULL

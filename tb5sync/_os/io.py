@@ -21,9 +21,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["splice_to_file", "splice_to_file_py", "HAVE_SPLICE", "durable_sync", "write_all", "pwrite_all", "unlink_quiet", "close_later", "portable", "read_into", "copy_range",
-           "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit", "usable_cpus"]
+           "populated_buffer", "preallocate", "PORTABLE_ENV", "RateLimit", "usable_cpus", "map_read"]
 
 #: Set to anything but ``0`` (or empty): every Linux-only call takes its portable path.
 PORTABLE_ENV = "TB5SYNC_PORTABLE"
@@ -320,6 +321,37 @@ class RateLimit:
             self._sleep(wait)
             return wait
         return 0.0
+
+
+# ---- a read-only mapping whose munmap does not hold the GIL --------------------------------
+try:
+    from tb5sync._bytes import ReadMapping as _CyReadMapping
+except ImportError:  # built without the Cython cores
+    _CyReadMapping = None
+
+
+def map_read(fd: int, length: int, offset: int = 0) -> "mmap.mmap | Any":
+    """A read-only shared mapping of ``length`` (> 0) bytes of file ``fd`` from ``offset`` (a
+    multiple of ``mmap.ALLOCATIONGRANULARITY``): a buffer (``memoryview`` it) with ``close()``.
+
+    ``tb5sync._bytes.ReadMapping`` where built (``mmap`` and ``munmap`` with the GIL released:
+    unmapping a 32 MiB span of page-cache pages holds ``mmap.mmap.close`` for a fraction of a
+    millisecond, every other thread waiting), else, or with ``$TB5SYNC_PUREPYTHON=1`` (read per
+    call), ``mmap.mmap(fd, length, access=ACCESS_READ, offset=offset)``. Both refuse to close
+    while a view is held (``BufferError``).
+
+    Raises
+    ------
+    OSError
+        The file cannot be mapped.
+    ValueError
+        ``length`` is not positive, or ``offset`` is not aligned.
+    """
+    if _CyReadMapping is not None and os.environ.get("TB5SYNC_PUREPYTHON") != "1":
+        if offset % mmap.ALLOCATIONGRANULARITY:
+            raise ValueError("offset must be a multiple of mmap.ALLOCATIONGRANULARITY")
+        return _CyReadMapping(fd, length, offset)
+    return mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset)
 
 
 # ---- splice: a socket's bytes into a file's page cache -------------------------------------

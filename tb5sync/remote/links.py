@@ -119,6 +119,15 @@ class RemoteLink:
     def wire_bytes(self) -> int:
         return self.requester.wire_bytes
 
+    @property
+    def splices(self) -> bool:
+        """Whether every data stream (those :meth:`submit_then` uses) receives an ``into_file``
+        reply of raw parts with ``splice`` straight into the file, taking no receive buffer
+        (:attr:`tb5sync.wire.transport.Channel.can_splice`: Linux, plain TCP, not
+        ``$TB5SYNC_SPLICE_PORTABLE=1``)."""
+        chans = self.requester.channels
+        return all(ch.can_splice for ch in (chans[1:] if len(chans) > 1 else chans))
+
     def recycle(self, parts: list[Any]) -> None:
         """Give the receive buffer under a DATA reply's ``parts`` back to the pool.
 

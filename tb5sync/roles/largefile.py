@@ -32,13 +32,13 @@ from typing import Any, TypeVar
 import tb5sync.engine.chunking as chunking
 import tb5sync.engine.refine as refine
 from tb5sync.engine.basis import BasisFinder, check_copy, start_writeback
-from tb5sync._os.io import close_later, pwrite_all
+from tb5sync._os.io import close_later, map_read, pwrite_all
 from tb5sync.wire.parts import InFile
 from tb5sync.wire.replies import decode_ranges
 from tb5sync.roles.destination import Destination
 from tb5sync.tree.entry import Entry
 from tb5sync.errors import IntegrityError, PathError, RemoteProtocolError, SourceChangedError
-from tb5sync.wire.messages import ChunkListPiece, SubChunksReply
+from tb5sync.wire.messages import SENDER_MAX_READ, ChunkListPiece, SubChunksReply
 from tb5sync.engine.hashing import check_chunks, chunk_digest, hash_pool, verify_chunks
 from tb5sync.tree.options import SyncOptions
 
@@ -56,6 +56,13 @@ MAX_INFLIGHT = 12
 RANGE_BYTES = 16 * 1024 * 1024
 #: Most bytes of a large file's ``read_ranges`` in flight (the window, at most 2 per stream).
 RANGE_INFLIGHT_BYTES = 96 * 1024 * 1024
+#: :data:`RANGE_BYTES` and :data:`RANGE_INFLIGHT_BYTES` for a file with no basis on a link whose
+#: streams splice replies into the work file (:attr:`~tb5sync.remote.links.RemoteLink.splices`):
+#: such a reply takes no receive buffer, so replies of the sender's most (``SENDER_MAX_READ``)
+#: cost no memory and halve the replies, requests and run-thread wake-ups per GB. A reply that
+#: comes compressed all the same is received into a buffer: at most 5 x 32 MiB of them.
+RANGE_BYTES_SPLICED = SENDER_MAX_READ
+RANGE_INFLIGHT_BYTES_SPLICED = 5 * SENDER_MAX_READ
 #: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
 PIECE_BYTES = 64 * 1024 * 1024
 #: Checked chunk-list pieces kept ready ahead of the one being copied and fetched.
@@ -107,7 +114,7 @@ def _verify_in_file(fd: int, group: list[tuple[int, int, bytes]]) -> list[bool]:
     base = start - start % mmap.ALLOCATIONGRANULARITY
     if end == base:
         return [chunk_digest(b"") == d for _o, _n, d in group]
-    m = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base)
+    m = map_read(fd, end - base, base)  # its munmap without the GIL (a 32 MiB span's takes a while)
     try:
         mv = memoryview(m)
         try:
@@ -444,6 +451,7 @@ class LargeFileJob:
         of the file, in order.
         """
         fd, basis, all_refs, dest = self.fd, self.basis, self.all_refs, self.destination
+        range_bytes = self._range_sizes()[0]
         pool = hash_pool()
         # Copy buffers (one max-size chunk each) are made when a chunk first has a local place to
         # be copied from: a file with no basis and no indexed copy (a cold push) makes none. Making
@@ -496,7 +504,7 @@ class LargeFileJob:
                 dest.tick(n)
                 return None
             out = None
-            if cur and nbytes + n > RANGE_BYTES:
+            if cur and nbytes + n > range_bytes:
                 out, cur, nbytes = cur, [], 0
             cur.append((off, n, d))
             nbytes += n
@@ -590,13 +598,23 @@ class LargeFileJob:
                 # for a few places at a time): drop them; a later scan indexes what is there.
                 state.forget([p for p in stale if p != me])
 
+    def _range_sizes(self) -> tuple[int, int]:
+        """Bytes per ``read_ranges`` request and most bytes of them in flight for this file:
+        :data:`RANGE_BYTES_SPLICED` and :data:`RANGE_INFLIGHT_BYTES_SPLICED` when there is no basis
+        and every data stream of the link splices, else :data:`RANGE_BYTES` and
+        :data:`RANGE_INFLIGHT_BYTES`."""
+        if self.refiner is None and getattr(self.link, "splices", False):
+            return RANGE_BYTES_SPLICED, RANGE_INFLIGHT_BYTES_SPLICED
+        return RANGE_BYTES, RANGE_INFLIGHT_BYTES
+
     def _fetch_ranges(self, fd: int, rel: str, groups: Iterator[list[tuple[int, int, bytes]]], size: int, mtime_ns: int) -> None:
         """Ask for each group of missing chunks with a window of requests in flight; verify, then pwrite.
 
         ``fd``, ``rel``, ``size`` and ``mtime_ns`` are the job's work file, path and source
         size and mtime (passed in: this step and its helpers below take the file as arguments).
         """
-        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT, RANGE_INFLIGHT_BYTES // RANGE_BYTES))
+        range_bytes, inflight_bytes = self._range_sizes()
+        window = max(2, min(2 * self.link.streams, MAX_INFLIGHT, inflight_bytes // range_bytes))
         inflight: deque[tuple[list[tuple[int, int, bytes]], Future[Any], bool]] = deque()
 
         refiner = self.refiner
@@ -670,7 +688,7 @@ class LargeFileJob:
                 if not inflight[0][2] and not head.done():
                     # Wait for a later reply first: those before it are then (nearly always) in
                     # too, so the run thread wakes once per few replies, not once per reply.
-                    later = inflight[min(len(inflight), max(1, window // 2)) - 1]
+                    later = inflight[min(len(inflight), max(1, (window + 1) // 2)) - 1]
                     if not later[2]:
                         try:
                             later[1].exception()
