@@ -374,14 +374,15 @@ def test_a_push_receives_into_the_work_file_with_splice_or_its_portable_twin(
         assert calls["to_file"] >= 1 and calls["splice"] >= 1  # 21 MiB: one or two replies (32 MiB reads when spliced)
 
 
-@pytest.mark.parametrize("portable", ["0", "1"])
+@pytest.mark.parametrize(("portable", "compress"), [("0", "auto"), ("1", "auto"), ("0", "lz4")])
 def test_a_cold_file_on_a_splicing_link_is_asked_for_in_the_senders_largest_reads(
-    portable: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
+    portable: str, compress: str, tmp_path: Path, server: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Spliced replies take no receive buffer, so a cold file's ranges are asked for in reads of
     the sender's most (``SENDER_MAX_READ``, 32 MiB) and never more; with the portable twin (replies
-    in buffers) in ``RANGE_BYTES``. The same bytes land either way, the lz4 part too (a
-    compressed reply is received into a buffer in both)."""
+    in buffers), or ``compress="lz4"`` (every reply compressed into a buffer), in ``RANGE_BYTES``.
+    The same bytes land either way, the lz4 part too (a compressed reply is received into a
+    buffer in all three)."""
     import tb5sync.roles.largefile as largefile
     from tb5sync.wire.messages import SENDER_MAX_READ
 
@@ -397,10 +398,10 @@ def test_a_cold_file_on_a_splicing_link_is_asked_for_in_the_senders_largest_read
     monkeypatch.setattr(largefile, "submit_then", spy)
     data = random.Random(11).randbytes(72 << 20) + bytes(6 << 20)
     sync, final = _big_file_route("push", tmp_path, server, data)
-    tb5sync.sync(*sync)
+    tb5sync.sync(*sync, compress=compress)
     assert final.read_bytes() == data
     assert asked and sum(asked) == len(data) and max(asked) <= SENDER_MAX_READ
-    if portable == "1" or not _splices():
+    if portable == "1" or compress == "lz4" or not _splices():
         assert max(asked) <= largefile.RANGE_BYTES
     else:
         assert max(asked) > largefile.RANGE_BYTES
