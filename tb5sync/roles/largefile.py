@@ -57,10 +57,13 @@ RANGE_BYTES = 16 * 1024 * 1024
 #: Most bytes of a large file's ``read_ranges`` in flight (the window, at most 2 per stream).
 RANGE_INFLIGHT_BYTES = 96 * 1024 * 1024
 #: :data:`RANGE_BYTES` and :data:`RANGE_INFLIGHT_BYTES` for a file with no basis on a link whose
-#: streams splice replies into the work file (:attr:`~tb5sync.remote.links.RemoteLink.splices`):
-#: such a reply takes no receive buffer, so replies of the sender's most (``SENDER_MAX_READ``)
-#: cost no memory and halve the replies, requests and run-thread wake-ups per GB. A reply that
-#: comes compressed all the same is received into a buffer: at most 5 x 32 MiB of them.
+#: streams splice replies into the work file (:attr:`~tb5sync.remote.links.RemoteLink.splices`),
+#: unless ``--compress lz4``: such a reply takes no receive buffer, so replies of the sender's most
+#: (``SENDER_MAX_READ``) cost no memory and halve the replies, requests and run-thread wake-ups
+#: per GB. With ``--compress auto`` a compressed part is one that shrank to under 1/8, so a reply
+#: that comes compressed all the same takes a small buffer; with ``lz4`` every reply would be
+#: compressed into (and received in) a buffer of up to 32 MiB on each side: 16 MiB then, as before
+#: (a 512 MiB text file pushed with 32 MiB reads and lz4 peaked at 298 MiB on the receiver).
 RANGE_BYTES_SPLICED = SENDER_MAX_READ
 RANGE_INFLIGHT_BYTES_SPLICED = 5 * SENDER_MAX_READ
 #: Bytes of a large file's chunk list asked for per ``chunk_list`` piece.
@@ -600,10 +603,11 @@ class LargeFileJob:
 
     def _range_sizes(self) -> tuple[int, int]:
         """Bytes per ``read_ranges`` request and most bytes of them in flight for this file:
-        :data:`RANGE_BYTES_SPLICED` and :data:`RANGE_INFLIGHT_BYTES_SPLICED` when there is no basis
-        and every data stream of the link splices, else :data:`RANGE_BYTES` and
+        :data:`RANGE_BYTES_SPLICED` and :data:`RANGE_INFLIGHT_BYTES_SPLICED` when there is no basis,
+        the sender does not compress every chunk (``--compress lz4``) and every data stream of the
+        link splices, else :data:`RANGE_BYTES` and
         :data:`RANGE_INFLIGHT_BYTES`."""
-        if self.refiner is None and getattr(self.link, "splices", False):
+        if self.refiner is None and self.options.compress != "lz4" and getattr(self.link, "splices", False):
             return RANGE_BYTES_SPLICED, RANGE_INFLIGHT_BYTES_SPLICED
         return RANGE_BYTES, RANGE_INFLIGHT_BYTES
 
