@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU seconds per GB of a cold push of one large file, per side and per stage, and the 80 Gbps model.
 
-Five parts, each printed as a table (``--parts`` picks them; ``e2e`` and ``gil`` together also
+Six parts, each printed as a table (``--parts`` picks them; ``e2e`` and ``gil`` together also
 print the 80 Gbit/s model: cores and processes per side for 10 GB/s):
 
 ``e2e``
@@ -29,6 +29,10 @@ print the 80 Gbit/s model: cores and processes per side for 10 GB/s):
     holders off the CPU and the figure doubles) attached to the server and wrapping the client,
     ``--gil-runs`` pushes (default 3; medians: one 2 GiB push gives only ~50 samples a side); also without the stacks of fixed work (imports, first buffer allocations), and
     the leaf frames that hold it most. Needs ``py-spy`` (the ``bench`` extra) and ptrace rights.
+``interp``
+    CPU seconds per GB in the interpreter itself (``libpython``), per side: ``perf record -F 2000``
+    of both processes of ``--gil-runs`` pushes, ``perf report --sort dso``. A floor under the
+    GIL-held time that a descheduled GIL holder does not inflate. Needs ``perf``.
 ``procs``
     The multi-process prototype: the same bytes (two files of half ``--size``) moved by one
     client and one server process on all streams, against two client/server pairs at once, each
@@ -494,6 +498,81 @@ def print_gil(res: dict) -> None:
             print(f"    {n / res[side]['gil_samples'] * 100:5.1f}%  {k[:140]}")
 
 
+# --------------------------------------------------------------------------- interp
+
+
+def _perf_seconds(perf: str, data: str, rate: int) -> tuple[float, float]:
+    """CPU seconds in a ``perf record -F rate`` file: all samples, and those in the interpreter
+    (``libpython*`` or a ``python3*`` executable)."""
+    out = subprocess.run([perf, "report", "-i", data, "--stdio", "--sort", "dso", "-q", "-n"],
+                         capture_output=True, text=True, check=False).stdout
+    rows = [ln.split() for ln in out.splitlines() if len(ln.split()) >= 3 and ln.split()[1].isdigit()]
+    total = sum(int(r[1]) for r in rows)
+    py = sum(int(r[1]) for r in rows if "libpython" in r[-1] or r[-1].startswith("python3"))
+    return total / rate, py / rate
+
+
+def interp(args, path: str) -> dict:
+    """CPU seconds per GB spent in the interpreter itself, per side, of ``--gil-runs`` cold pushes:
+    ``perf record -F 2000`` of the server (attached) and of the client (wrapped), samples in
+    ``libpython`` counted (``perf report --sort dso``). A floor under the GIL-held time that a
+    descheduled GIL holder does not inflate (py-spy's figure does, on a busy machine); C code
+    that runs with the GIL held (msgpack, the ``mmap`` module) is not in it. The client's includes
+    its start-up (imports: ~0.07 s a run)."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return {"error": "perf not installed (linux-perf)"}
+    size = os.path.getsize(path)
+    rate = 2000
+    log_dir = tempfile.mkdtemp(prefix="interp-", dir=args.workdir)
+    cmd, env = bs.find_tb5sync(args.tb5sync_cmd)
+    tool = bs.Tb5sync(cmd, env, None, args.streams, 600.0, log_dir)
+    runs: dict[str, list[tuple[float, float]]] = {"client": [], "server": []}
+    try:
+        for i in range(args.gil_runs):
+            root = os.path.join(args.workdir, "runs", f"interp-{i}")
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(os.path.join(root, "dst"))
+            bs.clear_state(os.path.dirname(path))
+            srv_data, cli_data = os.path.join(log_dir, f"srv-{i}.data"), os.path.join(log_dir, f"cli-{i}.data")
+            with tool.serve(root) as srv:
+                rec = subprocess.Popen([perf, "record", "-F", str(rate), "-o", srv_data, "-p", str(srv.proc.p.pid)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(0.5)  # attached
+                sync = cmd + ["sync", path, tool.remote(srv, "dst/")]
+                if args.streams:
+                    sync += ["--streams", str(args.streams)]
+                res = bs.run_measured([perf, "record", "-F", str(rate), "-o", cli_data, "--", *sync], 600, env=env)
+                bs.check(res, "perf record -- tb5sync sync", 600)
+                rec.send_signal(signal.SIGINT)
+                rec.wait(timeout=60)
+            shutil.rmtree(root, ignore_errors=True)
+            for side, data in (("client", cli_data), ("server", srv_data)):
+                runs[side].append(_perf_seconds(perf, data, rate))
+            print(f"  interp run {i}: client {runs['client'][-1][1] / size * GB:.3f}, server "
+                  f"{runs['server'][-1][1] / size * GB:.3f} interpreter CPU s/GB", file=sys.stderr)
+    finally:
+        for proc in list(bs.LIVE):
+            proc.stop(timeout=3)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return {side: {"interp_s_per_gb": statistics.median(py for _t, py in v) / size * GB,
+                   "sampled_s_per_gb": statistics.median(t for t, _py in v) / size * GB,
+                   "interp_runs_s_per_gb": [py / size * GB for _t, py in v]} for side, v in runs.items()}
+
+
+def print_interp(res: dict) -> None:
+    if "error" in res:
+        print(f"\nInterpreter CPU: {res['error']}")
+        return
+    print("\nInterpreter CPU per GB (perf record -F 2000, samples in libpython; median)\n")
+    print(f"{'side':8} {'interpreter s/GB':>17} {'all sampled s/GB':>17}   each run")
+    for side in ("client", "server"):
+        d = res[side]
+        runs = ", ".join(f"{x:.3f}" for x in d["interp_runs_s_per_gb"])
+        print(f"{side:8} {d['interp_s_per_gb']:17.3f} {d['sampled_s_per_gb']:17.2f}   {runs}")
+    print("  (the client's includes its start-up, ~0.07 s a run)")
+
+
 # --------------------------------------------------------------------------- procs
 
 
@@ -600,7 +679,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=GiB, help="file size (default 1G)")
     p.add_argument("--repeat", type=int, default=3, help="runs per tool (median; default 3)")
-    p.add_argument("--parts", default="e2e,medium,stages,gil,procs", help="comma-separated: e2e, medium, stages, gil, procs")
+    p.add_argument("--parts", default="e2e,medium,stages,gil,interp,procs",
+                   help="comma-separated: e2e, medium, stages, gil, interp, procs")
     p.add_argument("--medium-files", type=int, default=64, help="files of 6 MiB in the medium workload (default 64)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "tb5sync-bench-cpu"))
     p.add_argument("--streams", type=int, help="tb5sync sync --streams N")
@@ -631,6 +711,9 @@ def main(argv=None) -> int:
     if "gil" in parts:
         result["gil"] = gil(args, path)
         print_gil(result["gil"])
+    if "interp" in parts:
+        result["interp"] = interp(args, path)
+        print_interp(result["interp"])
     if "e2e" in parts and "gil" in parts and "error" not in result["gil"]:
         print_model(result)
     if "procs" in parts:

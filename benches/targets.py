@@ -84,6 +84,11 @@ def rows24(syncs: list[dict], cpu: dict | None) -> list[Row24]:
         out.append((f"GIL held s/GB, steady, {side}", "<= 0.02", _fmt(g, ".3f"), "n/a (no GIL)", g,
                     lambda v: v <= 0.02, "bench_cpu.py gil (py-spy --gil)"))
     for side in ("client", "server"):
+        v = _get(cpu, "interp", side, "interp_s_per_gb")
+        if v is not None:  # informational: what the GIL figure would be with no holder descheduled
+            out.append((f"interpreter CPU s/GB (perf, libpython), {side}{' incl. start-up' if side == 'client' else ''}",
+                        "<= 0.02 (as GIL)", _fmt(v, ".3f"), "n/a", v, lambda x: x <= 0.02, "bench_cpu.py interp"))
+    for side in ("client", "server"):
         c = _get(e2e_t, side)
         out.append((f"cores for 10 GB/s at this CPU s/GB, {side}", "<= 8", _fmt(c * 10 if c else None, ".1f"),
                     _fmt(_get(e2e_r, side) * 10 if _get(e2e_r, side) else None, ".1f"), c * 10 if c else None,
