@@ -87,6 +87,7 @@ bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
 	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3' 'sshfs>=2023.1'
 	@command -v nginx >/dev/null && command -v ccache >/dev/null && test -x /usr/sbin/sshd || (apt-get update -qq && apt-get install -y -qq nginx-light ccache openssh-server)
+	@command -v perf >/dev/null || (apt-get update -qq && apt-get install -y -qq linux-perf) || echo "no perf: bench_cpu.py's interp part is skipped"
 	mkdir -p $(RUN)
 	$(BIN)/python benches/bench_sync.py --repeat 5 --json-out $(RUN)/sync.json
 	$(BIN)/python benches/bench_sync.py --short --repeat 5 --no-raw --workloads tree_cold --json-out $(RUN)/sync-short.json
