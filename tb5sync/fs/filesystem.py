@@ -62,7 +62,7 @@ from tb5sync.errors import (
     UsageError,
 )
 from tb5sync.wire.messages import DEFAULT_PORT, FS_IDEMPOTENT
-from tb5sync.wire.rpc import Requester, call_direct, open_session
+from tb5sync.wire.rpc import LoopReplies, Requester, call_direct, open_session
 from tb5sync.fs.file import TB5File
 from tb5sync.fs.reading import ReadingMixin, _args_to_wire, _has_magic
 from tb5sync.fs.writing import WritingMixin
@@ -139,6 +139,8 @@ class _Link:
         self.direct_lock = threading.Lock()
         self.requester = Requester(chans)
         self.direct.pool = self.requester.pool
+        #: the event loop's reply queue of the async calls (made on first use, on the loop they run on)
+        self.replies: LoopReplies | None = None
         self.closed = False
 
     def release(self, views: list[Any]) -> None:
@@ -379,15 +381,19 @@ class TB5FileSystem(ReadingMixin, WritingMixin, AsyncFileSystem):
         ``into``/``owner``: a DATA reply's body is received into ``into`` (:meth:`Requester.submit`)."""
         for attempt in (0, 1):
             link = await self._link()
+            replies, loop = link.replies, asyncio.get_running_loop()
+            if replies is None or replies.loop is not loop:
+                replies = link.replies = LoopReplies(loop)
+            afut, settle = replies.future()
             try:
-                fut = link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner)
+                link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner, future=settle)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
                     raise
                 continue
             try:
-                return await asyncio.wrap_future(fut)
+                return await afut
             except ConnectError:  # lost after sending: only a request without effects is sent again
                 self._drop(link)
                 if attempt or method not in FS_IDEMPOTENT:

@@ -152,8 +152,13 @@ class Requester:
 
     def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None,
                into: memoryview | None = None, owner: Any = None,
-               sink: Callable[[Channel, dict[str, Any], int], Any] | None = None) -> Future[Any]:
+               sink: Callable[[Channel, dict[str, Any], int], Any] | None = None,
+               future: Any = None) -> Any:
         """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        ``future``: what the reply settles instead of a new :class:`concurrent.futures.Future`,
+        any object with ``set_result(value)`` and ``set_exception(exc)`` called once on a reader
+        thread (:meth:`LoopReplies.future`: an event loop's future, no thread hop per reply).
 
         With ``into`` (a writable byte view), a DATA reply's raw body is received straight into it
         (no copy after the socket): the future's result is ``(meta, view)`` with ``view`` the first
@@ -172,7 +177,7 @@ class Requester:
             The chosen channel is already dead.
         """
         idx = next(self._rr) if channel is None else channel
-        fut: Future[Any] = Future()
+        fut: Any = Future() if future is None else future
         with self._lock:
             dead = self._dead[idx]
             if dead is not None:
@@ -306,6 +311,76 @@ class Requester:
             ch.close()
         for t in self._threads:
             t.join(timeout=5)
+
+
+class LoopReplies:
+    """Replies to requests made from one asyncio event loop, settled on that loop in batches.
+
+    A reader thread settling each reply through :func:`asyncio.wrap_future` pays for a
+    :class:`concurrent.futures.Future` (with its lock and condition), a callback chain and one
+    ``call_soon_threadsafe`` (a write to the loop's wake-up pipe) per reply. Here a reply is
+    appended to a queue, and the loop is woken only when the queue was empty: a burst of replies
+    (many requests in flight) is settled by one callback on the loop. A future the caller
+    cancelled meanwhile is skipped (its reply is dropped, as :func:`_resolve` drops it).
+
+    ``loop``: the event loop (only its ``call_soon_threadsafe`` is used). Thread-safe.
+    """
+
+    __slots__ = ("loop", "_queue", "_lock", "_scheduled")
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self._queue: list[tuple[Any, Any, BaseException | None]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def future(self) -> tuple[Any, _LoopSettle]:
+        """``(awaitable, settle)``: a new future of the loop, and the object to pass as
+        :meth:`Requester.submit`'s ``future`` (it settles the awaitable on the loop)."""
+        afut = self.loop.create_future()
+        return afut, _LoopSettle(self, afut)
+
+    def settle(self, afut: Any, result: Any, exc: BaseException | None) -> None:
+        """Queue ``afut``'s outcome (from any thread); wake the loop if nothing was queued."""
+        with self._lock:
+            self._queue.append((afut, result, exc))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            with self._lock:
+                self._queue.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._queue = self._queue, []
+            self._scheduled = False
+        for afut, result, exc in items:
+            if afut.done():  # cancelled by its caller
+                continue
+            if exc is not None:
+                afut.set_exception(exc)
+            else:
+                afut.set_result(result)
+
+
+class _LoopSettle:
+    """What a reader thread settles for a request of :class:`LoopReplies`."""
+
+    __slots__ = ("replies", "afut")
+
+    def __init__(self, replies: LoopReplies, afut: Any) -> None:
+        self.replies = replies
+        self.afut = afut
+
+    def set_result(self, result: Any) -> None:
+        self.replies.settle(self.afut, result, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.replies.settle(self.afut, None, exc)
 
 
 def _resolve(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
