@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import threading
 import weakref
 from typing import Any
@@ -123,11 +124,14 @@ class _Link:
         tls: bool = False, tls_ca: str | None = None, io_timeout: float | None = IO_TIMEOUT,
     ) -> None:
         chans = []
+        # one id on all the connections: a server with fs workers serves them in one process,
+        # which then holds this client's puts in pieces and listing pages (servers before: ignored)
+        group = secrets.token_hex(8)
         try:
             for _ in range(streams + 1):
                 ch = dial(host, port, token, tls=tls, tls_ca=tls_ca, io_timeout=io_timeout, timeout=timeout)
                 chans.append(ch)
-                resp = open_session(ch, {"op": "fs"})
+                resp = open_session(ch, {"op": "fs", "group": group})
         except BaseException:
             for ch in chans:
                 ch.close()
