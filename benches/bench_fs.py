@@ -363,11 +363,50 @@ def random_reads(fs: TB5FileSystem, size: int, n: int, how: str, seed: int, serv
     return n / dt, (c1 - c0) / n * 1e6, (s1 - s0) / n * 1e6
 
 
-def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams: int, serve_args: tuple[str, ...]) -> dict[str, Any]:
+def _client_reads(port: int, size: int, n: int, seed: int, go: Any, out: Any) -> None:
+    """One client process of :func:`many_clients`: its own filesystem, a warm-up, then (once ``go``
+    is set) ``n`` gathered random 4 KiB reads; puts (start, end, client CPU s) on ``out``."""
+    fs = TB5FileSystem(host=LOOPBACK, port=port, skip_instance_cache=True)
+    try:
+        random_reads(fs, size, 2000, "gather", -1, os.getpid())
+        go.wait()
+        c0, t0 = time.process_time(), time.perf_counter()
+        random_reads(fs, size, n, "gather", seed, os.getpid())
+        out.put((t0, time.perf_counter(), time.process_time() - c0))
+    finally:
+        fs._holder.close()
+
+
+def many_clients(port: int, size: int, n: int, clients: int, seed: int, server_pid: int) -> tuple[float, float, float]:
+    """``clients`` processes (each a filesystem of its own) doing ``n`` gathered random 4 KiB reads
+    each at once: (ops/s over all, client CPU us per read, server CPU us per read, its workers
+    included). With 1 client, :func:`random_reads` in this process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_client_reads, args=(port, size, n, seed * 100 + i, go, out)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # every client started and warm (spawn imports take ~1 s)
+    s0 = tree_cpu(server_pid)
+    go.set()
+    got = [out.get(timeout=600) for _ in procs]
+    s1 = tree_cpu(server_pid)
+    for p in procs:
+        p.join(60)
+    total = n * clients
+    wall = max(e for _, e, _ in got) - min(t for t, _, _ in got)
+    return total / wall, sum(c for _, _, c in got) / total * 1e6, (s1 - s0) / total * 1e6
+
+
+def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams: int, serve_args: tuple[str, ...],
+                     clients: int = 1) -> dict[str, Any]:
     """The tb5:// small-op targets of issue 26, each measured ``repeat`` times and printed with
     met / not met: CPU per ``info`` and per 4 KiB ``cat_file`` (one at a time, client and server),
     4 KiB random reads with many in flight, and the server pinned to 1 and then to 2 cores
-    (two servers, one pinned each way, measured alternately). Returns the figures (medians)."""
+    (two servers, one pinned each way, measured alternately; with ``clients`` > 1, that many client
+    processes at once, see :func:`many_clients`, and a row of them unpinned). Returns the figures (medians)."""
     out: dict[str, Any] = {}
     server, port = start_server(root, extra=serve_args)
     fs = TB5FileSystem(host=LOOPBACK, port=port, streams=streams, skip_instance_cache=True)
@@ -381,6 +420,8 @@ def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams:
             for how in rr:
                 random_reads(fs, size, 2000, how, -1, server.pid)  # warm
                 rr[how].append(random_reads(fs, size, RANDOM_READS, how, n, server.pid))
+            if clients > 1:
+                rr.setdefault("clients", []).append(many_clients(port, size, RANDOM_READS // clients, clients, n, server.pid))
             out["server_processes"] = 1 + len(child_pids(server.pid))
     finally:
         fs._holder.close()
@@ -400,12 +441,17 @@ def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams:
         servers: dict[int, tuple[subprocess.Popen[bytes], TB5FileSystem]] = {}
         got: dict[int, list[float]] = {1: [], 2: []}
         try:
+            ports: dict[int, int] = {}
             for k in (1, 2):
                 p, pport = start_server(root, set(cores[:k]), serve_args)
+                ports[k] = pport
                 servers[k] = (p, TB5FileSystem(host=LOOPBACK, port=pport, streams=streams, skip_instance_cache=True))
             for n in range(repeat):
                 for k in ((1, 2) if n % 2 == 0 else (2, 1)):
                     p, f = servers[k]
+                    if clients > 1:
+                        got[k].append(many_clients(ports[k], size, RANDOM_READS // clients, clients, n, p.pid)[0])
+                        continue
                     random_reads(f, size, 2000, "gather", -1, p.pid)
                     got[k].append(random_reads(f, size, RANDOM_READS, "gather", n, p.pid)[0])
         finally:
@@ -422,7 +468,10 @@ def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams:
         ("client CPU per 4 KiB cat_file", out["cat4k:cpu_client_us"], 40.0, fmt_us),
     ]
     rows = [[t, f(v), f"<= {f(lim)}", "met" if v <= lim else "NOT met"] for t, v, lim, f in targets]
-    for how, label in (("cat_ranges", "4 KiB random reads in flight, cat_ranges"), ("gather", "4 KiB random reads in flight, gather(_cat_file)")):
+    labels = [("cat_ranges", "4 KiB random reads in flight, cat_ranges"), ("gather", "4 KiB random reads in flight, gather(_cat_file)")]
+    if clients > 1:
+        labels.append(("clients", f"4 KiB random reads in flight, gather, {clients} client processes"))
+    for how, label in labels:
         v = out[f"random4k_{how}:ops"]
         rows.append([label, f"{v:,.0f}/s (CPU {out[f'random4k_{how}:cpu_client_us']:.1f} us client, "
                      f"{out[f'random4k_{how}:cpu_server_us']:.1f} us server per read)", ">= 30,000/s", "met" if v >= 30_000 else "NOT met"])
@@ -444,7 +493,7 @@ def small_op_targets(root: str, size: int, repeat: int, seconds: float, streams:
         s_us, c_us = out["random4k_gather:cpu_server_us"], out["random4k_gather:cpu_client_us"]
         out["pinned2_cap_ops"] = 2e6 / (s_us + c_us) if k == 2 else float("inf")
         cap = f" (2 cores shared with the client: at most {out['pinned2_cap_ops']:,.0f}/s)" if k == 2 else ""
-        rows.append(["server pinned to 2 cores vs 1 (gather)", f"{out['pinned2:ops']:,.0f}/s vs {out['pinned1:ops']:,.0f}/s = {r:.2f}x{cap}",
+        rows.append([f"server pinned to 2 cores vs 1 (gather{f', {clients} clients' if clients > 1 else ''})", f"{out['pinned2:ops']:,.0f}/s vs {out['pinned1:ops']:,.0f}/s = {r:.2f}x{cap}",
                      ">= 1.7x", "met" if r >= 1.7 else "NOT met"])
     else:
         rows.append(["server pinned to 2 cores vs 1", why, ">= 1.7x", "not measured"])
@@ -470,6 +519,7 @@ def main() -> int:
     ap.add_argument("--peers", default="sshfs,http", help="comma-separated peers: sshfs, http (default both; '' for none)")
     ap.add_argument("--workdir", default=None, help="where the served data lives (default: a temporary directory)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--clients", type=int, default=1, help="client processes of the many-clients and pinned rows (default 1)")
     ap.add_argument("--small-only", action="store_true", help="only the small-op targets (no big-file reads, no peers)")
     ap.add_argument("--serve-args", default="", help="more options for the tb5sync serve of the small-op targets (one string, split on spaces)")
     args = ap.parse_args()
@@ -486,7 +536,7 @@ def main() -> int:
     serve_args = tuple(args.serve_args.split())
     if args.small_only:
         try:
-            small_res = small_op_targets(root, size, repeat, seconds, args.streams, serve_args)
+            small_res = small_op_targets(root, size, repeat, seconds, args.streams, serve_args, args.clients)
         finally:
             if args.workdir is None:
                 shutil.rmtree(work, ignore_errors=True)
@@ -619,7 +669,7 @@ def main() -> int:
             p.terminate()
             p.wait()
         procs = []
-        small_res = small_op_targets(root, size, repeat, seconds, args.streams, serve_args)
+        small_res = small_op_targets(root, size, repeat, seconds, args.streams, serve_args, args.clients)
     finally:
         fs._holder.close()
         for p in procs:
