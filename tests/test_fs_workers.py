@@ -177,3 +177,32 @@ def test_cli_serve_with_workers_stops_them_on_sigterm(tmp_path: Path) -> None:
     assert p.returncode == 0, err
     for pid in kids:
         wait_for(lambda pid=pid: not _alive(pid), 10, f"fs worker {pid} to exit")
+
+
+def test_a_worker_stopped_by_sigterm_closes_its_sessions_and_the_server_serves_on(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _tree(root)
+    live = start_server(str(root), fs_workers=1)
+    fs = tb5(live, streams=1)
+    try:
+        (pid,) = live.server.fs_worker_pids
+        f = fs.open("half.bin", "wb")
+        f.write(b"x" * (12 << 20))
+        f.flush()
+        wait_for(lambda: any(n.endswith(".tb5tmp") for n in os.listdir(root)), 10, "the write to start")
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not _alive(pid) or live.server._fs_pool.workers[0].proc.poll() is not None, 10, "the worker to exit")
+        assert live.server._fs_pool.workers[0].proc.wait(10) == 0  # it stopped, not killed
+        assert not [n for n in os.listdir(root) if n.endswith(".tb5tmp")]
+        with pytest.raises((Tb5syncError, OSError)):
+            f.write(b"y" * (12 << 20))
+            f.close()
+        assert not (root / "half.bin").exists()
+        fs2 = tb5(live, streams=1)  # a new client: served in the server's process now
+        try:
+            assert fs2.cat_file("small.txt") == b"hello world\n"
+        finally:
+            fs2._holder.close()
+    finally:
+        fs._holder.close()
+        live.server.stop()

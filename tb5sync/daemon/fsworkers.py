@@ -20,9 +20,10 @@ with bytes read ahead past it is served in the server's process as before.
 
 Stopping: the server closes its end of each pair; a worker then closes every connection it serves
 (each session ends as a broken connection would end it: a put not closed leaves no file at its
-final path) and exits; the server waits for it (then kills it). A worker that dies ends its
-sessions the same way; later sessions are served in the server's process. Workers ignore SIGINT
-(the server stops them).
+final path, nor its temporary file) and exits; the server waits for it (then kills it). SIGTERM
+to a worker (a service manager stopping the group) does the same. A worker that dies ends its
+sessions as a broken connection; later sessions are served in the server's process. Workers
+ignore SIGINT (the server stops them).
 
 Portable path: needs ``socket.send_fds`` and ``SOCK_SEQPACKET`` Unix sockets (Linux; checked
 when the server starts); elsewhere, and with ``TB5SYNC_FS_WORKERS_PORTABLE=1``, every fs session
@@ -80,6 +81,9 @@ class _Worker:
                 [sys.executable, "-c", "from tb5sync.daemon.fsworkers import worker_main; worker_main()",
                  str(child.fileno()), json.dumps(config)],
                 pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self.lock = threading.Lock()
@@ -210,6 +214,16 @@ def worker_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us
     logging.basicConfig(level=logging.WARNING, format="tb5sync fs worker: %(message)s")
     sock = socket.socket(fileno=int(sys.argv[1]))
+
+    def stop(signum: int, frame: Any) -> None:
+        # SIGTERM (a service manager stopping the whole group): stop as when the server stops us,
+        # closing every session so that no write leaves its temporary file
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, stop)
     config = json.loads(sys.argv[2])
     state = TreeState(config["root"], writable=config["writable"], state_dir=config["state_dir"])
     pages, puts = Pages(), Puts()

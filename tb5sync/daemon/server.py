@@ -404,6 +404,7 @@ class Server(TransferSessions, StoreSessions):
         """Bind (if needed) and serve in a background thread; returns self."""
         if self._sock is None:
             self.bind()
+        self._start_fs_workers()  # before it returns: the caller may look at fs_worker_pids at once
         self._thread = threading.Thread(target=self.serve_forever, name="tb5-server", daemon=True)
         self._thread.start()
         return self
@@ -453,10 +454,14 @@ class Server(TransferSessions, StoreSessions):
                 log.warning("fs sessions served in the server's process, not by %d workers: %s", self.fs_workers, why)
                 self.fs_workers = 0
                 return
-            self._fs_pool = fsworkers.FsWorkers(self.fs_workers, {
-                "root": self.root, "state_dir": self._sdir, "writable": self._writable, "read_only": self.read_only,
-                "max_session_bytes": self.max_session_bytes, "min_free_space": self.min_free_space,
-                "io_timeout": self.io_timeout, "idle_timeout": self.idle_timeout})
+            try:
+                self._fs_pool = fsworkers.FsWorkers(self.fs_workers, {
+                    "root": self.root, "state_dir": self._sdir, "writable": self._writable, "read_only": self.read_only,
+                    "max_session_bytes": self.max_session_bytes, "min_free_space": self.min_free_space,
+                    "io_timeout": self.io_timeout, "idle_timeout": self.idle_timeout})
+            except OSError as exc:
+                log.warning("fs sessions served in the server's process: cannot start %d workers: %s", self.fs_workers, exc)
+                self.fs_workers = 0
 
     @property
     def fs_worker_pids(self) -> list[int]:
