@@ -206,3 +206,12 @@ def test_a_worker_stopped_by_sigterm_closes_its_sessions_and_the_server_serves_o
     finally:
         fs._holder.close()
         live.server.stop()
+
+
+@pytest.mark.parametrize("bad", [-1, 65, True, "2"])
+def test_a_bad_worker_count_is_refused(tmp_path: Path, bad: Any) -> None:
+    from tb5sync.daemon.server import Server
+    from tb5sync.errors import UsageError
+
+    with pytest.raises(UsageError, match="fs_workers"):
+        Server(str(tmp_path), host="127.0.0.1", port=0, fs_workers=bad)

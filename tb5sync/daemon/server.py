@@ -258,6 +258,8 @@ class Server(TransferSessions, StoreSessions):
         check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
         warn_if_pure_python()
         _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
+        if not isinstance(fs_workers, int) or isinstance(fs_workers, bool) or not 0 <= fs_workers <= 64:
+            raise UsageError(f"fs_workers must be 0..64, got {fs_workers!r}")
         given_root = os.path.abspath(os.fspath(root))
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -314,8 +316,6 @@ class Server(TransferSessions, StoreSessions):
         self.state = TreeState(root, writable=writable, state_dir=sdir)
         if writable:
             remove_stale(self.state.state_dir)  # disk-test files of a server killed mid-test
-        if not isinstance(fs_workers, int) or isinstance(fs_workers, bool) or not 0 <= fs_workers <= 64:
-            raise UsageError(f"fs_workers must be 0..64, got {fs_workers!r}")
         self.fs_workers = fs_workers
         #: the worker processes answering fs sessions (started with the server; None: in process)
         self._fs_pool: Any = None
