@@ -103,3 +103,58 @@ def test_many_gathered_reads_some_cancelled_equal_local_ones(tmp_path: Any) -> N
     finally:
         fs._holder.close()
         live.server.stop()
+
+
+class _Echo:
+    def echo(self, x: int) -> dict[str, Any]:
+        return {"x": x}
+
+
+def _pair() -> tuple[Any, Any, threading.Thread]:
+    import socket
+
+    from tb5sync.wire.rpc import serve
+    from tb5sync.wire.transport import Channel
+
+    a, b = socket.socketpair()
+    server = Channel(b)
+    t = threading.Thread(target=serve, args=(server, _Echo(), frozenset({"echo"})), daemon=True)
+    t.start()
+    return Channel(a), server, t
+
+
+def test_deferred_requests_go_out_together_at_flush_and_each_gets_its_reply() -> None:
+    from tb5sync.wire.rpc import Requester
+
+    client, server, t = _pair()
+    req = Requester([client])
+    try:
+        sent0 = client.bytes_sent
+        futs = [req.submit("echo", {"x": i}, defer=True) for i in range(300)]
+        assert client.bytes_sent == sent0  # nothing sent before the flush
+        req.flush()
+        assert [f.result(10)["x"] for f in futs] == list(range(300))
+        req.flush()  # nothing held: nothing sent
+    finally:
+        req.close()
+        server.close()
+        t.join(10)
+
+
+def test_a_flush_on_a_broken_connection_fails_the_deferred_requests_and_does_not_raise() -> None:
+    from tb5sync.errors import ConnectError
+    from tb5sync.wire.rpc import Requester
+
+    client, server, t = _pair()
+    req = Requester([client])
+    try:
+        futs = [req.submit("echo", {"x": i}, defer=True) for i in range(3)]
+        client.sock.shutdown(__import__("socket").SHUT_WR)  # our sending side is gone
+        req.flush()
+        for f in futs:
+            with pytest.raises(ConnectError):
+                f.result(10)
+    finally:
+        req.close(bye=False)
+        server.close()
+        t.join(10)

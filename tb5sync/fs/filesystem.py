@@ -145,7 +145,14 @@ class _Link:
         self.direct.pool = self.requester.pool
         #: the event loop's reply queue of the async calls (made on first use, on the loop they run on)
         self.replies: LoopReplies | None = None
+        #: a :meth:`flush_deferred` is due on the event loop (the async calls' requests are deferred)
+        self.flush_scheduled = False
         self.closed = False
+
+    def flush_deferred(self) -> None:
+        """Send the async calls' deferred requests (called once per turn of the event loop that made them)."""
+        self.flush_scheduled = False
+        self.requester.flush()
 
     def release(self, views: list[Any]) -> None:
         """Give the receive buffers behind ``views`` (already copied out) back for the next replies."""
@@ -390,12 +397,17 @@ class TB5FileSystem(ReadingMixin, WritingMixin, AsyncFileSystem):
                 replies = link.replies = LoopReplies(loop)
             afut, settle = replies.future()
             try:
-                link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner, future=settle)
+                # sent with the others made in this turn of the loop (one sendall per connection)
+                link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner, future=settle,
+                                      defer=True)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
                     raise
                 continue
+            if not link.flush_scheduled:
+                link.flush_scheduled = True
+                loop.call_soon(link.flush_deferred)
             try:
                 return await afut
             except ConnectError:  # lost after sending: only a request without effects is sent again

@@ -138,6 +138,8 @@ class Requester:
         #: per channel, request id -> what takes a DATA reply's body off the channel (see submit)
         self._sinks: list[dict[int, Callable[[Channel, dict[str, Any], int], Any]]] = [{} for _ in channels]
         self._rr = itertools.cycle(range(len(channels)))
+        #: per channel, frames of deferred requests (``submit(defer=True)``) and their ids, sent by :meth:`flush`
+        self._held: list[list[tuple[int, bytes]]] = [[] for _ in channels]
         self._dead: list[BaseException | None] = [None] * len(channels)
         self._threads = []
         for i in range(len(channels)):
@@ -153,8 +155,13 @@ class Requester:
     def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None,
                into: memoryview | None = None, owner: Any = None,
                sink: Callable[[Channel, dict[str, Any], int], Any] | None = None,
-               future: Any = None) -> Any:
+               future: Any = None, defer: bool = False) -> Any:
         """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        ``defer``: the request is encoded and registered now but sent by the next :meth:`flush`,
+        with every other deferred one of its channel in one ``sendall`` (many requests made
+        together cost one system call per channel on each side, not one each); should that send
+        fail, their futures fail with :class:`~tb5sync.errors.ConnectError` as a lost reply does.
 
         ``future``: what the reply settles instead of a new :class:`concurrent.futures.Future`,
         any object with ``set_result(value)`` and ``set_exception(exc)`` called once on a reader
@@ -190,6 +197,18 @@ class Requester:
                 self._into[idx][rid] = (into, owner)
             if sink is not None:
                 self._sinks[idx][rid] = sink
+        if defer:
+            try:
+                frame = P.encode_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
+            except BaseException:
+                with self._lock:
+                    self._pending[idx].pop(rid, None)
+                    self._into[idx].pop(rid, None)
+                    self._sinks[idx].pop(rid, None)
+                raise
+            with self._lock:
+                self._held[idx].append((rid, frame))
+            return fut
         try:
             self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
         except OSError as exc:
@@ -199,6 +218,27 @@ class Requester:
                 self._sinks[idx].pop(rid, None)
             raise closed_mid_transfer(self.peer, exc) from exc
         return fut
+
+    def flush(self) -> None:
+        """Send every deferred request (``submit(defer=True)``), one ``sendall`` per channel. A
+        channel that fails to send fails those requests' futures (:class:`ConnectError`); never raises."""
+        for idx, ch in enumerate(self.channels):
+            with self._lock:
+                held, self._held[idx] = self._held[idx], []
+            if not held:
+                continue
+            try:
+                ch.send_encoded([b"".join(f for _, f in held)])
+            except OSError as exc:
+                err = closed_mid_transfer(self.peer, exc)
+                with self._lock:
+                    futs = [self._pending[idx].pop(rid, None) for rid, _ in held]
+                    for rid, _ in held:
+                        self._into[idx].pop(rid, None)
+                        self._sinks[idx].pop(rid, None)
+                for fut in futs:
+                    if fut is not None:
+                        _resolve(fut, exc=err)
 
     def submit_data(self, method: str, args: dict[str, Any], parts: list[Any], *, channel: int) -> Future[Any]:
         """Send a request as a DATA frame (meta ``{"m": method, "a": args}``, then the raw ``parts``:
