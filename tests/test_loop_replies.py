@@ -106,8 +106,8 @@ def test_many_gathered_reads_some_cancelled_equal_local_ones(tmp_path: Any) -> N
 
 
 class _Echo:
-    def echo(self, x: int) -> dict[str, Any]:
-        return {"x": x}
+    def echo(self, x: int, pad: bytes = b"") -> dict[str, Any]:
+        return {"x": x, "n": len(pad)}
 
 
 def _pair() -> tuple[Any, Any, threading.Thread]:
@@ -137,8 +137,8 @@ def test_deferred_requests_go_out_together_at_flush_and_each_gets_its_reply() ->
         req.flush()  # nothing held: nothing sent
     finally:
         req.close()
-        server.close()
         t.join(10)
+        server.close()
 
 
 def test_a_flush_on_a_broken_connection_fails_the_deferred_requests_and_does_not_raise() -> None:
@@ -158,3 +158,20 @@ def test_a_flush_on_a_broken_connection_fails_the_deferred_requests_and_does_not
         req.close(bye=False)
         server.close()
         t.join(10)
+
+
+def test_deferred_large_requests_are_sent_whole() -> None:
+    from tb5sync.wire.rpc import Requester
+
+    client, server, t = _pair()
+    req = Requester([client])
+    try:
+        big = 700_000  # together past 1 MiB: sent as separate parts, not joined
+        futs = [req.submit("echo", {"x": i, "pad": b"p" * big}, defer=True) for i in range(3)]
+        futs += [req.submit("echo", {"x": 9}, defer=True)]
+        req.flush()
+        assert [(f.result(10)["x"], f.result(10)["n"]) for f in futs] == [(0, big), (1, big), (2, big), (9, 0)]
+    finally:
+        req.close()
+        t.join(10)
+        server.close()

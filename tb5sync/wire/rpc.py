@@ -227,8 +227,10 @@ class Requester:
                 held, self._held[idx] = self._held[idx], []
             if not held:
                 continue
+            frames = [f for _, f in held]
             try:
-                ch.send_encoded([b"".join(f for _, f in held)])
+                # small frames joined (one buffer); large ones (wwrite bodies) sent as they are, no copy
+                ch.send_encoded([b"".join(frames)] if sum(map(len, frames)) <= 1 << 20 else frames)
             except OSError as exc:
                 err = closed_mid_transfer(self.peer, exc)
                 with self._lock:
