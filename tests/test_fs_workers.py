@@ -36,6 +36,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc: the workers run only on Linux)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
 def _tree(root: Path) -> bytes:
     (root / "d").mkdir(parents=True)
     data = random.Random(1).randbytes(9 * 1024 * 1024 + 17)  # more than two 4 MiB pieces
@@ -168,7 +182,7 @@ def test_cli_serve_with_workers_stops_them_on_sigterm(tmp_path: Path) -> None:
 
         fs = TB5FileSystem(host="127.0.0.1", port=port, skip_instance_cache=True)
         assert fs.cat_file("small.txt") == b"hello world\n"
-        kids = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+        kids = _children(p.pid)
         assert len(kids) == 2
         fs._holder.close()
     finally:
