@@ -20,7 +20,10 @@ nginx with ``worker_processes 1``, ``dav_methods PUT DELETE``, ``create_full_put
    against its gRPC face (``--grpc``, the same server process; the two workspaces differ by a salt
    so each uploads its own entries), then ``bazel clean`` + rebuild, alternating HTTP and gRPC
    ``--rounds`` times: median wall (s) and the server's CPU seconds (``/proc/PID/stat``) per rebuild,
-   and Bazel's "N remote cache hit" count.
+   and Bazel's "N remote cache hit" count. With BuildGrid installed (``--buildgrid BGD``, PyPI
+   ``buildgrid`` in a venv of its own), the same workspace also against ``bgd server start`` (a
+   generated cache-only config) as the gRPC peer; without it, its row says why. Then each
+   target of issue 26 with its figure, the peer's from the same run, and met / NOT met.
 
 Output: a table on stdout and JSON in ``benches/results/bench-httpcache-<timestamp>.json``.
 """
@@ -42,7 +45,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -139,6 +142,76 @@ class NginxServer:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGQUIT)
         self.proc.wait(30)
+
+
+BUILDGRID_CONF = """
+server:
+  - !channel
+    address: "127.0.0.1:{port}"
+    insecure-mode: true
+storages:
+  - !disk-storage &main-storage
+    path: {p}/cas
+caches:
+  - !lru-action-cache &main-action
+    storage: *main-storage
+    max-cached-refs: 1000000
+    allow-updates: true
+    cache-failed-actions: true
+instances:
+  - name: ''
+    services:
+      - !action-cache
+        cache: *main-action
+      - !cas
+        storage: *main-storage
+      - !bytestream
+        storage: *main-storage
+"""
+
+
+class BuildGridServer:
+    """BuildGrid (PyPI ``buildgrid``, a Python REAPI server) as a cache only: ``bgd server start``
+    with a generated config (disk CAS, LRU action cache, the ``ActionCache``, ``CAS`` and
+    ``ByteStream`` services on instance ``''``, no auth), on 127.0.0.1. ``bgd``: its executable
+    (installed in a venv of its own: its pins differ from this project's)."""
+
+    def __init__(self, work: str, bgd: str) -> None:
+        p = os.path.join(work, "buildgrid")
+        os.makedirs(os.path.join(p, "cas"), exist_ok=True)
+        self.port = free_port()
+        conf = os.path.join(p, "bgd.yml")
+        with open(conf, "w") as f:
+            f.write(BUILDGRID_CONF.format(p=p, port=self.port))
+        self.proc = subprocess.Popen([bgd, "server", "start", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(self.port, timeout=60)
+        except RuntimeError:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of the bgd process and its children."""
+        return sum(proc_cpu(pid) for pid in [self.proc.pid, *children(self.proc.pid)])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def find_bgd(given: str | None) -> tuple[str | None, str]:
+    """BuildGrid's ``bgd``: ``given`` (``--buildgrid``), else ``$TB5_BENCH_BGD``, else on PATH;
+    ``(path, "")`` or ``(None, why not)``."""
+    for cand in (given, os.environ.get("TB5_BENCH_BGD"), shutil.which("bgd")):
+        if cand and os.access(cand, os.X_OK):
+            return cand, ""
+    return None, ("not installed: no bgd (python -m venv V && V/bin/pip install buildgrid, then --buildgrid V/bin/bgd "
+                  "or TB5_BENCH_BGD=V/bin/bgd)")
 
 
 def proc_cpu(pid: int) -> float:
@@ -334,14 +407,19 @@ def count_packs(work: str) -> int:
 
 
 def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int, small: int = 0,
-                   ngx: NginxServer | None = None, spy_dir: str | None = None) -> dict[str, Any]:
-    """Median rebuild wall and server CPU per remote (tb5sync HTTP, tb5sync gRPC, nginx WebDAV), alternating
-    (see the module docstring); the first build's server CPU is the upload phase's."""
+                   ngx: NginxServer | None = None, spy_dir: str | None = None,
+                   bgd: BuildGridServer | None = None) -> dict[str, Any]:
+    """Median rebuild wall and server CPU per remote (tb5sync HTTP, tb5sync gRPC, nginx WebDAV,
+    BuildGrid over gRPC), alternating (see the module docstring); the first build's server CPU is
+    the upload phase's."""
     remotes: dict[str, tuple[str, Any]] = {"http": (f"http://127.0.0.1:{tb5.port}", tb5)}
     if tb5.grpc_port:
         remotes["grpc"] = (f"grpc://127.0.0.1:{tb5.grpc_port}", tb5)
     if ngx is not None:
         remotes["nginx"] = (f"http://127.0.0.1:{ngx.port}", ngx)
+    if bgd is not None:
+        remotes["buildgrid"] = (f"grpc://127.0.0.1:{bgd.port}", bgd)
+    tb5_names = {n for n, (_, srv) in remotes.items() if srv is tb5}
     spaces = {n: (bazel_workspace(work, n, blobs, small), ["bazel", f"--output_user_root={os.path.join(work, 'bzl-' + n)}"])
               for n in remotes}
     spy = Spy(spy_dir, tb5.proc.pid)
@@ -358,14 +436,14 @@ def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int, small: in
     try:
         for name in remotes:
             srv = remotes[name][1]
-            if name != "nginx":
+            if name in tb5_names:
                 spy.start(f"upload-{name}")
             c0, p0 = srv.cpu(), count_packs(work)
             t0 = time.perf_counter()
             build(name)
             res[name]["first_wall"] = time.perf_counter() - t0
             res[name]["first_server_cpu"] = srv.cpu() - c0
-            if name != "nginx":
+            if name in tb5_names:
                 res[name]["packs_made"] = count_packs(work) - p0
             spy.stop()
         for k in range(rounds):
@@ -373,7 +451,7 @@ def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int, small: in
                 srv = remotes[name][1]
                 ws, bz = spaces[name]
                 subprocess.run(bz + ["clean"], cwd=ws, check=True, capture_output=True, timeout=120)
-                if k == 0 and name != "nginx":
+                if k == 0 and name in tb5_names:
                     spy.start(f"rebuild-{name}")
                 c0 = srv.cpu()
                 t0 = time.perf_counter()
@@ -394,6 +472,30 @@ def bazel_rebuilds(work: str, tb5: Tb5Server, rounds: int, blobs: int, small: in
     return res
 
 
+def bazel_targets(bz: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """``(target, figure, wanted, "met" / "NOT met" / "not measured")`` of the Bazel rows, each
+    against its peer in the same run (nginx for the HTTP cache, the HTTP cache and BuildGrid for gRPC)."""
+    out: list[tuple[str, str, str, str]] = []
+
+    def row(what: str, a: float | None, b: float | None, wanted: str, ok: Callable[[float], bool], unit: str = "s") -> None:
+        if a is None or b is None or not b:
+            out.append((what, "-", wanted, "not measured"))
+            return
+        r = a / b
+        out.append((what, f"{a:.2f} {unit} vs {b:.2f} {unit} = {r:.2f}x", wanted, "met" if ok(r) else "NOT met"))
+
+    http, ngx, grpc, bg = (bz.get(n, {}) for n in ("http", "nginx", "grpc", "buildgrid"))
+    row("HTTP rebuild wall vs nginx", http.get("median_wall"), ngx.get("median_wall"), "<= 1.0x", lambda r: r <= 1.0)
+    row("HTTP rebuild server CPU vs nginx", http.get("median_server_cpu"), ngx.get("median_server_cpu"), "<= 2x", lambda r: r <= 2.0)
+    row("HTTP uploads server CPU vs nginx", http.get("first_server_cpu"), ngx.get("first_server_cpu"), "<= 2x", lambda r: r <= 2.0)
+    row("HTTP first build wall vs nginx", http.get("first_wall"), ngx.get("first_wall"), "<= 1.0x", lambda r: r <= 1.0)
+    row("gRPC rebuild wall vs HTTP", grpc.get("median_wall"), http.get("median_wall"), "< 1.0x", lambda r: r < 1.0)
+    row("gRPC rebuild wall vs BuildGrid", grpc.get("median_wall"), bg.get("median_wall"), "< 1.0x", lambda r: r < 1.0)
+    row("gRPC rebuild server CPU vs BuildGrid", grpc.get("median_server_cpu"), bg.get("median_server_cpu"), "< 1.0x", lambda r: r < 1.0)
+    row("gRPC uploads server CPU vs BuildGrid", grpc.get("first_server_cpu"), bg.get("first_server_cpu"), "< 1.0x", lambda r: r < 1.0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--short", action="store_true", help="fewer requests and sources")
@@ -404,6 +506,8 @@ def main() -> int:
     ap.add_argument("--small", type=int, default=160, help="Bazel genrules with 1-16 KiB outputs (default 160)")
     ap.add_argument("--py-spy", metavar="DIR", help="py-spy raw profiles (--gil) of the server per Bazel phase into DIR "
                     "(first rebuild round only; the CPU figures of a profiled run are inflated)")
+    ap.add_argument("--buildgrid", metavar="BGD", help="BuildGrid's bgd executable for the Bazel gRPC peer "
+                    "(default $TB5_BENCH_BGD, else bgd on PATH; missing: its row says so)")
     a = ap.parse_args()
     for tool in (("bazel", "gcc", "nginx") if a.bazel_only else ("nginx", "ccache", "gcc")):
         if shutil.which(tool) is None:
@@ -414,10 +518,18 @@ def main() -> int:
     result: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "latency": {}}
     tb5 = Tb5Server(work)
     ngx = NginxServer(work)
+    bgd: BuildGridServer | None = None
     try:
         if shutil.which("bazel") is not None and shutil.which("gcc") is not None:
+            exe, why = find_bgd(a.buildgrid)
+            if exe is not None:
+                try:
+                    bgd = BuildGridServer(work, exe)
+                except (OSError, RuntimeError) as exc:
+                    why = f"did not start: {exc}"
+            result["buildgrid"] = why or "measured"
             result["bazel"] = bazel_rebuilds(work, tb5, 2 if a.short else a.rounds, 8 if a.short else a.blobs,
-                                             40 if a.short else a.small, ngx, a.py_spy)
+                                             40 if a.short else a.small, ngx, a.py_spy, bgd)
         if a.bazel_only:
             plan = []
         for size, count in plan:
@@ -433,6 +545,8 @@ def main() -> int:
     finally:
         tb5.stop()
         ngx.stop()
+        if bgd is not None:
+            bgd.stop()
         shutil.rmtree(work, ignore_errors=True)
     if result["latency"]:
         print(f"{'size':>9} {'server':>8} | {'PUT p50':>8} {'p99':>8} {'MiB/s':>8} | {'GET p50':>8} {'p99':>8} {'MiB/s':>8}")
@@ -453,6 +567,12 @@ def main() -> int:
             print(f"  {name:>5}: wall {r['median_wall']:.2f} s, server CPU {r['median_server_cpu']:.2f} s "
                   f"(first build {r['first_wall']:.2f} s, server CPU {r['first_server_cpu']:.2f} s"
                   f"{', packs ' + str(r['packs_made']) if 'packs_made' in r else ''}); {r['processes_line']}")
+        if result.get("buildgrid") != "measured":
+            print(f"  buildgrid: {result.get('buildgrid')}")
+        result["bazel_targets"] = bazel_targets(result["bazel"])
+        print("Targets (issue 26), this run:")
+        for what, figure, wanted, met in result["bazel_targets"]:
+            print(f"  {what}: {figure} (wanted {wanted}): {met}")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"bench-httpcache-{re.sub(r'[^0-9T]', '', result['when'])}.json")
     with open(path, "w") as f:

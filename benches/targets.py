@@ -187,6 +187,15 @@ def rows(sync: dict | None, short: dict | None, cpu: dict | None, chunker: dict 
     worst_key = min(against, key=against.__getitem__, default="")
     out.append((f"tb5:// ahead of {' and '.join(peers) or 'its peers'} on every row (lowest: {worst_key or '-'})",
                 "lowest tb5 / peer > 1", against.get(worst_key), lambda v: v > 1.0, "bench_fs.py"))
+    small = _get(fs, "small_targets") or {}
+    for key, what, lim in (("info:cpu_server_us", "server CPU per info, us", 30), ("info:cpu_client_us", "client CPU per info, us", 30),
+                           ("cat4k:cpu_server_us", "server CPU per 4 KiB cat_file, us", 40),
+                           ("cat4k:cpu_client_us", "client CPU per 4 KiB cat_file, us", 40)):
+        out.append((f"tb5:// {what}", f"<= {lim}", small.get(key), lambda v, lim=lim: v <= lim, "bench_fs.py"))
+    for how in ("cat_ranges", "gather"):
+        out.append((f"tb5:// 4 KiB random reads in flight ({how}), ops/s", ">= 30,000", small.get(f"random4k_{how}:ops"),
+                    lambda v: v >= 30_000, "bench_fs.py"))
+    out.append(("tb5:// server pinned to 2 cores vs 1, ops/s", ">= 1.7", small.get("pinned_ratio"), lambda v: v >= 1.7, "bench_fs.py"))
     out.append(("chunker, one thread", "tb5sync / pyfastcdc >= 1.5", _get(chunker, "ratio_vs_pyfastcdc"), lambda v: v >= 1.5,
                 "bench_chunker.py"))
     return out

@@ -255,3 +255,36 @@ def test_odd_ranges_as_local_filesystem(tmp_path: Any, size: int) -> None:
                 with pytest.raises(ValueError, match="read length must be non-negative or -1"):
                     tf.read(n)
             assert tf.tell() == 0 and tf.read(-1) == data and tf.read() == b""
+
+
+def test_a_small_cat_of_a_file_that_shrank_after_its_stat_is_an_error_never_zeros(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small ``cat`` is read in one ``pread`` while answered: the file cut short between its
+    ``fstat`` and the read gives SourceChangedError for that request, never the bytes it no
+    longer holds nor zeros (LocalFileSystem would return what is left; tb5:// pins the size)."""
+    from tb5sync.daemon.fsops import INLINE_READ, FsOps
+    from tb5sync.tree.state import TreeState
+
+    data = random.Random(11).randbytes(5000)
+    (tmp_path / "f.bin").write_bytes(data)
+    assert len(data) <= INLINE_READ
+    state = TreeState(str(tmp_path), writable=False)
+    ops = FsOps(str(tmp_path), state)
+    real_fstat = os.fstat
+
+    def fstat_then_cut(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        os.truncate(tmp_path / "f.bin", 1000)
+        return st
+
+    try:
+        meta, parts = ops.cat("f.bin", 100, 900)  # within what stays: served as it is
+        assert bytes(parts[0]) == data[100:900] and meta["size"] == 5000
+        monkeypatch.setattr(os, "fstat", fstat_then_cut)
+        with pytest.raises(SourceChangedError):
+            ops.cat("f.bin", 0, 5000)
+        monkeypatch.setattr(os, "fstat", real_fstat)
+        meta, parts = ops.cat("f.bin")
+        assert meta["size"] == 1000 and bytes(parts[0]) == data[:1000]
+    finally:
+        ops.close()
+        state.close()

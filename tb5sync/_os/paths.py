@@ -293,10 +293,16 @@ def _load_openat2() -> _Openat2 | None:
     size = ctypes.c_size_t(ctypes.sizeof(OpenHow))
     tmpfile = getattr(os, "O_TMPFILE", 0)  # it holds O_DIRECTORY's bit: compare it whole
 
+    hows: dict[tuple[int, int], Any] = {}  # (flags, mode) -> its OpenHow, made once (never written by the kernel)
+
     def openat2(dir_fd: int, path: str, flags: int, mode: int) -> int:
-        # openat2 refuses a mode without O_CREAT/O_TMPFILE (EINVAL)
-        creates = flags & os.O_CREAT or tmpfile and flags & tmpfile == tmpfile
-        how = OpenHow(flags, mode if creates else 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
+        how = hows.get((flags, mode))
+        if how is None:
+            # openat2 refuses a mode without O_CREAT/O_TMPFILE (EINVAL)
+            creates = flags & os.O_CREAT or tmpfile and flags & tmpfile == tmpfile
+            how = OpenHow(flags, mode if creates else 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
+            if len(hows) < 64:
+                hows[(flags, mode)] = how
         name = os.fsencode(path)
         while True:
             fd = syscall(nr, ctypes.c_long(dir_fd), name, ctypes.byref(how), size)

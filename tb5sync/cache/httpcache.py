@@ -108,6 +108,12 @@ IDLE_TIMEOUT = 60.0
 #: A response is written in slices of this many bytes, each to be taken by its reader within
 #: ``client_body_timeout`` seconds.
 SEND_SLICE = 256 * 1024
+#: A hit of at most this many bytes, read whole, is answered as one ``web.Response`` (one write
+#: of headers and body, when nothing is queued on the connection: with the headers it stays under
+#: the transport's 64 KiB high-water mark, so it never waits for the reader) instead of a
+#: ``StreamResponse`` written through :meth:`HttpCache._send`'s timed slices.
+WHOLE_RESPONSE = 32 * 1024
+_OCTETS = {"Content-Type": "application/octet-stream"}
 
 #: The routes a first path segment names; every other first segment is a client's namespace of
 #: opaque keys (ccache's ``PREFIX``, sccache's, a URL prefix), whatever follows it.
@@ -717,6 +723,13 @@ class HttpCache:
         if chunks is None:
             chunks = iter(())
         self.metrics.add(f"{kind}.hits")
+        tr = request.transport
+        if not head and len(first) == info.size <= WHOLE_RESPONSE and tr is not None and not tr.get_write_buffer_size():
+            # all in hand and small, nothing of an earlier reply still queued: one Response, headers
+            # and body in one write, which stays under the transport's high-water mark (64 KiB), so
+            # its drain never waits for the reader (a stalled reader holds no window, no slot)
+            self.metrics.add(f"{kind}.bytes_sent", info.size)
+            return web.Response(body=first, headers=_OCTETS)
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/octet-stream"})
         resp.content_length = info.size
         if head:

@@ -163,6 +163,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                             "is refused before any of it is written (default: no limit)")
         s.add_argument("--min-free-space", metavar="SIZE",
                        help="free space a write must leave on ROOT's file system, e.g. 10G; a write past it is refused (default: not checked)")
+        s.add_argument("--fs-workers", type=int, default=0, metavar="N",
+                       help="answer tb5:// (fs) sessions in N worker processes, one client's connections in one "
+                            "(Linux; elsewhere, and over TLS, in the server's process; default 0: in process)")
         s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
                        help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
         s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -460,6 +463,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         auth_limit=a.auth_limit, auth_window=a.auth_window, state_dir=a.state_dir,
         store=store,
         upstream=a.upstream, peers=a.peer, storage_options=parse_storage_options(a.storage_options) or None,
+        fs_workers=a.fs_workers,
     )
     srv.bind()
     cache_store: Any = None

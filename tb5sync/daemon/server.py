@@ -207,6 +207,10 @@ class Server(TransferSessions, StoreSessions):
         ``tb5://HOST[:PORT]`` servers whose stores a read-through also fetches from, in parallel.
     storage_options : dict or None
         fsspec options for ``upstream``.
+    fs_workers : int
+        0..64 worker processes answering fs (tb5://) sessions (:mod:`tb5sync.daemon.fsworkers`),
+        started with :meth:`serve_forever`; 0 (default), or where a socket cannot be passed to
+        another process (not Linux, ``TB5SYNC_FS_WORKERS_PORTABLE=1``): in this process.
 
     Raises
     ------
@@ -246,6 +250,7 @@ class Server(TransferSessions, StoreSessions):
         upstream: str | None = None,
         peers: Sequence[str] = (),
         storage_options: dict[str, Any] | None = None,
+        fs_workers: int = 0,
     ) -> None:
         from tb5sync.engine.chunking import warn_if_pure_python
         from tb5sync.engine.hashing import check_environment
@@ -253,6 +258,8 @@ class Server(TransferSessions, StoreSessions):
         check_environment()  # a bad $TB5SYNC_HASH_THREADS is reported as the server starts
         warn_if_pure_python()
         _check_server_arguments(root, host, port, token, allow, read_only, state_dir)
+        if not isinstance(fs_workers, int) or isinstance(fs_workers, bool) or not 0 <= fs_workers <= 64:
+            raise UsageError(f"fs_workers must be 0..64, got {fs_workers!r}")
         given_root = os.path.abspath(os.fspath(root))
         root = os.path.realpath(os.fspath(root))
         if not os.path.isdir(root):
@@ -309,6 +316,11 @@ class Server(TransferSessions, StoreSessions):
         self.state = TreeState(root, writable=writable, state_dir=sdir)
         if writable:
             remove_stale(self.state.state_dir)  # disk-test files of a server killed mid-test
+        self.fs_workers = fs_workers
+        #: the worker processes answering fs sessions (started with the server; None: in process)
+        self._fs_pool: Any = None
+        self._sdir = sdir
+        self._writable = writable
         self._sessions: dict[str, Session] = {}
         self._open_sessions = 0
         self._pages = Pages()
@@ -392,6 +404,7 @@ class Server(TransferSessions, StoreSessions):
         """Bind (if needed) and serve in a background thread; returns self."""
         if self._sock is None:
             self.bind()
+        self._start_fs_workers()  # before it returns: the caller may look at fs_worker_pids at once
         self._thread = threading.Thread(target=self.serve_forever, name="tb5-server", daemon=True)
         self._thread.start()
         return self
@@ -409,6 +422,7 @@ class Server(TransferSessions, StoreSessions):
         assert self._sock is not None
         if self._janitor is None:
             self._janitor = Janitor()
+        self._start_fs_workers()
         log.info("serving %s on %s%s", self.root, host_port(self.host, self.port), " (TLS)" if self.tls else "")
         backoff = 0.0
         while not self._stopping.is_set():
@@ -426,6 +440,34 @@ class Server(TransferSessions, StoreSessions):
                 continue
             backoff = 0.0
             self._accepted(conn, addr)
+
+    def _start_fs_workers(self) -> None:
+        """Start the ``fs_workers`` processes (once; :mod:`tb5sync.daemon.fsworkers`), or log why
+        fs sessions stay in this process where they cannot be handed over here."""
+        with self._lock:
+            if not self.fs_workers or self._fs_pool is not None or self._stopping.is_set():
+                return
+            from tb5sync.daemon import fsworkers
+
+            why = fsworkers.available()
+            if why is not None:
+                log.warning("fs sessions served in the server's process, not by %d workers: %s", self.fs_workers, why)
+                self.fs_workers = 0
+                return
+            try:
+                self._fs_pool = fsworkers.FsWorkers(self.fs_workers, {
+                    "root": self.root, "state_dir": self._sdir, "writable": self._writable, "read_only": self.read_only,
+                    "max_session_bytes": self.max_session_bytes, "min_free_space": self.min_free_space,
+                    "io_timeout": self.io_timeout, "idle_timeout": self.idle_timeout})
+            except OSError as exc:
+                log.warning("fs sessions served in the server's process: cannot start %d workers: %s", self.fs_workers, exc)
+                self.fs_workers = 0
+
+    @property
+    def fs_worker_pids(self) -> list[int]:
+        """Process ids of the fs worker processes running (empty: fs sessions served in this process)."""
+        pool = self._fs_pool
+        return pool.pids if pool is not None else []
 
     def _refuse(self, conn: socket.socket, exc: Tb5syncError) -> None:
         assert self._janitor is not None
@@ -509,8 +551,11 @@ class Server(TransferSessions, StoreSessions):
             self._sock.close()
         with self._lock:
             conns = list(self._conns)
+            pool, self._fs_pool = self._fs_pool, None
         for ch in conns:
             ch.close()
+        if pool is not None:  # the workers close the sessions they serve; their threads here return
+            pool.close(timeout)
         if self._thread is not None:
             self._thread.join(timeout=5)
         deadline = time.monotonic() + timeout
@@ -682,6 +727,10 @@ class Server(TransferSessions, StoreSessions):
             ls(ch, self.root, path)
             return False
         if op == "fs":
+            pool, group = self._fs_pool, msg.get("group")
+            # a client's connections (one group) go to one worker; TLS and older clients stay here
+            if pool is not None and isinstance(group, str) and not ch.tls and not ch.buffered and pool.serve(ch, group):
+                return False
             serve_fs(ch, self.root, self.state, self.read_only, self._pages, self._quota(), self._puts)
             return False
         if op == "store":

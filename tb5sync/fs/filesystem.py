@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import threading
 import weakref
 from typing import Any
@@ -62,7 +63,7 @@ from tb5sync.errors import (
     UsageError,
 )
 from tb5sync.wire.messages import DEFAULT_PORT, FS_IDEMPOTENT
-from tb5sync.wire.rpc import Requester, call_direct, open_session
+from tb5sync.wire.rpc import LoopReplies, Requester, call_direct, open_session
 from tb5sync.fs.file import TB5File
 from tb5sync.fs.reading import ReadingMixin, _args_to_wire, _has_magic
 from tb5sync.fs.writing import WritingMixin
@@ -123,11 +124,14 @@ class _Link:
         tls: bool = False, tls_ca: str | None = None, io_timeout: float | None = IO_TIMEOUT,
     ) -> None:
         chans = []
+        # one id on all the connections: a server with fs workers serves them in one process,
+        # which then holds this client's puts in pieces and listing pages (servers before: ignored)
+        group = secrets.token_hex(8)
         try:
             for _ in range(streams + 1):
                 ch = dial(host, port, token, tls=tls, tls_ca=tls_ca, io_timeout=io_timeout, timeout=timeout)
                 chans.append(ch)
-                resp = open_session(ch, {"op": "fs"})
+                resp = open_session(ch, {"op": "fs", "group": group})
         except BaseException:
             for ch in chans:
                 ch.close()
@@ -139,7 +143,16 @@ class _Link:
         self.direct_lock = threading.Lock()
         self.requester = Requester(chans)
         self.direct.pool = self.requester.pool
+        #: the event loop's reply queue of the async calls (made on first use, on the loop they run on)
+        self.replies: LoopReplies | None = None
+        #: a :meth:`flush_deferred` is due on the event loop (the async calls' requests are deferred)
+        self.flush_scheduled = False
         self.closed = False
+
+    def flush_deferred(self) -> None:
+        """Send the async calls' deferred requests (called once per turn of the event loop that made them)."""
+        self.flush_scheduled = False
+        self.requester.flush()
 
     def release(self, views: list[Any]) -> None:
         """Give the receive buffers behind ``views`` (already copied out) back for the next replies."""
@@ -379,15 +392,24 @@ class TB5FileSystem(ReadingMixin, WritingMixin, AsyncFileSystem):
         ``into``/``owner``: a DATA reply's body is received into ``into`` (:meth:`Requester.submit`)."""
         for attempt in (0, 1):
             link = await self._link()
+            replies, loop = link.replies, asyncio.get_running_loop()
+            if replies is None or replies.loop is not loop:
+                replies = link.replies = LoopReplies(loop)
+            afut, settle = replies.future()
             try:
-                fut = link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner)
+                # sent with the others made in this turn of the loop (one sendall per connection)
+                link.requester.submit(method, _args_to_wire(args), channel=channel, into=into, owner=owner, future=settle,
+                                      defer=True)
             except ConnectError:  # never sent (the stream was already closed): safe to send again
                 self._drop(link)
                 if attempt:
                     raise
                 continue
+            if not link.flush_scheduled:
+                link.flush_scheduled = True
+                loop.call_soon(link.flush_deferred)
             try:
-                return await asyncio.wrap_future(fut)
+                return await afut
             except ConnectError:  # lost after sending: only a request without effects is sent again
                 self._drop(link)
                 if attempt or method not in FS_IDEMPOTENT:

@@ -138,6 +138,8 @@ class Requester:
         #: per channel, request id -> what takes a DATA reply's body off the channel (see submit)
         self._sinks: list[dict[int, Callable[[Channel, dict[str, Any], int], Any]]] = [{} for _ in channels]
         self._rr = itertools.cycle(range(len(channels)))
+        #: per channel, frames of deferred requests (``submit(defer=True)``) and their ids, sent by :meth:`flush`
+        self._held: list[list[tuple[int, bytes]]] = [[] for _ in channels]
         self._dead: list[BaseException | None] = [None] * len(channels)
         self._threads = []
         for i in range(len(channels)):
@@ -152,8 +154,18 @@ class Requester:
 
     def submit(self, method: str, args: dict[str, Any], *, channel: int | None = None,
                into: memoryview | None = None, owner: Any = None,
-               sink: Callable[[Channel, dict[str, Any], int], Any] | None = None) -> Future[Any]:
+               sink: Callable[[Channel, dict[str, Any], int], Any] | None = None,
+               future: Any = None, defer: bool = False) -> Any:
         """Send a request and return its future. ``channel=None`` picks streams round-robin.
+
+        ``defer``: the request is encoded and registered now but sent by the next :meth:`flush`,
+        with every other deferred one of its channel in one ``sendall`` (many requests made
+        together cost one system call per channel on each side, not one each); should that send
+        fail, their futures fail with :class:`~tb5sync.errors.ConnectError` as a lost reply does.
+
+        ``future``: what the reply settles instead of a new :class:`concurrent.futures.Future`,
+        any object with ``set_result(value)`` and ``set_exception(exc)`` called once on a reader
+        thread (:meth:`LoopReplies.future`: an event loop's future, no thread hop per reply).
 
         With ``into`` (a writable byte view), a DATA reply's raw body is received straight into it
         (no copy after the socket): the future's result is ``(meta, view)`` with ``view`` the first
@@ -172,7 +184,7 @@ class Requester:
             The chosen channel is already dead.
         """
         idx = next(self._rr) if channel is None else channel
-        fut: Future[Any] = Future()
+        fut: Any = Future() if future is None else future
         with self._lock:
             dead = self._dead[idx]
             if dead is not None:
@@ -185,6 +197,18 @@ class Requester:
                 self._into[idx][rid] = (into, owner)
             if sink is not None:
                 self._sinks[idx][rid] = sink
+        if defer:
+            try:
+                frame = P.encode_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
+            except BaseException:
+                with self._lock:
+                    self._pending[idx].pop(rid, None)
+                    self._into[idx].pop(rid, None)
+                    self._sinks[idx].pop(rid, None)
+                raise
+            with self._lock:
+                self._held[idx].append((rid, frame))
+            return fut
         try:
             self.channels[idx].send_control(P.FrameType.REQUEST, rid, {"m": method, "a": args})
         except OSError as exc:
@@ -194,6 +218,29 @@ class Requester:
                 self._sinks[idx].pop(rid, None)
             raise closed_mid_transfer(self.peer, exc) from exc
         return fut
+
+    def flush(self) -> None:
+        """Send every deferred request (``submit(defer=True)``), one ``sendall`` per channel. A
+        channel that fails to send fails those requests' futures (:class:`ConnectError`); never raises."""
+        for idx, ch in enumerate(self.channels):
+            with self._lock:
+                held, self._held[idx] = self._held[idx], []
+            if not held:
+                continue
+            frames = [f for _, f in held]
+            try:
+                # small frames joined (one buffer); large ones (wwrite bodies) sent as they are, no copy
+                ch.send_encoded([b"".join(frames)] if sum(map(len, frames)) <= 1 << 20 else frames)
+            except OSError as exc:
+                err = closed_mid_transfer(self.peer, exc)
+                with self._lock:
+                    futs = [self._pending[idx].pop(rid, None) for rid, _ in held]
+                    for rid, _ in held:
+                        self._into[idx].pop(rid, None)
+                        self._sinks[idx].pop(rid, None)
+                for fut in futs:
+                    if fut is not None:
+                        _resolve(fut, exc=err)
 
     def submit_data(self, method: str, args: dict[str, Any], parts: list[Any], *, channel: int) -> Future[Any]:
         """Send a request as a DATA frame (meta ``{"m": method, "a": args}``, then the raw ``parts``:
@@ -306,6 +353,76 @@ class Requester:
             ch.close()
         for t in self._threads:
             t.join(timeout=5)
+
+
+class LoopReplies:
+    """Replies to requests made from one asyncio event loop, settled on that loop in batches.
+
+    A reader thread settling each reply through :func:`asyncio.wrap_future` pays for a
+    :class:`concurrent.futures.Future` (with its lock and condition), a callback chain and one
+    ``call_soon_threadsafe`` (a write to the loop's wake-up pipe) per reply. Here a reply is
+    appended to a queue, and the loop is woken only when the queue was empty: a burst of replies
+    (many requests in flight) is settled by one callback on the loop. A future the caller
+    cancelled meanwhile is skipped (its reply is dropped, as :func:`_resolve` drops it).
+
+    ``loop``: the event loop (only its ``call_soon_threadsafe`` is used). Thread-safe.
+    """
+
+    __slots__ = ("loop", "_queue", "_lock", "_scheduled")
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self._queue: list[tuple[Any, Any, BaseException | None]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def future(self) -> tuple[Any, _LoopSettle]:
+        """``(awaitable, settle)``: a new future of the loop, and the object to pass as
+        :meth:`Requester.submit`'s ``future`` (it settles the awaitable on the loop)."""
+        afut = self.loop.create_future()
+        return afut, _LoopSettle(self, afut)
+
+    def settle(self, afut: Any, result: Any, exc: BaseException | None) -> None:
+        """Queue ``afut``'s outcome (from any thread); wake the loop if nothing was queued."""
+        with self._lock:
+            self._queue.append((afut, result, exc))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            with self._lock:
+                self._queue.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._queue = self._queue, []
+            self._scheduled = False
+        for afut, result, exc in items:
+            if afut.done():  # cancelled by its caller
+                continue
+            if exc is not None:
+                afut.set_exception(exc)
+            else:
+                afut.set_result(result)
+
+
+class _LoopSettle:
+    """What a reader thread settles for a request of :class:`LoopReplies`."""
+
+    __slots__ = ("replies", "afut")
+
+    def __init__(self, replies: LoopReplies, afut: Any) -> None:
+        self.replies = replies
+        self.afut = afut
+
+    def set_result(self, result: Any) -> None:
+        self.replies.settle(self.afut, result, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.replies.settle(self.afut, None, exc)
 
 
 def _resolve(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:

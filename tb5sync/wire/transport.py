@@ -801,6 +801,11 @@ class Channel:
         finally:
             self.sock.settimeout(timeout)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and read ahead but not yet taken (a frame's start past the last one read)."""
+        return self._rend - self._rpos
+
     def close(self) -> None:
         """Shut down and close the socket. Safe to call twice."""
         if self.closed:

@@ -1,0 +1,282 @@
+"""fs sessions served by worker processes (``serve --fs-workers N``): past one interpreter's GIL.
+
+One process answers a tb5:// request in ~15 us of GIL held (py-spy ``--gil``, 4 KiB ``cat`` with
+many in flight, ``benches/bench_fs.py``), so one server process cannot pass ~60,000 small
+requests a second whatever its cores. With ``--fs-workers N`` the server starts N worker
+processes; a connection that has passed everything the server checks before a session (``--allow``,
+the token, the lockouts, ``--max-connections``, ``--max-sessions``, the handshake deadline) and
+asks for an ``fs`` session is handed, its socket passed with ``SCM_RIGHTS`` over a
+``socketpair(AF_UNIX, SOCK_SEQPACKET)``, to a worker, which answers the session
+(:func:`~tb5sync.daemon.services.serve_fs`: the same :class:`~tb5sync.daemon.fsops.FsOps`, its
+path jail, read-only and write quota) until it ends, then tells the server. The server's
+connection thread waits meanwhile, so the session still counts against the server's caps.
+
+Which worker: the OPEN's ``group`` (a random id the client sends on every connection of one
+filesystem instance) picks it (CRC-32 modulo N), so the connections of one client share one
+worker's :class:`~tb5sync.daemon.fsops.Puts` and :class:`~tb5sync.daemon.fsops.Pages` (pieces of
+one file on several connections, ``more`` after ``ls``), as they share the server's in one
+process; an OPEN without ``group`` (an older client), over TLS (its state cannot be passed) or
+with bytes read ahead past it is served in the server's process as before.
+
+Stopping: the server closes its end of each pair; a worker then closes every connection it serves
+(each session ends as a broken connection would end it: a put not closed leaves no file at its
+final path, nor its temporary file) and exits; the server waits for it (then kills it). SIGTERM
+to a worker (a service manager stopping the group) does the same. A worker that dies ends its
+sessions as a broken connection; later sessions are served in the server's process. Workers
+ignore SIGINT (the server stops them).
+
+Portable path: needs ``socket.send_fds`` and ``SOCK_SEQPACKET`` Unix sockets (Linux; checked
+when the server starts); elsewhere, and with ``TB5SYNC_FS_WORKERS_PORTABLE=1``, every fs session
+is served in the server's process (logged once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import zlib
+from typing import Any
+
+from tb5sync._os.io import portable
+from tb5sync.errors import Tb5syncError
+from tb5sync.wire.transport import Channel
+
+__all__ = ["FsWorkers", "available", "PORTABLE_ENV"]
+
+log = logging.getLogger(__name__)
+
+#: Set to anything but 0: serve every fs session in the server's process (the portable path).
+PORTABLE_ENV = "TB5SYNC_FS_WORKERS_PORTABLE"
+
+
+def available() -> str | None:
+    """None when fs sessions can be handed to worker processes here, else why not (one line)."""
+    if portable(PORTABLE_ENV):
+        return f"${PORTABLE_ENV} is set"
+    if not hasattr(socket, "send_fds") or not hasattr(socket, "AF_UNIX") or not hasattr(socket, "SOCK_SEQPACKET"):
+        return "this platform cannot pass a socket to another process (no send_fds or SOCK_SEQPACKET)"
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as exc:
+        return f"no SOCK_SEQPACKET Unix sockets: {exc}"
+    a.close()
+    b.close()
+    return None
+
+
+class _Worker:
+    def __init__(self, index: int, config: dict[str, Any]) -> None:
+        self.index = index
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from tb5sync.daemon.fsworkers import worker_main; worker_main()",
+                 str(child.fileno()), json.dumps(config)],
+                pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.lock = threading.Lock()
+        self.waiting: dict[int, threading.Event] = {}
+        self.dead = False
+        self.reader = threading.Thread(target=self._read, name=f"tb5-fsworker-{index}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        """The worker's ``done`` notes, until it closes its end (exits or dies)."""
+        try:
+            while True:
+                msg = self.sock.recv(4096)
+                if not msg:
+                    break
+                done = json.loads(msg).get("done")
+                with self.lock:
+                    ev = self.waiting.pop(done, None)
+                if ev is not None:
+                    ev.set()
+        except (OSError, ValueError) as exc:
+            log.warning("fs worker %d: %s", self.index, exc)
+        with self.lock:
+            self.dead = True
+            left = list(self.waiting.values())
+            self.waiting.clear()
+        for ev in left:
+            ev.set()
+
+
+class FsWorkers:
+    """``n`` worker processes answering fs sessions (see the module docstring).
+
+    ``config``: what a worker needs to answer as the server would: ``root``, ``state_dir``
+    (None: ROOT/.tb5sync), ``writable`` (its tree state), ``read_only``, ``max_session_bytes``,
+    ``min_free_space`` (a session's :class:`~tb5sync.tree.quota.WriteQuota`), ``io_timeout``,
+    ``idle_timeout`` (seconds or None). Thread-safe.
+
+    Raises
+    ------
+    OSError
+        A worker process could not be started (the ones started are stopped).
+    """
+
+    def __init__(self, n: int, config: dict[str, Any]) -> None:
+        self._ids = iter(range(1, 1 << 62))
+        self._lock = threading.Lock()
+        #: connections handed to a worker so far
+        self.handed = 0
+        self.workers: list[_Worker] = []
+        try:
+            for i in range(n):
+                self.workers.append(_Worker(i, config))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers still running."""
+        return [w.proc.pid for w in self.workers if w.proc.poll() is None]
+
+    def serve(self, ch: Channel, group: str) -> bool:
+        """Hand ``ch`` (its OPEN just read, nothing read past it) to the worker of ``group`` and wait
+        until its session ends. False when it could not be handed (that worker is gone): the
+        caller serves it. Once handed, ``ch`` is closed here (this process's descriptor only)."""
+        w = self.workers[zlib.crc32(group.encode("utf-8", "surrogatepass")) % len(self.workers)]
+        with self._lock:
+            sid = next(self._ids)
+            self.handed += 1
+        ev = threading.Event()
+        with w.lock:
+            if w.dead:
+                return False
+            w.waiting[sid] = ev
+        try:
+            socket.send_fds(w.sock, [json.dumps({"id": sid}).encode()], [ch.sock.fileno()])
+        except OSError as exc:
+            with w.lock:
+                w.waiting.pop(sid, None)
+            log.warning("fs worker %d: cannot hand it a connection: %s", w.index, exc)
+            return False
+        ch.closed = True  # the worker owns the connection now: close our descriptor, no shutdown
+        ch.sock.close()
+        ev.wait()
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker: each closes its connections and exits (killed after ``timeout`` s)."""
+        for w in self.workers:
+            try:
+                w.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            w.sock.close()
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("fs worker %d did not stop within %.0f s; killing it", w.index, timeout)
+                w.proc.kill()
+                w.proc.wait()
+            w.reader.join(5)
+
+
+def _serve_one(ch: Channel, config: dict[str, Any], state: Any, pages: Any, puts: Any) -> None:
+    from tb5sync.daemon.services import serve_fs
+    from tb5sync.tree.quota import WriteQuota
+
+    quota = WriteQuota(config["root"], config["max_session_bytes"], config["min_free_space"])
+    try:
+        serve_fs(ch, config["root"], state, config["read_only"], pages, quota if quota.active else None, puts)
+    except (Tb5syncError, OSError) as exc:
+        log.info("fs session ended: %s", exc)
+        if not isinstance(exc, OSError) or isinstance(exc, Tb5syncError):
+            ch.send_error(0, exc)
+    except Exception as exc:  # a bug must not take the worker down
+        log.exception("internal error in an fs session")
+        ch.send_error(0, exc)
+
+
+def worker_main() -> None:
+    """A worker process: ``argv[1]`` its end of the socket pair, ``argv[2]`` the JSON config."""
+    import tb5sync.wire.protocol as P
+    from tb5sync.daemon.fsops import Pages, Puts
+    from tb5sync.tree.state import TreeState
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us
+    logging.basicConfig(level=logging.WARNING, format="tb5sync fs worker: %(message)s")
+    sock = socket.socket(fileno=int(sys.argv[1]))
+
+    def stop(signum: int, frame: Any) -> None:
+        # SIGTERM (a service manager stopping the whole group): stop as when the server stops us,
+        # closing every session so that no write leaves its temporary file
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, stop)
+    config = json.loads(sys.argv[2])
+    state = TreeState(config["root"], writable=config["writable"], state_dir=config["state_dir"])
+    pages, puts = Pages(), Puts()
+    lock = threading.Lock()
+    conns: dict[int, Channel] = {}
+    threads: list[threading.Thread] = []
+
+    def run(sid: int, ch: Channel) -> None:
+        try:
+            _serve_one(ch, config, state, pages, puts)
+        finally:
+            ch.close()
+            with lock:
+                conns.pop(sid, None)
+            try:
+                sock.send(json.dumps({"done": sid}).encode())
+            except OSError:
+                pass
+
+    try:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            except OSError:
+                break
+            if not msg:
+                for fd in fds:
+                    os.close(fd)
+                break
+            sid = json.loads(msg)["id"]
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                sock.send(json.dumps({"done": sid}).encode())
+                continue
+            ch = Channel(socket.socket(fileno=fds[0]))
+            ch.hide_root = config["root"]
+            ch.max_payload = P.MAX_PAYLOAD
+            ch.max_decoded = P.SERVER_MAX_DECODED
+            ch.set_io_timeout(config["io_timeout"])
+            ch.idle_timeout = config["idle_timeout"]
+            with lock:
+                conns[sid] = ch
+            t = threading.Thread(target=run, args=(sid, ch), name=f"tb5-fs-{sid}", daemon=True)
+            threads = [x for x in threads if x.is_alive()]
+            threads.append(t)
+            t.start()
+    finally:
+        with lock:
+            left = list(conns.values())
+        for ch in left:  # each session ends as a broken connection ends it
+            ch.close()
+        for t in threads:
+            t.join(5)
+        state.close()
+        sock.close()
