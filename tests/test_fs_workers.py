@@ -229,3 +229,29 @@ def test_a_bad_worker_count_is_refused(tmp_path: Path, bad: Any) -> None:
 
     with pytest.raises(UsageError, match="fs_workers"):
         Server(str(tmp_path), host="127.0.0.1", port=0, fs_workers=bad)
+
+
+def test_hands_on_a_stream_pair_keep_their_descriptors_apart() -> None:
+    """The pair is a Unix *stream* socket pair (macOS has no SOCK_SEQPACKET Unix sockets): hands
+    sent back to back are read one at a time, each with its own descriptor, and an end of stream
+    is None."""
+    import socket
+
+    a, b = fsworkers._pair()
+    assert a.type == socket.SOCK_STREAM
+    files = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    try:
+        for sid, fd in zip((7, 8, 1 << 40), files):
+            socket.send_fds(a, [fsworkers._MSG.pack(sid)], [fd])
+        got = [fsworkers._recv_hand(b) for _ in range(3)]
+        assert [g[0] for g in got if g] == [7, 8, 1 << 40]
+        for g in got:
+            assert g is not None and len(g[1]) == 1
+            assert os.path.samestat(os.fstat(g[1][0]), os.fstat(files[0]))
+            os.close(g[1][0])
+        a.close()
+        assert fsworkers._recv_hand(b) is None
+    finally:
+        for fd in files:
+            os.close(fd)
+        b.close()

@@ -165,7 +165,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="free space a write must leave on ROOT's file system, e.g. 10G; a write past it is refused (default: not checked)")
         s.add_argument("--fs-workers", type=int, default=0, metavar="N",
                        help="answer tb5:// (fs) sessions in N worker processes, one client's connections in one "
-                            "(Linux; elsewhere, and over TLS, in the server's process; default 0: in process)")
+                            "(over TLS, and where a socket cannot be passed to another process, in the server's process; default 0: in process)")
         s.add_argument("--max-pending-per-address", type=int, default=16, metavar="N",
                        help="connections from one address (IPv6: one /64) not authenticated yet; more are refused as busy (default 16)")
         s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",

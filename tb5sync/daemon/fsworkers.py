@@ -6,7 +6,8 @@ requests a second whatever its cores. With ``--fs-workers N`` the server starts 
 processes; a connection that has passed everything the server checks before a session (``--allow``,
 the token, the lockouts, ``--max-connections``, ``--max-sessions``, the handshake deadline) and
 asks for an ``fs`` session is handed, its socket passed with ``SCM_RIGHTS`` over a
-``socketpair(AF_UNIX, SOCK_SEQPACKET)``, to a worker, which answers the session
+``socketpair(AF_UNIX, SOCK_STREAM)`` (8-byte session ids each way; a stream pair because macOS has
+no ``SOCK_SEQPACKET`` Unix sockets), to a worker, which answers the session
 (:func:`~tb5sync.daemon.services.serve_fs`: the same :class:`~tb5sync.daemon.fsops.FsOps`, its
 path jail, read-only and write quota) until it ends, then tells the server. The server's
 connection thread waits meanwhile, so the session still counts against the server's caps.
@@ -25,8 +26,8 @@ to a worker (a service manager stopping the group) does the same. A worker that 
 sessions as a broken connection; later sessions are served in the server's process. Workers
 ignore SIGINT (the server stops them).
 
-Portable path: needs ``socket.send_fds`` and ``SOCK_SEQPACKET`` Unix sockets (Linux; checked
-when the server starts); elsewhere, and with ``TB5SYNC_FS_WORKERS_PORTABLE=1``, every fs session
+Portable path: needs ``socket.send_fds`` (Linux, macOS and the BSDs; checked when the server
+starts); elsewhere, and with ``TB5SYNC_FS_WORKERS_PORTABLE=1``, every fs session
 is served in the server's process (logged once).
 """
 
@@ -37,6 +38,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -54,17 +56,40 @@ log = logging.getLogger(__name__)
 #: Set to anything but 0: serve every fs session in the server's process (the portable path).
 PORTABLE_ENV = "TB5SYNC_FS_WORKERS_PORTABLE"
 
+#: One message on a worker's socket pair, either way: a session id (the server's hand carries the
+#: connection's descriptor on its first byte; the worker's reply says that session ended).
+_MSG = struct.Struct("!Q")
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def _recv_hand(sock: socket.socket) -> tuple[int, list[int]] | None:
+    """One hand from the server: (session id, descriptors passed with it); None at end of stream."""
+    got = b""
+    fds: list[int] = []
+    while len(got) < _MSG.size:
+        msg, more, _, _ = socket.recv_fds(sock, _MSG.size - len(got), 2)
+        fds.extend(more)
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            return None
+        got += msg
+    return _MSG.unpack(got)[0], fds
+
 
 def available() -> str | None:
     """None when fs sessions can be handed to worker processes here, else why not (one line)."""
     if portable(PORTABLE_ENV):
         return f"${PORTABLE_ENV} is set"
-    if not hasattr(socket, "send_fds") or not hasattr(socket, "AF_UNIX") or not hasattr(socket, "SOCK_SEQPACKET"):
-        return "this platform cannot pass a socket to another process (no send_fds or SOCK_SEQPACKET)"
+    if not hasattr(socket, "send_fds") or not hasattr(socket, "AF_UNIX"):
+        return "this platform cannot pass a socket to another process (no send_fds)"
     try:
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        a, b = _pair()
     except OSError as exc:
-        return f"no SOCK_SEQPACKET Unix sockets: {exc}"
+        return f"no Unix socket pairs: {exc}"
     a.close()
     b.close()
     return None
@@ -73,7 +98,7 @@ def available() -> str | None:
 class _Worker:
     def __init__(self, index: int, config: dict[str, Any]) -> None:
         self.index = index
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent, child = _pair()
         self.sock = parent
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
@@ -94,17 +119,21 @@ class _Worker:
 
     def _read(self) -> None:
         """The worker's ``done`` notes, until it closes its end (exits or dies)."""
+        buf = b""
         try:
             while True:
                 msg = self.sock.recv(4096)
                 if not msg:
                     break
-                done = json.loads(msg).get("done")
-                with self.lock:
-                    ev = self.waiting.pop(done, None)
-                if ev is not None:
-                    ev.set()
-        except (OSError, ValueError) as exc:
+                buf += msg
+                n = len(buf) - len(buf) % _MSG.size
+                for (done,) in _MSG.iter_unpack(buf[:n]):
+                    with self.lock:
+                        ev = self.waiting.pop(done, None)
+                    if ev is not None:
+                        ev.set()
+                buf = buf[n:]
+        except OSError as exc:
             log.warning("fs worker %d: %s", self.index, exc)
         with self.lock:
             self.dead = True
@@ -160,7 +189,7 @@ class FsWorkers:
                 return False
             w.waiting[sid] = ev
         try:
-            socket.send_fds(w.sock, [json.dumps({"id": sid}).encode()], [ch.sock.fileno()])
+            socket.send_fds(w.sock, [_MSG.pack(sid)], [ch.sock.fileno()])
         except OSError as exc:
             with w.lock:
                 w.waiting.pop(sid, None)
@@ -230,6 +259,14 @@ def worker_main() -> None:
     lock = threading.Lock()
     conns: dict[int, Channel] = {}
     threads: list[threading.Thread] = []
+    send_lock = threading.Lock()
+
+    def done(sid: int) -> None:
+        try:
+            with send_lock:
+                sock.sendall(_MSG.pack(sid))
+        except OSError:
+            pass
 
     def run(sid: int, ch: Channel) -> None:
         try:
@@ -238,26 +275,21 @@ def worker_main() -> None:
             ch.close()
             with lock:
                 conns.pop(sid, None)
-            try:
-                sock.send(json.dumps({"done": sid}).encode())
-            except OSError:
-                pass
+            done(sid)
 
     try:
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+                hand = _recv_hand(sock)
             except OSError:
                 break
-            if not msg:
-                for fd in fds:
-                    os.close(fd)
+            if hand is None:
                 break
-            sid = json.loads(msg)["id"]
+            sid, fds = hand
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
-                sock.send(json.dumps({"done": sid}).encode())
+                done(sid)
                 continue
             ch = Channel(socket.socket(fileno=fds[0]))
             ch.hide_root = config["root"]

@@ -210,7 +210,7 @@ class Server(TransferSessions, StoreSessions):
     fs_workers : int
         0..64 worker processes answering fs (tb5://) sessions (:mod:`tb5sync.daemon.fsworkers`),
         started with :meth:`serve_forever`; 0 (default), or where a socket cannot be passed to
-        another process (not Linux, ``TB5SYNC_FS_WORKERS_PORTABLE=1``): in this process.
+        another process (no ``socket.send_fds``, ``TB5SYNC_FS_WORKERS_PORTABLE=1``): in this process.
 
     Raises
     ------
