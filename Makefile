@@ -83,11 +83,15 @@ ifeq ($(origin RUN), undefined)
 RUN := benches/results/run-$(shell date +%Y%m%d-%H%M%S)
 endif
 
+# BuildGrid (PyPI buildgrid), the gRPC peer of bench_httpcache.py, in a venv of its own (its pins differ from ours)
+BGD_VENV ?= .bench-buildgrid
+
 bench: $(STAMP)
 	@command -v rsync >/dev/null && command -v iperf3 >/dev/null || (apt-get update -qq && apt-get install -y -qq rsync iperf3)
 	$(BIN)/pip install -q 'pyfastcdc>=0.3' 'matplotlib>=3.7' 'py-spy>=0.3' 'sshfs>=2023.1'
 	@command -v nginx >/dev/null && command -v ccache >/dev/null && test -x /usr/sbin/sshd || (apt-get update -qq && apt-get install -y -qq nginx-light ccache openssh-server)
 	@command -v perf >/dev/null || (apt-get update -qq && apt-get install -y -qq linux-perf) || echo "no perf: bench_cpu.py's interp part is skipped"
+	@test -x $(BGD_VENV)/bin/bgd || ($(PY) -m venv $(BGD_VENV) && $(BGD_VENV)/bin/pip install -q buildgrid) || echo "no BuildGrid: bench_httpcache.py's BuildGrid rows say so"
 	mkdir -p $(RUN)
 	$(BIN)/python benches/bench_sync.py --repeat 5 --json-out $(RUN)/sync.json
 	$(BIN)/python benches/bench_sync.py --short --repeat 5 --no-raw --workloads tree_cold --json-out $(RUN)/sync-short.json
@@ -98,7 +102,7 @@ bench: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --json-out $(RUN)/fs.json
 	$(BIN)/python benches/bench_scaling.py
 	$(BIN)/python benches/bench_store.py
-	$(BIN)/python benches/bench_httpcache.py
+	$(BIN)/python benches/bench_httpcache.py --buildgrid $(BGD_VENV)/bin/bgd
 	$(BIN)/python benches/targets.py --sync $(RUN)/sync.json --sync-short $(RUN)/sync-short.json --cpu $(RUN)/cpu.json \
 		--pinned $(RUN)/pinned.json --chunker $(RUN)/chunker.json --fs $(RUN)/fs.json
 
@@ -111,4 +115,4 @@ bench-short: $(STAMP)
 	$(BIN)/python benches/bench_fs.py --short
 
 clean:
-	rm -rf $(VENV) build site ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info
+	rm -rf $(VENV) $(BGD_VENV) build site ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info
