@@ -314,3 +314,124 @@ def test_object_stores_stay_format_v1(tmp_path: Any) -> None:
         assert st.stats()["recipes"] == 0
         with pytest.raises(UsageError, match="format v1"):
             st.upgrade()
+
+
+def _later_version(tmp_path: Any, rnd: random.Random) -> tuple[bytes, bytes]:
+    """A 12 MiB file as v1, then v2 with 6 random 80 KB ranges rewritten (the issue-25 edit)."""
+    v1 = rnd.randbytes(12 * MiB)
+    v2 = bytearray(v1)
+    for _ in range(6):
+        o = rnd.randrange(0, len(v2) - 80_000)
+        v2[o : o + 80_000] = rnd.randbytes(80_000)
+    return v1, bytes(v2)
+
+
+def _stored(path: Any) -> int:
+    with Store(path) as st:
+        return int(st.stats()["stored_bytes"])
+
+
+def test_push_and_pull_of_a_later_version_send_about_the_new_bytes(tmp_path: Any) -> None:
+    # the target of issue 25: wire bytes of a push (and a pull) of a later version <= 1.2x the
+    # bytes new to the receiving store (its packs' growth); with whole 1 MiB chunks it was ~10x
+    v1, v2 = _later_version(tmp_path, random.Random(7))
+    Store(tmp_path / "remote_store").close()
+    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
+    try:
+        with Store(tmp_path / "a") as a:
+            write(str(tmp_path / "s" / "f"), v1)
+            a.put("m/1", str(tmp_path / "s"))
+            first = push_ref(a, "m/1", _url(live))
+            assert first["pieces_sent"] == 0  # nothing there yet: whole chunks, no recipes
+            write(str(tmp_path / "s" / "f"), v2)
+            a.put("m/2", str(tmp_path / "s"))
+            before = _stored(tmp_path / "remote_store")
+            res = push_ref(a, "m/2", _url(live))
+            new = _stored(tmp_path / "remote_store") - before
+            assert res["pieces_sent"] > 0 and 0 < res["wire_bytes"] <= 1.2 * new
+            assert res["bytes_sent"] < 12 * MiB // 4
+        with Store(tmp_path / "c") as c:
+            pull_ref(c, "m/1", _url(live))
+            before = _stored(tmp_path / "c")
+            got = pull_ref(c, "m/2", _url(live))
+            new = _stored(tmp_path / "c") - before
+            assert got["pieces_fetched"] > 0 and 0 < got["wire_bytes"] <= 1.2 * new
+            assert c.cat("m/2", "f") == v2 and c.cat("m/1", "f") == v1
+            assert c.verify()["ok"]
+    finally:
+        live.server.stop()
+    with Store(tmp_path / "remote_store") as r:
+        assert r.cat("m/2", "f") == v2 and r.verify()["ok"]
+
+
+@pytest.mark.parametrize("old", ["server", "client"])
+def test_an_old_peer_gets_whole_chunks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, old: str) -> None:
+    import tb5sync.store.ops as ops_mod
+    from tb5sync.store.ops import StoreOps
+
+    if old == "server":  # a server older than the pieces feature: its OPEN reply has read_only only
+        monkeypatch.setattr(ops_mod, "session_reply", lambda store, ro: {"read_only": ro})
+    for m in ("recipes", "have_pieces", "put_recipes"):  # neither side may use a piece method
+        def refuse(self: Any, *a: Any, _m: str = m, **k: Any) -> Any:
+            raise AssertionError(f"{_m} sent to an old peer")
+        monkeypatch.setattr(StoreOps, m, refuse)
+    pieces = old == "server"  # an old client is this one with pieces=False: the same requests
+    v1, v2 = _later_version(tmp_path, random.Random(8))
+    Store(tmp_path / "remote_store").close()
+    live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))
+    try:
+        with Store(tmp_path / "a") as a:
+            write(str(tmp_path / "s" / "f"), v1)
+            a.put("m/1", str(tmp_path / "s"))
+            push_ref(a, "m/1", _url(live), pieces=pieces)
+            write(str(tmp_path / "s" / "f"), v2)
+            a.put("m/2", str(tmp_path / "s"))
+            res = push_ref(a, "m/2", _url(live), pieces=pieces)
+            whole = {d: n for d, n in a.item("m/2", "f").chunks} .keys() - {d for d, _ in a.item("m/1", "f").chunks}
+            assert res["pieces_sent"] == 0 and res["chunks_sent"] == len(whole) + 1
+            assert res["bytes_sent"] >= sum(n for d, n in a.item("m/2", "f").chunks if d in whole)
+        with Store(tmp_path / "c") as c:
+            pull_ref(c, "m/1", _url(live), pieces=pieces)
+            got = pull_ref(c, "m/2", _url(live), pieces=pieces)
+            assert got["pieces_fetched"] == 0 and got["chunks_fetched"] == len(whole) + 1
+            assert c.cat("m/2", "f") == v2 and c.verify()["ok"]
+    finally:
+        live.server.stop()
+    with Store(tmp_path / "remote_store") as r:
+        assert r.cat("m/2", "f") == v2 and r.verify()["ok"]
+
+
+def test_put_recipes_checks_every_piece_and_chunk_before_it_records_one(tmp_path: Any) -> None:
+    from tb5sync.store.ops import StoreOps
+    from tb5sync.store.pieces import recipe_to_blob
+
+    data = random.Random(9).randbytes(MiB)
+    cut = split(data)
+    d = chunk_digest(data)
+    blob = recipe_to_blob(cut)
+    pieces = [[p, data[s:e]] for p, s, e in cut]
+    lease = "cd" * 16
+    with Store(tmp_path / "s") as st:
+        ops = StoreOps(st)
+        bad = [list(p) for p in pieces]
+        bad[3] = [bad[3][0], bytes([bad[3][1][0] ^ 1]) + bad[3][1][1:]]
+        with pytest.raises(IntegrityError, match="does not match its digest"):
+            ops.put_recipes(lease, [[d, blob]], bad)
+        with pytest.raises(IntegrityError, match="missing"):  # a piece neither sent nor stored
+            ops.put_recipes(lease, [[d, blob]], pieces[1:])
+        # pieces that are all good but make another chunk than the one named
+        with pytest.raises(IntegrityError, match="does not match its digest"):
+            ops.put_recipes(lease, [[chunk_digest(b"other"), blob]], pieces)
+        with pytest.raises(UsageError):
+            ops.put_recipes(lease, [[d, blob[:-1]]], pieces)
+        ops.flush(lease)
+        assert not st.has(d) and st.stats()["recipes"] == 0
+        ops.put_recipes(lease, [[d, blob]], pieces)
+        ops.flush(lease)
+        assert st.has(d) and st.read_chunk(d) == data and st.recipe(d) == [(p, e - s) for p, s, e in cut]
+        ops.close()
+    with Store(tmp_path / "v1", version=1) as st:
+        ops = StoreOps(st)
+        with pytest.raises(UsageError, match="format v1"):
+            ops.put_recipes(lease, [[d, blob]], pieces)
+        ops.close()

@@ -465,7 +465,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                     where = "the server" if c == "push" else "this store"
                     say(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
                 else:
-                    say(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                    npieces = res.get("pieces_sent", res.get("pieces_fetched", 0))
+                    some = f" (some as {npieces} pieces)" if npieces else ""
+                    say(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}{some}, "
                           f"{_fmt(moved)} in {res['seconds']:.2f} s")
     return 0
 

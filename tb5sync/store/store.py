@@ -446,12 +446,56 @@ class Store:
         pieces = blob_to_recipe(blob)
         if sum(n for _, n in pieces) != length:
             raise IntegrityError(f"chunk {digest.hex()}: its recipe does not add up to its length")
+        return self.assemble(digest, pieces)
+
+    def recipe(self, digest: bytes) -> list[tuple[bytes, int]] | None:
+        """The recipe of chunk ``digest`` (format v2): ``[(piece digest, length in bytes), ...]``, or None
+        when the store keeps that chunk whole (or lacks it).
+
+        Raises
+        ------
+        IntegrityError
+            A damaged recipe row.
+        """
+        rows = self._q("SELECT length, pieces FROM recipes WHERE digest=?", (digest,))
+        if not rows:
+            return None
+        pieces = blob_to_recipe(bytes(rows[0][1]))
+        if sum(n for _, n in pieces) != int(rows[0][0]):
+            raise IntegrityError(f"chunk {digest.hex()}: its recipe does not add up to its length")
+        return pieces
+
+    def assemble(self, digest: bytes, pieces: Sequence[tuple[bytes, int]],
+                 given: dict[bytes, bytes | memoryview] | None = None) -> bytes:
+        """Chunk ``digest`` rebuilt from ``pieces`` (``[(piece digest, length), ...]``, in order): a
+        piece in ``given`` (digest -> bytes the caller has checked against that digest, e.g. just
+        received) from there, every other one from its pack frame (adjacent frames of one pack read
+        with one ranged read); the result is checked against ``digest``.
+
+        What a read of a chunk kept as a recipe does, and what a receiver of a piece-level push or
+        pull (:mod:`tb5sync.remote.storeclient`) does before it records a recipe it was sent.
+
+        Raises
+        ------
+        IntegrityError
+            A piece is neither given nor in the store, a frame is damaged, or the rebuilt bytes do
+            not hash to ``digest`` (the message names the damaged piece when one is).
+        """
+        given = given or {}
         for attempt in range(3):
-            where = self.locate(d for d, _ in pieces)
+            where = self.locate(d for d, _ in pieces if d not in given)
             out = bytearray()
             runs: list[tuple[str, int, int, list[tuple[bytes, int]]]] = []  # (pack, start, end, pieces)
             try:
+                # runs of adjacent frames, flushed in order; a given piece is a run of its own ("")
                 for d, n in pieces:
+                    g = given.get(d)
+                    if g is not None:
+                        if len(g) != n:
+                            raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} is {len(g)} bytes, "
+                                                 f"its recipe says {n}")
+                        runs.append(("", 0, 0, [(d, n)]))
+                        continue
                     loc = where.get(d)
                     if loc is None or loc[2] != n:
                         raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} is missing from the store")
@@ -462,6 +506,9 @@ class Store:
                     else:
                         runs.append((pack, off - FRAME_HEADER, off + n, [(d, n)]))
                 for pack, start, end, ps in runs:
+                    if not pack:
+                        out += given[ps[0][0]]
+                        continue
                     raw = memoryview(self.packs.get_range(pack, start, end - start))
                     pos = 0
                     for d, n in ps:
@@ -478,6 +525,9 @@ class Store:
                 pos = 0
                 for d, n in pieces:  # name the damaged piece
                     if chunk_digest(memoryview(out)[pos : pos + n]) != d:
+                        if d in given:
+                            raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} as sent does not match "
+                                                 "its digest")
                         raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} in pack {where[d][0]} "
                                              f"at {where[d][1]} is damaged")
                     pos += n
