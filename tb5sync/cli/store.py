@@ -394,13 +394,14 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         elif c == "reindex":
             res = st.reindex()
             print(json.dumps(res) if a.json else
-                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
-                  f"missing packs dropped, {res['damaged']} damaged frames")
+                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['recipes_added']} recipes "
+                  f"rebuilt, {res['rows_dropped']} rows of missing packs dropped, {res['damaged']} damaged frames")
         elif c == "upgrade":
             res = st.upgrade()
+            recs = f"; {res['records_written']} recipe records written" if res.get("records_written") else ""
             print(json.dumps(res) if a.json else
-                  f"store format {res['from']} -> {res['to']}" if res["from"] != res["to"] else
-                  f"store format {res['to']} already")
+                  (f"store format {res['from']} -> {res['to']}" if res["from"] != res["to"] else
+                   f"store format {res['to']} already") + recs)
         elif c == "stats":
             from tb5sync.store.blobs import counters
 

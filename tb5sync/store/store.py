@@ -322,20 +322,26 @@ class Store:
         os.replace(tmp, os.path.join(self.path, "config"))
 
     def upgrade(self) -> dict[str, Any]:
-        """Move a format v1 store to format v2 (``store upgrade``); a v2 store is left as it is.
+        """Move a format v1 store to format v2 (``store upgrade``); in a v2 store, write the recipe
+        records its packs lack.
 
-        Only ``config`` changes: chunks written from now on are kept as recipes of pieces, the
-        chunks already stored stay whole frames (a v2 store reads both); nothing is rewritten.
+        From v1 only ``config`` changes: chunks written from now on are kept as recipes of pieces,
+        the chunks already stored stay whole frames (a v2 store reads both); nothing is rewritten.
         Afterwards a tb5sync that reads only v1 refuses the store (its config says version 2).
         Holds the gc lock, so no gc runs meanwhile; a writer of another process that opened the
         store as v1 before goes on writing whole chunks, which v2 reads as well.
 
+        A v2 store written before recipes were recorded in the packs (their records,
+        :func:`tb5sync.store.pieces.recipe_record`, are what :meth:`reindex` rebuilds recipes from)
+        gets a record for each recipe that has none, in new packs; nothing else changes.
+
         Returns
         -------
         dict
-            ``{"from": old version, "to": 2}``.
+            ``{"from": old version, "to": 2, "records_written": recipe records added}``.
         """
         from tb5sync.store.gc import gc_lock
+        from tb5sync.store.pieces import recipe_record
 
         old = self.version
         if old < 2:
@@ -343,7 +349,24 @@ class Store:
                 cfg = dict(self.config, version=2, piece_params=1)
                 self._write_config(cfg)
             self.config, self.version, self.piece_params = cfg, 2, piece_params(1)
-        return {"from": old, "to": self.version}
+        written = 0
+        rows = [(bytes(d), bytes(b)) for d, b in self._q("SELECT digest, pieces FROM recipes")]
+        todo = [(d, recipe_record(d, b)) for d, b in rows]
+        todo = [(d, rec) for d, rec in todo if not self._q("SELECT 1 FROM chunks WHERE digest=?", (chunk_digest(rec),))]
+        if todo:
+            lease = self.lease()
+            writer = PackWriter(self, lease)
+            try:
+                for _, rec in todo:
+                    writer.add_frame(chunk_digest(rec), rec)
+                    written += 1
+                writer.flush()
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                lease.release()
+        return {"from": old, "to": self.version, "records_written": written}
 
     def set_quota(self, quota: int | None) -> None:
         """Record ``quota`` (bytes, None for none) in ``config`` (atomically replaced) and use it."""
@@ -1044,8 +1067,10 @@ class Store:
     def stats(self) -> dict[str, Any]:
         """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts.
 
-        ``chunks`` and ``unique_bytes`` count pack frames (format v2: pieces and small chunks),
-        ``recipes`` the chunks kept as recipes of pieces (0 in a v1 store), ``format`` the store format version.
+        ``chunks`` counts pack frames (format v2: pieces, small chunks and the recipes' records),
+        ``unique_bytes`` their content bytes (the records left out: ``record_bytes``, 44 + 36 per piece
+        for each recipe), ``recipes`` the chunks kept as recipes of pieces (0 in a v1 store),
+        ``format`` the store format version.
         """
         with self._lock:
             logical, files = self._db.execute("SELECT COALESCE(SUM(size),0), COALESCE(SUM(files),0) FROM refs").fetchone()
@@ -1053,8 +1078,10 @@ class Store:
             stored, npacks = self._db.execute("SELECT COALESCE(SUM(size),0), COUNT(*) FROM packs").fetchone()
             nrefs = self._db.execute("SELECT COUNT(*) FROM refs").fetchone()[0]
             nblobs, blob_bytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs").fetchone()
-            nrecipes = self._db.execute("SELECT COUNT(*) FROM recipes").fetchone()[0]
-        return {"format": self.version, "recipes": nrecipes, "refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
+            nrecipes, record_bytes = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(44 + length(pieces)), 0) FROM recipes").fetchone()
+        unique = max(0, unique - record_bytes)  # content only: each recipe's record frame left out
+        return {"format": self.version, "recipes": nrecipes, "record_bytes": record_bytes, "refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
                 "stored_bytes": stored, "chunks": nchunks, "packs": npacks,
                 "dedup_ratio": round(logical / unique, 3) if unique else 1.0, "quota": self.quota}
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from tb5sync._os.io import durable_sync
 from tb5sync.engine.params import ChunkParams
 from tb5sync.store.index import check_entry_fits
-from tb5sync.store.pieces import SPLIT_MIN, Piece, recipe_to_blob, split
+from tb5sync.engine.hashing import chunk_digest
+from tb5sync.store.pieces import SPLIT_MIN, Piece, recipe_record, recipe_to_blob, split
 from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
@@ -138,9 +139,12 @@ class PackWriter:
             if not had.get(p, True):
                 self.add_frame(p, mv[s:e])
                 had[p] = True
+        blob = recipe_to_blob(pieces)
         with self._lock:
-            self._recipes.append((digest, len(data), recipe_to_blob(pieces)))
+            self._recipes.append((digest, len(data), blob))
             self.known.add(digest)
+        rec = recipe_record(digest, blob)  # the recipe in the packs too: reindex rebuilds it from there
+        self.add_frame(chunk_digest(rec), rec)
 
     def add_frame(self, digest: bytes, data: bytes | memoryview) -> None:
         """Append ``data`` as one frame named ``digest`` (a whole chunk, or a piece), unless this
