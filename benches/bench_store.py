@@ -78,6 +78,13 @@ def tree_size(path: str) -> tuple[int, int]:
     return files, size
 
 
+def stored(store: str) -> int:
+    """Bytes of pack files in store directory ``store`` (``store stats``' stored_bytes), 0 before it exists."""
+    if not os.path.isfile(os.path.join(store, "config")):
+        return 0
+    return int(json.loads(run([*TB5, "store", "--store", store, "stats", "--json"])[1])["stored_bytes"])
+
+
 def fresh(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     return path
@@ -113,8 +120,8 @@ def make_versions(models: str, work: str, n: int) -> list[str]:
     return out
 
 
-def start(cmd: list[str], pattern: str) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+def start(cmd: list[str], pattern: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert p.stderr is not None
     m = re.search(pattern, p.stderr.readline())
     if not m:
@@ -262,7 +269,8 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
             os.makedirs(cwd)
         got = timed(cmd, cwd=cwd, env=t["env"])
         later = puts[1:]
-        out["tools"][name] = {
+        nodes = tb5_nodes(work, repo, n, t["env"]) if name.startswith("tb5sync") else {}
+        out["tools"][name] = {**nodes,
             "put v1 s": puts[0]["s"], "put v1 cpu s": puts[0]["cpu"], "put v1 peak rss MiB": puts[0]["rss"],
             "put later s": med([p["s"] for p in later]), "put later cpu s": med([p["cpu"] for p in later]),
             "put later peak rss MiB": max((p["rss"] for p in later), default=0),
@@ -278,6 +286,38 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
     return out
 
 
+def tb5_nodes(work: str, repo: str, n: int, env: dict[str, str]) -> dict[str, Any]:
+    """``store push`` of every version of store ``repo`` to a ``tb5sync serve --store`` on 127.0.0.1,
+    then ``store pull`` of each into a fresh store (both of the format ``env`` asks for): per later
+    version the wire bytes of the command (``wire_bytes``: frames, both ways) over the bytes new to
+    the receiving store (its ``stored_bytes`` growth); medians over versions 2..n."""
+    rb = fresh(os.path.join(work, "peer-remote-store"))
+    root = fresh(os.path.join(work, "peer-remote-root"))
+    os.makedirs(root)
+    envx = {**os.environ, **env}
+    ratios: dict[str, list[float]] = {"push": [], "pull": []}
+    wires: dict[str, list[int]] = {"push": [], "pull": []}
+    srv, port = start([*TB5, "serve", root, "--bind", "127.0.0.1:0", "--store", rb], r":(\d+)\s*$", env)
+    try:
+        url = f"tb5://127.0.0.1:{port}"
+        sc = fresh(os.path.join(work, "peer-pull-store"))
+        for what, st, cmd in (("push", rb, "push"), ("pull", sc, "pull")):
+            for k in range(1, n + 1):
+                before = stored(st)
+                here = repo if what == "push" else sc
+                out = run([*TB5, "store", "--store", here, cmd, f"m/v{k}", url, "--json"], env=envx)[1]
+                if k > 1:
+                    wire = json.loads(out)["wire_bytes"]
+                    wires[what].append(wire)
+                    ratios[what].append(wire / max(1, stored(st) - before))
+    finally:
+        stop(srv)
+        for q in (rb, root, os.path.join(work, "peer-pull-store")):
+            shutil.rmtree(q, ignore_errors=True)
+    return {"push later wire MB": med(wires["push"]) / 1e6, "push later wire / new": med(ratios["push"]),
+            "pull later wire MB": med(wires["pull"]) / 1e6, "pull later wire / new": med(ratios["pull"])}
+
+
 def print_peers(p: dict[str, Any]) -> None:
     print(f"\npeers: {p['versions']} versions, v1 = {p['v1 bytes'] / 1e6:.0f} MB; each later version rewrites 8 random "
           "80 KB ranges of every model file")
@@ -287,7 +327,12 @@ def print_peers(p: dict[str, Any]) -> None:
         print(f"  {name:<36} {r['put v1 s']:>8.2f} {r['put v1 cpu s']:>6.2f} {r['put v1 peak rss MiB']:>7.0f} "
               f"{r['put later s']:>11.2f} {r['put later cpu s']:>6.2f} {r['growth per version %']:>16.2f} "
               f"{r['restore s']:>9.2f} {r['restore cpu s']:>6.2f}")
-    print(f"  cp -a of v5: {p['cp -a of v5 s']:.2f} s")
+    print(f"  cp -a of v{p['versions']}: {p['cp -a of v5 s']:.2f} s")
+    for name, r in p["tools"].items():
+        if "push later wire / new" in r:
+            print(f"  {name}: store push of a later version: {r['push later wire MB']:.2f} MB on the wire, "
+                  f"{r['push later wire / new']:.2f}x the bytes new to the receiving store; pull "
+                  f"{r['pull later wire MB']:.2f} MB, {r['pull later wire / new']:.2f}x")
 
 
 def med(xs: list[float]) -> float:
@@ -386,6 +431,9 @@ def main() -> int:
     nodes: dict[str, list[float]] = {k: [] for k in ("store push v1", "store push v2", "store pull v1", "store pull v2",
                                                      "rsync v1", "rsync v2 over v1", "tb5sync sync v1", "tb5sync sync v2 over v1")}
     moved: dict[str, int] = {}
+    # (wire bytes of the command, bytes new to the receiving store) per run: the issue-25 ratio
+    wire: dict[str, list[tuple[int, int]]] = {k: [] for k in ("store push v1", "store push v2", "store pull v1",
+                                                              "store pull v2")}
     for _ in range(a.repeat):
         rb = fresh(os.path.join(work, "remote-store"))
         root = fresh(os.path.join(work, "remote-root"))
@@ -394,14 +442,18 @@ def main() -> int:
         try:
             url = f"tb5://127.0.0.1:{port}"
             for k, v in ((1, v1), (2, v2)):
+                before = stored(rb)
                 dt, out = run([*TB5, "store", "--store", st, "push", f"models/v{k}", url, "--json"])
                 nodes[f"store push v{k}"].append(dt)
                 moved[f"store push v{k}"] = json.loads(out)["bytes_sent"]
+                wire[f"store push v{k}"].append((json.loads(out)["wire_bytes"], stored(rb) - before))
             sc = fresh(os.path.join(work, "store-c"))
             for k in (1, 2):
+                before = stored(sc)
                 dt, out = run([*TB5, "store", "--store", sc, "pull", f"models/v{k}", url, "--json"])
                 nodes[f"store pull v{k}"].append(dt)
                 moved[f"store pull v{k}"] = json.loads(out)["bytes_fetched"]
+                wire[f"store pull v{k}"].append((json.loads(out)["wire_bytes"], stored(sc) - before))
             nodes["tb5sync sync v1"].append(run([*TB5, "sync", v1 + "/", f"{url}/m/"])[0])
             nodes["tb5sync sync v2 over v1"].append(run([*TB5, "sync", v2 + "/", f"{url}/m/"])[0])
         finally:
@@ -423,6 +475,10 @@ def main() -> int:
         for p in (rb, root, rroot, os.path.join(work, "store-c")):
             shutil.rmtree(p, ignore_errors=True)
     res["nodes"] = {k: {"seconds": med(v), "GB/s": size1 / med(v) / 1e9, "bytes moved": moved.get(k)} for k, v in nodes.items()}
+    for k, runs in wire.items():
+        res["nodes"][k]["wire bytes"] = med([w for w, _ in runs])
+        res["nodes"][k]["new bytes at the receiver"] = med([n for _, n in runs])
+        res["nodes"][k]["wire / new"] = med([w / max(1, n) for w, n in runs])
     shutil.rmtree(st, ignore_errors=True)
 
     # the table
@@ -441,7 +497,9 @@ def main() -> int:
     print(f"  {'step':<26} {'seconds':>8} {'GB/s (v1 size)':>15} {'MB moved':>9}")
     for k, r in res["nodes"].items():
         mb = f"{r['bytes moved'] / 1e6:>9.1f}" if r["bytes moved"] is not None else f"{'':>9}"
-        print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}")
+        ratio = (f"  wire {r['wire bytes'] / 1e6:.2f} MB for {r['new bytes at the receiver'] / 1e6:.2f} MB new there "
+                 f"({r['wire / new']:.2f}x)") if "wire bytes" in r else ""
+        print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}{ratio}")
     if a.peers:
         res["peers"] = peers(work, models, a.versions)
         print_peers(res["peers"])
