@@ -27,7 +27,10 @@ of ``--repeat`` runs, tools alternating; page cache not dropped):
    default compression). Per tool: put of v1 (s, CPU s, peak RSS), median put of a later version,
    repository growth per version (% of the repository after v1), restore of v5 (s, CPU s), and
    ``cp -a`` of v5 on the same disk. A peer whose Debian package is missing is skipped with a line
-   naming it (``apt-get install -y restic borgbackup casync``).
+   naming it (``apt-get install -y restic borgbackup casync``). Per tb5sync format also ``store push``
+   and ``store pull`` of each later version over loopback: wire bytes against the bytes new to the
+   receiving store. ``--short`` (CI, ``make bench-short``): section 5 only, on a generated 24 MiB
+   tree and 3 versions, ~15 s.
 
 Data: the stdlib tree (site-packages left out) and ``$TB5SYNC_CORPUS/models`` (or ``.corpus/models``,
 ``make corpus``); without the corpus a generated 256 MiB "model" directory stands in.
@@ -227,6 +230,7 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
                 "get": lambda r, k, o: ([*TB5, "store", "--store", r, "get", f"m/v{k}", o], None)}
 
     tools: dict[str, Any] = {"tb5sync store (format v1: before)": tb5("1"), "tb5sync store (format v2: after)": tb5("2")}
+    skipped: list[tuple[str, str]] = []  # (command, Debian package) of the peers not installed
     if shutil.which("restic"):
         ver = subprocess.run(["restic", "version"], capture_output=True, text=True).stdout
         m = re.search(r"restic (\d+)\.(\d+)", ver)
@@ -236,22 +240,23 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
             "put": lambda r, k, v: (["restic", "-r", r, "backup", "--host", "bench", *comp, "."], v),
             "get": lambda r, k, o: (["restic", "-r", r, "restore", "latest", "--target", o], None)}
     else:
-        print("peers: restic not installed (apt-get install -y restic): skipped")
+        skipped.append(("restic", "restic"))
     if shutil.which("borg"):
         tools["borg (no compression)"] = {
             "env": pw, "init": lambda r: ["borg", "init", "-e", "none", r],
             "put": lambda r, k, v: (["borg", "create", "--compression", "none", f"{r}::v{k}", "."], v),
             "get": lambda r, k, o: (["borg", "extract", f"{r}::v{k}"], o)}
     else:
-        print("peers: borg not installed (apt-get install -y borgbackup): skipped")
+        skipped.append(("borg", "borgbackup"))
     if shutil.which("casync"):
         tools["casync (64 KiB chunks)"] = {
             "env": {}, "init": None,
             "put": lambda r, k, v: (["casync", "make", f"--store={r}/default.castr", f"{r}/v{k}.caidx", v], None),
             "get": lambda r, k, o: (["casync", "extract", f"--store={r}/default.castr", f"{r}/v{k}.caidx", o], None)}
     else:
-        print("peers: casync not installed (apt-get install -y casync): skipped")
-    out: dict[str, Any] = {"v1 bytes": size1, "versions": n, "tools": {}}
+        skipped.append(("casync", "casync"))
+    out: dict[str, Any] = {"v1 bytes": size1, "versions": n, "tools": {},
+                           "skipped": {c: f"{c} not installed (apt-get install -y {p})" for c, p in skipped}}
     for name, t in tools.items():
         repo = fresh(os.path.join(work, "peer-repo"))
         if t["init"] is not None:
@@ -327,6 +332,8 @@ def print_peers(p: dict[str, Any]) -> None:
         print(f"  {name:<36} {r['put v1 s']:>8.2f} {r['put v1 cpu s']:>6.2f} {r['put v1 peak rss MiB']:>7.0f} "
               f"{r['put later s']:>11.2f} {r['put later cpu s']:>6.2f} {r['growth per version %']:>16.2f} "
               f"{r['restore s']:>9.2f} {r['restore cpu s']:>6.2f}")
+    for name, why in p.get("skipped", {}).items():
+        print(f"  {name:<36} skipped: {why}")
     print(f"  cp -a of v{p['versions']}: {p['cp -a of v5 s']:.2f} s")
     for name, r in p["tools"].items():
         if "push later wire / new" in r:
@@ -343,16 +350,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--workdir", default="/tmp/tb5sync-bench-store")
+    ap.add_argument("--workdir", help="scratch directory (default /tmp/tb5sync-bench-store, -short with --short)")
     ap.add_argument("--json-out")
     ap.add_argument("--peers", action="store_true", help="also run section 5 (restic, borg, casync)")
     ap.add_argument("--peers-only", action="store_true", help="run only section 5")
+    ap.add_argument("--short", action="store_true",
+                    help="section 5 only, on a generated 24 MiB 'model' tree and 3 versions (CI: well under a minute)")
     a = ap.parse_args()
-    work = a.workdir
+    if a.short:
+        a.peers_only, a.versions = True, min(a.versions, 3)
+    work = a.workdir or ("/tmp/tb5sync-bench-store-short" if a.short else "/tmp/tb5sync-bench-store")
     os.makedirs(work, exist_ok=True)
     corpus = os.environ.get("TB5SYNC_CORPUS") or os.path.join(HERE, "..", ".corpus")
     models = os.path.abspath(os.path.join(corpus, "models"))
-    if not os.path.isdir(models):
+    if a.short:  # generated, so CI's short run needs no corpus: two weight files of random bytes
+        models = os.path.join(work, "short-models")
+        if not os.path.isdir(models):
+            os.makedirs(models)
+            rnd = random.Random(2)
+            for name, size in (("model.safetensors", 16 << 20), ("adapter.bin", 8 << 20)):
+                with open(os.path.join(models, name), "wb") as f:
+                    f.write(rnd.randbytes(size))
+    elif not os.path.isdir(models):
         models = os.path.join(work, "gen-models")
         if not os.path.isdir(models):
             os.makedirs(models)
