@@ -517,3 +517,43 @@ def test_upgrade_records_the_recipes_of_a_v2_store_written_without_records(tmp_p
         assert st.reindex()["recipes_added"] == n
         items = st.read_manifest(info.manifest, list(info.mchunks))
         assert st.read_range({it.path: it for it in items}[b"f"]) == data
+
+
+def test_get_reads_through_mappings_and_falls_back_when_a_pack_is_gone(tmp_path: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from tb5sync.store import materialise as mat
+    from tb5sync.store.store import _PackMaps
+
+    rnd = random.Random(14)
+    v1 = rnd.randbytes(5 * MiB)
+    write(str(tmp_path / "s" / "f"), v1)
+    with Store(tmp_path / "st", pack_target=MiB) as st:
+        st.put("m/1", str(tmp_path / "s"))
+        edit(str(tmp_path / "s" / "f"), rnd, 3, 80_000)
+        st.put("m/2", str(tmp_path / "s"))
+        want = slurp(str(tmp_path / "s" / "f"))
+        digests = [d for d, _ in st.item("m/2", "f").chunks]
+        got = list(st.iter_chunk_views(digests))
+        assert all(isinstance(g, list) for g in got)  # every chunk from the mappings
+        assert b"".join(b"".join(bytes(v) for v in g) for g in got) == want
+        real = _PackMaps.view
+        calls = {"n": 0}
+
+        def gone_once(self: Any, pack: str) -> memoryview:  # a pack repacked away after it was located
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise FileNotFoundError(pack)
+            return real(self, pack)
+
+        monkeypatch.setattr(_PackMaps, "view", gone_once)
+        writes: list[int] = []
+        real_writev = os.writev
+
+        def short_writev(fd: int, bufs: Any) -> int:  # the kernel may write less than asked
+            n = real_writev(fd, [bytes(bufs[0])[: max(1, len(bufs[0]) // 3)]])
+            writes.append(n)
+            return n
+
+        monkeypatch.setattr(mat.os, "writev", short_writev)
+        st.get("m/2", str(tmp_path / "out"))
+        assert slurp(str(tmp_path / "out" / "f")) == want and calls["n"] > 1 and len(writes) > len(digests)

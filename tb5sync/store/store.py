@@ -46,6 +46,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3 as _blake3
+
 from tb5sync._os.io import durable_sync
 from tb5sync.engine.chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
 from tb5sync.tree.excludes import ExcludeRules
@@ -600,6 +602,87 @@ class Store:
                 i += 1
             yield futs.pop(0).result()
 
+    def iter_chunk_views(self, digests: Sequence[bytes], ahead: int = 8) -> Iterator[bytes | list[memoryview]]:
+        """The bytes of each of ``digests`` in order, each checked against its digest, for a caller
+        that only writes them out (``store get``): per chunk either ``bytes`` or a list of
+        memoryviews whose concatenation is the chunk.
+
+        With packs in a local directory (:class:`~tb5sync.store.packs.LocalPackStorage`) the
+        chunks' frames and pieces are located with one index query per 500 digests (a window of
+        :data:`VIEW_WINDOW` chunks at a time), their packs mapped read-only (``mmap``; packs are
+        immutable and a mapping outlives a concurrent repack's unlink), and each chunk is hashed
+        in the hash pool straight from the mapping, ``ahead`` chunks ahead of the caller: no copy
+        into a buffer, no query per chunk. A chunk whose frames cannot be used so (moved by a
+        repack since it was located, a damaged frame) is read by :meth:`read_chunk`, which raises
+        the precise ``IntegrityError``. Other pack storages: :meth:`iter_chunks`.
+
+        The views stay valid while the caller holds them (each keeps its mapping alive).
+        """
+        if not isinstance(self.packs, LocalPackStorage):
+            yield from self.iter_chunks(digests, ahead)
+            return
+        maps = _PackMaps(self.packs)
+        pool = hash_pool()
+        futs: list[Any] = []
+        plans = self._view_plans(digests)
+        for d, segs in plans:
+            futs.append(pool.submit(self._chunk_views, maps, d, segs))
+            if len(futs) > ahead:
+                yield futs.pop(0).result()
+        while futs:
+            yield futs.pop(0).result()
+
+    def _view_plans(self, digests: Sequence[bytes]) -> Iterator[tuple[bytes, list[tuple[bytes, str, int, int]] | None]]:
+        """Per chunk of ``digests``: its frames ``[(frame digest, pack, data offset, length), ...]`` (one
+        whole frame, or its recipe's pieces), None when it has neither (read_chunk says why)."""
+        for k in range(0, len(digests), VIEW_WINDOW):
+            window = digests[k : k + VIEW_WINDOW]
+            frames = self.locate(window)
+            rest = list(dict.fromkeys(d for d in window if d not in frames))
+            recipes: dict[bytes, list[tuple[bytes, int]]] = {}
+            for j in range(0, len(rest), 500):
+                part = rest[j : j + 500]
+                for d, blob in self._q(f"SELECT digest, pieces FROM recipes WHERE digest IN ({','.join('?' * len(part))})",
+                                       part):
+                    recipes[bytes(d)] = blob_to_recipe(bytes(blob))
+            where = self.locate(p for r in recipes.values() for p, _ in r) if recipes else {}
+            for d in window:
+                f = frames.get(d)
+                if f is not None:
+                    yield d, [(d, f[0], f[1], f[2])]
+                    continue
+                r = recipes.get(d)
+                segs: list[tuple[bytes, str, int, int]] | None = []
+                for p, n in r or ():
+                    loc = where.get(p)
+                    if loc is None or loc[2] != n:
+                        segs = None
+                        break
+                    segs.append((p, loc[0], loc[1], n))  # type: ignore[union-attr]
+                yield d, (segs if r and segs else None)
+
+    def _chunk_views(self, maps: _PackMaps, digest: bytes, segs: list[tuple[bytes, str, int, int]] | None
+                     ) -> bytes | list[memoryview]:
+        """Chunk ``digest`` as views of its mapped frames ``segs``, each frame header and the whole
+        chunk's BLAKE3 checked; else (no plan, a pack gone, any mismatch) :meth:`read_chunk`."""
+        if segs is None:
+            return self.read_chunk(digest)
+        try:
+            h = _blake3.blake3()
+            views = []
+            for p, pack, off, n in segs:
+                mv = maps.view(pack)
+                if off + n > len(mv) or off < FRAME_HEADER or parse_frame_header(mv[off - FRAME_HEADER : off]) != (p, n):
+                    return self.read_chunk(digest)
+                v = mv[off : off + n]
+                h.update(v)
+                views.append(v)
+        except (OSError, ValueError):
+            return self.read_chunk(digest)
+        if h.digest() != digest:
+            return self.read_chunk(digest)  # names the damaged frame or piece
+        return views
+
     # ---- refs --------------------------------------------------------------------------------
     def _ref_row(self, name: str) -> RefInfo | None:
         rows = self._q("SELECT name, manifest, mchunks, created, size, files, description, pinned, last_used "
@@ -1096,6 +1179,42 @@ class Store:
                 continue
             out.append(lid)
         return out
+
+
+#: Chunks located with one round of index queries by :meth:`Store.iter_chunk_views` (~256 MiB).
+VIEW_WINDOW = 256
+
+
+class _PackMaps:
+    """Read-only mappings of the packs of a :class:`LocalPackStorage`, the last :attr:`MAX` used kept
+    (a dropped one closes once no view of it is left). Thread-safe."""
+
+    MAX = 64
+
+    def __init__(self, packs: LocalPackStorage) -> None:
+        self.packs = packs
+        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def view(self, pack: str) -> memoryview:
+        """A memoryview of the whole of pack ``pack``. Raises ``OSError`` (FileNotFoundError: gone)."""
+        with self._lock:
+            mv = self._maps.get(pack)
+            if mv is not None:
+                self._maps.move_to_end(pack)
+                return mv
+        import mmap
+
+        fd = os.open(self.packs.path(pack), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mv = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[pack] = mv
+            while len(self._maps) > self.MAX:
+                self._maps.popitem(last=False)
+        return mv
 
 
 def _read_small(full: str, st: os.stat_result) -> bytes:
