@@ -560,6 +560,32 @@ class Store:
             return bytes(out)
         raise AssertionError("unreachable")
 
+    def stored_need(self, chunks: dict[bytes, int]) -> int:
+        """Bytes the distinct ``chunks`` (digest -> length) take in this store's packs, each frame once,
+        plus a pack header: a chunk kept as a frame (or not stored yet) framed whole, a chunk kept as
+        a recipe (format v2) by its distinct pieces' frames and its recipe record's frame. What the
+        quota's "can this ever fit" check of a ref counts (:func:`~tb5sync.store.index.check_entry_fits`).
+        """
+        if self.version < 2:
+            return stored_size(chunks.values())
+        frames: dict[bytes, int] = {}
+        ds = list(chunks)
+        for k in range(0, len(ds), 500):
+            part = ds[k : k + 500]
+            marks = ",".join("?" * len(part))
+            whole = {bytes(d) for (d,) in self._q(f"SELECT digest FROM chunks WHERE digest IN ({marks})", part)}
+            recipes = {bytes(d): bytes(b) for d, b in
+                       self._q(f"SELECT digest, pieces FROM recipes WHERE digest IN ({marks})", part)}
+            for d in part:
+                blob = recipes.get(d) if d not in whole else None
+                if blob is None:
+                    frames[d] = chunks[d]
+                    continue
+                for p, n in blob_to_recipe(blob):
+                    frames[p] = n
+                frames[d + b"record"] = 44 + len(blob)  # its recipe record (pieces.recipe_record)
+        return stored_size(frames.values())
+
     def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]:
         """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones, and chunks kept as
         recipes, left out: :meth:`read_at` reads those by :meth:`read_chunk`), 500 per query."""
@@ -826,7 +852,8 @@ class Store:
         needed = {d: n for d, n in mchunks}
         for it in items:
             needed.update(it.chunks)
-        check_entry_fits(self.quota, stored_size(needed.values()), f"ref {name!r}")
+        if self.quota is not None:
+            check_entry_fits(self.quota, self.stored_need(needed), f"ref {name!r}")
         now = time.time()
         with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
