@@ -323,6 +323,49 @@ def tb5_nodes(work: str, repo: str, n: int, env: dict[str, str]) -> dict[str, An
             "pull later wire MB": med(wires["pull"]) / 1e6, "pull later wire / new": med(ratios["pull"])}
 
 
+def scaling(work: str, models: str, scales: list[int]) -> dict[str, Any]:
+    """Section 6: ``store gc`` and ``store verify`` of one store holding 1x, 4x, 16x ... the models
+    tree: copy k is the tree with every byte XORed with k (as new to the store as the first), each
+    put as its own ref; at each scale gc (mark every ref, sweep; nothing to free) and verify (every
+    frame re-hashed), wall s, CPU s and peak RSS, and the same per GB stored."""
+    st = fresh(os.path.join(work, "scale-store"))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(models) for f in fs]
+    out: dict[str, Any] = {"unit bytes": tree_size(models)[1], "points": []}
+    k = 0
+    for scale in sorted(scales):
+        while k < scale:
+            k += 1
+            src = fresh(os.path.join(work, "scale-src"))
+            table = bytes((b ^ (k % 256)) for b in range(256))
+            for f in files:
+                dst = os.path.join(src, os.path.relpath(f, models))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                with open(f, "rb") as fi, open(dst, "wb") as fo:  # in 16 MiB blocks: the bench stays small, so
+                    while block := fi.read(16 << 20):  # the peak RSS its children report is theirs
+                        fo.write(block.translate(table))
+            run([*TB5, "store", "--store", st, "put", f"copy/{k}", src])
+            shutil.rmtree(src, ignore_errors=True)
+        size = stored(st)
+        g = timed([*TB5, "store", "--store", st, "gc"])
+        v = timed([*TB5, "store", "--store", st, "verify"])
+        out["points"].append({"scale": scale, "stored bytes": size, "gc s": g["s"], "gc cpu s": g["cpu"],
+                              "gc peak rss MiB": g["rss"], "verify s": v["s"], "verify cpu s": v["cpu"],
+                              "verify peak rss MiB": v["rss"], "gc cpu s per GB": g["cpu"] / (size / 1e9),
+                              "verify cpu s per GB": v["cpu"] / (size / 1e9)})
+    shutil.rmtree(st, ignore_errors=True)
+    return out
+
+
+def print_scaling(sc: dict[str, Any]) -> None:
+    print(f"\nscaling: one store holding N distinct copies of the models tree ({sc['unit bytes'] / 1e6:.0f} MB each)")
+    print(f"  {'N':>3} {'stored GB':>9} {'gc s':>6} {'(cpu)':>6} {'RSS':>5} {'cpu s/GB':>8} "
+          f"{'verify s':>8} {'(cpu)':>6} {'RSS':>5} {'cpu s/GB':>8}")
+    for p in sc["points"]:
+        print(f"  {p['scale']:>3} {p['stored bytes'] / 1e9:>9.2f} {p['gc s']:>6.2f} {p['gc cpu s']:>6.2f} "
+              f"{p['gc peak rss MiB']:>5.0f} {p['gc cpu s per GB']:>8.3f} {p['verify s']:>8.2f} "
+              f"{p['verify cpu s']:>6.2f} {p['verify peak rss MiB']:>5.0f} {p['verify cpu s per GB']:>8.3f}")
+
+
 def print_peers(p: dict[str, Any]) -> None:
     print(f"\npeers: {p['versions']} versions, v1 = {p['v1 bytes'] / 1e6:.0f} MB; each later version rewrites 8 random "
           "80 KB ranges of every model file")
@@ -356,6 +399,8 @@ def main() -> int:
     ap.add_argument("--peers-only", action="store_true", help="run only section 5")
     ap.add_argument("--short", action="store_true",
                     help="section 5 only, on a generated 24 MiB 'model' tree and 3 versions (CI: well under a minute)")
+    ap.add_argument("--scaling", metavar="N,N,...", help="only section 6: gc and verify of a store holding N "
+                    "distinct copies of the models tree (the issue's figure: 1,4,16)")
     a = ap.parse_args()
     if a.short:
         a.peers_only, a.versions = True, min(a.versions, 3)
@@ -377,6 +422,14 @@ def main() -> int:
             os.makedirs(models)
             with open(os.path.join(models, "weights.bin"), "wb") as f:
                 f.write(random.Random(1).randbytes(256 * 1024 * 1024))
+    if a.scaling:
+        sc = scaling(work, models, [int(x) for x in a.scaling.split(",")])
+        print_scaling(sc)
+        out = a.json_out or os.path.join(HERE, "results", f"bench-store-scaling-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with open(out, "w") as f:
+            json.dump({"scaling": sc}, f, indent=1)
+        print(f"\nJSON: {out}")
+        return 0
     if a.peers_only:
         p = peers(work, models, a.versions)
         print_peers(p)
