@@ -24,6 +24,7 @@ from tb5sync.wire.messages import (
     STORE_MAX_BATCH,
     STORE_MAX_DIGESTS,
     STORE_MAX_RECIPE_BYTES,
+    STORE_MAX_RECIPE_REPLY,
     STORE_MAX_RECIPES,
 )
 from tb5sync.tree.quota import WriteQuota
@@ -194,9 +195,13 @@ class StoreOps:
         if len(ds) > STORE_MAX_RECIPES:
             raise UsageError(f"recipes: at most {STORE_MAX_RECIPES} digests")
         out: list[bytes | None] = []
+        total = 0
         for d in ds:
             r = self.store.recipe(d)
             out.append(None if r is None else b"".join(p + n.to_bytes(4, "little") for p, n in r))
+            total += len(out[-1] or b"")
+            if total > STORE_MAX_RECIPE_REPLY:
+                raise UsageError(f"recipes: more than {STORE_MAX_RECIPE_REPLY} bytes of recipes asked for")
         return {"recipes": out}
 
     @_hiding

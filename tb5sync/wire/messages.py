@@ -69,6 +69,7 @@ __all__ = [
     "STORE_FEATURES",
     "STORE_MAX_RECIPE_BYTES",
     "STORE_MAX_RECIPES",
+    "STORE_MAX_RECIPE_REPLY",
     "CODEC_RAW",
     "CODEC_LZ4",
     "SENDER_MAX_READ",
@@ -201,6 +202,9 @@ STORE_FEATURES: Final = ("pieces",)
 #: most recipes one ``recipes`` reply or ``put_recipes`` request carries.
 STORE_MAX_RECIPE_BYTES: Final = 64 * 1024 * 1024
 STORE_MAX_RECIPES: Final = 4096
+#: Most bytes of recipe blobs one ``recipes`` reply carries (a client asks for 16 MiB of chunks at a
+#: time: ~150 KB of recipes).
+STORE_MAX_RECIPE_REPLY: Final = 8 * 1024 * 1024
 #: Most chunk bytes one ``chunks`` reply or ``put_chunks`` request carries (and one ``read`` reply).
 STORE_MAX_BATCH: Final = 16 * 1024 * 1024
 #: Most digests one ``have`` or ``chunks`` request names.
