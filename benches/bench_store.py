@@ -29,7 +29,8 @@ of ``--repeat`` runs, tools alternating; page cache not dropped):
    ``cp -a`` of v5 on the same disk. A peer whose Debian package is missing is skipped with a line
    naming it (``apt-get install -y restic borgbackup casync``). Per tb5sync format also ``store push``
    and ``store pull`` of each later version over loopback: wire bytes against the bytes new to the
-   receiving store. ``--short`` (CI, ``make bench-short``): section 5 only, on a generated 24 MiB
+   receiving store (format v2 also with ``TB5SYNC_STORE_PIECES=0``: whole chunks, as before pieces
+   travelled). ``--short`` (CI, ``make bench-short``): section 5 only, on a generated 24 MiB
    tree and 3 versions, ~15 s.
 
 Data: the stdlib tree (site-packages left out) and ``$TB5SYNC_CORPUS/models`` (or ``.corpus/models``,
@@ -275,6 +276,9 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
         got = timed(cmd, cwd=cwd, env=t["env"])
         later = puts[1:]
         nodes = tb5_nodes(work, repo, n, t["env"]) if name.startswith("tb5sync") else {}
+        if t["env"].get("TB5SYNC_STORE_FORMAT") == "2":  # the same stores, whole chunks on the wire (before)
+            whole = tb5_nodes(work, repo, n, {**t["env"], "TB5SYNC_STORE_PIECES": "0"})
+            nodes.update({f"whole chunks: {k}": v for k, v in whole.items()})
         out["tools"][name] = {**nodes,
             "put v1 s": puts[0]["s"], "put v1 cpu s": puts[0]["cpu"], "put v1 peak rss MiB": puts[0]["rss"],
             "put later s": med([p["s"] for p in later]), "put later cpu s": med([p["cpu"] for p in later]),
@@ -383,6 +387,10 @@ def print_peers(p: dict[str, Any]) -> None:
             print(f"  {name}: store push of a later version: {r['push later wire MB']:.2f} MB on the wire, "
                   f"{r['push later wire / new']:.2f}x the bytes new to the receiving store; pull "
                   f"{r['pull later wire MB']:.2f} MB, {r['pull later wire / new']:.2f}x")
+        if "whole chunks: push later wire / new" in r:
+            print(f"  {name}, whole chunks on the wire (TB5SYNC_STORE_PIECES=0: before): push "
+                  f"{r['whole chunks: push later wire MB']:.2f} MB, {r['whole chunks: push later wire / new']:.2f}x; "
+                  f"pull {r['whole chunks: pull later wire MB']:.2f} MB, {r['whole chunks: pull later wire / new']:.2f}x")
 
 
 def med(xs: list[float]) -> float:

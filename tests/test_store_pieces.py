@@ -364,7 +364,7 @@ def test_push_and_pull_of_a_later_version_send_about_the_new_bytes(tmp_path: Any
         assert r.cat("m/2", "f") == v2 and r.verify()["ok"]
 
 
-@pytest.mark.parametrize("old", ["server", "client"])
+@pytest.mark.parametrize("old", ["server", "client", "env"])
 def test_an_old_peer_gets_whole_chunks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, old: str) -> None:
     import tb5sync.store.ops as ops_mod
     from tb5sync.store.ops import StoreOps
@@ -375,7 +375,10 @@ def test_an_old_peer_gets_whole_chunks(tmp_path: Any, monkeypatch: pytest.Monkey
         def refuse(self: Any, *a: Any, _m: str = m, **k: Any) -> Any:
             raise AssertionError(f"{_m} sent to an old peer")
         monkeypatch.setattr(StoreOps, m, refuse)
-    pieces = old == "server"  # an old client is this one with pieces=False: the same requests
+    # an old client is this one with pieces=False: the same requests; "env": TB5SYNC_STORE_PIECES=0
+    pieces: bool | None = {"server": True, "client": False, "env": None}[old]
+    if old == "env":
+        monkeypatch.setenv("TB5SYNC_STORE_PIECES", "0")
     v1, v2 = _later_version(tmp_path, random.Random(8))
     Store(tmp_path / "remote_store").close()
     live = start_server(str(tmp_path / "root"), store=str(tmp_path / "remote_store"))

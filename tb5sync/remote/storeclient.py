@@ -20,6 +20,7 @@ none of whose pieces the receiver holds travels whole (the same bytes, no recipe
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -197,7 +198,7 @@ def _fetch(s: StoreSession, missing: Sequence[ChunkRef], writer: PackWriter | No
 
 
 def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
-             as_name: str | None = None, replace: bool = False, pieces: bool = True) -> dict[str, Any]:
+             as_name: str | None = None, replace: bool = False, pieces: bool | None = None) -> dict[str, Any]:
     """Copy ref ``name`` from the server at ``remote`` into ``store`` (as ``as_name``), fetching only missing chunks.
 
     Returns
@@ -207,7 +208,8 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         counts them), ``chunks_fetched`` (chunks the store lacked, whole or as pieces),
         ``bytes_fetched`` (chunk and piece bytes), ``pieces_fetched``, ``wire_bytes`` (bytes on the
         wire both ways, frames included), ``seconds``. ``pieces=False`` fetches whole chunks only (as
-        a client older than the ``"pieces"`` feature does).
+        a client older than the ``"pieces"`` feature does); None (the default): pieces unless
+        ``TB5SYNC_STORE_PIECES=0``.
 
     Raises
     ------
@@ -258,7 +260,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
             total, missing = missing_chunks(lease, mrefs, items)
             nchunks = len(missing)
             npieces = 0
-            if pieces and "pieces" in s.features and store.piece_params is not None:
+            if _pieces_wanted(pieces) and "pieces" in s.features and store.piece_params is not None:
                 got_pieces, nb, missing = _fetch_pieces(store, s, lease, writer, missing)
                 npieces += got_pieces
                 nbytes += nb
@@ -280,7 +282,7 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
 
 
 def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
-             as_name: str | None = None, replace: bool = False, pieces: bool = True) -> dict[str, Any]:
+             as_name: str | None = None, replace: bool = False, pieces: bool | None = None) -> dict[str, Any]:
     """Copy ref ``name`` of ``store`` to the server at ``remote`` (as ``as_name``), sending only chunks it lacks.
 
     Returns
@@ -290,7 +292,8 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         ``chunks_sent`` (chunks the server lacked, whole or as pieces), ``bytes_sent`` (chunk and piece
         bytes), ``pieces_sent``, ``wire_bytes`` (bytes on the wire both ways, frames included),
         ``seconds``, ``unchanged`` (the server had this very ref). ``pieces=False`` sends whole chunks
-        only (as a client older than the ``"pieces"`` feature does).
+        only (as a client older than the ``"pieces"`` feature does); None (the default): pieces unless
+        ``TB5SYNC_STORE_PIECES=0``.
 
     Raises
     ------
@@ -355,7 +358,7 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
 
         sent = npieces = 0
         whole = missing
-        if pieces and "pieces" in s.features and s.piece_params == PIECE_PARAMS_V1.version:
+        if _pieces_wanted(pieces) and "pieces" in s.features and s.piece_params == PIECE_PARAMS_V1.version:
             npieces, sent, whole = _send_pieces(store, s, lease, missing, submit)
         for batch in _batches(whole):
             payload = [[d, data] for (d, _), data in zip(batch, store.iter_chunks([d for d, _ in batch], ahead=8))]
@@ -373,6 +376,14 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         wire = s.req.wire_bytes
     return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": len(missing), "bytes_sent": sent,
             "pieces_sent": npieces, "wire_bytes": wire, "seconds": time.perf_counter() - t0, "unchanged": False}
+
+
+def _pieces_wanted(pieces: bool | None) -> bool:
+    """``pieces``, or when None whether ``TB5SYNC_STORE_PIECES`` is not ``0`` (the bench's whole-chunk
+    figure, and a way back to the old exchange)."""
+    if pieces is not None:
+        return pieces
+    return os.environ.get("TB5SYNC_STORE_PIECES", "1") != "0"
 
 
 def _cuts(pairs: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, int, int]]:
