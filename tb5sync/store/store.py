@@ -970,11 +970,13 @@ class Store:
         have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
         for it, _ in files:
             it.chunks = []
+        adds: list[tuple[bytes, memoryview, None]] = []
         for d, (k, a, b) in zip(digests, spans):
             if not have.get(d, True):
-                writer.add(d, views[k][a:b])
+                adds.append((d, views[k][a:b], None))
                 have[d] = True
             files[k][0].chunks.append((d, b - a))
+        writer.add_many(adds)  # the pieces of all their new chunks looked up in one transaction
         for it, _ in files:
             it.digest = file_digest(d for d, _ in it.chunks)
 
@@ -995,8 +997,7 @@ class Store:
         pp = writer.pieces
         if pp is not None and todo:  # format v2: cut and hash the new chunks' pieces in the pool
             cuts = hash_pool().map(lambda t: split(mv[t[1] : t[2]], pp) if t[2] - t[1] >= SPLIT_MIN else None, todo)
-            for (d, s, e), pieces in zip(todo, cuts):
-                writer.add(d, mv[s:e], pieces)
+            writer.add_many([(d, mv[s:e], pieces) for (d, s, e), pieces in zip(todo, cuts)])
         else:
             for d, s, e in todo:
                 writer.add(d, mv[s:e])
