@@ -113,6 +113,7 @@ bench-short: $(STAMP)
 	$(BIN)/python benches/bench_chunker.py --short
 	$(BIN)/python benches/bench_footprint.py --short --sizes 256
 	$(BIN)/python benches/bench_fs.py --short
+	$(BIN)/python benches/bench_store.py --short
 
 clean:
 	rm -rf $(VENV) $(BGD_VENV) build site ext/_cdc.c ext/_scan.c ext/_write.c ext/_read.c ext/_bytes.c ext/_skim.c tb5sync/*.so *.egg-info

@@ -27,7 +27,11 @@ of ``--repeat`` runs, tools alternating; page cache not dropped):
    default compression). Per tool: put of v1 (s, CPU s, peak RSS), median put of a later version,
    repository growth per version (% of the repository after v1), restore of v5 (s, CPU s), and
    ``cp -a`` of v5 on the same disk. A peer whose Debian package is missing is skipped with a line
-   naming it (``apt-get install -y restic borgbackup casync``).
+   naming it (``apt-get install -y restic borgbackup casync``). Per tb5sync format also ``store push``
+   and ``store pull`` of each later version over loopback: wire bytes against the bytes new to the
+   receiving store (format v2 also with ``TB5SYNC_STORE_PIECES=0``: whole chunks, as before pieces
+   travelled). ``--short`` (CI, ``make bench-short``): section 5 only, on a generated 24 MiB
+   tree and 3 versions, ~15 s.
 
 Data: the stdlib tree (site-packages left out) and ``$TB5SYNC_CORPUS/models`` (or ``.corpus/models``,
 ``make corpus``); without the corpus a generated 256 MiB "model" directory stands in.
@@ -78,6 +82,13 @@ def tree_size(path: str) -> tuple[int, int]:
     return files, size
 
 
+def stored(store: str) -> int:
+    """Bytes of pack files in store directory ``store`` (``store stats``' stored_bytes), 0 before it exists."""
+    if not os.path.isfile(os.path.join(store, "config")):
+        return 0
+    return int(json.loads(run([*TB5, "store", "--store", store, "stats", "--json"])[1])["stored_bytes"])
+
+
 def fresh(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     return path
@@ -113,8 +124,8 @@ def make_versions(models: str, work: str, n: int) -> list[str]:
     return out
 
 
-def start(cmd: list[str], pattern: str) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+def start(cmd: list[str], pattern: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert p.stderr is not None
     m = re.search(pattern, p.stderr.readline())
     if not m:
@@ -220,6 +231,7 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
                 "get": lambda r, k, o: ([*TB5, "store", "--store", r, "get", f"m/v{k}", o], None)}
 
     tools: dict[str, Any] = {"tb5sync store (format v1: before)": tb5("1"), "tb5sync store (format v2: after)": tb5("2")}
+    skipped: list[tuple[str, str]] = []  # (command, Debian package) of the peers not installed
     if shutil.which("restic"):
         ver = subprocess.run(["restic", "version"], capture_output=True, text=True).stdout
         m = re.search(r"restic (\d+)\.(\d+)", ver)
@@ -229,22 +241,23 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
             "put": lambda r, k, v: (["restic", "-r", r, "backup", "--host", "bench", *comp, "."], v),
             "get": lambda r, k, o: (["restic", "-r", r, "restore", "latest", "--target", o], None)}
     else:
-        print("peers: restic not installed (apt-get install -y restic): skipped")
+        skipped.append(("restic", "restic"))
     if shutil.which("borg"):
         tools["borg (no compression)"] = {
             "env": pw, "init": lambda r: ["borg", "init", "-e", "none", r],
             "put": lambda r, k, v: (["borg", "create", "--compression", "none", f"{r}::v{k}", "."], v),
             "get": lambda r, k, o: (["borg", "extract", f"{r}::v{k}"], o)}
     else:
-        print("peers: borg not installed (apt-get install -y borgbackup): skipped")
+        skipped.append(("borg", "borgbackup"))
     if shutil.which("casync"):
         tools["casync (64 KiB chunks)"] = {
             "env": {}, "init": None,
             "put": lambda r, k, v: (["casync", "make", f"--store={r}/default.castr", f"{r}/v{k}.caidx", v], None),
             "get": lambda r, k, o: (["casync", "extract", f"--store={r}/default.castr", f"{r}/v{k}.caidx", o], None)}
     else:
-        print("peers: casync not installed (apt-get install -y casync): skipped")
-    out: dict[str, Any] = {"v1 bytes": size1, "versions": n, "tools": {}}
+        skipped.append(("casync", "casync"))
+    out: dict[str, Any] = {"v1 bytes": size1, "versions": n, "tools": {},
+                           "skipped": {c: f"{c} not installed (apt-get install -y {p})" for c, p in skipped}}
     for name, t in tools.items():
         repo = fresh(os.path.join(work, "peer-repo"))
         if t["init"] is not None:
@@ -262,7 +275,11 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
             os.makedirs(cwd)
         got = timed(cmd, cwd=cwd, env=t["env"])
         later = puts[1:]
-        out["tools"][name] = {
+        nodes = tb5_nodes(work, repo, n, t["env"]) if name.startswith("tb5sync") else {}
+        if t["env"].get("TB5SYNC_STORE_FORMAT") == "2":  # the same stores, whole chunks on the wire (before)
+            whole = tb5_nodes(work, repo, n, {**t["env"], "TB5SYNC_STORE_PIECES": "0"})
+            nodes.update({f"whole chunks: {k}": v for k, v in whole.items()})
+        out["tools"][name] = {**nodes,
             "put v1 s": puts[0]["s"], "put v1 cpu s": puts[0]["cpu"], "put v1 peak rss MiB": puts[0]["rss"],
             "put later s": med([p["s"] for p in later]), "put later cpu s": med([p["cpu"] for p in later]),
             "put later peak rss MiB": max((p["rss"] for p in later), default=0),
@@ -278,6 +295,81 @@ def peers(work: str, models: str, n: int) -> dict[str, Any]:
     return out
 
 
+def tb5_nodes(work: str, repo: str, n: int, env: dict[str, str]) -> dict[str, Any]:
+    """``store push`` of every version of store ``repo`` to a ``tb5sync serve --store`` on 127.0.0.1,
+    then ``store pull`` of each into a fresh store (both of the format ``env`` asks for): per later
+    version the wire bytes of the command (``wire_bytes``: frames, both ways) over the bytes new to
+    the receiving store (its ``stored_bytes`` growth); medians over versions 2..n."""
+    rb = fresh(os.path.join(work, "peer-remote-store"))
+    root = fresh(os.path.join(work, "peer-remote-root"))
+    os.makedirs(root)
+    envx = {**os.environ, **env}
+    ratios: dict[str, list[float]] = {"push": [], "pull": []}
+    wires: dict[str, list[int]] = {"push": [], "pull": []}
+    srv, port = start([*TB5, "serve", root, "--bind", "127.0.0.1:0", "--store", rb], r":(\d+)\s*$", env)
+    try:
+        url = f"tb5://127.0.0.1:{port}"
+        sc = fresh(os.path.join(work, "peer-pull-store"))
+        for what, st, cmd in (("push", rb, "push"), ("pull", sc, "pull")):
+            for k in range(1, n + 1):
+                before = stored(st)
+                here = repo if what == "push" else sc
+                out = run([*TB5, "store", "--store", here, cmd, f"m/v{k}", url, "--json"], env=envx)[1]
+                if k > 1:
+                    wire = json.loads(out)["wire_bytes"]
+                    wires[what].append(wire)
+                    ratios[what].append(wire / max(1, stored(st) - before))
+    finally:
+        stop(srv)
+        for q in (rb, root, os.path.join(work, "peer-pull-store")):
+            shutil.rmtree(q, ignore_errors=True)
+    return {"push later wire MB": med(wires["push"]) / 1e6, "push later wire / new": med(ratios["push"]),
+            "pull later wire MB": med(wires["pull"]) / 1e6, "pull later wire / new": med(ratios["pull"])}
+
+
+def scaling(work: str, models: str, scales: list[int]) -> dict[str, Any]:
+    """Section 6: ``store gc`` and ``store verify`` of one store holding 1x, 4x, 16x ... the models
+    tree: copy k is the tree with every byte XORed with k (as new to the store as the first), each
+    put as its own ref; at each scale gc (mark every ref, sweep; nothing to free) and verify (every
+    frame re-hashed), wall s, CPU s and peak RSS, and the same per GB stored."""
+    st = fresh(os.path.join(work, "scale-store"))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(models) for f in fs]
+    out: dict[str, Any] = {"unit bytes": tree_size(models)[1], "points": []}
+    k = 0
+    for scale in sorted(scales):
+        while k < scale:
+            k += 1
+            src = fresh(os.path.join(work, "scale-src"))
+            table = bytes((b ^ (k % 256)) for b in range(256))
+            for f in files:
+                dst = os.path.join(src, os.path.relpath(f, models))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                with open(f, "rb") as fi, open(dst, "wb") as fo:  # in 16 MiB blocks: the bench stays small, so
+                    while block := fi.read(16 << 20):  # the peak RSS its children report is theirs
+                        fo.write(block.translate(table))
+            run([*TB5, "store", "--store", st, "put", f"copy/{k}", src])
+            shutil.rmtree(src, ignore_errors=True)
+        size = stored(st)
+        g = timed([*TB5, "store", "--store", st, "gc"])
+        v = timed([*TB5, "store", "--store", st, "verify"])
+        out["points"].append({"scale": scale, "stored bytes": size, "gc s": g["s"], "gc cpu s": g["cpu"],
+                              "gc peak rss MiB": g["rss"], "verify s": v["s"], "verify cpu s": v["cpu"],
+                              "verify peak rss MiB": v["rss"], "gc cpu s per GB": g["cpu"] / (size / 1e9),
+                              "verify cpu s per GB": v["cpu"] / (size / 1e9)})
+    shutil.rmtree(st, ignore_errors=True)
+    return out
+
+
+def print_scaling(sc: dict[str, Any]) -> None:
+    print(f"\nscaling: one store holding N distinct copies of the models tree ({sc['unit bytes'] / 1e6:.0f} MB each)")
+    print(f"  {'N':>3} {'stored GB':>9} {'gc s':>6} {'(cpu)':>6} {'RSS':>5} {'cpu s/GB':>8} "
+          f"{'verify s':>8} {'(cpu)':>6} {'RSS':>5} {'cpu s/GB':>8}")
+    for p in sc["points"]:
+        print(f"  {p['scale']:>3} {p['stored bytes'] / 1e9:>9.2f} {p['gc s']:>6.2f} {p['gc cpu s']:>6.2f} "
+              f"{p['gc peak rss MiB']:>5.0f} {p['gc cpu s per GB']:>8.3f} {p['verify s']:>8.2f} "
+              f"{p['verify cpu s']:>6.2f} {p['verify peak rss MiB']:>5.0f} {p['verify cpu s per GB']:>8.3f}")
+
+
 def print_peers(p: dict[str, Any]) -> None:
     print(f"\npeers: {p['versions']} versions, v1 = {p['v1 bytes'] / 1e6:.0f} MB; each later version rewrites 8 random "
           "80 KB ranges of every model file")
@@ -287,7 +379,18 @@ def print_peers(p: dict[str, Any]) -> None:
         print(f"  {name:<36} {r['put v1 s']:>8.2f} {r['put v1 cpu s']:>6.2f} {r['put v1 peak rss MiB']:>7.0f} "
               f"{r['put later s']:>11.2f} {r['put later cpu s']:>6.2f} {r['growth per version %']:>16.2f} "
               f"{r['restore s']:>9.2f} {r['restore cpu s']:>6.2f}")
-    print(f"  cp -a of v5: {p['cp -a of v5 s']:.2f} s")
+    for name, why in p.get("skipped", {}).items():
+        print(f"  {name:<36} skipped: {why}")
+    print(f"  cp -a of v{p['versions']}: {p['cp -a of v5 s']:.2f} s")
+    for name, r in p["tools"].items():
+        if "push later wire / new" in r:
+            print(f"  {name}: store push of a later version: {r['push later wire MB']:.2f} MB on the wire, "
+                  f"{r['push later wire / new']:.2f}x the bytes new to the receiving store; pull "
+                  f"{r['pull later wire MB']:.2f} MB, {r['pull later wire / new']:.2f}x")
+        if "whole chunks: push later wire / new" in r:
+            print(f"  {name}, whole chunks on the wire (TB5SYNC_STORE_PIECES=0: before): push "
+                  f"{r['whole chunks: push later wire MB']:.2f} MB, {r['whole chunks: push later wire / new']:.2f}x; "
+                  f"pull {r['whole chunks: pull later wire MB']:.2f} MB, {r['whole chunks: pull later wire / new']:.2f}x")
 
 
 def med(xs: list[float]) -> float:
@@ -298,21 +401,43 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--versions", type=int, default=5)
-    ap.add_argument("--workdir", default="/tmp/tb5sync-bench-store")
+    ap.add_argument("--workdir", help="scratch directory (default /tmp/tb5sync-bench-store, -short with --short)")
     ap.add_argument("--json-out")
     ap.add_argument("--peers", action="store_true", help="also run section 5 (restic, borg, casync)")
     ap.add_argument("--peers-only", action="store_true", help="run only section 5")
+    ap.add_argument("--short", action="store_true",
+                    help="section 5 only, on a generated 24 MiB 'model' tree and 3 versions (CI: well under a minute)")
+    ap.add_argument("--scaling", metavar="N,N,...", help="only section 6: gc and verify of a store holding N "
+                    "distinct copies of the models tree (the issue's figure: 1,4,16)")
     a = ap.parse_args()
-    work = a.workdir
+    if a.short:
+        a.peers_only, a.versions = True, min(a.versions, 3)
+    work = a.workdir or ("/tmp/tb5sync-bench-store-short" if a.short else "/tmp/tb5sync-bench-store")
     os.makedirs(work, exist_ok=True)
     corpus = os.environ.get("TB5SYNC_CORPUS") or os.path.join(HERE, "..", ".corpus")
     models = os.path.abspath(os.path.join(corpus, "models"))
-    if not os.path.isdir(models):
+    if a.short:  # generated, so CI's short run needs no corpus: two weight files of random bytes
+        models = os.path.join(work, "short-models")
+        if not os.path.isdir(models):
+            os.makedirs(models)
+            rnd = random.Random(2)
+            for name, size in (("model.safetensors", 16 << 20), ("adapter.bin", 8 << 20)):
+                with open(os.path.join(models, name), "wb") as f:
+                    f.write(rnd.randbytes(size))
+    elif not os.path.isdir(models):
         models = os.path.join(work, "gen-models")
         if not os.path.isdir(models):
             os.makedirs(models)
             with open(os.path.join(models, "weights.bin"), "wb") as f:
                 f.write(random.Random(1).randbytes(256 * 1024 * 1024))
+    if a.scaling:
+        sc = scaling(work, models, [int(x) for x in a.scaling.split(",")])
+        print_scaling(sc)
+        out = a.json_out or os.path.join(HERE, "results", f"bench-store-scaling-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with open(out, "w") as f:
+            json.dump({"scaling": sc}, f, indent=1)
+        print(f"\nJSON: {out}")
+        return 0
     if a.peers_only:
         p = peers(work, models, a.versions)
         print_peers(p)
@@ -386,6 +511,9 @@ def main() -> int:
     nodes: dict[str, list[float]] = {k: [] for k in ("store push v1", "store push v2", "store pull v1", "store pull v2",
                                                      "rsync v1", "rsync v2 over v1", "tb5sync sync v1", "tb5sync sync v2 over v1")}
     moved: dict[str, int] = {}
+    # (wire bytes of the command, bytes new to the receiving store) per run: the issue-25 ratio
+    wire: dict[str, list[tuple[int, int]]] = {k: [] for k in ("store push v1", "store push v2", "store pull v1",
+                                                              "store pull v2")}
     for _ in range(a.repeat):
         rb = fresh(os.path.join(work, "remote-store"))
         root = fresh(os.path.join(work, "remote-root"))
@@ -394,14 +522,18 @@ def main() -> int:
         try:
             url = f"tb5://127.0.0.1:{port}"
             for k, v in ((1, v1), (2, v2)):
+                before = stored(rb)
                 dt, out = run([*TB5, "store", "--store", st, "push", f"models/v{k}", url, "--json"])
                 nodes[f"store push v{k}"].append(dt)
                 moved[f"store push v{k}"] = json.loads(out)["bytes_sent"]
+                wire[f"store push v{k}"].append((json.loads(out)["wire_bytes"], stored(rb) - before))
             sc = fresh(os.path.join(work, "store-c"))
             for k in (1, 2):
+                before = stored(sc)
                 dt, out = run([*TB5, "store", "--store", sc, "pull", f"models/v{k}", url, "--json"])
                 nodes[f"store pull v{k}"].append(dt)
                 moved[f"store pull v{k}"] = json.loads(out)["bytes_fetched"]
+                wire[f"store pull v{k}"].append((json.loads(out)["wire_bytes"], stored(sc) - before))
             nodes["tb5sync sync v1"].append(run([*TB5, "sync", v1 + "/", f"{url}/m/"])[0])
             nodes["tb5sync sync v2 over v1"].append(run([*TB5, "sync", v2 + "/", f"{url}/m/"])[0])
         finally:
@@ -423,6 +555,10 @@ def main() -> int:
         for p in (rb, root, rroot, os.path.join(work, "store-c")):
             shutil.rmtree(p, ignore_errors=True)
     res["nodes"] = {k: {"seconds": med(v), "GB/s": size1 / med(v) / 1e9, "bytes moved": moved.get(k)} for k, v in nodes.items()}
+    for k, runs in wire.items():
+        res["nodes"][k]["wire bytes"] = med([w for w, _ in runs])
+        res["nodes"][k]["new bytes at the receiver"] = med([n for _, n in runs])
+        res["nodes"][k]["wire / new"] = med([w / max(1, n) for w, n in runs])
     shutil.rmtree(st, ignore_errors=True)
 
     # the table
@@ -441,7 +577,9 @@ def main() -> int:
     print(f"  {'step':<26} {'seconds':>8} {'GB/s (v1 size)':>15} {'MB moved':>9}")
     for k, r in res["nodes"].items():
         mb = f"{r['bytes moved'] / 1e6:>9.1f}" if r["bytes moved"] is not None else f"{'':>9}"
-        print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}")
+        ratio = (f"  wire {r['wire bytes'] / 1e6:.2f} MB for {r['new bytes at the receiver'] / 1e6:.2f} MB new there "
+                 f"({r['wire / new']:.2f}x)") if "wire bytes" in r else ""
+        print(f"  {k:<26} {r['seconds']:>8.3f} {r['GB/s']:>15.2f} {mb}{ratio}")
     if a.peers:
         res["peers"] = peers(work, models, a.versions)
         print_peers(res["peers"])

@@ -394,13 +394,14 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
         elif c == "reindex":
             res = st.reindex()
             print(json.dumps(res) if a.json else
-                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['rows_dropped']} rows of "
-                  f"missing packs dropped, {res['damaged']} damaged frames")
+                  f"{res['packs']} packs: {res['chunks_added']} chunks indexed again, {res['recipes_added']} recipes "
+                  f"rebuilt, {res['rows_dropped']} rows of missing packs dropped, {res['damaged']} damaged frames")
         elif c == "upgrade":
             res = st.upgrade()
+            recs = f"; {res['records_written']} recipe records written" if res.get("records_written") else ""
             print(json.dumps(res) if a.json else
-                  f"store format {res['from']} -> {res['to']}" if res["from"] != res["to"] else
-                  f"store format {res['to']} already")
+                  (f"store format {res['from']} -> {res['to']}" if res["from"] != res["to"] else
+                   f"store format {res['to']} already") + recs)
         elif c == "stats":
             from tb5sync.store.blobs import counters
 
@@ -465,7 +466,9 @@ def run_store(a: argparse.Namespace, read_token: Any) -> int:
                     where = "the server" if c == "push" else "this store"
                     say(f"{res['ref']}: {where} has this ref with the same content already; nothing to do")
                 else:
-                    say(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}, "
+                    npieces = res.get("pieces_sent", res.get("pieces_fetched", 0))
+                    some = f" (some as {npieces} pieces)" if npieces else ""
+                    say(f"{res['ref']}: {n} of {res['chunks']} chunks {'sent' if c == 'push' else 'fetched'}{some}, "
                           f"{_fmt(moved)} in {res['seconds']:.2f} s")
     return 0
 

@@ -62,7 +62,7 @@ class StoreSessions:
         """A store session: :data:`~tb5sync.wire.messages.STORE_METHODS` answered from ``--store``."""
         from tb5sync.wire.messages import STORE_METHODS
         from tb5sync.store import Store
-        from tb5sync.store.ops import StoreOps
+        from tb5sync.store.ops import StoreOps, session_reply
 
         if self.store_path is None:
             raise UsageError("this server has no artifact store (start it with --store DIR)")
@@ -89,7 +89,7 @@ class StoreSessions:
                 ops = StoreOps(store, self.read_only)
             ops.quota = self._quota()
             try:
-                ch.send_control(FrameType.RESPONSE, 0, {"read_only": self.read_only})
+                ch.send_control(FrameType.RESPONSE, 0, session_reply(store, self.read_only))
                 serve(ch, ops, STORE_METHODS)
             finally:
                 ops.close()

@@ -6,10 +6,21 @@ lease's ``protect``), then missing chunks travel in batches of at most
 :data:`~tb5sync.wire.messages.STORE_MAX_BATCH` bytes, spread over the streams, each checked against
 its digest on arrival, and the ref is committed only once every chunk is in place.
 Stream 0 carries the control requests; the others (all of them with one stream) carry chunks.
+
+**Pieces.** When the receiving store is format v2 and the server lists the ``"pieces"`` feature in
+its OPEN reply (:func:`tb5sync.store.ops.session_reply`), a missing chunk of at least
+:data:`~tb5sync.store.pieces.SPLIT_MIN` bytes travels as its recipe plus only the pieces the
+receiver lacks: push cuts it (or takes the local recipe), asks ``have_pieces`` (held for the lease)
+and sends ``put_recipes``; pull asks ``recipes``, finds the pieces it holds under its own lease and
+fetches the others with ``chunks``. The receiver rebuilds each chunk from the pieces sent and the
+ones it holds and checks it against the chunk's BLAKE3 digest before it records the recipe. A chunk
+none of whose pieces the receiver holds travels whole (the same bytes, no recipe). An older server
+(no ``features``), a v1 store on either side, or ``pieces=False`` move whole chunks as before.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,12 +37,13 @@ from tb5sync.errors import (
     UsageError,
 )
 from tb5sync.engine.hashing import ChunkRef, chunk_digest, refs_to_blob
-from tb5sync.wire.messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
+from tb5sync.wire.messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS, STORE_MAX_RECIPES
 from tb5sync.wire.rpc import Requester, open_session, split_parts
 from tb5sync.store import Store, check_ref_name
 from tb5sync.store.store import nesting_error, ref_ancestors
 from tb5sync.store.manifest import Item, check_peer_manifest_size, decode_peer_manifest
 from tb5sync.store.ops import ref_from_wire
+from tb5sync.store.pieces import PIECE_PARAMS_V1, SPLIT_MIN, blob_to_recipe, split
 from tb5sync.store.store import PackWriter, RefInfo
 from tb5sync.wire.transport import Channel, connect
 from tb5sync.wire.urls import Remote, host_port, token_of
@@ -64,6 +76,13 @@ class StoreSession:
                 chans.append(ch)
                 resp = open_session(ch, {"op": "store"})
             self.read_only = bool(resp.get("read_only"))
+            feats = resp.get("features")
+            #: what the server lists under ``features`` (:data:`~tb5sync.wire.messages.STORE_FEATURES`)
+            self.features: frozenset[str] = frozenset(f for f in feats if isinstance(f, str)) \
+                if isinstance(feats, list) else frozenset()
+            pp = resp.get("piece_params")
+            #: the piece parameter version of the server's store (None: it keeps chunks whole)
+            self.piece_params: int | None = pp if isinstance(pp, int) and not isinstance(pp, bool) else None
         except BaseException:
             for c in chans:
                 c.close()
@@ -179,14 +198,18 @@ def _fetch(s: StoreSession, missing: Sequence[ChunkRef], writer: PackWriter | No
 
 
 def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
-             as_name: str | None = None, replace: bool = False) -> dict[str, Any]:
+             as_name: str | None = None, replace: bool = False, pieces: bool | None = None) -> dict[str, Any]:
     """Copy ref ``name`` from the server at ``remote`` into ``store`` (as ``as_name``), fetching only missing chunks.
 
     Returns
     -------
     dict
         ``ref``, ``chunks`` (every chunk the ref reaches, manifest chunks included, each once: as push
-        counts them), ``chunks_fetched``, ``bytes_fetched`` (bytes), ``seconds``.
+        counts them), ``chunks_fetched`` (chunks the store lacked, whole or as pieces),
+        ``bytes_fetched`` (chunk and piece bytes), ``pieces_fetched``, ``wire_bytes`` (bytes on the
+        wire both ways, frames included), ``seconds``. ``pieces=False`` fetches whole chunks only (as
+        a client older than the ``"pieces"`` feature does); None (the default): pieces unless
+        ``TB5SYNC_STORE_PIECES=0``.
 
     Raises
     ------
@@ -235,7 +258,14 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
                 raise IntegrityError(f"manifest of {name!r} from the server does not match its digest")
             items = decode_peer_manifest(data, where)
             total, missing = missing_chunks(lease, mrefs, items)
+            nchunks = len(missing)
+            npieces = 0
+            if _pieces_wanted(pieces) and "pieces" in s.features and store.piece_params is not None:
+                got_pieces, nb, missing = _fetch_pieces(store, s, lease, writer, missing)
+                npieces += got_pieces
+                nbytes += nb
             nbytes += _fetch(s, missing, writer)
+            wire = s.req.wire_bytes
             writer.flush()
             store.commit_ref(lease, local_name, info.manifest, mrefs, items, info.description, replace, info.created)
         except BaseException:
@@ -246,19 +276,24 @@ def pull_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
                 pass
             raise
     store.enforce_quota(keep=local_name)
-    return {"ref": local_name, "chunks": total, "chunks_fetched": len(mmissing) + len(missing),
-            "bytes_fetched": nbytes, "seconds": time.perf_counter() - t0, "unchanged": False}
+    return {"ref": local_name, "chunks": total, "chunks_fetched": len(mmissing) + nchunks,
+            "bytes_fetched": nbytes, "pieces_fetched": npieces, "wire_bytes": wire,
+            "seconds": time.perf_counter() - t0, "unchanged": False}
 
 
 def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | None = None, streams: int = 4,
-             as_name: str | None = None, replace: bool = False) -> dict[str, Any]:
+             as_name: str | None = None, replace: bool = False, pieces: bool | None = None) -> dict[str, Any]:
     """Copy ref ``name`` of ``store`` to the server at ``remote`` (as ``as_name``), sending only chunks it lacks.
 
     Returns
     -------
     dict
         ``ref``, ``chunks`` (every chunk the ref reaches, manifest chunks included, each once),
-        ``chunks_sent``, ``bytes_sent`` (bytes), ``seconds``, ``unchanged`` (the server had this very ref).
+        ``chunks_sent`` (chunks the server lacked, whole or as pieces), ``bytes_sent`` (chunk and piece
+        bytes), ``pieces_sent``, ``wire_bytes`` (bytes on the wire both ways, frames included),
+        ``seconds``, ``unchanged`` (the server had this very ref). ``pieces=False`` sends whole chunks
+        only (as a client older than the ``"pieces"`` feature does); None (the default): pieces unless
+        ``TB5SYNC_STORE_PIECES=0``.
 
     Raises
     ------
@@ -313,13 +348,22 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
         missing = [c for c, h in zip(chunks, have) if not h]
         chans = s.data_channels()
         inflight: list[Future[Any]] = []
-        sent = 0
-        for i, batch in enumerate(_batches(missing)):
-            payload = [[d, data] for (d, _), data in zip(batch, store.iter_chunks([d for d, _ in batch], ahead=8))]
-            sent += sum(len(p[1]) for p in payload)
+        turn = [0]
+
+        def submit(method: str, args: dict[str, Any]) -> None:
             if len(inflight) >= _WINDOW * len(chans):
                 inflight.pop(0).result()
-            inflight.append(s.req.submit("put_chunks", {"lease": lease, "chunks": payload}, channel=chans[i % len(chans)]))
+            inflight.append(s.req.submit(method, args, channel=chans[turn[0] % len(chans)]))
+            turn[0] += 1
+
+        sent = npieces = 0
+        whole = missing
+        if _pieces_wanted(pieces) and "pieces" in s.features and s.piece_params == PIECE_PARAMS_V1.version:
+            npieces, sent, whole = _send_pieces(store, s, lease, missing, submit)
+        for batch in _batches(whole):
+            payload = [[d, data] for (d, _), data in zip(batch, store.iter_chunks([d for d, _ in batch], ahead=8))]
+            sent += sum(len(p[1]) for p in payload)
+            submit("put_chunks", {"lease": lease, "chunks": payload})
         for fut in inflight:
             fut.result()
         for c in chans:
@@ -329,6 +373,120 @@ def push_ref(store: Store, name: str, remote: Remote, *, token: bytes | str | No
                                   "created": info.created, "replace": replace})
         if not isinstance(reply, dict) or "ref" not in reply:
             raise ConnectError("server sent no result for the commit")
+        wire = s.req.wire_bytes
     return {"ref": remote_name, "chunks": len(chunks), "chunks_sent": len(missing), "bytes_sent": sent,
-            "seconds": time.perf_counter() - t0, "unchanged": False}
+            "pieces_sent": npieces, "wire_bytes": wire, "seconds": time.perf_counter() - t0, "unchanged": False}
+
+
+def _pieces_wanted(pieces: bool | None) -> bool:
+    """``pieces``, or when None whether ``TB5SYNC_STORE_PIECES`` is not ``0`` (the bench's whole-chunk
+    figure, and a way back to the old exchange)."""
+    if pieces is not None:
+        return pieces
+    return os.environ.get("TB5SYNC_STORE_PIECES", "1") != "0"
+
+
+def _cuts(pairs: Sequence[tuple[bytes, int]]) -> list[tuple[bytes, int, int]]:
+    """``[(digest, length), ...]`` as pieces ``(digest, start, end)`` of the chunk they make."""
+    out, pos = [], 0
+    for p, n in pairs:
+        out.append((p, pos, pos + n))
+        pos += n
+    return out
+
+
+def _send_pieces(store: Store, s: StoreSession, lease: str, missing: Sequence[ChunkRef],
+                 submit: Any) -> tuple[int, int, list[ChunkRef]]:
+    """Push ``missing`` chunks of at least SPLIT_MIN bytes as recipes plus the pieces the server lacks
+    (module docstring), in groups of at most STORE_MAX_BATCH bytes of chunks, one ``put_recipes`` each,
+    through ``submit(method, args)``. Returns ``(pieces sent, piece bytes sent, chunks to send whole)``:
+    the short ones, and those none of whose pieces the server holds."""
+    whole = [c for c in missing if c[1] < SPLIT_MIN]
+    npieces = sent = 0
+    for group in _batches([c for c in missing if c[1] >= SPLIT_MIN]):
+        recs: dict[bytes, tuple[list[tuple[bytes, int]], dict[bytes, memoryview] | None]] = {}
+        for d, _ in group:
+            r = store.recipe(d)
+            if r is None:  # kept whole here: cut it as the receiver would
+                data = memoryview(store.read_chunk(d))
+                cut = split(data, PIECE_PARAMS_V1)
+                recs[d] = ([(p, b - a) for p, a, b in cut], {p: data[a:b] for p, a, b in cut})
+            else:
+                recs[d] = (r, None)
+        uniq = list(dict.fromkeys(p for pairs, _ in recs.values() for p, _ in pairs))
+        have: list[bool] = []
+        for k in range(0, len(uniq), STORE_MAX_DIGESTS):
+            part = uniq[k : k + STORE_MAX_DIGESTS]
+            reply = s.call("have_pieces", {"digests": part, "lease": lease}).get("have")
+            if not isinstance(reply, list) or len(reply) != len(part):
+                raise RemoteProtocolError("malformed have_pieces reply")
+            have += [bool(h) for h in reply]
+        had = {p for p, h in zip(uniq, have) if h}
+        recipes: list[list[bytes]] = []
+        need: dict[bytes, bytes | memoryview | None] = {}
+        for d, n in group:
+            pairs, mem = recs[d]
+            if not any(p in had for p, _ in pairs):
+                whole.append((d, n))  # nothing to gain from a recipe
+                continue
+            recipes.append([d, b"".join(p + k.to_bytes(4, "little") for p, k in pairs)])
+            for p, _ in pairs:
+                if p not in had and p not in need:
+                    need[p] = mem[p] if mem is not None else None
+        if not recipes:
+            continue
+        todo = [p for p, v in need.items() if v is None]
+        where = store.locate(todo)
+        for p in todo:
+            need[p] = store.read_at(p, where.get(p))  # read and checked against its digest
+        payload = [[p, bytes(v)] for p, v in need.items() if v is not None]
+        npieces += len(payload)
+        sent += sum(len(v) for _, v in payload)
+        assert len(recipes) <= STORE_MAX_RECIPES
+        submit("put_recipes", {"lease": lease, "recipes": recipes, "pieces": payload})
+    return npieces, sent, whole
+
+
+def _fetch_pieces(store: Store, s: StoreSession, lease: Any, writer: PackWriter,
+                  missing: Sequence[ChunkRef]) -> tuple[int, int, list[ChunkRef]]:
+    """Pull ``missing`` chunks the server keeps as recipes as their recipe plus the pieces this store
+    lacks (module docstring); each chunk is rebuilt and checked against its digest before ``writer``
+    records it. Returns ``(pieces fetched, piece bytes fetched, chunks to fetch whole)``."""
+    whole = [c for c in missing if c[1] < SPLIT_MIN]
+    npieces = nbytes = 0
+    for group in _batches([c for c in missing if c[1] >= SPLIT_MIN]):
+        reply = s.call("recipes", {"digests": [d for d, _ in group]}).get("recipes")
+        if not isinstance(reply, list) or len(reply) != len(group):
+            raise RemoteProtocolError("malformed recipes reply")
+        recs: list[tuple[bytes, list[tuple[bytes, int]]]] = []
+        for (d, n), blob in zip(group, reply):
+            if blob is None:
+                whole.append((d, n))
+                continue
+            try:
+                pairs = blob_to_recipe(blob) if isinstance(blob, bytes) else None
+            except IntegrityError:
+                pairs = None
+            if not pairs or any(k <= 0 for _, k in pairs) or sum(k for _, k in pairs) != n:
+                raise RemoteProtocolError(f"recipe of chunk {d.hex()} from the server is malformed")
+            recs.append((d, pairs))
+        lengths = {p: k for _, pairs in recs for p, k in pairs}
+        uniq = list(lengths)
+        have: list[bool] = []
+        for k in range(0, len(uniq), _PROTECT_BATCH):
+            have += lease.protect(uniq[k : k + _PROTECT_BATCH], frames_only=True)
+        had = {p for p, h in zip(uniq, have) if h}
+        part = []
+        for d, pairs in recs:
+            if any(p in had for p, _ in pairs):
+                part.append((d, pairs))
+            else:
+                whole.append((d, sum(k for _, k in pairs)))
+        need = list(dict.fromkeys((p, k) for _, pairs in part for p, k in pairs if p not in had))
+        given: dict[bytes, bytes] = {}
+        nbytes += _fetch(s, need, None, given)  # each piece checked against its digest
+        npieces += len(need)
+        for d, pairs in part:
+            writer.add(d, store.assemble(d, pairs, given), _cuts(pairs))  # checked against d first
+    return npieces, nbytes, whole
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tb5sync.errors import IntegrityError
 from tb5sync.engine.hashing import chunk_digest
 from tb5sync.store.packs import FRAME_HEADER, iter_frames
+from tb5sync.store.pieces import blob_to_recipe, parse_recipe_record, record_digest
 from tb5sync.store.writer import LEASE_TTL, PackWriter
 
 if TYPE_CHECKING:
@@ -78,13 +79,14 @@ def _reach(store: Store, manifest: bytes, mchunks: bytes, cache: dict[bytes, set
 
 def _expand(rows: Iterable[Any], marked: set[bytes]) -> int:
     """Add to ``marked`` the pieces of every recipe in ``rows`` (``(digest, pieces blob)``) whose
-    chunk is marked; returns how many recipes were marked. A recipe's pieces are frames, never
-    recipes themselves (:mod:`tb5sync.store.pieces`), so one pass is enough."""
+    chunk is marked, and its recipe record; returns how many recipes were marked. A recipe's pieces
+    are frames, never recipes themselves (:mod:`tb5sync.store.pieces`), so one pass is enough."""
     n = 0
     for d, blob in rows:
         if bytes(d) in marked:
             b = bytes(blob)
             marked.update(b[k : k + 32] for k in range(0, len(b), 36))
+            marked.add(record_digest(bytes(d), b))  # and its record frame (pieces.recipe_record)
             n += 1
     return n
 
@@ -315,17 +317,23 @@ def reindex(store: Store) -> dict[str, int]:
     """Rebuild the chunk index from the packs themselves (each frame names its digest and length).
 
     Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
-    rows pointing at packs that are gone are dropped. Refs are not in the packs: they stay as
-    they are. Holds the gc lock. On an object store (pack storage with ``put_index``) a pack that
-    had no (readable) index object gets one, ``created`` being the pack's modification time.
+    rows pointing at packs that are gone are dropped. In a format v2 store the recipes are rebuilt
+    from their records (:func:`tb5sync.store.pieces.recipe_record`, one frame per recipe): a
+    recipe missing from the index is added once every piece it names is indexed and the chunk
+    rebuilt from them hashes to its digest (a record of a chunk gc had dropped whose pieces are
+    gone, or file data that only looks like a record, adds nothing). Refs are not in the packs:
+    they stay as they are. Holds the gc lock. On an object store (pack storage with ``put_index``)
+    a pack that had no (readable) index object gets one, ``created`` being the pack's modification
+    time.
 
     Returns
     -------
     dict
-        ``packs``, ``chunks_added``, ``rows_dropped``, ``damaged`` (frames whose bytes do not match),
-        ``index_objects_written``.
+        ``packs``, ``chunks_added``, ``recipes_added``, ``rows_dropped``, ``damaged`` (frames whose
+        bytes do not match), ``index_objects_written``.
     """
-    added = dropped = damaged = written = 0
+    added = dropped = damaged = written = recipes_added = 0
+    records: dict[bytes, bytes] = {}  # chunk digest -> recipe blob, from the records found
     put_index = getattr(store.packs, "put_index", None)
     with gc_lock(store):
         known = {p for (p,) in store._q("SELECT id FROM packs")}
@@ -341,6 +349,9 @@ def reindex(store: Store) -> dict[str, int]:
             for digest, off, n in frames:
                 if chunk_digest(memoryview(data)[off : off + n]) == digest:
                     rows.append((digest, pack, off, n))
+                    rec = parse_recipe_record(memoryview(data)[off : off + n]) if store.version >= 2 else None
+                    if rec is not None:
+                        records.setdefault(rec[0], rec[1])
                 else:
                     damaged += 1
             created = on_disk[pack][1] or time.time()
@@ -356,8 +367,21 @@ def reindex(store: Store) -> dict[str, int]:
                 if pack not in on_disk:
                     dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
                     db.execute("DELETE FROM packs WHERE id=?", (pack,))
-    return {"packs": len(on_disk), "chunks_added": added, "rows_dropped": dropped, "damaged": damaged,
-            "index_objects_written": written}
+        have = {bytes(d) for (d,) in store._q("SELECT digest FROM recipes")}
+        for d, blob in records.items():
+            if d in have:
+                continue
+            pieces = blob_to_recipe(blob)
+            try:
+                store.assemble(d, pieces)  # every piece indexed and intact, and they make chunk d
+            except IntegrityError as exc:
+                log.info("reindex: recipe record of chunk %s not used: %s", d.hex(), exc)
+                continue
+            with store._tx(durable=True) as db:
+                recipes_added += db.execute("INSERT OR IGNORE INTO recipes VALUES (?,?,?)",
+                                            (d, sum(k for _, k in pieces), blob)).rowcount
+    return {"packs": len(on_disk), "chunks_added": added, "recipes_added": recipes_added, "rows_dropped": dropped,
+            "damaged": damaged, "index_objects_written": written}
 
 
 def _read_pack(store: Store, pack: str) -> bytes:

@@ -72,6 +72,7 @@ class StoreCore(PackIndex, ChunkReader, Protocol):
 
     path: str
     quota: int | None
+    version: int
 
     def _q(self, sql: str, args: Sequence[Any] = ()) -> list[Any]: ...
 
@@ -82,6 +83,9 @@ class StoreCore(PackIndex, ChunkReader, Protocol):
     def _put_file(self, full: str, st: os.stat_result, lease: Lease, writer: PackWriter) -> list[ChunkRef]: ...
 
     def read_chunk(self, digest: bytes) -> bytes: ...
+
+    def assemble(self, digest: bytes, pieces: Sequence[tuple[bytes, int]],
+                 given: dict[bytes, bytes | memoryview] | None = None) -> bytes: ...
 
     def read_manifest(self, digest: bytes, mchunks: Sequence[ChunkRef], where: str = "manifest",
                       parallel: bool = True) -> list[Item]: ...

@@ -56,6 +56,31 @@ def _set_times(path: bytes, it: Item) -> None:
     os.utime(path, ns=(it.mtime_ns, it.mtime_ns))
 
 
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` in order to ``fd``: ``writev`` of at most 512 buffers a call where the platform
+    has it, else one ``write`` each; short writes resumed where they stopped.
+
+    Raises
+    ------
+    OSError
+        A write fails, or writes nothing (``ENOSPC``-like).
+    """
+    writev = getattr(os, "writev", None)
+    pending = [v for v in views if len(v)]
+    i = 0
+    while i < len(pending):
+        n = writev(fd, pending[i : i + 512]) if writev is not None else os.write(fd, pending[i])
+        if n <= 0:
+            raise OSError(28, "write wrote nothing")
+        while n and i < len(pending):
+            if n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            else:
+                pending[i] = pending[i][n:]
+                n = 0
+
+
 def _build(store: ChunkReader, items: list[Item], top: bytes, hardlink: bool) -> None:
     dirs = {it.path for it in items if it.kind == "d"}
     cloning = reflink_supported()  # until the first refusal: one filesystem under one destination
@@ -87,13 +112,13 @@ def _build(store: ChunkReader, items: list[Item], top: bytes, hardlink: bool) ->
                 if not cloned:
                     digests = [d for d, _ in it.chunks]
                     if len(digests) > 1:
-                        chunks: Iterable[bytes] = store.iter_chunks(digests)
+                        views = getattr(store, "iter_chunk_views", None)
+                        chunks: Iterable[bytes | list[memoryview]] = (views(digests) if views is not None
+                                                                      else store.iter_chunks(digests))
                     else:  # one chunk or none: read here, located in advance
                         chunks = [store.read_at(d, where.get(d)) for d in digests]
                     for data in chunks:
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.write(fd, view):]
+                        _write_all(fd, [memoryview(data)] if not isinstance(data, list) else data)
                 os.fchmod(fd, it.mode)
             finally:
                 os.close(fd)

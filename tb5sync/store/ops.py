@@ -18,11 +18,20 @@ from typing import Any, TypeVar
 
 from tb5sync.errors import IntegrityError, ReadOnlyError, Tb5syncError, UsageError
 from tb5sync.engine.hashing import blob_to_refs, chunk_digest, refs_to_blob
-from tb5sync.wire.messages import STORE_MAX_BATCH, STORE_MAX_DIGESTS
+from tb5sync.wire.messages import (
+    MAX_CHUNK,
+    STORE_FEATURES,
+    STORE_MAX_BATCH,
+    STORE_MAX_DIGESTS,
+    STORE_MAX_RECIPE_BYTES,
+    STORE_MAX_RECIPE_REPLY,
+    STORE_MAX_RECIPES,
+)
 from tb5sync.tree.quota import WriteQuota
+from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe
 from tb5sync.store.store import Lease, PackWriter, RefInfo, Store, check_ref_name
 
-__all__ = ["StoreOps", "ref_to_wire", "ref_from_wire"]
+__all__ = ["StoreOps", "ref_to_wire", "ref_from_wire", "session_reply"]
 
 _LEASE_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -54,6 +63,17 @@ def ref_from_wire(v: object) -> RefInfo:
     except (UsageError, ValueError) as exc:
         raise IntegrityError(f"malformed ref from peer: {exc}") from exc
     return RefInfo(name, manifest, refs, float(created), size, files, desc, bool(pinned), float(created))
+
+
+def session_reply(store: Store, read_only: bool) -> dict[str, Any]:
+    """The OPEN reply of a store session: ``{"read_only", "features", "piece_params"}``.
+
+    ``features`` lists :data:`~tb5sync.wire.messages.STORE_FEATURES` (an older server sends only
+    ``read_only``); ``piece_params`` is the store's piece parameter version, None for a format v1
+    store (which keeps chunks whole: a client then sends it whole chunks).
+    """
+    pp = store.config.get("piece_params") if store.version >= 2 else None
+    return {"read_only": read_only, "features": list(STORE_FEATURES), "piece_params": pp}
 
 
 def _digests(v: object, what: str) -> list[bytes]:
@@ -164,6 +184,91 @@ class StoreOps:
             self.quota.charge(total, f"put_chunks of {len(chunks)} chunks")
         for d, data in chunks:
             self._writer.add(d, data)
+        return {}
+
+    @_hiding
+    def recipes(self, digests: list[bytes]) -> dict[str, Any]:
+        """``{"recipes": [blob or None, ...]}``: per chunk its recipe (per piece its digest (32) and
+        length (u32 LE)) when the store keeps it as one, else None (kept whole, or missing); at most
+        :data:`~tb5sync.wire.messages.STORE_MAX_RECIPES` digests."""
+        ds = _digests(digests, "recipes")
+        if len(ds) > STORE_MAX_RECIPES:
+            raise UsageError(f"recipes: at most {STORE_MAX_RECIPES} digests")
+        out: list[bytes | None] = []
+        total = 0
+        for d in ds:
+            r = self.store.recipe(d)
+            out.append(None if r is None else b"".join(p + n.to_bytes(4, "little") for p, n in r))
+            total += len(out[-1] or b"")
+            if total > STORE_MAX_RECIPE_REPLY:
+                raise UsageError(f"recipes: more than {STORE_MAX_RECIPE_REPLY} bytes of recipes asked for")
+        return {"recipes": out}
+
+    @_hiding
+    def have_pieces(self, digests: list[bytes], lease: str) -> dict[str, Any]:
+        """``{"have": [bool, ...]}``: which of the pieces ``digests`` the store holds as pack frames; those
+        it holds are held for ``lease`` (a writable server) until the commit."""
+        ds = _digests(digests, "have_pieces")
+        return {"have": self._join(lease).protect(ds, frames_only=True)}
+
+    @_hiding
+    def put_recipes(self, lease: str, recipes: list[list[Any]], pieces: list[list[Any]]) -> dict[str, Any]:
+        """Store chunks sent as recipes under ``lease`` (format v2 stores only).
+
+        ``recipes``: ``[[chunk digest, recipe blob], ...]`` (at most
+        :data:`~tb5sync.wire.messages.STORE_MAX_RECIPES`, their lengths summing to at most
+        :data:`~tb5sync.wire.messages.STORE_MAX_RECIPE_BYTES`); ``pieces``: ``[[digest, bytes], ...]``,
+        the pieces the store lacks (at most ~16 MiB), each checked against its digest. Every chunk is
+        rebuilt from the pieces sent and those the store holds (``have_pieces`` held them for the
+        lease) and checked against its BLAKE3 digest before any of it is written
+        (``IntegrityError`` otherwise, and the request stops there: what it wrote before is held by
+        the lease only, and goes at the next gc once the session ends uncommitted); then its new
+        pieces are framed and its recipe recorded as a local put does. The pieces' bytes are charged to the
+        session quota first.
+        """
+        self._join(lease)
+        assert self._writer is not None
+        if self.store.piece_params is None:
+            raise UsageError("put_recipes: this store keeps chunks whole (format v1): send them with put_chunks")
+        if not isinstance(recipes, list) or not isinstance(pieces, list) or len(recipes) > STORE_MAX_RECIPES:
+            raise UsageError(f"put_recipes: recipes (at most {STORE_MAX_RECIPES}) and pieces must be lists")
+        given: dict[bytes, bytes] = {}
+        total = 0
+        for p in pieces:
+            if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], bytes) and isinstance(p[1], bytes)):
+                raise UsageError("put_recipes: each piece is [digest, bytes]")
+            total += len(p[1])
+            if total > STORE_MAX_BATCH + 4 * 1024 * 1024:
+                raise UsageError(f"put_recipes: more than {STORE_MAX_BATCH} bytes of pieces")
+            if chunk_digest(p[1]) != p[0]:
+                raise IntegrityError(f"put_recipes: piece {p[0].hex()} does not match its digest")
+            given[p[0]] = p[1]
+        parsed = []
+        length = 0
+        for r in recipes:
+            if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], bytes) and len(r[0]) == 32
+                    and isinstance(r[1], bytes)):
+                raise UsageError("put_recipes: each recipe is [chunk digest, recipe blob]")
+            try:
+                ps = blob_to_recipe(r[1])
+            except IntegrityError:
+                raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed") from None
+            n = sum(k for _, k in ps)
+            if not ps or any(k <= 0 for _, k in ps) or not SPLIT_MIN <= n <= MAX_CHUNK:
+                raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed")
+            length += n
+            if length > STORE_MAX_RECIPE_BYTES:
+                raise UsageError(f"put_recipes: more than {STORE_MAX_RECIPE_BYTES} bytes of chunks")
+            parsed.append((r[0], ps))
+        if self.quota is not None:
+            self.quota.charge(total, f"put_recipes of {len(parsed)} chunks")
+        for d, ps in parsed:  # one chunk at a time: checked, then written
+            data = self.store.assemble(d, ps, given)
+            cuts, pos = [], 0
+            for p, k in ps:
+                cuts.append((p, pos, pos + k))
+                pos += k
+            self._writer.add(d, data, cuts)
         return {}
 
     @_hiding

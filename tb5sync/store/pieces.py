@@ -25,7 +25,8 @@ from tb5sync.engine.params import ChunkParams
 from tb5sync.errors import IntegrityError, UsageError
 
 __all__ = ["PIECE_PARAMS_V1", "PIECE_PARAMS_BY_VERSION", "SPLIT_MIN", "Piece", "split", "recipe_to_blob",
-           "blob_to_recipe", "piece_params"]
+           "blob_to_recipe", "piece_params", "RECIPE_MAGIC", "recipe_record", "parse_recipe_record",
+           "record_digest"]
 
 #: Piece parameters v1 (``piece_params: 1`` in a v2 store's config): 4 KiB min, 16 KiB average,
 #: 64 KiB max, normalization level 2. A given version always means the same parameters.
@@ -36,6 +37,10 @@ PIECE_PARAMS_BY_VERSION: dict[int, ChunkParams] = {1: PIECE_PARAMS_V1}
 #: frame, even in a v2 store: only a file's last chunk can be that short, a small file gains little
 #: from pieces, and a whole frame is one index row and one read.
 SPLIT_MIN = 256 * 1024
+
+#: First bytes of a recipe record: the frame a v2 pack holds for each recipe, so that
+#: ``store reindex`` rebuilds the recipes from the packs alone (:func:`recipe_record`).
+RECIPE_MAGIC = b"TB5RCP1\x00"
 
 #: One piece of a chunk: ``(digest, start, end)``: BLAKE3-256 (32 bytes) and byte offsets in the chunk.
 Piece = tuple[bytes, int, int]
@@ -95,3 +100,38 @@ def blob_to_recipe(blob: bytes) -> list[tuple[bytes, int]]:
     if len(blob) % 36:
         raise IntegrityError("recipe blob length is not a multiple of 36")
     return [(blob[k : k + 32], int.from_bytes(blob[k + 32 : k + 36], "little")) for k in range(0, len(blob), 36)]
+
+
+def recipe_record(digest: bytes, blob: bytes) -> bytes:
+    """The recipe record of chunk ``digest`` whose recipe is ``blob`` (:func:`recipe_to_blob`).
+
+    Layout (recipe record v1)::
+
+        b"TB5RCP1\\x00" | chunk digest (32) | chunk length (u32 LE) | recipe blob (36 bytes per piece)
+
+    A v2 pack holds it as an ordinary frame (named by the BLAKE3-256 of these bytes, indexed in
+    ``chunks`` like any frame, so verify checks it and repack carries it), written by the writer
+    that indexes the recipe, into the pack indexed with it. gc marks it with its recipe
+    (:func:`record_digest`), so it lives exactly as long as the recipe does.
+    """
+    n = sum(k for _, k in blob_to_recipe(blob))
+    return RECIPE_MAGIC + digest + n.to_bytes(4, "little") + blob
+
+
+def record_digest(digest: bytes, blob: bytes) -> bytes:
+    """The frame digest of :func:`recipe_record` ``(digest, blob)``: what gc marks with the recipe."""
+    return chunk_digest(recipe_record(digest, blob))
+
+
+def parse_recipe_record(data: bytes | memoryview) -> tuple[bytes, bytes] | None:
+    """``(chunk digest, recipe blob)`` when ``data`` is a well-formed recipe record, else None (a frame
+    of file data that merely starts like one is still checked by whoever uses the recipe: the chunk
+    it rebuilds must hash to its digest)."""
+    mv = memoryview(data)
+    if len(mv) < 80 or bytes(mv[:8]) != RECIPE_MAGIC or (len(mv) - 44) % 36:
+        return None
+    blob = bytes(mv[44:])
+    pieces = blob_to_recipe(blob)
+    if any(k <= 0 for _, k in pieces) or sum(k for _, k in pieces) != int.from_bytes(mv[40:44], "little"):
+        return None
+    return bytes(mv[8:40]), blob

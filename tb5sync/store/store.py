@@ -46,6 +46,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3 as _blake3
+
 from tb5sync._os.io import durable_sync
 from tb5sync.engine.chunking import PARAMS_BY_VERSION, PARAMS_V1, ChunkParams
 from tb5sync.tree.excludes import ExcludeRules
@@ -322,20 +324,26 @@ class Store:
         os.replace(tmp, os.path.join(self.path, "config"))
 
     def upgrade(self) -> dict[str, Any]:
-        """Move a format v1 store to format v2 (``store upgrade``); a v2 store is left as it is.
+        """Move a format v1 store to format v2 (``store upgrade``); in a v2 store, write the recipe
+        records its packs lack.
 
-        Only ``config`` changes: chunks written from now on are kept as recipes of pieces, the
-        chunks already stored stay whole frames (a v2 store reads both); nothing is rewritten.
+        From v1 only ``config`` changes: chunks written from now on are kept as recipes of pieces,
+        the chunks already stored stay whole frames (a v2 store reads both); nothing is rewritten.
         Afterwards a tb5sync that reads only v1 refuses the store (its config says version 2).
         Holds the gc lock, so no gc runs meanwhile; a writer of another process that opened the
         store as v1 before goes on writing whole chunks, which v2 reads as well.
 
+        A v2 store written before recipes were recorded in the packs (their records,
+        :func:`tb5sync.store.pieces.recipe_record`, are what :meth:`reindex` rebuilds recipes from)
+        gets a record for each recipe that has none, in new packs; nothing else changes.
+
         Returns
         -------
         dict
-            ``{"from": old version, "to": 2}``.
+            ``{"from": old version, "to": 2, "records_written": recipe records added}``.
         """
         from tb5sync.store.gc import gc_lock
+        from tb5sync.store.pieces import recipe_record
 
         old = self.version
         if old < 2:
@@ -343,7 +351,24 @@ class Store:
                 cfg = dict(self.config, version=2, piece_params=1)
                 self._write_config(cfg)
             self.config, self.version, self.piece_params = cfg, 2, piece_params(1)
-        return {"from": old, "to": self.version}
+        written = 0
+        rows = [(bytes(d), bytes(b)) for d, b in self._q("SELECT digest, pieces FROM recipes")]
+        todo = [(d, recipe_record(d, b)) for d, b in rows]
+        todo = [(d, rec) for d, rec in todo if not self._q("SELECT 1 FROM chunks WHERE digest=?", (chunk_digest(rec),))]
+        if todo:
+            lease = self.lease()
+            writer = PackWriter(self, lease)
+            try:
+                for _, rec in todo:
+                    writer.add_frame(chunk_digest(rec), rec)
+                    written += 1
+                writer.flush()
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                lease.release()
+        return {"from": old, "to": self.version, "records_written": written}
 
     def set_quota(self, quota: int | None) -> None:
         """Record ``quota`` (bytes, None for none) in ``config`` (atomically replaced) and use it."""
@@ -446,12 +471,56 @@ class Store:
         pieces = blob_to_recipe(blob)
         if sum(n for _, n in pieces) != length:
             raise IntegrityError(f"chunk {digest.hex()}: its recipe does not add up to its length")
+        return self.assemble(digest, pieces)
+
+    def recipe(self, digest: bytes) -> list[tuple[bytes, int]] | None:
+        """The recipe of chunk ``digest`` (format v2): ``[(piece digest, length in bytes), ...]``, or None
+        when the store keeps that chunk whole (or lacks it).
+
+        Raises
+        ------
+        IntegrityError
+            A damaged recipe row.
+        """
+        rows = self._q("SELECT length, pieces FROM recipes WHERE digest=?", (digest,))
+        if not rows:
+            return None
+        pieces = blob_to_recipe(bytes(rows[0][1]))
+        if sum(n for _, n in pieces) != int(rows[0][0]):
+            raise IntegrityError(f"chunk {digest.hex()}: its recipe does not add up to its length")
+        return pieces
+
+    def assemble(self, digest: bytes, pieces: Sequence[tuple[bytes, int]],
+                 given: dict[bytes, bytes | memoryview] | None = None) -> bytes:
+        """Chunk ``digest`` rebuilt from ``pieces`` (``[(piece digest, length), ...]``, in order): a
+        piece in ``given`` (digest -> bytes the caller has checked against that digest, e.g. just
+        received) from there, every other one from its pack frame (adjacent frames of one pack read
+        with one ranged read); the result is checked against ``digest``.
+
+        What a read of a chunk kept as a recipe does, and what a receiver of a piece-level push or
+        pull (:mod:`tb5sync.remote.storeclient`) does before it records a recipe it was sent.
+
+        Raises
+        ------
+        IntegrityError
+            A piece is neither given nor in the store, a frame is damaged, or the rebuilt bytes do
+            not hash to ``digest`` (the message names the damaged piece when one is).
+        """
+        given = given or {}
         for attempt in range(3):
-            where = self.locate(d for d, _ in pieces)
+            where = self.locate(d for d, _ in pieces if d not in given)
             out = bytearray()
             runs: list[tuple[str, int, int, list[tuple[bytes, int]]]] = []  # (pack, start, end, pieces)
             try:
+                # runs of adjacent frames, flushed in order; a given piece is a run of its own ("")
                 for d, n in pieces:
+                    g = given.get(d)
+                    if g is not None:
+                        if len(g) != n:
+                            raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} is {len(g)} bytes, "
+                                                 f"its recipe says {n}")
+                        runs.append(("", 0, 0, [(d, n)]))
+                        continue
                     loc = where.get(d)
                     if loc is None or loc[2] != n:
                         raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} is missing from the store")
@@ -462,6 +531,9 @@ class Store:
                     else:
                         runs.append((pack, off - FRAME_HEADER, off + n, [(d, n)]))
                 for pack, start, end, ps in runs:
+                    if not pack:
+                        out += given[ps[0][0]]
+                        continue
                     raw = memoryview(self.packs.get_range(pack, start, end - start))
                     pos = 0
                     for d, n in ps:
@@ -478,12 +550,41 @@ class Store:
                 pos = 0
                 for d, n in pieces:  # name the damaged piece
                     if chunk_digest(memoryview(out)[pos : pos + n]) != d:
+                        if d in given:
+                            raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} as sent does not match "
+                                                 "its digest")
                         raise IntegrityError(f"chunk {digest.hex()}: piece {d.hex()} in pack {where[d][0]} "
                                              f"at {where[d][1]} is damaged")
                     pos += n
                 raise IntegrityError(f"chunk {digest.hex()}: rebuilt from its pieces, it does not match its digest")
             return bytes(out)
         raise AssertionError("unreachable")
+
+    def stored_need(self, chunks: dict[bytes, int]) -> int:
+        """Bytes the distinct ``chunks`` (digest -> length) take in this store's packs, each frame once,
+        plus a pack header: a chunk kept as a frame (or not stored yet) framed whole, a chunk kept as
+        a recipe (format v2) by its distinct pieces' frames and its recipe record's frame. What the
+        quota's "can this ever fit" check of a ref counts (:func:`~tb5sync.store.index.check_entry_fits`).
+        """
+        if self.version < 2:
+            return stored_size(chunks.values())
+        frames: dict[bytes, int] = {}
+        ds = list(chunks)
+        for k in range(0, len(ds), 500):
+            part = ds[k : k + 500]
+            marks = ",".join("?" * len(part))
+            whole = {bytes(d) for (d,) in self._q(f"SELECT digest FROM chunks WHERE digest IN ({marks})", part)}
+            recipes = {bytes(d): bytes(b) for d, b in
+                       self._q(f"SELECT digest, pieces FROM recipes WHERE digest IN ({marks})", part)}
+            for d in part:
+                blob = recipes.get(d) if d not in whole else None
+                if blob is None:
+                    frames[d] = chunks[d]
+                    continue
+                for p, n in blob_to_recipe(blob):
+                    frames[p] = n
+                frames[d + b"record"] = 44 + len(blob)  # its recipe record (pieces.recipe_record)
+        return stored_size(frames.values())
 
     def locate(self, digests: Iterable[bytes]) -> dict[bytes, tuple[str, int, int]]:
         """Where each of ``digests`` is: ``{digest: (pack, offset, length)}`` (missing ones, and chunks kept as
@@ -526,6 +627,87 @@ class Store:
                 futs.append(pool.submit(self.read_chunk, digests[i]))
                 i += 1
             yield futs.pop(0).result()
+
+    def iter_chunk_views(self, digests: Sequence[bytes], ahead: int = 8) -> Iterator[bytes | list[memoryview]]:
+        """The bytes of each of ``digests`` in order, each checked against its digest, for a caller
+        that only writes them out (``store get``): per chunk either ``bytes`` or a list of
+        memoryviews whose concatenation is the chunk.
+
+        With packs in a local directory (:class:`~tb5sync.store.packs.LocalPackStorage`) the
+        chunks' frames and pieces are located with one index query per 500 digests (a window of
+        :data:`VIEW_WINDOW` chunks at a time), their packs mapped read-only (``mmap``; packs are
+        immutable and a mapping outlives a concurrent repack's unlink), and each chunk is hashed
+        in the hash pool straight from the mapping, ``ahead`` chunks ahead of the caller: no copy
+        into a buffer, no query per chunk. A chunk whose frames cannot be used so (moved by a
+        repack since it was located, a damaged frame) is read by :meth:`read_chunk`, which raises
+        the precise ``IntegrityError``. Other pack storages: :meth:`iter_chunks`.
+
+        The views stay valid while the caller holds them (each keeps its mapping alive).
+        """
+        if not isinstance(self.packs, LocalPackStorage):
+            yield from self.iter_chunks(digests, ahead)
+            return
+        maps = _PackMaps(self.packs)
+        pool = hash_pool()
+        futs: list[Any] = []
+        plans = self._view_plans(digests)
+        for d, segs in plans:
+            futs.append(pool.submit(self._chunk_views, maps, d, segs))
+            if len(futs) > ahead:
+                yield futs.pop(0).result()
+        while futs:
+            yield futs.pop(0).result()
+
+    def _view_plans(self, digests: Sequence[bytes]) -> Iterator[tuple[bytes, list[tuple[bytes, str, int, int]] | None]]:
+        """Per chunk of ``digests``: its frames ``[(frame digest, pack, data offset, length), ...]`` (one
+        whole frame, or its recipe's pieces), None when it has neither (read_chunk says why)."""
+        for k in range(0, len(digests), VIEW_WINDOW):
+            window = digests[k : k + VIEW_WINDOW]
+            frames = self.locate(window)
+            rest = list(dict.fromkeys(d for d in window if d not in frames))
+            recipes: dict[bytes, list[tuple[bytes, int]]] = {}
+            for j in range(0, len(rest), 500):
+                part = rest[j : j + 500]
+                for d, blob in self._q(f"SELECT digest, pieces FROM recipes WHERE digest IN ({','.join('?' * len(part))})",
+                                       part):
+                    recipes[bytes(d)] = blob_to_recipe(bytes(blob))
+            where = self.locate(p for r in recipes.values() for p, _ in r) if recipes else {}
+            for d in window:
+                f = frames.get(d)
+                if f is not None:
+                    yield d, [(d, f[0], f[1], f[2])]
+                    continue
+                r = recipes.get(d)
+                segs: list[tuple[bytes, str, int, int]] | None = []
+                for p, n in r or ():
+                    loc = where.get(p)
+                    if loc is None or loc[2] != n:
+                        segs = None
+                        break
+                    segs.append((p, loc[0], loc[1], n))  # type: ignore[union-attr]
+                yield d, (segs if r and segs else None)
+
+    def _chunk_views(self, maps: _PackMaps, digest: bytes, segs: list[tuple[bytes, str, int, int]] | None
+                     ) -> bytes | list[memoryview]:
+        """Chunk ``digest`` as views of its mapped frames ``segs``, each frame header and the whole
+        chunk's BLAKE3 checked; else (no plan, a pack gone, any mismatch) :meth:`read_chunk`."""
+        if segs is None:
+            return self.read_chunk(digest)
+        try:
+            h = _blake3.blake3()
+            views = []
+            for p, pack, off, n in segs:
+                mv = maps.view(pack)
+                if off + n > len(mv) or off < FRAME_HEADER or parse_frame_header(mv[off - FRAME_HEADER : off]) != (p, n):
+                    return self.read_chunk(digest)
+                v = mv[off : off + n]
+                h.update(v)
+                views.append(v)
+        except (OSError, ValueError):
+            return self.read_chunk(digest)
+        if h.digest() != digest:
+            return self.read_chunk(digest)  # names the damaged frame or piece
+        return views
 
     # ---- refs --------------------------------------------------------------------------------
     def _ref_row(self, name: str) -> RefInfo | None:
@@ -670,7 +852,8 @@ class Store:
         needed = {d: n for d, n in mchunks}
         for it in items:
             needed.update(it.chunks)
-        check_entry_fits(self.quota, stored_size(needed.values()), f"ref {name!r}")
+        if self.quota is not None:
+            check_entry_fits(self.quota, self.stored_need(needed), f"ref {name!r}")
         now = time.time()
         with self._tx(durable=True) as db:
             old = db.execute("SELECT pinned FROM refs WHERE name=?", (name,)).fetchone()
@@ -787,11 +970,13 @@ class Store:
         have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
         for it, _ in files:
             it.chunks = []
+        adds: list[tuple[bytes, memoryview, None]] = []
         for d, (k, a, b) in zip(digests, spans):
             if not have.get(d, True):
-                writer.add(d, views[k][a:b])
+                adds.append((d, views[k][a:b], None))
                 have[d] = True
             files[k][0].chunks.append((d, b - a))
+        writer.add_many(adds)  # the pieces of all their new chunks looked up in one transaction
         for it, _ in files:
             it.digest = file_digest(d for d, _ in it.chunks)
 
@@ -812,8 +997,7 @@ class Store:
         pp = writer.pieces
         if pp is not None and todo:  # format v2: cut and hash the new chunks' pieces in the pool
             cuts = hash_pool().map(lambda t: split(mv[t[1] : t[2]], pp) if t[2] - t[1] >= SPLIT_MIN else None, todo)
-            for (d, s, e), pieces in zip(todo, cuts):
-                writer.add(d, mv[s:e], pieces)
+            writer.add_many([(d, mv[s:e], pieces) for (d, s, e), pieces in zip(todo, cuts)])
         else:
             for d, s, e in todo:
                 writer.add(d, mv[s:e])
@@ -994,8 +1178,10 @@ class Store:
     def stats(self) -> dict[str, Any]:
         """Refs, keyed blobs and their bytes, logical bytes (sum of ref sizes), unique chunk bytes, stored bytes (pack files), dedup ratio, counts.
 
-        ``chunks`` and ``unique_bytes`` count pack frames (format v2: pieces and small chunks),
-        ``recipes`` the chunks kept as recipes of pieces (0 in a v1 store), ``format`` the store format version.
+        ``chunks`` counts pack frames (format v2: pieces, small chunks and the recipes' records),
+        ``unique_bytes`` their content bytes (the records left out: ``record_bytes``, 44 + 36 per piece
+        for each recipe), ``recipes`` the chunks kept as recipes of pieces (0 in a v1 store),
+        ``format`` the store format version.
         """
         with self._lock:
             logical, files = self._db.execute("SELECT COALESCE(SUM(size),0), COALESCE(SUM(files),0) FROM refs").fetchone()
@@ -1003,8 +1189,10 @@ class Store:
             stored, npacks = self._db.execute("SELECT COALESCE(SUM(size),0), COUNT(*) FROM packs").fetchone()
             nrefs = self._db.execute("SELECT COUNT(*) FROM refs").fetchone()[0]
             nblobs, blob_bytes = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs").fetchone()
-            nrecipes = self._db.execute("SELECT COUNT(*) FROM recipes").fetchone()[0]
-        return {"format": self.version, "recipes": nrecipes, "refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
+            nrecipes, record_bytes = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(44 + length(pieces)), 0) FROM recipes").fetchone()
+        unique = max(0, unique - record_bytes)  # content only: each recipe's record frame left out
+        return {"format": self.version, "recipes": nrecipes, "record_bytes": record_bytes, "refs": nrefs, "blobs": nblobs, "blob_bytes": blob_bytes, "files": files, "logical_bytes": logical, "unique_bytes": unique,
                 "stored_bytes": stored, "chunks": nchunks, "packs": npacks,
                 "dedup_ratio": round(logical / unique, 3) if unique else 1.0, "quota": self.quota}
 
@@ -1019,6 +1207,42 @@ class Store:
                 continue
             out.append(lid)
         return out
+
+
+#: Chunks located with one round of index queries by :meth:`Store.iter_chunk_views` (~256 MiB).
+VIEW_WINDOW = 256
+
+
+class _PackMaps:
+    """Read-only mappings of the packs of a :class:`LocalPackStorage`, the last :attr:`MAX` used kept
+    (a dropped one closes once no view of it is left). Thread-safe."""
+
+    MAX = 64
+
+    def __init__(self, packs: LocalPackStorage) -> None:
+        self.packs = packs
+        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def view(self, pack: str) -> memoryview:
+        """A memoryview of the whole of pack ``pack``. Raises ``OSError`` (FileNotFoundError: gone)."""
+        with self._lock:
+            mv = self._maps.get(pack)
+            if mv is not None:
+                self._maps.move_to_end(pack)
+                return mv
+        import mmap
+
+        fd = os.open(self.packs.path(pack), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mv = memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[pack] = mv
+            while len(self._maps) > self.MAX:
+                self._maps.popitem(last=False)
+        return mv
 
 
 def _read_small(full: str, st: os.stat_result) -> bytes:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, BinaryIO
 from tb5sync._os.io import durable_sync
 from tb5sync.engine.params import ChunkParams
 from tb5sync.store.index import check_entry_fits
-from tb5sync.store.pieces import SPLIT_MIN, Piece, recipe_to_blob, split
+from tb5sync.engine.hashing import chunk_digest
+from tb5sync.store.pieces import SPLIT_MIN, Piece, recipe_record, recipe_to_blob, split
 from tb5sync.store.packs import FRAME_HEADER, PACK_MAGIC, frame_header
 
 if TYPE_CHECKING:
@@ -57,17 +58,20 @@ class Lease:
         A chunk is held as a pack frame (format v1, and small chunks in v2) or as a recipe of
         pieces (format v2); ``frames_only`` asks for frames only (the pieces a recipe will name).
         """
-        out = []
+        uniq = list(dict.fromkeys(digests))
+        hit: set[bytes] = set()
         with self.store._tx() as db:
-            for d in digests:
-                hit = db.execute("SELECT 1 FROM chunks WHERE digest=?", (d,)).fetchone() is not None
-                if not hit and not frames_only:
-                    hit = db.execute("SELECT 1 FROM recipes WHERE digest=?", (d,)).fetchone() is not None
-                if hit:
-                    db.execute("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", (self.id, d))
-                out.append(hit)
+            for k in range(0, len(uniq), 500):  # one query per 500 digests (a put asks per window)
+                part = uniq[k : k + 500]
+                hit.update(bytes(d) for (d,) in
+                           db.execute(f"SELECT digest FROM chunks WHERE digest IN ({','.join('?' * len(part))})", part))
+                rest = [d for d in part if d not in hit] if not frames_only else []
+                if rest:
+                    hit.update(bytes(d) for (d,) in db.execute(
+                        f"SELECT digest FROM recipes WHERE digest IN ({','.join('?' * len(rest))})", rest))
+            db.executemany("INSERT OR IGNORE INTO lease_chunks VALUES (?,?)", [(self.id, d) for d in uniq if d in hit])
             db.execute("UPDATE leases SET touched=? WHERE id=?", (time.time(), self.id))
-        return out
+        return [d in hit for d in digests]
 
     def release(self) -> None:
         """Drop the lease and what it protects."""
@@ -119,28 +123,48 @@ class PackWriter:
     def add(self, digest: bytes, data: bytes | memoryview, pieces: Sequence[Piece] | None = None) -> None:
         """Append one chunk (its digest already computed from these very bytes); ``pieces``: its
         :func:`~tb5sync.store.pieces.split` when the caller cut it already (v2 stores only)."""
-        if digest in self.known:
+        self.add_many([(digest, data, pieces)])
+
+    def add_many(self, chunks: Sequence[tuple[bytes, bytes | memoryview, Sequence[Piece] | None]]) -> None:
+        """:meth:`add` of each ``(digest, data, pieces or None)``, the pieces of them all looked up
+        (and held under the lease) in one index transaction rather than one per chunk."""
+        split_up: list[tuple[bytes, bytes | memoryview, Sequence[Piece]]] = []
+        for digest, data, pieces in chunks:
+            if digest in self.known:
+                continue
+            if self.pieces is None or len(data) < SPLIT_MIN:
+                self.add_frame(digest, data)
+                self.known.add(digest)
+                continue
+            if pieces is None:
+                pieces = split(data, self.pieces)
+            if len(pieces) == 1:  # one piece is the chunk itself: a frame, no recipe
+                self.add_frame(digest, data)
+                self.known.add(digest)
+                continue
+            split_up.append((digest, data, pieces))
+        if not split_up:
             return
-        if self.pieces is None or len(data) < SPLIT_MIN:
-            self.add_frame(digest, data)
-            self.known.add(digest)
-            return
-        if pieces is None:
-            pieces = split(data, self.pieces)
-        if len(pieces) == 1:  # one piece is the chunk itself: a frame, no recipe
-            self.add_frame(digest, data)
-            self.known.add(digest)
-            return
-        fresh = list(dict.fromkeys(p for p, _, _ in pieces if p not in self._frames))
+        fresh = list(dict.fromkeys(p for _, _, ps in split_up for p, _, _ in ps if p not in self._frames))
         had = dict(zip(fresh, self.lease.protect(fresh, frames_only=True))) if fresh else {}
+        for digest, data, pieces in split_up:
+            if digest not in self.known:
+                self._add_recipe(digest, data, pieces, had)
+
+    def _add_recipe(self, digest: bytes, data: bytes | memoryview, pieces: Sequence[Piece], had: dict[bytes, bool]) -> None:
+        """Frame the pieces of chunk ``digest`` that ``had`` (piece -> indexed and held; absent: this
+        writer framed it) says are missing, then queue its recipe and frame its record."""
         mv = memoryview(data)
         for p, s, e in pieces:
             if not had.get(p, True):
                 self.add_frame(p, mv[s:e])
                 had[p] = True
+        blob = recipe_to_blob(pieces)
         with self._lock:
-            self._recipes.append((digest, len(data), recipe_to_blob(pieces)))
+            self._recipes.append((digest, len(data), blob))
             self.known.add(digest)
+        rec = recipe_record(digest, blob)  # the recipe in the packs too: reindex rebuilds it from there
+        self.add_frame(chunk_digest(rec), rec)
 
     def add_frame(self, digest: bytes, data: bytes | memoryview) -> None:
         """Append ``data`` as one frame named ``digest`` (a whole chunk, or a piece), unless this

@@ -66,6 +66,10 @@ __all__ = [
     "STORE_WRITE_METHODS",
     "STORE_MAX_BATCH",
     "STORE_MAX_DIGESTS",
+    "STORE_FEATURES",
+    "STORE_MAX_RECIPE_BYTES",
+    "STORE_MAX_RECIPES",
+    "STORE_MAX_RECIPE_REPLY",
     "CODEC_RAW",
     "CODEC_LZ4",
     "SENDER_MAX_READ",
@@ -180,9 +184,27 @@ FS_DATA_METHODS: Final = frozenset({"put_piece"})
 #: ``put_chunks(lease, chunks)``, ``flush(lease)``, ``commit(lease, name, manifest, mchunks, ...)``,
 #: ``list(name)``, ``read(name, path, offset, length)`` (DATA). Chunks are named by digest only,
 #: so any node holding them can answer ``have``/``chunks``.
-STORE_METHODS: Final = frozenset({"refs", "ref", "have", "chunks", "put_chunks", "flush", "commit", "list", "read"})
+#: With the ``"pieces"`` feature (:data:`STORE_FEATURES`) also ``recipes(digests)`` (the pieces of the
+#: chunks kept as recipes), ``have_pieces(digests, lease)`` (which pieces the server's store holds,
+#: held for the lease) and ``put_recipes(lease, recipes, pieces)`` (chunks sent as a recipe plus only
+#: the pieces the receiver lacks; each chunk rebuilt and checked against its digest before it is
+#: recorded); ``chunks(digests)`` then also answers piece digests.
+STORE_METHODS: Final = frozenset({"refs", "ref", "have", "chunks", "put_chunks", "flush", "commit", "list", "read",
+                                  "recipes", "have_pieces", "put_recipes"})
 #: Store requests that write (refused by a ``--read-only`` server).
-STORE_WRITE_METHODS: Final = frozenset({"put_chunks", "flush", "commit"})
+STORE_WRITE_METHODS: Final = frozenset({"put_chunks", "flush", "commit", "put_recipes"})
+#: What a store session's OPEN reply lists under ``features`` (a server older than these lists none,
+#: and is then sent and asked for whole chunks only): ``"pieces"``, the piece-level methods above. The
+#: reply's ``piece_params`` is the server's store's piece parameter version (None: a v1 store, which
+#: keeps chunks whole; a client pushes pieces only to a store with the same version as its own cut).
+STORE_FEATURES: Final = ("pieces",)
+#: Most chunk bytes (the sum of the recipes' lengths) one ``put_recipes`` request may rebuild, and
+#: most recipes one ``recipes`` reply or ``put_recipes`` request carries.
+STORE_MAX_RECIPE_BYTES: Final = 64 * 1024 * 1024
+STORE_MAX_RECIPES: Final = 4096
+#: Most bytes of recipe blobs one ``recipes`` reply carries (a client asks for 16 MiB of chunks at a
+#: time: ~150 KB of recipes).
+STORE_MAX_RECIPE_REPLY: Final = 8 * 1024 * 1024
 #: Most chunk bytes one ``chunks`` reply or ``put_chunks`` request carries (and one ``read`` reply).
 STORE_MAX_BATCH: Final = 16 * 1024 * 1024
 #: Most digests one ``have`` or ``chunks`` request names.
