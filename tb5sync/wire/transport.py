@@ -236,12 +236,12 @@ def hide_root(message: str, root: str) -> str:
     return re.sub(re.escape(root) + r"(?![\w.\-])", ".", message)
 
 
-
 def _is_tls(sock: object) -> bool:
     """Whether ``sock`` is an ``ssl.SSLSocket``. ``ssl`` (~4 ms of a client's start-up) is imported
     only where TLS is set up: while it is not imported, no socket can be one."""
     mod = sys.modules.get("ssl")
     return mod is not None and isinstance(sock, mod.SSLSocket)
+
 
 class Channel:
     """One framed TCP (or TLS) stream. Sends are serialized by a lock; receives belong to one thread.
