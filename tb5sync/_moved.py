@@ -11,7 +11,6 @@ function, and its module ``tb5sync.api.sync``.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 
@@ -80,7 +79,7 @@ def new_name(old: str) -> str | None:
     return None if new is None else f"tb5sync.{new}"
 
 
-class _Alias(importlib.abc.Loader):
+class _Alias:  # an importlib.abc.Loader (importlib.abc, ~4 ms at start-up, is not needed for one)
     def __init__(self, target: str) -> None:
         self.target = target
 
@@ -93,7 +92,7 @@ class _Alias(importlib.abc.Loader):
         module.__spec__ = self._own_spec
 
 
-class _MovedFinder(importlib.abc.MetaPathFinder):
+class _MovedFinder:  # an importlib.abc.MetaPathFinder by its protocol
     """Finds ``tb5sync.<old>`` for every name in :data:`MOVED`; nothing else."""
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib's signature

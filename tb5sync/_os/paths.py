@@ -275,11 +275,10 @@ def _load_openat2() -> _Openat2 | None:
     """
     if sys.platform != "linux":
         return None
-    import ctypes
-    import platform
-
-    if platform.machine() not in _OPENAT2_MACHINES:
+    if os.uname().machine not in _OPENAT2_MACHINES:  # platform.machine()'s source, without importing platform
         return None
+    import ctypes
+
     try:
         syscall = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):

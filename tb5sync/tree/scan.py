@@ -39,6 +39,7 @@ def max_path(root: str) -> int:
     trailing slash: rsync's paths then start with ``root/``; else ``""``) that rsync sends."""
     return PATH_MAX - 1 - (len(root.encode("utf-8", "surrogateescape")) + 1 if root else 0)
 
+_S_IFREG, _S_IFDIR, _S_IFLNK = stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK  # module globals: one lookup each, not two, in the loop
 _tuple_new = tuple.__new__  # builds an Entry without NamedTuple's Python-level __new__ (the scan's hot loop)
 
 
@@ -601,6 +602,8 @@ def _walk(
     if children is not None:
         children[rel] = kids
     prefix = f"{rel}/" if rel else ""
+    rules = excludes if excludes else None  # its __bool__ (Python) once, not per entry
+    new, E, out_append, kids_append = _tuple_new, Entry, out.append, kids.append  # locals in the hot loop
     dpre = full if full.endswith("/") else f"{full}/"
     for name, m, size, mtime_ns in items:
         if name == STATE_DIR:
@@ -613,8 +616,8 @@ def _walk(
         fmt = m & 0o170000  # stat.S_IFMT
         followed = False
         at: tuple[os.stat_result, int, str] | None = None  # a followed link's target: (stat, dir fd, name)
-        if extras is not None and fmt == stat.S_IFLNK and extras.links:
-            if excludes and excludes.match(r, False):
+        if extras is not None and fmt == _S_IFLNK and extras.links:
+            if rules is not None and rules.match(r, False):
                 continue
             got = _follow(name, fd, dpre + name, r, extras, errors)
             if got is None:
@@ -624,7 +627,7 @@ def _walk(
                 m, size, mtime_ns = at[0].st_mode, at[0].st_size, at[0].st_mtime_ns
                 fmt, followed = m & 0o170000, True
         try:
-            if excludes and excludes.match(r, fmt == stat.S_IFDIR):
+            if rules is not None and rules.match(r, fmt == _S_IFDIR):
                 if tree is not None:
                     tree.protected.add(rel)
                 continue
@@ -634,23 +637,23 @@ def _walk(
                 errors.append((r, f"{OVERFLOW} by {over}"))
                 continue
             if extras is not None and tree is not None:
-                if extras.hard_links and fmt == stat.S_IFREG:
+                if extras.hard_links and fmt == _S_IFREG:
                     try:
                         ist = at[0] if at is not None else os.stat(name, dir_fd=fd, follow_symlinks=False)
                         if ist.st_nlink > 1:
                             extras.inodes.setdefault((ist.st_dev, ist.st_ino), []).append(r)
                     except OSError:
                         pass
-                if extras.xattrs and fmt in (stat.S_IFREG, stat.S_IFDIR):
+                if extras.xattrs and fmt in (_S_IFREG, _S_IFDIR):
                     if at is None:
                         extras.xattrs_at(fd, name, False, tree.xattrs, r)
                     else:  # what the link leads to (through the jail on a server: not followed again)
                         extras.xattrs_at(at[1], at[2], at[1] == fd, tree.xattrs, r)
-            if fmt == stat.S_IFREG:
-                e: Entry = _tuple_new(Entry, (r, FILE, m & 0o7777, size, mtime_ns, ""))
-            elif fmt == stat.S_IFDIR:
-                e = _tuple_new(Entry, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
-            elif fmt == stat.S_IFLNK:
+            if fmt == _S_IFREG:
+                e: Entry = new(E, (r, FILE, m & 0o7777, size, mtime_ns, ""))
+            elif fmt == _S_IFDIR:
+                e = new(E, (r, DIR, m & 0o7777, 0, mtime_ns, ""))
+            elif fmt == _S_IFLNK:
                 try:
                     target = os.readlink(name, dir_fd=fd)
                 except (FileNotFoundError, OSError) as exc:  # vanished or replaced while scanning
@@ -663,9 +666,9 @@ def _walk(
                 if skipped is not None:
                     skipped.append((r, special_kind(m)))
                 continue
-            out.append(e)
-            kids.append(e)
-            if recursive and fmt == stat.S_IFDIR:
+            out_append(e)
+            kids_append(e)
+            if recursive and fmt == _S_IFDIR:
                 try:
                     if at is not None and at[1] != fd:
                         cfd = os.open(at[2], _DIR_FLAGS, dir_fd=at[1])

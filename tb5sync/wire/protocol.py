@@ -36,7 +36,6 @@ with an ERROR frame carrying its own version, then closes.
 from __future__ import annotations
 
 import enum
-import hmac
 import os
 import struct
 from collections.abc import Callable
@@ -400,13 +399,24 @@ class FrameReader:
         return NEED_DATA
 
 
+def _compare_digest(a: bytes, b: bytes) -> bool:
+    """``hmac.compare_digest`` (constant time), imported where a token is checked."""
+    import hmac
+
+    return hmac.compare_digest(a, b)
+
+
 def client_mac(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     """HMAC-SHA256 the client proves knowledge of ``token`` with (RFC 2104)."""
+    import hmac  # here: ~2 ms of start-up (_hashlib) that a run without a token would not use
+
     return hmac.new(token, b"tb5sync-c" + server_nonce + client_nonce, "sha256").digest()
 
 
 def server_mac(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
     """HMAC-SHA256 the server proves knowledge of ``token`` with (RFC 2104)."""
+    import hmac
+
     return hmac.new(token, b"tb5sync-s" + client_nonce + server_nonce, "sha256").digest()
 
 
@@ -489,7 +499,7 @@ class ClientHandshake:
         elif ftype is FrameType.WELCOME and self._auth:
             assert self.token is not None
             theirs = _bytes_field(msg, "mac")
-            if not hmac.compare_digest(theirs, server_mac(self.token, self.nonce, self._server_nonce)):
+            if not _compare_digest(theirs, server_mac(self.token, self.nonce, self._server_nonce)):
                 raise AuthError("server failed to prove it knows the token")
         self.state = nxt
         return out
@@ -553,7 +563,7 @@ class ServerHandshake:
             if self.token is not None:
                 proved = self.gate() if self.gate is not None else None
                 want = client_mac(self.token, self.nonce, self._client_nonce)
-                if not hmac.compare_digest(mac, want):
+                if not _compare_digest(mac, want):
                     raise AuthError("authentication failed: wrong token")
                 if proved is not None:
                     proved()

@@ -13,12 +13,15 @@ import os
 import re
 import select
 import socket
-import ssl
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ssl
 
 import tb5sync.wire.protocol as P
 from tb5sync._os.buffers import BufferPool
@@ -233,6 +236,13 @@ def hide_root(message: str, root: str) -> str:
     return re.sub(re.escape(root) + r"(?![\w.\-])", ".", message)
 
 
+def _is_tls(sock: object) -> bool:
+    """Whether ``sock`` is an ``ssl.SSLSocket``. ``ssl`` (~4 ms of a client's start-up) is imported
+    only where TLS is set up: while it is not imported, no socket can be one."""
+    mod = sys.modules.get("ssl")
+    return mod is not None and isinstance(sock, mod.SSLSocket)
+
+
 class Channel:
     """One framed TCP (or TLS) stream. Sends are serialized by a lock; receives belong to one thread.
 
@@ -290,7 +300,7 @@ class Channel:
         self.hide_root: str | None = None
         self.max_payload = P.MAX_PAYLOAD
         self.max_decoded = P.MAX_DECODED
-        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.tls = _is_tls(sock)
         #: file parts go out by pread + send (no os.sendfile here, $TB5SYNC_PORTABLE, or a file
         #: system that refused it once)
         self._no_sendfile = not hasattr(os, "sendfile") or portable()
@@ -794,7 +804,7 @@ class Channel:
             self.sock.settimeout(0)
             self.sock.recv(1)
             return True
-        except ssl.SSLWantReadError:
+        except sys.modules["ssl"].SSLWantReadError:  # self.tls: ssl is imported
             return False
         except OSError:
             return True
@@ -958,6 +968,8 @@ def connect(
     tune_socket(sock)
     set_keepalive(sock, keepalive, io_timeout)
     if tls is not None:
+        import ssl
+
         try:
             sock = tls.wrap_socket(sock, server_hostname=host)
         except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
@@ -989,6 +1001,8 @@ def client_tls(cafile: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
     UsageError
         ``cafile`` cannot be read or holds no certificate.
     """
+    import ssl
+
     from tb5sync.errors import UsageError
 
     try:
