@@ -26,7 +26,7 @@ import pytest
 from conftest import http_cache_port
 
 from tb5sync.cli.command import main
-from tb5sync.cache.httpcache import EMPTY_SHA256, LOOP_ENV, HttpCache, parse_action_result
+from tb5sync.cache.httpcache import EMPTY_SHA256, HttpCache, parse_action_result
 from tb5sync.store.blobs import blob_keys
 
 
@@ -117,32 +117,6 @@ def test_cas_hit_miss_put_and_head(cache: HttpCache) -> None:
     assert status == 200 and body == b"" and int(r.headers["Content-Length"]) == len(blob)
     # the empty blob is always there (Bazel never uploads it)
     assert req(h, "GET", f"/cas/{EMPTY_SHA256}")[:2] == (200, b"")
-
-
-@pytest.mark.parametrize("force_standard", [True, False])
-def test_served_on_the_standard_loop_when_forced_and_on_uvloop_when_importable(
-        tmp_path: Any, monkeypatch: Any, force_standard: bool) -> None:
-    # TB5SYNC_NO_UVLOOP=1 is the portable path (asyncio's own loop, any platform); without it the
-    # server thread runs uvloop's loop when uvloop is importable. Either way the protocol holds.
-    if force_standard:
-        monkeypatch.setenv(LOOP_ENV, "1")
-    else:
-        monkeypatch.delenv(LOOP_ENV, raising=False)
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    with HttpCache(tmp_path / "store") as c:
-        if force_standard or uvloop is None:
-            assert type(c._loop).__module__.startswith("asyncio.")
-        else:
-            assert isinstance(c._loop, uvloop.Loop)
-        h = conn(c)
-        blob = os.urandom(300_000)
-        key = f"/cas/{sha(blob)}"
-        assert req(h, "GET", key)[0] == 404
-        assert req(h, "PUT", key, blob)[0] == 200
-        assert req(h, "GET", key)[:2] == (200, blob)
 
 
 def test_cas_put_with_wrong_digest_is_refused_and_stores_nothing(cache: HttpCache) -> None:

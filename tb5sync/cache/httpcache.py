@@ -101,28 +101,6 @@ FLUSH_EVERY = 5.0
 INLINE_MAX = 256 * 1024
 #: What ``HttpCache._fetch(inline=True)`` answers for an entry to be read in a worker.
 _LATER = object()
-
-LOOP_ENV = "TB5SYNC_NO_UVLOOP"
-"""Set to ``1`` to serve on the standard asyncio event loop even where uvloop is importable."""
-
-
-def loop_factory() -> Any:
-    """The event loop constructor of the cache's server thread (HTTP and gRPC faces alike):
-    ``uvloop.new_event_loop`` (libuv's loop, Linux and macOS) when uvloop is importable and
-    :data:`LOOP_ENV` is not ``1``, else ``asyncio.new_event_loop`` (any platform).
-
-    Returns
-    -------
-    Callable[[], asyncio.AbstractEventLoop]
-    """
-    if os.environ.get(LOOP_ENV) != "1":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.new_event_loop
-    return asyncio.new_event_loop
 #: Seconds between two writes of the recorded uses (LRU order) of the entries read.
 TOUCH_EVERY = 1.0
 #: A response write that makes no progress for this long is cut (seconds): a stalled reader.
@@ -428,8 +406,7 @@ class HttpCache:
 
     def _run_thread(self) -> None:
         try:
-            with asyncio.Runner(loop_factory=loop_factory()) as runner:
-                runner.run(self._main())
+            asyncio.run(self._main())
         except BaseException as exc:  # reported to start()
             self._error = exc
             self._ready.set()
