@@ -499,7 +499,8 @@ class HttpCache:
         """
         view = memoryview(data)
         for off in range(0, len(view), SEND_SLICE):
-            await asyncio.wait_for(resp.write(view[off:off + SEND_SLICE]), self.client_body_timeout)
+            async with asyncio.timeout(self.client_body_timeout):  # no task per slice (wait_for makes one)
+                await resp.write(view[off:off + SEND_SLICE])
 
     # ---- access ----
     def _allowed(self, ip: str | None) -> bool:
@@ -797,7 +798,8 @@ class HttpCache:
                 while True:
                     left = win_start + window - loop.time()
                     try:
-                        piece: bytes | None = await asyncio.wait_for(request.content.read(READ_PIECE), max(left, 0.001))
+                        async with asyncio.timeout(max(left, 0.001)):  # no task per piece (wait_for makes one)
+                            piece: bytes | None = await request.content.read(READ_PIECE)
                     except asyncio.TimeoutError:
                         piece = None
                     now = loop.time()
