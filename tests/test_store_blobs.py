@@ -11,7 +11,7 @@ import pytest
 from tb5sync.errors import UsageError
 from tb5sync.engine.hashing import chunk_digest
 from tb5sync.store import Store
-from tb5sync.store.blobs import blob_keys, has_blobs, read_blob
+from tb5sync.store.blobs import blob_keys, check_blob_key, has_blobs, read_blob
 
 
 def test_blob_round_trips_every_size_and_replaces(tmp_path: Any) -> None:
@@ -98,3 +98,17 @@ def test_put_blobs_group_commit_writes_one_pack(tmp_path: Any) -> None:
         with pytest.raises(UsageError):
             put_blobs(st, [("ok", b"1"), ("../bad", b"2")])
         assert st.blob("ok") is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("code", [*range(32), 0x7F])
+def test_key_with_a_c0_control_character_or_del_is_refused(code: int) -> None:
+    # C0 controls (U+0000..U+001F) and DEL (U+007F) are the control characters of ASCII (RFC 20)
+    with pytest.raises(UsageError, match="control character"):
+        check_blob_key(f"ns/a{chr(code)}b")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("key", ["ns/a b", "ns/~!", "ns/\u0080x", "ns/é", "ns/\u2028"])
+def test_key_with_printable_or_non_ascii_characters_is_kept(key: str) -> None:
+    assert check_blob_key(key) == key

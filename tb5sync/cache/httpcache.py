@@ -416,8 +416,10 @@ class HttpCache:
         self._stop_ev = asyncio.Event()
         self._sem = asyncio.Semaphore(self.concurrency)  # body slots: PUT
         self._rsem = asyncio.Semaphore(self.concurrency)  # GET, HEAD, DELETE: never behind uploads
-        app = web.Application(client_max_size=MAX_AC, middlewares=[self._guard])
-        app.router.add_route("*", "/{tail:.*}", self._dispatch, expect_handler=self._expect)
+        # No middleware: the guard wraps the one handler itself (an Application with middlewares
+        # runs aiohttp's current-app wrapper and a partial per request as well).
+        app = web.Application(client_max_size=MAX_AC)
+        app.router.add_route("*", "/{tail:.*}", self._guarded, expect_handler=self._expect)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                      keepalive_timeout=self.keepalive_timeout or 1e9)
         await self._runner.setup()
@@ -497,7 +499,8 @@ class HttpCache:
         """
         view = memoryview(data)
         for off in range(0, len(view), SEND_SLICE):
-            await asyncio.wait_for(resp.write(view[off:off + SEND_SLICE]), self.client_body_timeout)
+            async with asyncio.timeout(self.client_body_timeout):  # no task per slice (wait_for makes one)
+                await resp.write(view[off:off + SEND_SLICE])
 
     # ---- access ----
     def _allowed(self, ip: str | None) -> bool:
@@ -510,7 +513,9 @@ class HttpCache:
         return any(want is not None and hmac.compare_digest(got.encode(), want.encode())
                    for want in (self._basic, self._bearer))
 
-    @web.middleware
+    async def _guarded(self, request: web.Request) -> web.StreamResponse:
+        return await self._guard(request, self._dispatch)
+
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
@@ -793,7 +798,8 @@ class HttpCache:
                 while True:
                     left = win_start + window - loop.time()
                     try:
-                        piece: bytes | None = await asyncio.wait_for(request.content.read(READ_PIECE), max(left, 0.001))
+                        async with asyncio.timeout(max(left, 0.001)):  # no task per piece (wait_for makes one)
+                            piece: bytes | None = await request.content.read(READ_PIECE)
                     except asyncio.TimeoutError:
                         piece = None
                     now = loop.time()

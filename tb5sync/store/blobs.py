@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 import weakref
@@ -65,6 +66,9 @@ class BlobInfo:
     last_used: float
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")  # what check_blob_key refuses: C0 controls and DEL
+
+
 def check_blob_key(key: object) -> str:
     """Check a blob key: 1 to :data:`MAX_KEY` bytes of UTF-8, ``/``-separated segments, none empty,
     ``.`` or ``..``, no NUL or control character.
@@ -76,7 +80,7 @@ def check_blob_key(key: object) -> str:
     """
     if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY:
         raise UsageError(f"bad blob key {key!r}: 1 to {MAX_KEY} bytes")
-    if any(ord(c) < 32 or c == "\x7f" for c in key):
+    if _CONTROL.search(key):
         raise UsageError(f"bad blob key {key!r}: control character")
     for seg in key.split("/"):
         if seg in ("", ".", ".."):

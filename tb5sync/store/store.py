@@ -59,6 +59,11 @@ from tb5sync.store.index import check_entry_fits, require_indexed, stored_size
 from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe, piece_params, split
 from tb5sync.store.writer import LEASE_TTL, Lease, PackWriter, _drop_lease, _pid_alive
 
+INLINE_HASH_MAX = 256 * 1024
+"""Bytes up to which :meth:`Store.put_bytes` hashes its chunks in the calling thread: a submit to
+the hash pool and the wait for its result cost more than BLAKE3 over this much (a 1-16 KiB build
+cache entry: ~10 us to hash, ~100 us of hand-offs under load)."""
+
 __all__ = ["Store", "RefInfo", "Lease", "PackWriter", "STORE_VERSION", "STORE_VERSIONS", "default_store_path",
            "check_ref_name"]
 
@@ -986,7 +991,10 @@ class Store:
         for c in cuts:
             spans.append((prev, c))
             prev = c
-        digests = list(hash_pool().map(lambda se: chunk_digest(mv[se[0] : se[1]]), spans))
+        if len(mv) <= INLINE_HASH_MAX:  # a small entry: hashing it costs less than two thread hops
+            digests = [chunk_digest(mv[s:e]) for s, e in spans]
+        else:
+            digests = list(hash_pool().map(lambda se: chunk_digest(mv[se[0] : se[1]]), spans))
         fresh = [d for d in digests if d not in writer.known]
         have = dict(zip(fresh, lease.protect(fresh))) if fresh else {}
         todo = []
@@ -995,7 +1003,10 @@ class Store:
                 todo.append((d, s, e))
                 have[d] = True
         pp = writer.pieces
-        if pp is not None and todo:  # format v2: cut and hash the new chunks' pieces in the pool
+        if pp is not None and todo and all(e - s < SPLIT_MIN for _, s, e in todo):
+            for d, s, e in todo:  # no chunk to split into pieces: nothing for the pool
+                writer.add(d, mv[s:e], None)
+        elif pp is not None and todo:  # format v2: cut and hash the new chunks' pieces in the pool
             cuts = hash_pool().map(lambda t: split(mv[t[1] : t[2]], pp) if t[2] - t[1] >= SPLIT_MIN else None, todo)
             writer.add_many([(d, mv[s:e], pieces) for (d, s, e), pieces in zip(todo, cuts)])
         else:
