@@ -28,7 +28,7 @@ from tb5sync.wire.messages import (
     STORE_MAX_RECIPES,
 )
 from tb5sync.tree.quota import WriteQuota
-from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe
+from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe, recipe_shape_error
 from tb5sync.store.store import Lease, PackWriter, RefInfo, Store, check_ref_name
 
 __all__ = ["StoreOps", "ref_to_wire", "ref_from_wire", "session_reply"]
@@ -256,6 +256,9 @@ class StoreOps:
             n = sum(k for _, k in ps)
             if not ps or any(k <= 0 for _, k in ps) or not SPLIT_MIN <= n <= MAX_CHUNK:
                 raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed")
+            why = recipe_shape_error(ps, self.store.piece_params)
+            if why is not None:
+                raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed: {why}")
             length += n
             if length > STORE_MAX_RECIPE_BYTES:
                 raise UsageError(f"put_recipes: more than {STORE_MAX_RECIPE_BYTES} bytes of chunks")
