@@ -138,3 +138,25 @@ def test_reindex_tries_every_record_of_a_chunk(tmp_path: Any) -> None:
         res = st.reindex()
         assert res["recipes_added"] == 1 and res["damaged"] == 0
         assert st.read_chunk(d) == data
+
+
+def test_put_recipes_refuses_an_oversized_recipe_before_it_parses_it(tmp_path: Any) -> None:
+    # a 40 MiB recipe blob (1.1 M one-byte pieces; a 32 MiB chunk has at most 8193 pieces) must
+    # be refused on its length, not parsed into a million Python tuples first
+    import tracemalloc
+
+    from tb5sync.errors import UsageError
+    from tb5sync.store.ops import StoreOps
+
+    blob = (chunk_digest(b"\0") + (1).to_bytes(4, "little")) * (40 * MiB // 36)
+    with Store(tmp_path / "s") as st:
+        ops = StoreOps(st)
+        tracemalloc.start()
+        try:
+            with pytest.raises(UsageError, match="malformed"):
+                ops.put_recipes("ab" * 16, [[chunk_digest(b"x"), blob]], [])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        ops.close()
+    assert peak < 16 * MiB, f"{peak} bytes allocated to refuse a {len(blob)}-byte recipe"
