@@ -160,3 +160,32 @@ def test_put_recipes_refuses_an_oversized_recipe_before_it_parses_it(tmp_path: A
             tracemalloc.stop()
         ops.close()
     assert peak < 16 * MiB, f"{peak} bytes allocated to refuse a {len(blob)}-byte recipe"
+
+
+def test_reindex_keeps_the_whole_frames_of_a_pack_whose_last_frame_is_truncated(tmp_path: Any) -> None:
+    # reindex: "intact chunks missing from the index are added"; a pack cut short inside its last
+    # frame (a truncated recipe record here) still holds every frame before it whole
+    rnd = random.Random(7)
+    files = {f"f{i}": rnd.randbytes(1000 + i) for i in range(3)}
+    files["big"] = rnd.randbytes(MiB)  # its pieces and its recipe record
+    os.makedirs(tmp_path / "s")
+    for name, body in files.items():
+        with open(tmp_path / "s" / name, "wb") as f:
+            f.write(body)
+    st_dir = tmp_path / "st"
+    with Store(st_dir) as st:
+        st.put("r", str(tmp_path / "s"))
+        rows = st._q("SELECT pack, offset, length, digest FROM chunks")
+    (pack,) = {p for p, _, _, _ in rows}
+    last = max(rows, key=lambda r: r[1])
+    path = st_dir / "packs" / pack[:2] / pack
+    os.truncate(path, last[1] + last[2] - 10)  # the last frame loses its last 10 bytes
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(f"{st_dir}/index.sqlite{suffix}"):
+            os.unlink(f"{st_dir}/index.sqlite{suffix}")
+    with Store(st_dir) as st:
+        res = st.reindex()
+        assert res["chunks_added"] == len(rows) - 1
+        for name in ("f0", "f1", "f2"):
+            if chunk_digest(files[name]) != bytes(last[3]):
+                assert st.read_chunk(chunk_digest(files[name])) == files[name]
