@@ -316,7 +316,8 @@ def _verify(store: Store) -> dict[str, Any]:
 def reindex(store: Store) -> dict[str, int]:
     """Rebuild the chunk index from the packs themselves (each frame names its digest and length).
 
-    Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
+    Every frame is re-hashed; intact chunks missing from the index are added (with their pack;
+    in a pack cut short, the frames before the cut),
     rows pointing at packs that are gone are dropped. In a format v2 store the recipes are rebuilt
     from their records (:func:`tb5sync.store.pieces.recipe_record`, one frame per recipe): a
     recipe missing from the index is added once every piece it names is indexed and the chunk
@@ -341,12 +342,16 @@ def reindex(store: Store) -> dict[str, int]:
         known = {p for (p,) in store._q("SELECT id FROM packs")}
         on_disk = store.packs.list()
         for pack, (size, _) in sorted(on_disk.items()):
+            frames: list[tuple[bytes, int, int]] = []
             try:
                 data = store.packs.get_range(pack, 0, size)
-                frames = list(iter_frames(data, f"pack {pack}"))
+                frames.extend(iter_frames(data, f"pack {pack}"))  # the frames before a truncated one are kept
             except (OSError, IntegrityError) as exc:
-                log.warning("reindex: skipping %s: %s", pack, exc)
-                continue
+                if not frames:
+                    log.warning("reindex: skipping %s: %s", pack, exc)
+                    continue
+                log.warning("reindex: %s: %d whole frames before it kept", exc, len(frames))
+                damaged += 1
             rows = []
             for digest, off, n in frames:
                 if chunk_digest(memoryview(data)[off : off + n]) == digest:
