@@ -288,3 +288,33 @@ def test_a_worker_killed_by_sigkill_leaves_no_temporary_file(tmp_path: Path) -> 
     finally:
         fs._holder.close()
         live.server.stop()
+
+
+def test_a_sync_into_the_root_leaves_a_workers_idle_put_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a file put in pieces by a worker holds no descriptor between pieces; a sync's stale sweep in
+    # the server's process must still know the write is live (as it does without workers)
+    import tb5sync
+    from tb5sync.roles import destination
+    from tb5sync.wire.rpc import Requester, open_session
+    from tb5sync.wire.transport import connect
+
+    monkeypatch.setattr(destination, "STALE_GRACE", 0.0)  # the sweep takes a temp file idle this long
+    root = tmp_path / "root"
+    root.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "s.txt").write_bytes(b"s")
+    live = start_server(str(root), fs_workers=1)
+    ch = connect("127.0.0.1", live.port, None)
+    r = Requester([ch])
+    try:
+        open_session(ch, {"op": "fs", "group": "g"})
+        pid = r.call("put_open", {"path": "up.bin", "size": 2 * 65536})["id"]
+        r.submit_data("put_piece", {"id": pid, "offset": 0}, [b"a" * 65536], channel=0).result(30)
+        tb5sync.sync(str(src) + "/", f"tb5://127.0.0.1:{live.port}/")
+        r.submit_data("put_piece", {"id": pid, "offset": 65536}, [b"b" * 65536], channel=0).result(30)
+        r.call("put_close", {"id": pid})
+        assert (root / "up.bin").read_bytes() == b"a" * 65536 + b"b" * 65536
+    finally:
+        r.close()
+        live.server.stop()
