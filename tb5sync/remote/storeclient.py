@@ -43,7 +43,8 @@ from tb5sync.store import Store, check_ref_name
 from tb5sync.store.store import nesting_error, ref_ancestors
 from tb5sync.store.manifest import Item, check_peer_manifest_size, decode_peer_manifest
 from tb5sync.store.ops import ref_from_wire
-from tb5sync.store.pieces import PIECE_PARAMS_V1, SPLIT_MIN, blob_to_recipe, split
+from tb5sync.store.pieces import (PIECE_PARAMS_BY_VERSION, PIECE_PARAMS_V1, SPLIT_MIN, blob_to_recipe, max_recipe_blob,
+                                  recipe_shape_error, split)
 from tb5sync.store.store import PackWriter, RefInfo
 from tb5sync.wire.transport import Channel, connect
 from tb5sync.wire.urls import Remote, host_port, token_of
@@ -463,12 +464,16 @@ def _fetch_pieces(store: Store, s: StoreSession, lease: Any, writer: PackWriter,
             if blob is None:
                 whole.append((d, n))
                 continue
-            try:
-                pairs = blob_to_recipe(blob) if isinstance(blob, bytes) else None
+            params = PIECE_PARAMS_BY_VERSION.get(s.piece_params or 1, PIECE_PARAMS_V1)
+            try:  # a blob too long for its chunk is refused before it is parsed
+                pairs = blob_to_recipe(blob) if isinstance(blob, bytes) and len(blob) <= max_recipe_blob(n, params) else None
             except IntegrityError:
                 pairs = None
             if not pairs or any(k <= 0 for _, k in pairs) or sum(k for _, k in pairs) != n:
                 raise RemoteProtocolError(f"recipe of chunk {d.hex()} from the server is malformed")
+            why = recipe_shape_error(pairs, params)
+            if why is not None:
+                raise RemoteProtocolError(f"recipe of chunk {d.hex()} from the server is malformed: {why}")
             recs.append((d, pairs))
         lengths = {p: k for _, pairs in recs for p, k in pairs}
         uniq = list(lengths)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tb5sync.errors import IntegrityError
 from tb5sync.engine.hashing import chunk_digest
 from tb5sync.store.packs import FRAME_HEADER, iter_frames
-from tb5sync.store.pieces import blob_to_recipe, parse_recipe_record, record_digest
+from tb5sync.store.pieces import PIECE_PARAMS_V1, blob_to_recipe, parse_recipe_record, recipe_shape_error, record_digest
 from tb5sync.store.writer import LEASE_TTL, PackWriter
 
 if TYPE_CHECKING:
@@ -316,7 +316,8 @@ def _verify(store: Store) -> dict[str, Any]:
 def reindex(store: Store) -> dict[str, int]:
     """Rebuild the chunk index from the packs themselves (each frame names its digest and length).
 
-    Every frame is re-hashed; intact chunks missing from the index are added (with their pack),
+    Every frame is re-hashed; intact chunks missing from the index are added (with their pack;
+    in a pack cut short, the frames before the cut),
     rows pointing at packs that are gone are dropped. In a format v2 store the recipes are rebuilt
     from their records (:func:`tb5sync.store.pieces.recipe_record`, one frame per recipe): a
     recipe missing from the index is added once every piece it names is indexed and the chunk
@@ -333,25 +334,33 @@ def reindex(store: Store) -> dict[str, int]:
         bytes do not match), ``index_objects_written``.
     """
     added = dropped = damaged = written = recipes_added = 0
-    records: dict[bytes, bytes] = {}  # chunk digest -> recipe blob, from the records found
+    # chunk digest -> recipe blobs, from the records found: file data may look like a record of
+    # the same chunk, so each is tried in turn until one rebuilds it
+    records: dict[bytes, list[bytes]] = {}
     put_index = getattr(store.packs, "put_index", None)
     with gc_lock(store):
         known = {p for (p,) in store._q("SELECT id FROM packs")}
         on_disk = store.packs.list()
         for pack, (size, _) in sorted(on_disk.items()):
+            frames: list[tuple[bytes, int, int]] = []
             try:
                 data = store.packs.get_range(pack, 0, size)
-                frames = list(iter_frames(data, f"pack {pack}"))
+                frames.extend(iter_frames(data, f"pack {pack}"))  # the frames before a truncated one are kept
             except (OSError, IntegrityError) as exc:
-                log.warning("reindex: skipping %s: %s", pack, exc)
-                continue
+                if not frames:
+                    log.warning("reindex: skipping %s: %s", pack, exc)
+                    continue
+                log.warning("reindex: %s: %d whole frames before it kept", exc, len(frames))
+                damaged += 1
             rows = []
             for digest, off, n in frames:
                 if chunk_digest(memoryview(data)[off : off + n]) == digest:
                     rows.append((digest, pack, off, n))
                     rec = parse_recipe_record(memoryview(data)[off : off + n]) if store.version >= 2 else None
                     if rec is not None:
-                        records.setdefault(rec[0], rec[1])
+                        blobs = records.setdefault(rec[0], [])
+                        if rec[1] not in blobs:
+                            blobs.append(rec[1])
                 else:
                     damaged += 1
             created = on_disk[pack][1] or time.time()
@@ -368,14 +377,21 @@ def reindex(store: Store) -> dict[str, int]:
                     dropped += db.execute("DELETE FROM chunks WHERE pack=?", (pack,)).rowcount
                     db.execute("DELETE FROM packs WHERE id=?", (pack,))
         have = {bytes(d) for (d,) in store._q("SELECT digest FROM recipes")}
-        for d, blob in records.items():
+        for d, blobs in records.items():
             if d in have:
                 continue
-            pieces = blob_to_recipe(blob)
-            try:
-                store.assemble(d, pieces)  # every piece indexed and intact, and they make chunk d
-            except IntegrityError as exc:
-                log.info("reindex: recipe record of chunk %s not used: %s", d.hex(), exc)
+            for blob in blobs:
+                pieces = blob_to_recipe(blob)
+                why = recipe_shape_error(pieces, store.piece_params or PIECE_PARAMS_V1)
+                try:
+                    if why is not None:
+                        raise IntegrityError(why)
+                    store.assemble(d, pieces)  # every piece indexed and intact, and they make chunk d
+                except IntegrityError as exc:
+                    log.info("reindex: recipe record of chunk %s not used: %s", d.hex(), exc)
+                    continue
+                break
+            else:
                 continue
             with store._tx(durable=True) as db:
                 recipes_added += db.execute("INSERT OR IGNORE INTO recipes VALUES (?,?,?)",

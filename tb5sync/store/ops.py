@@ -28,7 +28,7 @@ from tb5sync.wire.messages import (
     STORE_MAX_RECIPES,
 )
 from tb5sync.tree.quota import WriteQuota
-from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe
+from tb5sync.store.pieces import SPLIT_MIN, blob_to_recipe, max_recipe_blob, recipe_shape_error
 from tb5sync.store.store import Lease, PackWriter, RefInfo, Store, check_ref_name
 
 __all__ = ["StoreOps", "ref_to_wire", "ref_from_wire", "session_reply"]
@@ -245,10 +245,14 @@ class StoreOps:
             given[p[0]] = p[1]
         parsed = []
         length = 0
+        longest = max_recipe_blob(MAX_CHUNK, self.store.piece_params)
         for r in recipes:
             if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], bytes) and len(r[0]) == 32
                     and isinstance(r[1], bytes)):
                 raise UsageError("put_recipes: each recipe is [chunk digest, recipe blob]")
+            if len(r[1]) > longest:  # refused before it is parsed into one tuple per piece
+                raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed: "
+                                 f"{len(r[1])} bytes, over {longest}")
             try:
                 ps = blob_to_recipe(r[1])
             except IntegrityError:
@@ -256,6 +260,9 @@ class StoreOps:
             n = sum(k for _, k in ps)
             if not ps or any(k <= 0 for _, k in ps) or not SPLIT_MIN <= n <= MAX_CHUNK:
                 raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed")
+            why = recipe_shape_error(ps, self.store.piece_params)
+            if why is not None:
+                raise UsageError(f"put_recipes: recipe of chunk {r[0].hex()} is malformed: {why}")
             length += n
             if length > STORE_MAX_RECIPE_BYTES:
                 raise UsageError(f"put_recipes: more than {STORE_MAX_RECIPE_BYTES} bytes of chunks")

@@ -26,7 +26,7 @@ from tb5sync.errors import IntegrityError, UsageError
 
 __all__ = ["PIECE_PARAMS_V1", "PIECE_PARAMS_BY_VERSION", "SPLIT_MIN", "Piece", "split", "recipe_to_blob",
            "blob_to_recipe", "piece_params", "RECIPE_MAGIC", "recipe_record", "parse_recipe_record",
-           "record_digest"]
+           "record_digest", "recipe_shape_error", "max_recipe_blob"]
 
 #: Piece parameters v1 (``piece_params: 1`` in a v2 store's config): 4 KiB min, 16 KiB average,
 #: 64 KiB max, normalization level 2. A given version always means the same parameters.
@@ -78,6 +78,29 @@ def split(data: bytes | bytearray | memoryview, params: ChunkParams = PIECE_PARA
         out.append((chunk_digest(mv[prev:c]), prev, c))
         prev = c
     return out
+
+
+def recipe_shape_error(pieces: Sequence[tuple[bytes, int]], params: ChunkParams = PIECE_PARAMS_V1) -> str | None:
+    """Why ``pieces`` (``[(piece digest, length in bytes), ...]``) cannot be a recipe cut with
+    ``params``, or None when it can: FastCDC (Xia et al. 2016, the module docstring) cuts every piece
+    but the last at ``params.min_size`` bytes or more and every piece at ``params.max_size`` or
+    less, so a recipe from a peer or a record read back with other lengths (e.g. one-byte pieces,
+    36 bytes of recipe per byte of chunk) was not cut by any writer of this format.
+    """
+    if not pieces:
+        return "no pieces"
+    for i, (_, n) in enumerate(pieces):
+        if n > params.max_size or n <= 0 or (n < params.min_size and i != len(pieces) - 1):
+            return (f"piece {i} is {n} bytes (pieces are {params.min_size}..{params.max_size} bytes, "
+                    f"the last one 1..{params.max_size})")
+    return None
+
+
+def max_recipe_blob(length: int, params: ChunkParams = PIECE_PARAMS_V1) -> int:
+    """The most bytes a recipe blob (:func:`recipe_to_blob`) of a chunk of ``length`` bytes cut with
+    ``params`` can have: 36 per piece, at most ``length // params.min_size + 1`` pieces (every piece
+    but the last is ``min_size`` bytes or more). A longer blob from a peer is refused unparsed."""
+    return 36 * (length // params.min_size + 1)
 
 
 def recipe_to_blob(pieces: Sequence[Piece]) -> bytes:
