@@ -257,9 +257,6 @@ def test_hands_on_a_stream_pair_keep_their_descriptors_apart() -> None:
         b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a worker's temporary names live in that worker only (claim_temp is per "
-                   "process): once it is SIGKILLed nothing removes the temporary file of its open write until "
-                   "a later sync's stale sweep; the server would need the worker to report its temporary names")
 def test_a_worker_killed_by_sigkill_leaves_no_temporary_file(tmp_path: Path) -> None:
     # the module docstring: "A worker that dies ends its sessions as a broken connection", and a
     # broken connection's open write leaves neither its final path nor its temporary file
@@ -290,9 +287,6 @@ def test_a_worker_killed_by_sigkill_leaves_no_temporary_file(tmp_path: Path) -> 
         live.server.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="claim_temp is per process: the server's stale sweep cannot see a worker's "
-                   "claim; a fix needs the claim shared (a lock held on the temporary file, or the worker reporting "
-                   "its temporary names), a design change of the put's no-descriptor-between-pieces rule")
 def test_a_sync_into_the_root_leaves_a_workers_idle_put_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a file put in pieces by a worker holds no descriptor between pieces; a sync's stale sweep in
     # the server's process must still know the write is live (as it does without workers)

@@ -229,17 +229,28 @@ def is_temp_name(name: str) -> bool:
 _claimed: set[str] = set()
 _claimed_lock = threading.Lock()
 
+#: Told of every claim and release (``(claimed, name, where)``) when set: an fs worker process
+#: forwards them to its server, whose stale-file sweep must see them too
+#: (:mod:`tb5sync.daemon.fsworkers`). None: claims stay in this process.
+claim_listener: Callable[[bool, str, Sequence[str]], None] | None = None
 
-def claim_temp(name: str) -> None:
-    """Mark the temporary name ``name`` (a base name from :func:`temp_name`) as in use by this process."""
+
+def claim_temp(name: str, where: Sequence[str] = ()) -> None:
+    """Mark the temporary name ``name`` (a base name from :func:`temp_name`) as in use by this process.
+
+    ``where``: the components of its directory below the served root (for :data:`claim_listener`)."""
     with _claimed_lock:
         _claimed.add(name)
+    if claim_listener is not None:
+        claim_listener(True, name, where)
 
 
-def release_temp(name: str) -> None:
+def release_temp(name: str, where: Sequence[str] = ()) -> None:
     """Undo :func:`claim_temp` (the write was committed or removed); an unclaimed name is ignored."""
     with _claimed_lock:
         _claimed.discard(name)
+    if claim_listener is not None:
+        claim_listener(False, name, where)
 
 
 def temp_is_claimed(name: str) -> bool:

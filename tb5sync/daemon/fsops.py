@@ -722,7 +722,7 @@ class FsOps:
     def _discard_temp(self, dir_parts: list[str], tmp: str) -> None:
         """Release the claim on temporary file ``tmp`` and remove it from the directory ``dir_parts``
         (looked up through the jail again; gone already, with its directory, is fine)."""
-        release_temp(tmp)
+        release_temp(tmp, dir_parts)
         try:
             dfd = self.jail.open_dir(dir_parts)
         except (OSError, Tb5syncError):
@@ -738,7 +738,7 @@ class FsOps:
         """Release the claim on temporary file ``tmp`` and rename it to ``name`` in the directory
         ``dir_parts`` (looked up through the jail again), as :meth:`_commit`; an OSError becomes the
         remote error naming ``path``."""
-        release_temp(tmp)
+        release_temp(tmp, dir_parts)
         try:
             dfd = self.jail.open_dir(dir_parts)
             try:
@@ -825,7 +825,7 @@ class FsOps:
                     raise RemoteExistsError(f"File exists: {shown(path)}")
             tmp = temp_name(name)
             fd = os.open(tmp, _TMP_FLAGS, 0o666, dir_fd=dfd)
-            claim_temp(tmp)  # no descriptor stays open: a sync's stale-file cleanup must know it is live
+            claim_temp(tmp, rel.split("/")[:-1])  # no descriptor stays open: a sync's stale-file cleanup must know it is live
             self._writes[handle] = _Write(rel.split("/")[:-1], tmp, name, exclusive, path)
             try:
                 if append:
@@ -888,7 +888,7 @@ class FsOps:
                 raise
             finally:
                 os.close(fd)
-            claim_temp(tmp)
+            claim_temp(tmp, rel.split("/")[:-1])
             pid = secrets.token_hex(16)
             with self.puts.lock:
                 self.puts.open[pid] = _Put(rel.split("/")[:-1], tmp, name, exclusive, path, size, self)

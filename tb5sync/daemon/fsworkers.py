@@ -45,7 +45,9 @@ import threading
 import zlib
 from typing import Any
 
+from tb5sync._os import paths
 from tb5sync._os.io import portable
+from tb5sync._os.paths import Jail, claim_temp, is_temp_name, release_temp
 from tb5sync.errors import Tb5syncError
 from tb5sync.wire.transport import Channel
 
@@ -56,9 +58,23 @@ log = logging.getLogger(__name__)
 #: Set to anything but 0: serve every fs session in the server's process (the portable path).
 PORTABLE_ENV = "TB5SYNC_FS_WORKERS_PORTABLE"
 
-#: One message on a worker's socket pair, either way: a session id (the server's hand carries the
-#: connection's descriptor on its first byte; the worker's reply says that session ended).
+#: The server's hand to a worker: a session id, the connection's descriptor on its first byte.
 _MSG = struct.Struct("!Q")
+#: A worker's note to the server: kind and payload length, then the payload: :data:`_DONE` (the
+#: session id, :data:`_MSG`: that session ended), :data:`_CLAIM` / :data:`_RELEASE` (a temporary
+#: file of a write that holds no descriptor between requests, its directory's components and its
+#: name joined by NUL: the server claims it too, so its own stale-file sweep leaves it alone, and
+#: removes it if the worker dies before releasing it).
+_NOTE = struct.Struct("!BI")
+_DONE, _CLAIM, _RELEASE = 0, 1, 2
+
+
+def _note(kind: int, payload: bytes) -> bytes:
+    return _NOTE.pack(kind, len(payload)) + payload
+
+
+def _claim_path(where: Any, name: str) -> bytes:
+    return "\0".join([*where, name]).encode("utf-8", "surrogateescape")
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -98,6 +114,9 @@ def available() -> str | None:
 class _Worker:
     def __init__(self, index: int, config: dict[str, Any]) -> None:
         self.index = index
+        self.root = config["root"]
+        #: temporary files the worker claimed and has not released: (directory components, name)
+        self.claims: set[tuple[tuple[str, ...], str]] = set()
         parent, child = _pair()
         self.sock = parent
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -114,6 +133,7 @@ class _Worker:
         self.lock = threading.Lock()
         self.waiting: dict[int, threading.Event] = {}
         self.dead = False
+        self.closing = False
         self.reader = threading.Thread(target=self._read, name=f"tb5-fsworker-{index}", daemon=True)
         self.reader.start()
 
@@ -126,21 +146,69 @@ class _Worker:
                 if not msg:
                     break
                 buf += msg
-                n = len(buf) - len(buf) % _MSG.size
-                for (done,) in _MSG.iter_unpack(buf[:n]):
-                    with self.lock:
-                        ev = self.waiting.pop(done, None)
-                    if ev is not None:
-                        ev.set()
-                buf = buf[n:]
-        except OSError as exc:
-            log.warning("fs worker %d: %s", self.index, exc)
+                while len(buf) >= _NOTE.size:
+                    kind, n = _NOTE.unpack_from(buf)
+                    if len(buf) < _NOTE.size + n:
+                        break
+                    payload, buf = buf[_NOTE.size:_NOTE.size + n], buf[_NOTE.size + n:]
+                    self._note(kind, payload)
+        except (OSError, ValueError, struct.error) as exc:
+            if not self.closing:
+                log.warning("fs worker %d: %s", self.index, exc)
         with self.lock:
             self.dead = True
             left = list(self.waiting.values())
             self.waiting.clear()
         for ev in left:
             ev.set()
+        self._remove_claimed()
+
+    def _note(self, kind: int, payload: bytes) -> None:
+        if kind == _DONE:
+            (done,) = _MSG.unpack(payload)
+            with self.lock:
+                ev = self.waiting.pop(done, None)
+            if ev is not None:
+                ev.set()
+            return
+        *where, name = payload.decode("utf-8", "surrogateescape").split("\0")
+        key = (tuple(where), name)
+        if kind == _CLAIM:
+            claim_temp(name)
+            with self.lock:
+                self.claims.add(key)
+        elif kind == _RELEASE:
+            with self.lock:
+                self.claims.discard(key)
+            release_temp(name)
+
+    def _remove_claimed(self) -> None:
+        """The worker is gone: its writes still claimed end as a broken connection ends them, their
+        temporary files removed (through a jail of the root: never anything outside it)."""
+        with self.lock:
+            left, self.claims = self.claims, set()
+        if not left:
+            return
+        try:
+            jail = Jail(self.root)
+        except (OSError, Tb5syncError) as exc:
+            log.warning("fs worker %d: cannot remove its temporary files: %s", self.index, exc)
+            return
+        with jail:
+            for where, name in left:
+                release_temp(name)
+                if not is_temp_name(name):
+                    continue
+                try:
+                    dfd = jail.open_dir(list(where))
+                except (OSError, Tb5syncError):
+                    continue
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    pass
+                finally:
+                    os.close(dfd)
 
 
 class FsWorkers:
@@ -203,6 +271,7 @@ class FsWorkers:
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker: each closes its connections and exits (killed after ``timeout`` s)."""
         for w in self.workers:
+            w.closing = True
             try:
                 w.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -261,12 +330,20 @@ def worker_main() -> None:
     threads: list[threading.Thread] = []
     send_lock = threading.Lock()
 
-    def done(sid: int) -> None:
+    def send(note: bytes) -> None:
         try:
             with send_lock:
-                sock.sendall(_MSG.pack(sid))
+                sock.sendall(note)
         except OSError:
             pass
+
+    def done(sid: int) -> None:
+        send(_note(_DONE, _MSG.pack(sid)))
+
+    def forward_claim(claimed: bool, name: str, where: Any) -> None:
+        send(_note(_CLAIM if claimed else _RELEASE, _claim_path(where, name)))
+
+    paths.claim_listener = forward_claim
 
     def run(sid: int, ch: Channel) -> None:
         try:
