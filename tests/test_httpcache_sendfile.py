@@ -193,3 +193,21 @@ def test_a_transport_without_sendfile_gets_the_ranges_written(cache: HttpCache, 
     for _ in range(3):
         assert request(cache, "GET", path)[:2] == (200, data)
     assert sends[0] == 2
+
+
+def test_a_one_chunk_entry_changed_during_its_send_is_never_whole(cache: HttpCache, sends: list[int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(200 * 1024)  # one chunk (under the 256 KiB minimum), over WHOLE_RESPONSE
+    path = put(cache, data)
+    assert request(cache, "GET", path)[:2] == (200, data)
+    real = asyncio.BaseEventLoop.sendfile
+
+    async def changing(self: Any, transport: Any, file: Any, offset: int = 0, count: int | None = None,
+                       **kw: Any) -> int:
+        _flip(cache, path, 0)  # the only range's pack changes while its bytes go out
+        return await real(self, transport, file, offset, count, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "sendfile", changing)
+    status, body, _ = request(cache, "GET", path)
+    assert status < 0 and len(body) < len(data)  # cut before the last byte: never a whole body
+    assert sends[0] == 1
