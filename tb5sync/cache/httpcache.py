@@ -809,9 +809,10 @@ class HttpCache:
         no copy through Python), as nginx sends files. ``None``, before any byte, when a pack's
         identity changed since (the caller reads and verifies the entry as any hit).
 
-        Each range's pack file is checked (``fstat``) before and after it is sent: a change while
-        bytes were going out (they may not be the bytes verified) cuts the connection before the
-        body is complete, so no client takes it as the entry. A transport that cannot ``sendfile``
+        Each range's pack file is checked (``fstat``) before and after it is sent, and the body's
+        last byte is read before the last check and written after it: a change while bytes were
+        going out (they may not be the bytes verified) cuts the connection before the body is
+        complete, so no client takes it as the entry. A transport that cannot ``sendfile``
         gets the same ranges read (``pread``) and written, checked the same way.
 
         Raises
@@ -831,10 +832,17 @@ class HttpCache:
         resp.content_length = info.size
         await resp.prepare(request)
         native = True
-        for r in ranges:
+        tail = b""
+        for i, r in enumerate(ranges):
+            end = r.offset + r.length
+            if i == len(ranges) - 1 and r.length:
+                # the body's last byte is held back until the pack is found unchanged after the
+                # rest went out: a client never holds a whole body sent from a changed pack
+                end -= 1
+                tail = os.pread(r.fd, 1, end)
             with open(r.fd, "rb", buffering=0, closefd=False) as f:
-                for off in range(r.offset, r.offset + r.length, SENDFILE_SLICE):
-                    n = min(SENDFILE_SLICE, r.offset + r.length - off)
+                for off in range(r.offset, end, SENDFILE_SLICE):
+                    n = min(SENDFILE_SLICE, end - off)
                     if not r.unchanged():
                         self._cut(tr, key, r)
                     async with asyncio.timeout(self.client_body_timeout):
@@ -848,8 +856,10 @@ class HttpCache:
                         if len(piece) != n or not r.unchanged():
                             self._cut(tr, key, r)
                         await resp.write(piece)
-                if not r.unchanged():
+                if not r.unchanged() or (end < r.offset + r.length and len(tail) != 1):
                     self._cut(tr, key, r)
+        if tail:
+            await resp.write(tail)
         await resp.write_eof()
         return resp
 
