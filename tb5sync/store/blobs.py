@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from tb5sync.store.index import StoreCore as Store
 
 __all__ = ["BlobInfo", "check_blob_key", "put_blob", "put_blobs", "blob", "delete_blob", "blob_keys", "read_blob", "touch_blobs",
-           "add_counters", "counters", "MAX_KEY"]
+           "FileRange", "blob_ranges", "close_ranges", "add_counters", "counters", "MAX_KEY"]
 
 #: Longest key accepted, in bytes of UTF-8.
 MAX_KEY = 1024
@@ -346,6 +346,82 @@ def _iter_marked(store: Store, digests: list[bytes]) -> Iterator[bytes]:
             futs.append(pool.submit(_read_one, store, marks, digests[i], where.get(digests[i])))
             i += 1
         yield futs.pop(0).result()
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """One verified chunk as a range of its pack file, for ``sendfile``: ``fd`` (a descriptor of
+    its own, ``os.dup`` of the pack's, which the taker closes), ``offset`` and ``length`` (bytes
+    of chunk data, frame header excluded), ``ident`` (the pack file's identity when the chunk was
+    verified, see :func:`read_blob`) and ``pack`` (its name, for messages)."""
+
+    fd: int
+    offset: int
+    length: int
+    ident: tuple[int, ...]
+    pack: str
+
+    def unchanged(self) -> bool:
+        """Whether the pack file still has the identity under which the range was verified
+        (``fstat`` of ``fd``; a closed or failing descriptor is a change)."""
+        try:
+            return _ident(self.fd) == self.ident
+        except OSError:
+            return False
+
+
+def blob_ranges(store: Store, info: BlobInfo) -> list[FileRange] | None:
+    """The chunks of ``info`` as ranges of pack files, in order, when every one of them is a
+    contiguous uncompressed range of a local pack verified (:func:`read_blob`) under the pack
+    file's identity now and within :data:`VERIFIED_TTL` seconds; else ``None`` (read the entry with
+    :func:`read_blob`, which verifies and marks its chunks, so that the next call answers ranges).
+    No byte of chunk data is read: an index lookup, one ``dup`` and ``fstat`` per chunk.
+
+    The caller sends each range (``sendfile``), checks :meth:`FileRange.unchanged` before and
+    after, and cuts its reader off when it changed (the bytes sent may not be those verified),
+    then closes every ``fd``. An empty list: an entry of no chunks.
+    """
+    if type(store.packs) is not LocalPackStorage:  # noqa: E721 - a subclass may read other bytes
+        return None
+    digests = [d for d, _ in info.chunks]
+    where = store.locate(digests)
+    marks = _verified(store)
+    packs: Any = store.packs
+    out: list[FileRange] = []
+    now = time.monotonic()
+    try:
+        for d in digests:
+            w = where.get(d)
+            if w is None:  # kept as a recipe, or missing
+                break
+            pack, offset, length = w
+            try:
+                fd = os.dup(packs._fd(pack))
+            except OSError:
+                break
+            try:
+                ident = _ident(fd)
+            except OSError:
+                os.close(fd)
+                break
+            if not marks.ok(pack, ident, offset, now):
+                os.close(fd)
+                break
+            out.append(FileRange(fd, offset, length, ident, pack))
+        else:
+            return out
+    except BaseException:
+        close_ranges(out)
+        raise
+    close_ranges(out)
+    return None
+
+
+def close_ranges(ranges: list[FileRange]) -> None:
+    """Close the descriptors of ``ranges`` (from :func:`blob_ranges`)."""
+    for r in ranges:
+        with contextlib.suppress(OSError):
+            os.close(r.fd)
 
 
 def add_counters(store: Store, deltas: Mapping[str, float]) -> None:
