@@ -695,18 +695,22 @@ class Store:
         if segs is None:
             return self.read_chunk(digest)
         try:
-            h = _blake3.blake3()
             views = []
             for p, pack, off, n in segs:
                 mv = maps.view(pack)
                 if off + n > len(mv) or off < FRAME_HEADER or parse_frame_header(mv[off - FRAME_HEADER : off]) != (p, n):
                     return self.read_chunk(digest)
-                v = mv[off : off + n]
-                h.update(v)
-                views.append(v)
+                views.append(mv[off : off + n])
+            if len(views) == 1:
+                got = _blake3.blake3(views[0]).digest()
+            else:
+                # BLAKE3 fed piece by piece runs at a third of its speed (each update starts off a
+                # 1 KiB chunk boundary, so few chunks are hashed side by side); gathered into this
+                # thread's scratch buffer first, the copy plus one update costs less
+                got = _blake3.blake3(_gather(views)).digest()
         except (OSError, ValueError):
             return self.read_chunk(digest)
-        if h.digest() != digest:
+        if got != digest:
             return self.read_chunk(digest)  # names the damaged frame or piece
         return views
 
@@ -1217,6 +1221,24 @@ class Store:
 #: Chunks located with one round of index queries by :meth:`Store.iter_chunk_views` (~256 MiB).
 VIEW_WINDOW = 256
 
+
+
+_scratch = threading.local()
+
+
+def _gather(views: Sequence[memoryview]) -> memoryview:
+    """``views`` copied one after another into this thread's scratch buffer (kept, grown as
+    needed), as a view valid until this thread's next call."""
+    n = sum(len(v) for v in views)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch.buf = bytearray(max(n, 1 << 20))
+    out = memoryview(buf)
+    pos = 0
+    for v in views:
+        out[pos : pos + len(v)] = v
+        pos += len(v)
+    return out[:n]
 
 
 def _hash_spans(mv: memoryview, spans: list[tuple[int, int]]) -> list[bytes]:
