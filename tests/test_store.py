@@ -772,16 +772,12 @@ def test_an_error_finishing_a_pack_behind_fails_the_put_and_names_no_ref(tmp_pat
 # ---- verify's memory ------------------------------------------------------------------------
 
 
-def _verify_peak(tmp_path: Any, name: str, refs: int) -> tuple[int, dict[str, Any]]:
+def _verify_peak(tmp_path: Any, name: str, mib: int) -> tuple[int, dict[str, Any]]:
     import tracemalloc
 
-    rnd = random.Random(refs)
-    with Store(tmp_path / name, pack_target=MiB) as st:
-        for r in range(refs):  # 300 one-frame files per ref, every file new to the store
-            src = tmp_path / f"{name}-src{r}"
-            for k in range(300):
-                write(str(src / f"d{k % 10}" / f"f{k}"), rnd.randbytes(200))
-            st.put(f"r/{r}", str(src))
+    data = random.Random(mib).randbytes(mib * MiB)
+    with Store(tmp_path / name, pack_target=MiB, version=2) as st:  # format v2: ~64 piece frames per MiB
+        st.put("r/1", write(str(tmp_path / f"{name}-src" / "f"), data))  # one ref, one file: a manifest of one item
         tracemalloc.start()
         try:
             rep = st.verify()
@@ -793,9 +789,9 @@ def _verify_peak(tmp_path: Any, name: str, refs: int) -> tuple[int, dict[str, An
 
 @pytest.mark.timeout(120)
 def test_verify_peak_memory_does_not_grow_with_the_number_of_frames(tmp_path: Any) -> None:
-    small, rep1 = _verify_peak(tmp_path, "s", 2)
-    big, rep4 = _verify_peak(tmp_path, "b", 8)  # 4x the frames (and refs of the same size)
+    small, rep1 = _verify_peak(tmp_path, "s", 8)
+    big, rep4 = _verify_peak(tmp_path, "b", 32)  # 4x the frames, the same refs and manifests but for 24 chunks
     assert rep1["ok"] and rep4["ok"]
-    assert rep4["chunks"] >= 4 * 2 * 300 and rep4["chunks"] >= 3 * rep1["chunks"]
-    # keeping each frame's location (~300 bytes a frame) would add ~0.5 MiB for the 1800 frames more
+    assert rep4["frames"] >= 3 * rep1["frames"] and rep4["frames"] > 1500
+    # keeping each frame's location (a few hundred bytes a frame) would add ~0.5 MiB for the ~1500 frames more
     assert big - small < 128 * 1024, (small, big)
