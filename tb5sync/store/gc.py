@@ -282,6 +282,9 @@ def _verify(store: Store) -> dict[str, Any]:
     missing: set[bytes] = set()  # indexed but not found intact where the index says, or named and not indexed
     bad_packs: dict[str, str] = {}
     frames = nbytes = checked = npacks = 0
+    # the refs as they are before the walk: every chunk and recipe they reach was indexed before it
+    # (a ref is committed after its chunks), so the walk and the recipe scan below see them all
+    ref_infos = store.refs()
     last = ""
     while True:
         page = [p for (p,) in store._q("SELECT id FROM packs WHERE id > ? ORDER BY id LIMIT ?", (last, VERIFY_WINDOW))]
@@ -327,7 +330,7 @@ def _verify(store: Store) -> dict[str, Any]:
         have = _indexed(store, named)
         missing.update(p for p in named if p not in have)
     refs: dict[str, dict[str, Any]] = {}
-    for info in store.refs():
+    for info in ref_infos:
         entry: dict[str, Any] = {"ok": True, "missing": 0, "damaged": 0}
         try:
             need = list(_reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), {}))
@@ -341,14 +344,19 @@ def _verify(store: Store) -> dict[str, Any]:
             rest = [d for d in part if d not in framed]
             recipes = {bytes(d): bytes(b) for d, b in store._q(
                 f"SELECT digest, pieces FROM recipes WHERE digest IN ({','.join('?' * len(rest))})", rest)} if rest else {}
-            named = list(dict.fromkeys(b[j : j + 32] for b in recipes.values() for j in range(0, len(b), 36)))
-            framed |= _indexed(store, named)
             for d in part:
-                b = recipes.get(d) if d not in framed else None
-                parts = [b[j : j + 32] for j in range(0, len(b), 36)] if b is not None else [d]
+                b = recipes.get(d)
+                if b is None:  # a frame (or nothing: missing)
+                    if d in damaged:
+                        entry["damaged"] += 1
+                    elif d in missing or d not in framed:
+                        entry["missing"] += 1
+                    continue
+                # a recipe's pieces: one not indexed is in ``missing`` already (the recipe scan)
+                parts = [b[j : j + 32] for j in range(0, len(b), 36)]
                 if any(p in damaged for p in parts):
                     entry["damaged"] += 1
-                elif any(p in missing or p not in framed for p in parts):
+                elif any(p in missing for p in parts):
                     entry["missing"] += 1
         entry["ok"] = not (entry["missing"] or entry["damaged"])
         refs[info.name] = entry
