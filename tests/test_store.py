@@ -721,3 +721,77 @@ def test_gc_reports_the_live_leases_that_kept_chunks(tmp_path: Any, capsys: Any)
         lease.release()
         res = st.gc()
         assert res["blocked_by"] == [] and res["chunks_deleted"] == len(digests)
+
+
+# ---- put: windows read ahead, packs finished behind ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_put_across_many_read_windows_and_packs_keeps_the_engines_chunks(tmp_path: Any, monkeypatch: Any, fmt: int) -> None:
+    import tb5sync.store.store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_WINDOW", 2 * MiB)  # a 9 MiB file: five windows, read ahead
+    data = random.Random(41).randbytes(9 * MiB + 12345)
+    p = write(str(tmp_path / "src" / "w.bin"), data)
+    with Store(tmp_path / "st", pack_target=MiB, version=fmt) as st:  # packs fill (and finish behind) mid-put
+        st.put("w/1", p)
+        with open(p, "rb") as f:
+            assert st.manifest("w/1")[0].chunks == chunk_fd(f.fileno(), len(data))  # the sync engine's chunks
+        assert len(pack_files(st)) > 4
+        st.get("w/1", str(tmp_path / "out"))
+        assert slurp(str(tmp_path / "out")) == data
+        assert st.verify()["ok"]
+
+
+@pytest.mark.timeout(60)
+def test_an_error_finishing_a_pack_behind_fails_the_put_and_names_no_ref(tmp_path: Any) -> None:
+    data = random.Random(42).randbytes(6 * MiB)
+    p = write(str(tmp_path / "src" / "e.bin"), data)
+    with Store(tmp_path / "st", pack_target=MiB) as st:
+        real = st.packs.put_file
+        calls = []
+
+        def failing(pack: str, tmp: str) -> int:
+            calls.append(pack)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+            return real(pack, tmp)
+
+        st.packs.put_file = failing  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            st.put("e/1", p)
+        assert [r.name for r in st.refs()] == []
+        st.packs.put_file = real  # type: ignore[method-assign]
+        st.put("e/1", p)  # the store is still usable
+        st.get("e/1", str(tmp_path / "out"))
+        assert slurp(str(tmp_path / "out")) == data
+        assert st.verify()["ok"]
+
+
+# ---- verify's memory ------------------------------------------------------------------------
+
+
+def _verify_peak(tmp_path: Any, name: str, mib: int) -> tuple[int, dict[str, Any]]:
+    import tracemalloc
+
+    data = random.Random(mib).randbytes(mib * MiB)
+    with Store(tmp_path / name, pack_target=MiB, version=2) as st:  # format v2: ~64 piece frames per MiB
+        st.put("r/1", write(str(tmp_path / f"{name}-src" / "f"), data))  # one ref, one file: a manifest of one item
+        tracemalloc.start()
+        try:
+            rep = st.verify()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    return peak, rep
+
+
+@pytest.mark.timeout(120)
+def test_verify_peak_memory_does_not_grow_with_the_number_of_frames(tmp_path: Any) -> None:
+    small, rep1 = _verify_peak(tmp_path, "s", 8)
+    big, rep4 = _verify_peak(tmp_path, "b", 32)  # 4x the frames, the same refs and manifests but for 24 chunks
+    assert rep1["ok"] and rep4["ok"]
+    assert rep4["frames"] >= 3 * rep1["frames"] and rep4["frames"] > 1500
+    # keeping each frame's location (a few hundred bytes a frame) would add ~0.5 MiB for the ~1500 frames more
+    assert big - small < 128 * 1024, (small, big)

@@ -30,7 +30,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tb5sync.errors import IntegrityError
@@ -260,57 +260,110 @@ def verify(store: Store) -> dict[str, Any]:
         return _verify(store)
 
 
+#: Rows read at a time when verify walks the index (packs, recipes), and digests per ``IN`` query.
+VERIFY_WINDOW = 500
+
+
+def _indexed(store: Store, digests: Sequence[bytes]) -> set[bytes]:
+    """Which of ``digests`` have a frame in the index (one query per :data:`VERIFY_WINDOW`)."""
+    out: set[bytes] = set()
+    for k in range(0, len(digests), VERIFY_WINDOW):
+        part = digests[k : k + VERIFY_WINDOW]
+        out.update(bytes(d) for (d,) in store._q(
+            f"SELECT digest FROM chunks WHERE digest IN ({','.join('?' * len(part))})", part))
+    return out
+
+
 def _verify(store: Store) -> dict[str, Any]:
-    index: dict[bytes, tuple[str, int, int]] = {
-        bytes(d): (p, off, n) for d, p, off, n in store._q("SELECT digest, pack, offset, length FROM chunks")}
-    good: set[bytes] = set()
+    """:func:`verify`'s walk, in memory bounded by a pack, a window of the index and what is wrong:
+    packs one at a time with their own index rows, recipes and each ref's chunks in windows of
+    :data:`VERIFY_WINDOW`; only the damaged and missing digests are kept for the whole run."""
     damaged: set[bytes] = set()
+    missing: set[bytes] = set()  # indexed but not found intact where the index says, or named and not indexed
     bad_packs: dict[str, str] = {}
-    frames = nbytes = 0
-    packs = [p for (p,) in store._q("SELECT id FROM packs")]
-    for pack in packs:
-        try:
-            data = _read_pack(store, pack)
-        except (OSError, IntegrityError) as exc:
-            bad_packs[pack] = str(exc)
-            continue
-        nbytes += len(data)
-        try:
-            for digest, off, n in iter_frames(data, f"pack {pack}"):
-                frames += 1
-                ok = chunk_digest(memoryview(data)[off : off + n]) == digest
-                loc = index.get(digest)
-                if loc is not None and loc[0] == pack and loc[1] == off:
-                    (good if ok else damaged).add(digest)
-        except IntegrityError as exc:
-            bad_packs[pack] = str(exc)
-    missing = {d for d in index if d not in good and d not in damaged}
-    recipes = {bytes(d): bytes(b) for d, b in store._q("SELECT digest, pieces FROM recipes")}
-    for d, b in recipes.items():  # a recipe naming a piece that is not indexed
-        for k in range(0, len(b), 36):
-            if b[k : k + 32] not in index:
-                missing.add(b[k : k + 32])
+    frames = nbytes = checked = npacks = 0
+    # the refs as they are before the walk: every chunk and recipe they reach was indexed before it
+    # (a ref is committed after its chunks), so the walk and the recipe scan below see them all
+    ref_infos = store.refs()
+    last = ""
+    while True:
+        page = [p for (p,) in store._q("SELECT id FROM packs WHERE id > ? ORDER BY id LIMIT ?", (last, VERIFY_WINDOW))]
+        if not page:
+            break
+        last = page[-1]
+        for pack in page:
+            npacks += 1
+            rows = {bytes(d): (off, n) for d, off, n in
+                    store._q("SELECT digest, offset, length FROM chunks WHERE pack=?", (pack,))}
+            seen: set[bytes] = set()
+            try:
+                data = _read_pack(store, pack)
+            except (OSError, IntegrityError) as exc:
+                bad_packs[pack] = str(exc)
+                missing.update(rows)
+                continue
+            nbytes += len(data)
+            try:
+                for digest, off, n in iter_frames(data, f"pack {pack}"):
+                    frames += 1
+                    ok = chunk_digest(memoryview(data)[off : off + n]) == digest
+                    loc = rows.get(digest)
+                    if loc is not None and loc[0] == off and digest not in seen:
+                        seen.add(digest)
+                        checked += 1
+                        if not ok:
+                            damaged.add(digest)
+            except IntegrityError as exc:
+                bad_packs[pack] = str(exc)
+            missing.update(d for d in rows if d not in seen)
+            del data
+    # frames indexed in a pack the index does not list
+    missing.update(bytes(d) for (d,) in store._q("SELECT digest FROM chunks WHERE pack NOT IN (SELECT id FROM packs)"))
+    lastd = b""
+    while True:  # a recipe naming a piece that is not indexed
+        page = [(bytes(d), bytes(b)) for d, b in store._q(
+            "SELECT digest, pieces FROM recipes WHERE digest > ? ORDER BY digest LIMIT ?", (lastd, VERIFY_WINDOW))]
+        if not page:
+            break
+        lastd = page[-1][0]
+        named = list(dict.fromkeys(b[k : k + 32] for _, b in page for k in range(0, len(b), 36)))
+        have = _indexed(store, named)
+        missing.update(p for p in named if p not in have)
     refs: dict[str, dict[str, Any]] = {}
-    for info in store.refs():
+    for info in ref_infos:
         entry: dict[str, Any] = {"ok": True, "missing": 0, "damaged": 0}
         try:
-            need = _reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), {})
+            need = list(_reach(store, info.manifest, b"".join(d + n.to_bytes(4, "little") for d, n in info.mchunks), {}))
         except IntegrityError as exc:
             entry.update(ok=False, error=str(exc))
             refs[info.name] = entry
             continue
-        for d in need:
-            b = recipes.get(d) if d not in index else None
-            parts = [b[k : k + 32] for k in range(0, len(b), 36)] if b is not None else [d]
-            if any(p in damaged for p in parts):
-                entry["damaged"] += 1
-            elif not all(p in good for p in parts):
-                entry["missing"] += 1
+        for k in range(0, len(need), VERIFY_WINDOW):
+            part = need[k : k + VERIFY_WINDOW]
+            framed = _indexed(store, part)
+            rest = [d for d in part if d not in framed]
+            recipes = {bytes(d): bytes(b) for d, b in store._q(
+                f"SELECT digest, pieces FROM recipes WHERE digest IN ({','.join('?' * len(rest))})", rest)} if rest else {}
+            for d in part:
+                b = recipes.get(d)
+                if b is None:  # a frame (or nothing: missing)
+                    if d in damaged:
+                        entry["damaged"] += 1
+                    elif d in missing or d not in framed:
+                        entry["missing"] += 1
+                    continue
+                # a recipe's pieces: one not indexed is in ``missing`` already (the recipe scan)
+                parts = [b[j : j + 32] for j in range(0, len(b), 36)]
+                if any(p in damaged for p in parts):
+                    entry["damaged"] += 1
+                elif any(p in missing for p in parts):
+                    entry["missing"] += 1
         entry["ok"] = not (entry["missing"] or entry["damaged"])
         refs[info.name] = entry
     ok = not damaged and not missing and not bad_packs and all(r["ok"] for r in refs.values())
-    return {"ok": ok, "chunks": len(good) + len(damaged), "frames": frames, "packs": len(packs), "bytes": nbytes, "damaged_chunks": sorted(d.hex() for d in damaged),
-            "missing_chunks": sorted(d.hex() for d in missing), "bad_packs": bad_packs, "refs": refs}
+    return {"ok": ok, "chunks": checked, "frames": frames, "packs": npacks, "bytes": nbytes,
+            "damaged_chunks": sorted(d.hex() for d in damaged), "missing_chunks": sorted(d.hex() for d in missing),
+            "bad_packs": bad_packs, "refs": refs}
 
 
 def reindex(store: Store) -> dict[str, int]:

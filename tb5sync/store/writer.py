@@ -7,6 +7,7 @@ pack whose name is recorded under the lease before the pack is put in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import secrets
@@ -14,7 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from tb5sync._os.io import durable_sync
 from tb5sync.engine.params import ChunkParams
@@ -99,6 +100,10 @@ class PackWriter:
     ``written`` past it is refused with :class:`tb5sync.errors.EntryTooLargeError` before it is
     written: what one writer adds is new to the store, so an entry needing more than the quota
     can never fit.
+
+    A full pack is finished (fsync, rename, index) by a thread of the writer's own while the next
+    pack is written, at most one at a time; :meth:`flush` waits for it (and raises its error), so
+    after ``flush`` everything added is indexed, as before.
     """
 
     #: Most framed bytes one writer may add (bytes), or None.
@@ -119,6 +124,9 @@ class PackWriter:
         self._recipes: list[tuple[bytes, int, bytes]] = []  # (chunk digest, length, recipe blob) to index
         self._lock = threading.Lock()
         self.written = 0
+        self._finisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[None] | None = None  # the pack being finished
+        self._behind = threading.Lock()  # one hand-over at a time (add may be called from threads)
 
     def add(self, digest: bytes, data: bytes | memoryview, pieces: Sequence[Piece] | None = None) -> None:
         """Append one chunk (its digest already computed from these very bytes); ``pieces``: its
@@ -188,11 +196,11 @@ class PackWriter:
             self._frames.add(digest)
             full = self._pos >= self.store.pack_target
         if full:
-            self.flush()
+            self._flush_behind()
 
-    def flush(self) -> None:
-        """Finish the open pack (fsync, put in place, index its frames under the lease) and index
-        the recipes waiting for it."""
+    def _take(self) -> tuple[Any, list[tuple[bytes, str, int, int]], str, str, list[tuple[bytes, int, bytes]]]:
+        """The open pack (file or None, rows, id, temporary path) and the recipes waiting for it,
+        taken from the writer (which then starts a new pack on the next frame)."""
         with self._lock:
             f, self._f = self._f, None
             recipes, self._recipes = self._recipes, []
@@ -202,6 +210,35 @@ class PackWriter:
             else:
                 rows, self._rows = self._rows, []
                 pack, tmp = self._id, self._tmp
+        return f, rows, pack, tmp, recipes
+
+    def _wait(self) -> None:
+        """Wait for the pack being finished behind (raises what finishing it raised)."""
+        fut, self._pending = self._pending, None
+        if fut is not None:
+            fut.result()
+
+    def _flush_behind(self) -> None:
+        """Finish the open pack in the writer's thread (after the previous one) and go on."""
+        with self._behind:
+            self._wait()
+            taken = self._take()
+            if self._finisher is None:
+                self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb5-pack-finish")
+            self._pending = self._finisher.submit(self._finish, *taken)
+
+    def flush(self) -> None:
+        """Finish the open pack (fsync, put in place, index its frames under the lease) and index
+        the recipes waiting for it, after the pack being finished behind, if any."""
+        with self._behind:
+            self._wait()
+            self._finish(*self._take())
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+                self._finisher = None
+
+    def _finish(self, f: Any, rows: list[tuple[bytes, str, int, int]], pack: str, tmp: str,
+                recipes: list[tuple[bytes, int, bytes]]) -> None:
         if f is None and not recipes:
             return
         st = self.store
@@ -227,7 +264,14 @@ class PackWriter:
         self.placed += rows
 
     def abort(self) -> None:
-        """Drop an unfinished pack (and the recipes waiting for it)."""
+        """Drop an unfinished pack (and the recipes waiting for it); a full pack being finished
+        behind is waited for (it is indexed under the lease, which its owner releases)."""
+        with self._behind:
+            with contextlib.suppress(Exception):  # abort runs on error paths: the first error is the one to see
+                self._wait()
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+                self._finisher = None
         with self._lock:
             f, self._f = self._f, None
             self._recipes = []
