@@ -487,3 +487,51 @@ def test_reads_hold_a_slot_for_store_work_only(serve: Callable[..., Served]) -> 
     r = s.cas.BatchReadBlobs(re_pb.BatchReadBlobsRequest(digests=[dg(small)]), timeout=20)
     assert r.responses[0].data == small
     unread.cancel()
+
+
+@pytest.mark.timeout(60)
+def test_a_hot_v2_blob_of_pieces_is_hashed_once_and_a_flipped_piece_never_served(
+        serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from tb5sync.store import blobs as blobs_mod
+    from tb5sync.store import store as store_mod
+
+    s = serve()
+    assert s.cache.store.version == 2
+    data = os.urandom(3 * 1024 * 1024 + 77)  # chunks of 256 KiB or more: kept as recipes of pieces
+    h, n = sha(data), len(data)
+    assert s.bs.Write(writes(f"uploads/v2/blobs/{h}/{n}", data, 1 << 20)).committed_size == n
+    calls = [0]
+    real = blobs_mod.chunk_digest
+
+    def counting(b: Any) -> bytes:
+        calls[0] += 1
+        return real(b)
+
+    monkeypatch.setattr(blobs_mod, "chunk_digest", counting)
+    monkeypatch.setattr(store_mod, "chunk_digest", counting)
+    read = bs.ReadRequest(resource_name=f"blobs/{h}/{n}")
+    assert b"".join(x.data for x in s.bs.Read(read)) == data
+    first = calls[0]
+    assert first >= 2
+    assert b"".join(x.data for x in s.bs.Read(read)) == data
+    assert calls[0] == first  # hot: not hashed again
+    # a byte of a piece flipped in its pack after verification: found, the blob dropped
+    key = f"cas/{h}"
+    info = blobs_mod.blob(s.cache.store, key, False)
+    pieces = s.cache.store.recipe(info.chunks[0][0])
+    assert pieces is not None
+    pack, offset, length = s.cache.store._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (pieces[2][0],))[0]
+    time.sleep(0.03)
+    with open(s.cache.store.packs.path(pack), "r+b") as f:
+        f.seek(offset + length // 2)
+        b = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(grpc.RpcError) as e:
+        got = b"".join(x.data for x in s.bs.Read(read))
+        assert got != data
+    assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS)
+    assert blobs_mod.blob(s.cache.store, key, False) is None
+    assert code_of(lambda: list(s.bs.Read(read))) == grpc.StatusCode.NOT_FOUND

@@ -152,3 +152,79 @@ def test_a_reopened_store_verifies_again(tmp_path: Any, hashes: list[int]) -> No
     with HttpCache(tmp_path / "store") as c:
         assert get(c, path) == (200, small)
     assert hashes[0] == n + 1  # marks live in memory, per opened store
+
+
+# ---- format v2: chunks of 256 KiB or more are kept as recipes of pieces ----
+@pytest.fixture
+def all_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts every BLAKE3 a read does, by read_blob and by the store's own chunk reads (a chunk
+    kept as a recipe was rebuilt and hashed by ``Store.assemble``)."""
+    from tb5sync.store import store as store_mod
+
+    n = [0]
+    real = blobs_mod.chunk_digest
+
+    def counting(data: Any) -> bytes:
+        n[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(blobs_mod, "chunk_digest", counting)
+    monkeypatch.setattr(store_mod, "chunk_digest", counting)
+    return n
+
+
+def flip_piece(c: Any, key: str, chunk: int = 0, piece: int = 3) -> None:
+    """Flip one byte of piece ``piece`` of chunk ``chunk`` (a chunk kept as a recipe) of blob ``key``
+    in its pack file, through the filesystem."""
+    info = blobs_mod.blob(c.store, key, False)
+    assert info is not None
+    pieces = c.store.recipe(info.chunks[chunk][0])
+    assert pieces is not None and len(pieces) > piece, "the chunk is not kept as a recipe"
+    pack, offset, length = c.store._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (pieces[piece][0],))[0]
+    p = c.store.packs.path(pack)
+    time.sleep(0.03)  # past the filesystem's timestamp tick since the pack last changed
+    with open(p, "r+b") as f:
+        f.seek(offset + length // 2)
+        b = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_hot_v2_entry_of_pieces_is_hashed_once(cache: HttpCache, all_hashes: list[int]) -> None:
+    assert cache.store.version == 2
+    data = os.urandom(3 * 1024 * 1024 + 77)  # several chunks, each kept as a recipe of pieces
+    path = put(cache, data)
+    info = blobs_mod.blob(cache.store, path.lstrip("/"), False)
+    assert info is not None and cache.store.recipe(info.chunks[0][0]) is not None
+    assert get(cache, path) == (200, data)
+    first = all_hashes[0]
+    assert first >= 2
+    for _ in range(3):
+        assert get(cache, path) == (200, data)
+    assert all_hashes[0] == first  # verified since its pieces' packs last changed: not hashed again
+
+
+def test_a_hot_v2_entry_is_hashed_again_after_the_ttl(cache: HttpCache, all_hashes: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(1024 * 1024 + 5)
+    path = put(cache, data)
+    monkeypatch.setattr(blobs_mod, "VERIFIED_TTL", 0.0)
+    assert get(cache, path) == (200, data)
+    n = all_hashes[0]
+    assert get(cache, path) == (200, data)
+    assert all_hashes[0] > n  # expired at once: hashed again
+
+
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_a_flipped_piece_of_a_hot_v2_entry_is_found_and_dropped(cache: HttpCache, chunk: int) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 77)
+    path = put(cache, data)
+    assert get(cache, path) == (200, data)
+    assert get(cache, path) == (200, data)  # hot
+    flip_piece(cache, path.lstrip("/"), chunk=chunk)
+    status, body = get(cache, path)
+    assert body != data and status in (404, -200)  # a miss, or cut short of its length: never the flipped byte
+    if status == -200:
+        assert len(body) < len(data)
+    assert blobs_mod.blob(cache.store, path.lstrip("/"), False) is None  # dropped
+    assert get(cache, path)[0] == 404
