@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tb5sync.errors import IntegrityError, UsageError
 from tb5sync.engine.hashing import ChunkRef, blob_to_refs, chunk_digest, file_digest, hash_pool, refs_to_blob
 from tb5sync.store.index import check_entry_fits, require_indexed
+from tb5sync.store.pieces import blob_to_recipe
 from tb5sync.store.packs import FRAME_HEADER, LocalPackStorage, parse_frame_header
 from tb5sync.store.writer import PackWriter, _drop_lease
 
@@ -246,13 +247,26 @@ class _Verified:
             self.packs.move_to_end(pack)
             return offset in got[2]
 
-    def mark(self, pack: str, ident: tuple[int, ...], offset: int, now: float) -> None:
+    def ok_all(self, pack: str, ident: tuple[int, ...], offsets: list[int], now: float) -> bool:
+        """Whether every one of ``offsets`` of ``pack`` was verified under ``ident`` (one lock)."""
+        with self.lock:
+            got = self.packs.get(pack)
+            if got is None or got[0] != ident or now >= got[1]:
+                return False
+            self.packs.move_to_end(pack)
+            have = got[2]
+            return all(o in have for o in offsets)
+
+    def mark(self, pack: str, ident: tuple[int, ...], offset: int | list[int], now: float) -> None:
         with self.lock:
             got = self.packs.get(pack)
             if got is None or got[0] != ident or now >= got[1]:
                 got = (ident, now + VERIFIED_TTL, set())
                 self.packs[pack] = got
-            got[2].add(offset)
+            if isinstance(offset, int):
+                got[2].add(offset)
+            else:
+                got[2].update(offset)
             self.packs.move_to_end(pack)
             while len(self.packs) > VERIFIED_PACKS:
                 self.packs.popitem(last=False)
@@ -279,10 +293,17 @@ def _ident(fd: int) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _read_one(store: Store, marks: _Verified, digest: bytes, where: tuple[str, int, int] | None) -> bytes:
-    """Chunk ``digest`` from ``where``: hashed unless it was verified in this pack file as it is now."""
+#: A recipe chunk's plan: its pieces as ``[(piece digest, pack, data offset, length), ...]``.
+_Segs = list[tuple[bytes, str, int, int]]
+
+
+def _read_one(store: Store, marks: _Verified, digest: bytes, where: tuple[str, int, int] | _Segs | None) -> bytes:
+    """Chunk ``digest`` from ``where`` (a frame, or a recipe's pieces): hashed unless it was verified
+    in this pack file (every pack file of its pieces) as it is now."""
     if where is None:
         return store.read_chunk(digest)  # raises IntegrityError: missing
+    if isinstance(where, list):
+        return _read_pieces(store, marks, digest, where)
     pack, offset, length = where
     packs: Any = store.packs
     try:
@@ -310,6 +331,61 @@ def _read_one(store: Store, marks: _Verified, digest: bytes, where: tuple[str, i
     return data
 
 
+def _read_pieces(store: Store, marks: _Verified, digest: bytes, segs: _Segs) -> bytes:
+    """Chunk ``digest`` kept as a recipe, rebuilt from its pieces ``segs`` (adjacent frames of one
+    pack read with one ``pread``, each frame header checked against the recipe): not hashed when
+    every piece was verified under its pack file's identity now (``fstat`` before and after its
+    read, as :func:`_read_one`), else hashed whole against ``digest`` and, when it matches, every
+    piece read from an unchanged pack file marked verified. A mismatch, a short read or a pack gone
+    (a repack moved it): :meth:`Store.read_chunk <tb5sync.store.store.Store.read_chunk>` reads it
+    again, which raises the precise ``IntegrityError`` (naming the damaged piece)."""
+    packs: Any = store.packs
+    runs: list[list[Any]] = []  # [pack, start, end, [data offsets], [(piece digest, length)]]
+    for p, pack, off, n in segs:
+        if runs and runs[-1][0] == pack and runs[-1][2] == off - FRAME_HEADER:
+            runs[-1][2] = off + n
+            runs[-1][3].append(off)
+            runs[-1][4].append((p, n))
+        else:
+            runs.append([pack, off - FRAME_HEADER, off + n, [off], [(p, n)]])
+    now = time.monotonic()
+    views: list[memoryview] = []
+    steady: list[tuple[str, tuple[int, ...], list[int]]] = []
+    hot = True
+    try:
+        for pack, start, end, offs, ps in runs:
+            fd = packs._fd(pack)
+            before = _ident(fd)
+            raw = memoryview(os.pread(fd, end - start, start))
+            after = _ident(fd)
+            if len(raw) != end - start:
+                return store.read_chunk(digest)
+            for off, (p, n) in zip(offs, ps):
+                pos = off - start
+                head_digest, head_len = parse_frame_header(raw[pos - FRAME_HEADER : pos])
+                if head_digest != p or head_len != n:
+                    return store.read_chunk(digest)
+                views.append(raw[pos : pos + n])
+            if before == after:
+                steady.append((pack, before, offs))
+                hot = hot and marks.ok_all(pack, before, offs, now)
+            else:
+                hot = False
+    except OSError:  # a pack gone (a repack moved it): looked up again, always verified
+        for r in runs:
+            with contextlib.suppress(Exception):
+                packs._forget(r[0])
+        return store.read_chunk(digest)
+    data = b"".join(views)
+    if hot:
+        return data
+    if chunk_digest(data) != digest:
+        return store.read_chunk(digest)  # raises, naming the damaged piece (or reads it where it moved to)
+    for pack, ident, offs in steady:
+        marks.mark(pack, ident, offs, now)
+    return data
+
+
 def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
     """The chunks of ``info`` in order, each checked against its digest (at most two chunks read ahead).
 
@@ -332,9 +408,40 @@ def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
     return _iter_marked(store, digests)
 
 
+def _plans(store: Store, digests: list[bytes]) -> dict[bytes, Any]:
+    """Where each of ``digests`` is: its frame ``(pack, offset, length)`` or, for a chunk kept as a
+    recipe (format v2) whose pieces are all located, its pieces (:data:`_Segs`); others left out
+    (:meth:`Store.read_chunk <tb5sync.store.store.Store.read_chunk>` says why). One index query per
+    500 digests, and per 500 pieces."""
+    where: dict[bytes, Any] = dict(store.locate(digests))
+    rest = [d for d in dict.fromkeys(digests) if d not in where]
+    if not rest or getattr(store, "version", 1) < 2:
+        return where
+    recipes: dict[bytes, list[tuple[bytes, int]]] = {}
+    for k in range(0, len(rest), 500):
+        part = rest[k : k + 500]
+        for d, blob_ in store._q(f"SELECT digest, pieces FROM recipes WHERE digest IN ({','.join('?' * len(part))})", part):
+            try:
+                recipes[bytes(d)] = blob_to_recipe(bytes(blob_))
+            except IntegrityError:
+                continue  # read_chunk says so
+    locs = store.locate(p for r in recipes.values() for p, _ in r) if recipes else {}
+    for d, r in recipes.items():
+        segs: _Segs = []
+        for p, n in r:
+            loc = locs.get(p)
+            if loc is None or loc[2] != n:
+                break
+            segs.append((p, loc[0], loc[1], n))
+        else:
+            if segs:
+                where[d] = segs
+    return where
+
+
 def _iter_marked(store: Store, digests: list[bytes]) -> Iterator[bytes]:
     marks = _verified(store)
-    where = store.locate(digests)
+    where = _plans(store, digests)
     if len(digests) == 1:  # most entries: no read-ahead, no thread hop
         yield _read_one(store, marks, digests[0], where.get(digests[0]))
         return
