@@ -190,7 +190,14 @@ def flip_piece(c: Any, key: str, chunk: int = 0, piece: int = 3) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
-def test_a_hot_v2_entry_of_pieces_is_hashed_once(cache: HttpCache, all_hashes: list[int]) -> None:
+@pytest.fixture(params=[False, True], ids=["gathered", "piece-ranges"])
+def ranges_of_pieces(request: Any, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways a hot v2 hit may go out: gathered from its pieces, or as ranges of their frames."""
+    monkeypatch.setattr(blobs_mod, "RANGES_OF_PIECES", request.param)
+    return bool(request.param)
+
+
+def test_a_hot_v2_entry_of_pieces_is_hashed_once(cache: HttpCache, all_hashes: list[int], ranges_of_pieces: bool) -> None:
     assert cache.store.version == 2
     data = os.urandom(3 * 1024 * 1024 + 77)  # several chunks, each kept as a recipe of pieces
     path = put(cache, data)
@@ -202,6 +209,12 @@ def test_a_hot_v2_entry_of_pieces_is_hashed_once(cache: HttpCache, all_hashes: l
     for _ in range(3):
         assert get(cache, path) == (200, data)
     assert all_hashes[0] == first  # verified since its pieces' packs last changed: not hashed again
+    ranges = blobs_mod.blob_ranges(cache.store, info)
+    try:
+        assert (ranges is not None) == ranges_of_pieces  # one range per piece's frame, when asked
+        assert ranges is None or sum(r.length for r in ranges) == len(data)
+    finally:
+        blobs_mod.close_ranges(ranges or [])
 
 
 def test_a_hot_v2_entry_is_hashed_again_after_the_ttl(cache: HttpCache, all_hashes: list[int],
@@ -216,7 +229,7 @@ def test_a_hot_v2_entry_is_hashed_again_after_the_ttl(cache: HttpCache, all_hash
 
 
 @pytest.mark.parametrize("chunk", [0, -1])
-def test_a_flipped_piece_of_a_hot_v2_entry_is_found_and_dropped(cache: HttpCache, chunk: int) -> None:
+def test_a_flipped_piece_of_a_hot_v2_entry_is_found_and_dropped(cache: HttpCache, chunk: int, ranges_of_pieces: bool) -> None:
     data = os.urandom(3 * 1024 * 1024 + 77)
     path = put(cache, data)
     assert get(cache, path) == (200, data)
