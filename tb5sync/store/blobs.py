@@ -401,7 +401,10 @@ def read_blob(store: Store, info: BlobInfo) -> Iterator[bytes]:
     read, taken before and after the read) and for at most :data:`VERIFIED_TTL` seconds. Any write
     to the pack file changes its mtime and ctime, so a byte changed through the filesystem after a
     verified read is found on the next read; damage that changes no metadata (the medium below the
-    filesystem) is found within :data:`VERIFIED_TTL` seconds of reads. Other stores hash every read.
+    filesystem) is found within :data:`VERIFIED_TTL` seconds of reads. A chunk kept as a recipe of
+    pieces (store format v2) is rebuilt from its pieces' frames and skips the hash when every piece
+    was so verified under its pack file's identity now; else it is hashed whole and its pieces
+    marked (:func:`_read_pieces`). Other stores hash every read.
 
     Raises
     ------
@@ -488,7 +491,9 @@ def blob_ranges(store: Store, info: BlobInfo) -> list[FileRange] | None:
     contiguous uncompressed range of a local pack verified (:func:`read_blob`) under the pack
     file's identity now and within :data:`VERIFIED_TTL` seconds; else ``None`` (read the entry with
     :func:`read_blob`, which verifies and marks its chunks, so that the next call answers ranges).
-    No byte of chunk data is read: an index lookup, one ``dup`` and ``fstat`` per chunk.
+    No byte of chunk data is read: an index lookup, one ``dup`` and ``fstat`` per pack. With
+    :data:`RANGES_OF_PIECES`, a chunk kept as a recipe whose pieces were all verified so is one
+    range per piece (ranges of one pack share one descriptor).
 
     The caller sends each range (``sendfile``), checks :meth:`FileRange.unchanged` before and
     after, and cuts its reader off when it changed (the bytes sent may not be those verified),
