@@ -174,10 +174,12 @@ def all_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def flip_piece(c: Any, key: str, chunk: int = 0, piece: int = 3) -> None:
-    """Flip one byte of piece ``piece`` of chunk ``chunk`` (a chunk kept as a recipe) of blob ``key``
+    """Flip one byte of piece ``piece`` of chunk ``chunk`` (a chunk kept as a recipe; -1: the last such) of blob ``key``
     in its pack file, through the filesystem."""
     info = blobs_mod.blob(c.store, key, False)
     assert info is not None
+    if chunk < 0:  # the last chunk kept as a recipe (a blob's last chunk may be under 256 KiB, kept whole)
+        chunk = max(k for k, (d, _) in enumerate(info.chunks) if c.store.recipe(d) is not None)
     pieces = c.store.recipe(info.chunks[chunk][0])
     assert pieces is not None and len(pieces) > piece, "the chunk is not kept as a recipe"
     pack, offset, length = c.store._q("SELECT pack, offset, length FROM chunks WHERE digest=?", (pieces[piece][0],))[0]
@@ -241,3 +243,42 @@ def test_a_flipped_piece_of_a_hot_v2_entry_is_found_and_dropped(cache: HttpCache
         assert len(body) < len(data)
     assert blobs_mod.blob(cache.store, path.lstrip("/"), False) is None  # dropped
     assert get(cache, path)[0] == 404
+
+
+def test_a_piece_changed_during_the_sendfile_loop_cuts_the_connection(cache: HttpCache,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blobs_mod, "RANGES_OF_PIECES", True)
+    data = os.urandom(3 * 1024 * 1024 + 77)
+    path = put(cache, data)
+    assert get(cache, path) == (200, data)  # verified: the next GET is sent from the pieces' ranges
+    real = os.sendfile
+    calls = [0]
+
+    def changing(out: int, fd: int, offset: Any, count: int) -> int:
+        calls[0] += 1
+        if calls[0] == 1:  # a piece's pack changes (through the filesystem) while the bytes go out
+            flip_piece(cache, path.lstrip("/"), chunk=-1)
+        return real(out, fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", changing)
+    status, body = get(cache, path)
+    monkeypatch.setattr(os, "sendfile", real)
+    assert calls[0] >= 1 and status == -200 and len(body) < len(data)  # never a whole body
+    for _ in range(2):  # the next read hashes: found, dropped (cut short or a miss), then a clean miss
+        status, body = get(cache, path)
+        assert body != data
+    assert blobs_mod.blob(cache.store, path.lstrip("/"), False) is None
+
+
+def test_a_hot_v2_entry_larger_than_the_socket_buffer_is_sent_whole(cache: HttpCache, ranges_of_pieces: bool) -> None:
+    data = os.urandom(12 * 1024 * 1024 + 3)  # more than loopback's socket buffers: the send waits for the reader
+    path = put(cache, data)
+    for _ in range(3):
+        h = http.client.HTTPConnection("127.0.0.1", cache.port, timeout=30)
+        try:
+            h.request("GET", path)
+            r = h.getresponse()
+            time.sleep(0.2)  # a slow reader: the socket fills
+            assert (r.status, r.read()) == (200, data)
+        finally:
+            h.close()

@@ -55,7 +55,7 @@ VERIFIED_TTL = 300.0
 #: one ``loop.sendfile`` per ~16 KiB piece cost 13.1 ms of server CPU per 3.5 MB GET against
 #: 4.0 ms gathered from the pieces without re-hashing (``benches/bench_bigget.py``); such hits are
 #: read by :func:`read_blob`.
-RANGES_OF_PIECES = False
+RANGES_OF_PIECES = True
 #: Packs whose verified chunks are remembered per store (least recently read forgotten first).
 VERIFIED_PACKS = 65536
 
