@@ -6,7 +6,8 @@ on one keep-alive connection; the server's CPU (user + system, ``/proc/PID/stat`
 workers for nginx) over those GETs, divided by their number. Servers:
 
 - ``tb5-v2``: ``tb5sync http-cache`` on a new store (format v2: chunks of 256 KiB or more kept as
-  recipes of pieces, rebuilt and hashed on every read: never sent with sendfile);
+  recipes of pieces; hits verified since their pieces' packs last changed go out as the pieces'
+  ranges in one ``os.sendfile`` loop);
 - ``tb5-v1``: on a format v1 store (chunks whole in frames: hits verified since their pack last
   changed go out with sendfile);
 - ``tb5-v1-portable``: the same with ``TB5SYNC_CACHE_SENDFILE_PORTABLE=1`` (read and written through
