@@ -47,7 +47,7 @@ import shutil
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from tb5sync._os.io import copy_range, preallocate, pwrite_all, read_into, write_all
@@ -314,6 +314,22 @@ class Pages:
                 return page, None
             self._waiting[cursor] = pages
             return page, cursor
+
+
+def discard_temp(jail: Jail, dir_parts: Sequence[str], tmp: str) -> None:
+    """Release the claim on temporary file ``tmp`` and remove it from the directory ``dir_parts``
+    of ``jail`` (looked up through the jail again; gone already, with its directory, is fine)."""
+    release_temp(tmp, dir_parts)
+    try:
+        dfd = jail.open_dir(list(dir_parts))
+    except (OSError, Tb5syncError):
+        return  # the directory went away (and the temporary file with it)
+    try:
+        os.unlink(tmp, dir_fd=dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 class FsOps:
@@ -721,18 +737,8 @@ class FsOps:
     # ---- writing ------------------------------------------------------------------------
     def _discard_temp(self, dir_parts: list[str], tmp: str) -> None:
         """Release the claim on temporary file ``tmp`` and remove it from the directory ``dir_parts``
-        (looked up through the jail again; gone already, with its directory, is fine)."""
-        release_temp(tmp, dir_parts)
-        try:
-            dfd = self.jail.open_dir(dir_parts)
-        except (OSError, Tb5syncError):
-            return  # the directory went away (and the temporary file with it)
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        (:func:`discard_temp` through this session's jail)."""
+        discard_temp(self.jail, dir_parts, tmp)
 
     def _commit_in(self, dir_parts: list[str], tmp: str, name: str, exclusive: bool, path: str) -> None:
         """Release the claim on temporary file ``tmp`` and rename it to ``name`` in the directory

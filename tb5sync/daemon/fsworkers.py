@@ -48,6 +48,7 @@ from typing import Any
 from tb5sync._os import paths
 from tb5sync._os.io import portable
 from tb5sync._os.paths import Jail, claim_temp, is_temp_name, release_temp
+from tb5sync.daemon.fsops import discard_temp
 from tb5sync.errors import Tb5syncError
 from tb5sync.wire.transport import Channel
 
@@ -196,19 +197,10 @@ class _Worker:
             return
         with jail:
             for where, name in left:
-                release_temp(name)
-                if not is_temp_name(name):
-                    continue
-                try:
-                    dfd = jail.open_dir(list(where))
-                except (OSError, Tb5syncError):
-                    continue
-                try:
-                    os.unlink(name, dir_fd=dfd)
-                except OSError:
-                    pass
-                finally:
-                    os.close(dfd)
+                if is_temp_name(name):
+                    discard_temp(jail, where, name)
+                else:
+                    release_temp(name)
 
 
 class FsWorkers:
